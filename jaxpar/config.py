@@ -1,0 +1,201 @@
+"""Frozen, keyword-only configuration: presets in YAML, dotted KEY=VALUE overrides.
+
+Every option and its default is visible here. Unknown keys and wrong types raise
+ConfigError, which the command line turns into exit status 2 and one message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake: the message names the key, the numbers and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    data: int = -1  # degree of the `data` axis; -1 = all devices left over
+    pipeline: int = 1  # degree of the `pipeline` axis (pipeline schedules: see issue 3)
+    tensor: int = 1  # degree of the `tensor` axis (Megatron column/row splits)
+    zero: int = 0  # ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters
+    remat: str = "none"  # activation checkpointing of each layer: none | full
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    name: str = "gpt"  # a model in models/: gpt | mlp
+    layers: int = 4  # number of scanned blocks
+    embed: int = 64  # width of the residual stream
+    heads: int = 8  # attention heads (gpt)
+    mlp: int = 256  # hidden width of the feed-forward layer
+    vocab: int = 256  # output classes; byte-level text needs 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class Train:
+    steps: int = 10  # optimizer steps
+    batch_size: int = 16  # global sequences per optimizer step (all shards, all micro-batches)
+    seq_len: int = 64  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate of the warm-up + cosine schedule
+    warmup: int = 2  # warm-up steps (linear from 0 to lr)
+    weight_decay: float = 0.1  # AdamW decay, applied to matrices only
+    seed: int = 0  # seeds parameters and data
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master parameters and optimizer state)
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables it
+    log_every: int = 1  # write a metrics row every N steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Data:
+    source: str = "corpus"  # corpus (embedded stdlib text) | file | synthetic
+    path: str = ""  # text file for source=file
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    parallel: Parallel = field(default_factory=Parallel)
+    model: Model = field(default_factory=Model)
+    train: Train = field(default_factory=Train)
+    data: Data = field(default_factory=Data)
+
+
+CHOICES = {
+    "parallel.zero": (0, 1, 2, 3),
+    "parallel.remat": ("none", "full"),
+    "model.name": ("gpt", "mlp"),
+    "train.precision": ("fp32", "bf16"),
+    "data.source": ("corpus", "file", "synthetic"),
+}
+# Keys that may be 0 (the rest of the numbers must be positive, degrees may also be -1).
+MAY_BE_ZERO = {"parallel.zero", "train.weight_decay", "train.clip_norm", "train.seed", "train.warmup"}
+DEGREES = {"parallel.data", "parallel.pipeline", "parallel.tensor"}
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("jaxpar") / "configs"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_preset(name_or_path: str) -> dict:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config {name_or_path}: no such file; give a YAML file or one "
+                              f"of the presets {preset_names()}")
+        text = path.read_text()
+    else:
+        if name_or_path not in preset_names():
+            raise ConfigError(f"--config {name_or_path}: no such preset; choose one of "
+                              f"{preset_names()} or give a path to a YAML file")
+        text = (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text()
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {name_or_path}: not valid YAML ({e})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--config {name_or_path}: expected a mapping of sections, got {tree!r}")
+    return tree
+
+
+def _coerce(key: str, value, kind):
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got "
+                          f"{type(value).__name__}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key}={value!r}: choose one of {list(CHOICES[key])}")
+    if kind in (int, float) and key not in CHOICES:
+        low_ok = -1 if key in DEGREES else 0
+        if value < low_ok or (value == 0 and key not in MAY_BE_ZERO) or (
+            key in DEGREES and value == 0
+        ):
+            allowed = "-1 (the rest) or a positive degree" if key in DEGREES else (
+                "0 or more" if key in MAY_BE_ZERO else "a positive number")
+            raise ConfigError(f"{key}={value}: must be {allowed}")
+    return value
+
+
+def _section(cls, key: str, values: dict):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key or 'config'}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        full = f"{key}.{name}" if key else name
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean {key}.{close[0]}?" if close else f"; known: {sorted(fields)}"
+            raise ConfigError(f"{full}: unknown key{hint}")
+        kind = hints[name]
+        kwargs[name] = (
+            _section(kind, full, value) if dataclasses.is_dataclass(kind) else
+            _coerce(full, value, kind)
+        )
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+    node[leaf] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    tree: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or "." not in key:
+            raise ConfigError(f"{item!r}: overrides are KEY=VALUE with a dotted key, "
+                              "e.g. parallel.tensor=2")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(name_or_path: str = "default", overrides: list[str] = ()) -> Config:
+    """The resolved config: the preset, then each KEY=VALUE override on top."""
+    tree = _merge(_read_preset(name_or_path), parse_overrides(list(overrides)))
+    return _section(Config, "", tree)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def replace(cfg: Config, **sections) -> Config:
+    """A copy with whole sections or `section_field` values changed (for tests and the bench)."""
+    changes: dict[str, dict] = {}
+    for key, value in sections.items():
+        section, _, name = key.partition("_")
+        changes.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{
+        s: dataclasses.replace(getattr(cfg, s), **vals) for s, vals in changes.items()
+    })
+

@@ -1,0 +1,99 @@
+"""What a model calls to be parallel without naming a mesh axis.
+
+- `constrain(x, names)`: pin an activation's dims to the rules (no-op outside a step).
+- `scan_layers(stack, carry, fn)`: run a stacked NNX module layer by layer. Inside a
+  jaxpar step it gathers each layer's ZeRO-3 shards just before use (and again in the
+  backward pass instead of keeping them), and applies `parallel.remat`.
+
+The running step publishes how it places things through `placing(...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from flax import nnx
+
+from jaxpar import collectives
+from jaxpar.sharding import LAYERS, LeafSpecs, compute_spec, zero_dim
+
+SPECS_KEY = "jaxpar_specs"  # Variable metadata: the LeafSpecs of a stacked leaf
+GATHERED = "jaxpar_zero3_gathered"  # checkpoint name of a layer's gathered weights
+
+
+@dataclass(frozen=True)
+class Placement:
+    rules: tuple
+    mesh_shape: dict
+    zero: int
+    remat: str  # none | full
+
+
+_PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
+    "jaxpar_placement", default=None)
+
+
+@contextlib.contextmanager
+def placing(placement: Placement):
+    token = _PLACEMENT.set(placement)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Constrain an activation to the rules for its logical dim names."""
+    p = _PLACEMENT.get()
+    if p is None:
+        return x
+    # `data` is manual inside the step: each device already holds its own batch rows.
+    spec = compute_spec(names, x.shape, p.rules, p.mesh_shape, skip_axes=("data",))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _layer_value(var: nnx.Variable, zero: int):
+    value = var.get_value()
+    specs: LeafSpecs | None = var.get_metadata().get(SPECS_KEY)
+    if zero < 3 or specs is None:
+        return value
+    dim = zero_dim(specs)
+    if dim is None:
+        return value
+    layer_spec = jax.sharding.PartitionSpec(*specs.compute[1:])
+    full = collectives.gather(value, dim - 1, layer_spec)
+    return checkpoint_name(full, GATHERED)
+
+
+def scan_layers(stack: nnx.Module, carry, fn: Callable):
+    """carry = fn(layer, carry) for each layer of `stack` (an nnx.vmap-stacked module).
+
+    Every parameter of `stack` must have `layers` as its first logical name.
+    """
+    graphdef, state = nnx.split(stack)
+    for path, var in nnx.to_flat_state(state):
+        names = var.get_metadata().get("out_sharding") or ()
+        if not names or names[0] != LAYERS:
+            raise ValueError(f"scan_layers: {'/'.join(map(str, path))} has logical names "
+                             f"{names}; a stacked layer's first name must be {LAYERS!r}")
+    p = _PLACEMENT.get()
+    zero = p.zero if p else 0
+
+    def body(carry, layer_state):
+        layer_state = jax.tree.map(
+            lambda v: v.replace(_layer_value(v, zero)), layer_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return fn(nnx.merge(graphdef, layer_state), carry)
+
+    if p and p.remat == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    elif zero >= 3:
+        body = jax.checkpoint(
+            body, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+    carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
+    return carry

@@ -1,0 +1,53 @@
+"""The one device mesh: axes `data`, `pipeline`, `tensor` (outermost to innermost)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.config import ConfigError, Parallel
+
+AXES = ("data", "pipeline", "tensor")
+
+
+def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
+    """Degrees per axis with -1 filled in; the product must equal the device count."""
+    degrees = {axis: getattr(parallel, axis) for axis in AXES}
+    rest = [a for a, d in degrees.items() if d == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"parallel.{rest[0]} and parallel.{rest[1]} are both -1: at most one "
+                          "degree may take the remaining devices")
+    fixed = math.prod(d for d in degrees.values() if d != -1)
+    shown = " * ".join(f"{a}({d})" for a, d in degrees.items())
+    if rest:
+        if devices % fixed:
+            raise ConfigError(f"parallel.{rest[0]}=-1: {shown} cannot fill {devices} devices "
+                              f"because {fixed} does not divide {devices}; choose degrees whose "
+                              f"product divides {devices}")
+        degrees[rest[0]] = devices // fixed
+    elif fixed != devices:
+        raise ConfigError(f"parallel degrees: {shown} = {fixed} != {devices} devices; make the "
+                          f"product {devices}, or set one degree to -1")
+    if degrees["pipeline"] != 1:
+        raise ConfigError(f"parallel.pipeline={degrees['pipeline']}: pipeline stages are not "
+                          "built yet (issue 3); use parallel.pipeline=1")
+    return degrees
+
+
+def build_mesh(parallel: Parallel, devices: list | None = None) -> Mesh:
+    """The mesh over all (or the given) devices, with Auto axis types.
+
+    Auto (not Explicit) because the step mixes compiler-placed collectives (tensor
+    parallel) with hand-placed ones inside shard_map (the ZeRO reductions), and the
+    sharding rules, not per-op annotations, decide placement.
+    """
+    devices = list(jax.devices()) if devices is None else devices
+    degrees = resolve_degrees(parallel, len(devices))
+    shape = tuple(degrees[a] for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def describe(mesh: Mesh) -> dict[str, int]:
+    return {axis: int(mesh.shape[axis]) for axis in mesh.axis_names}

@@ -1,0 +1,204 @@
+"""Logical names, the rules table, and the four shardings of every parameter leaf.
+
+Models name their dims with the constants below; RULES maps them to mesh axes;
+`leaf_specs` is the ONE function that turns (names, shape, rules, ZeRO stage, mesh)
+into a leaf's storage / compute / gradient / optimizer-state PartitionSpecs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import ConfigError
+
+# Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
+BATCH = "batch"
+SEQ = "seq"
+EMBED = "embed"
+HEADS = "heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+VOCAB = "vocab"
+LAYERS = "layers"
+STAGE = "stage"
+
+# Ordered: logical name -> mesh axis (None = never split). The only place where
+# model dims meet mesh axes. An axis is used at most once per leaf (first dim wins).
+RULES: tuple[tuple[str, str | None], ...] = (
+    (BATCH, "data"),
+    (VOCAB, "tensor"),
+    (HEADS, "tensor"),
+    (MLP, "tensor"),
+    (EMBED, None),
+    (SEQ, None),
+    (HEAD_DIM, None),
+    (LAYERS, None),
+    (STAGE, "pipeline"),
+)
+ZERO_AXIS = "data"
+# Dims ZeRO never splits: a layer stack is sliced per layer, so its per-layer
+# shard must not depend on the stack.
+NOT_ZERO = (LAYERS, STAGE)
+
+
+class LeafSpecs(NamedTuple):
+    """Where one parameter leaf lives at each point of the step."""
+
+    storage: PartitionSpec  # between steps (ZeRO-3: split over data)
+    compute: PartitionSpec  # in forward/backward
+    grad: PartitionSpec  # the gradient accumulation buffer (ZeRO>=2: split over data)
+    opt: PartitionSpec  # optimizer state and the update (ZeRO>=1: split over data)
+
+
+def _rule_table(rules) -> dict[str, str | None]:
+    return dict(rules)
+
+
+def compute_spec(names: tuple[str, ...], shape: tuple[int, ...], rules, mesh_shape: dict,
+                 path: str = "", skip_axes: tuple[str, ...] = ()) -> PartitionSpec:
+    """Rules applied to a leaf's (or an activation's) logical names."""
+    table = _rule_table(rules)
+    if len(names) != len(shape):
+        raise ConfigError(f"{path}: {len(names)} logical names {names} for a leaf of shape "
+                          f"{shape}; give one name per dim")
+    used: set[str] = set()
+    spec = []
+    for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
+        if name not in table:
+            raise ConfigError(f"{path}: logical name {name!r} (dim {dim}) is not in the rules; "
+                              f"use one of {sorted(table)}")
+        axis = table[name]
+        if axis is None or axis in used or axis in skip_axes or mesh_shape.get(axis, 1) == 1:
+            spec.append(None)
+            continue
+        if size % mesh_shape[axis]:
+            raise ConfigError(
+                f"{path}: shape {shape} dim {dim} ({name}={size}) is not divisible by "
+                f"{axis}={mesh_shape[axis]} (rule {name} -> {axis}); the leaf would stay "
+                f"replicated. Choose parallel.{axis} dividing {size}, or change {name}")
+        used.add(axis)
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def _zero_dim(names, shape, spec: PartitionSpec, n: int) -> int | None:
+    """The dim ZeRO splits over `data`: the largest free dim that `data` divides."""
+    free = [d for d in range(len(shape))
+            if spec[d] is None and names[d] not in NOT_ZERO and shape[d] % n == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free else None
+
+
+def _with_axis(spec: PartitionSpec, dim: int | None, axis: str) -> PartitionSpec:
+    if dim is None:
+        return spec
+    return PartitionSpec(*(axis if d == dim else a for d, a in enumerate(spec)))
+
+
+def leaf_specs(names: tuple[str, ...], shape: tuple[int, ...], *, rules, zero: int,
+               mesh_shape: dict, path: str = "") -> LeafSpecs:
+    """THE placement function: the four specs of one parameter leaf."""
+    compute = compute_spec(names, shape, rules, mesh_shape, path)
+    n = mesh_shape.get(ZERO_AXIS, 1)
+    dim = _zero_dim(names, shape, compute, n) if zero and n > 1 else None
+    split = _with_axis(compute, dim, ZERO_AXIS)
+    return LeafSpecs(
+        storage=split if zero >= 3 else compute,
+        compute=compute,
+        grad=split if zero >= 2 else compute,
+        opt=split if zero >= 1 else compute,
+    )
+
+
+def zero_dim(specs: LeafSpecs) -> int | None:
+    """Which dim of a leaf ZeRO splits (None if it is not split)."""
+    for d, (a, b) in enumerate(zip(specs.opt, specs.compute, strict=False)):
+        if a != b:
+            return d
+    return None
+
+
+def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
+    """LeafSpecs for every leaf.
+
+    ZeRO leaves unsplit a leaf with no free dim that `data` divides (a bias already split
+    over `tensor`, say). If such leaves hold more than ZERO_UNSPLIT_LIMIT of all
+    parameters, that is an error listing the largest; below it they are reported by
+    `unsplit_leaves`.
+    """
+    def one(path, names, shape):
+        return leaf_specs(tuple(names), tuple(shape), rules=rules, zero=zero,
+                          mesh_shape=mesh_shape, path=_path(path))
+
+    specs = jax.tree_util.tree_map_with_path(one, names_tree, shapes_tree, is_leaf=_is_names)
+    unsplit = unsplit_leaves(specs, shapes_tree) if zero and mesh_shape.get(ZERO_AXIS, 1) > 1 \
+        else []
+    total = sum(math.prod(s) for s in jax.tree.leaves(shapes_tree, is_leaf=_is_shape))
+    left = sum(size for _, _, size in unsplit)
+    if left > ZERO_UNSPLIT_LIMIT * total:
+        worst = "; ".join(f"{p} {shape}" for p, shape, _ in unsplit[:5])
+        n = mesh_shape[ZERO_AXIS]
+        raise ConfigError(
+            f"parallel.zero={zero}: {len(unsplit)} parameter leaves ({left} of {total} "
+            f"parameters, over {ZERO_UNSPLIT_LIMIT:.0%}) have no dim divisible by data={n} and "
+            f"would stay replicated on every device (largest: {worst}). Choose parallel.data "
+            f"dividing their sizes, or parallel.zero=0")
+    return specs
+
+
+ZERO_UNSPLIT_LIMIT = 0.01  # share of parameters ZeRO may leave replicated (MaxText allows ~2%)
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def unsplit_leaves(specs, shapes_tree) -> list[tuple[str, tuple, int]]:
+    """(path, shape, size) of leaves ZeRO could not split, largest first."""
+    rows = []
+
+    def visit(path, s: LeafSpecs, shape):
+        if zero_dim(s) is None and math.prod(shape) > 1:
+            rows.append((_path(path), tuple(shape), math.prod(shape)))
+
+    jax.tree_util.tree_map_with_path(visit, specs, shapes_tree,
+                                     is_leaf=lambda x: isinstance(x, LeafSpecs))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str) for n in x)
+
+
+def named(mesh, spec_tree):
+    """PartitionSpecs -> NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def pick(spec_tree, field: str):
+    """One of the four specs for every leaf of a plan."""
+    return jax.tree.map(lambda s: getattr(s, field), spec_tree,
+                        is_leaf=lambda x: isinstance(x, LeafSpecs))
+
+
+def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+    """The spec with every other axis replaced by None."""
+    return PartitionSpec(*(a if a in axes else None for a in spec))
+
+
+def without_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+    return PartitionSpec(*(None if a in axes else a for a in spec))
+
+
+def shard_bytes(shape, dtype, spec: PartitionSpec, mesh_shape: dict) -> int:
+    """Bytes of one device's shard of an array."""
+    split = math.prod(mesh_shape[a] for a in spec if a is not None)
+    return math.prod(shape) * jax.numpy.dtype(dtype).itemsize // split

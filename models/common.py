@@ -1,0 +1,69 @@
+"""Building blocks shared by the models. Parameters carry logical names only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.layers import constrain
+from jaxpar.sharding import BATCH, EMBED, MLP, SEQ
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """A parameter annotated with one logical name per dim (placement is jaxpar's job)."""
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names,
+                     eager_sharding=False)
+
+
+def normal(std: float):
+    return nnx.initializers.normal(std)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, embed: int, rngs: nnx.Rngs):
+        self.scale = param(rngs, nnx.initializers.ones, (embed,), (EMBED,))
+        self.bias = param(rngs, nnx.initializers.zeros, (embed,), (EMBED,))
+
+    def __call__(self, x_BxSxE):
+        x = x_BxSxE.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+        return (y * self.scale[...] + self.bias[...]).astype(x_BxSxE.dtype)
+
+
+class FeedForward(nnx.Module):
+    """GeLU(x A + a) B + b: A column-split, B row-split over `mlp`, no communication between."""
+
+    def __init__(self, embed: int, hidden: int, layers: int, rngs: nnx.Rngs):
+        self.w_in = param(rngs, normal(0.02), (embed, hidden), (EMBED, MLP))
+        self.b_in = param(rngs, nnx.initializers.zeros, (hidden,), (MLP,))
+        self.w_out = param(rngs, normal(0.02 / (2 * layers) ** 0.5), (hidden, embed), (MLP, EMBED))
+        self.b_out = param(rngs, nnx.initializers.zeros, (embed,), (EMBED,))
+
+    def __call__(self, x_BxSxE):
+        dt = x_BxSxE.dtype
+        h_BxSxM = jax.nn.gelu(x_BxSxE @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt))
+        h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
+        y_BxSxE = h_BxSxM @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
+        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+
+
+def stack(make, layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`layers` copies of make(rngs) stacked on a leading `layers` dim (for scan_layers)."""
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(rngs):
+        return make(rngs)
+
+    return build(rngs)
+
+
+def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Array:
+    """Token lookup as one-hot @ table: with the table split over vocab this is Megatron's
+    vocab-parallel embedding (each shard looks up its rows, one all-reduce sums them)."""
+    vocab = table_VxE.shape[0]
+    onehot_BxSxV = jax.nn.one_hot(tokens_BxS, vocab, dtype=dtype)
+    return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ, EMBED))

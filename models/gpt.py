@@ -1,0 +1,72 @@
+"""Decoder-only transformer: token + position embedding, pre-LN blocks (causal
+multi-head attention, GeLU MLP), final LN, output projection. Layers are stacked
+and scanned, so compile time does not grow with depth."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import Model
+from jaxpar.layers import constrain, scan_layers
+from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, SEQ, VOCAB
+from models.common import FeedForward, LayerNorm, embed_tokens, normal, param, stack
+
+
+class Attention(nnx.Module):
+    """Q, K, V column-split over heads; the output projection row-split over heads."""
+
+    def __init__(self, embed: int, heads: int, layers: int, rngs: nnx.Rngs):
+        head_dim = embed // heads
+        qkv = (EMBED, HEADS, HEAD_DIM)
+        self.wq = param(rngs, normal(0.02), (embed, heads, head_dim), qkv)
+        self.wk = param(rngs, normal(0.02), (embed, heads, head_dim), qkv)
+        self.wv = param(rngs, normal(0.02), (embed, heads, head_dim), qkv)
+        self.wo = param(rngs, normal(0.02 / (2 * layers) ** 0.5), (heads, head_dim, embed),
+                        (HEADS, HEAD_DIM, EMBED))
+
+    def __call__(self, x_BxSxE):
+        dt = x_BxSxE.dtype
+        q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (
+            constrain(jnp.einsum("bse,ehd->bshd", x_BxSxE, w[...].astype(dt)),
+                      (BATCH, SEQ, HEADS, HEAD_DIM))
+            for w in (self.wq, self.wk, self.wv))
+        scale = q_BxSxHxD.shape[-1] ** -0.5
+        att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
+        seq = x_BxSxE.shape[1]
+        causal_SxS = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        att_BxHxSxS = jnp.where(causal_SxS, att_BxHxSxS * scale, -1e30)
+        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS, axis=-1).astype(dt)
+        out_BxSxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
+        y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
+        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Model, rngs: nnx.Rngs):
+        self.ln1 = LayerNorm(cfg.embed, rngs)
+        self.attn = Attention(cfg.embed, cfg.heads, cfg.layers, rngs)
+        self.ln2 = LayerNorm(cfg.embed, rngs)
+        self.mlp = FeedForward(cfg.embed, cfg.mlp, cfg.layers, rngs)
+
+    def __call__(self, x_BxSxE):
+        x_BxSxE = x_BxSxE + self.attn(self.ln1(x_BxSxE))
+        return x_BxSxE + self.mlp(self.ln2(x_BxSxE))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: Model, seq_len: int, rngs: nnx.Rngs):
+        self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
+        self.positions = param(rngs, normal(0.01), (seq_len, cfg.embed), (SEQ, EMBED))
+        self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
+        self.ln_f = LayerNorm(cfg.embed, rngs)
+        self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
+
+    def __call__(self, tokens_BxS):
+        dt = self.head.dtype
+        x_BxSxE = embed_tokens(self.tokens, tokens_BxS, dt)
+        x_BxSxE = x_BxSxE + self.positions[...][: tokens_BxS.shape[1]].astype(dt)
+        x_BxSxE = scan_layers(self.blocks, x_BxSxE, lambda block, x: block(x))
+        logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(dt)
+        return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
