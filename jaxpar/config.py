@@ -199,3 +199,29 @@ def replace(cfg: Config, **sections) -> Config:
         s: dataclasses.replace(getattr(cfg, s), **vals) for s, vals in changes.items()
     })
 
+
+
+def check_train(train: Train, mesh_shape: dict) -> None:
+    """Batch arithmetic every run needs, whatever the model."""
+    data = mesh_shape["data"]
+    if train.batch_size % (data * train.grad_accum):
+        raise ConfigError(
+            f"train.batch_size={train.batch_size} does not split into data({data}) * "
+            f"train.grad_accum({train.grad_accum}) = {data * train.grad_accum} equal parts; "
+            f"use a multiple of {data * train.grad_accum}")
+
+
+def check_model(model: Model, mesh_shape: dict) -> None:
+    """The shipped models' dims against the tensor degree (named by key, before any leaf)."""
+    tensor = mesh_shape["tensor"]
+    if model.name == "gpt" and model.embed % model.heads:
+        raise ConfigError(f"model.embed={model.embed} is not divisible by model.heads="
+                          f"{model.heads}; each head needs embed/heads dims")
+    dims = {"model.mlp": model.mlp, "model.vocab": model.vocab}
+    if model.name == "gpt":
+        dims["model.heads"] = model.heads
+    for key, size in dims.items():
+        if size % tensor:
+            raise ConfigError(f"{key}={size} is not divisible by parallel.tensor={tensor}; "
+                              f"Megatron splits it over tensor: choose a tensor degree "
+                              f"dividing {size}, or change {key}")

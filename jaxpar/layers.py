@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
@@ -45,6 +46,12 @@ def placing(placement: Placement):
         yield
     finally:
         _PLACEMENT.reset(token)
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """An fp32 parameter with one logical name per dim; jaxpar decides where it lives."""
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=tuple(names),
+                     eager_sharding=False)
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:

@@ -51,3 +51,26 @@ def build_mesh(parallel: Parallel, devices: list | None = None) -> Mesh:
 
 def describe(mesh: Mesh) -> dict[str, int]:
     return {axis: int(mesh.shape[axis]) for axis in mesh.axis_names}
+
+
+def accelerator_installed() -> bool:
+    """Whether a GPU/TPU plugin for jax is installed (checked without starting jax)."""
+    from importlib.metadata import distributions  # noqa: PLC0415
+
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in distributions()}
+    return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
+
+
+def use_cpu_devices(n: int) -> None:
+    """Simulate n devices on the CPU. Must run before jax starts its backends."""
+    from jax._src import xla_bridge  # noqa: PLC0415
+
+    if xla_bridge.backends_are_initialized():
+        have = jax.device_count()
+        if have != n or jax.devices()[0].platform != "cpu":
+            raise ConfigError(f"--cpu-devices {n}: jax already started with {have} "
+                              f"{jax.devices()[0].platform} devices in this process; pass "
+                              "--cpu-devices before anything touches jax")
+        return
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)

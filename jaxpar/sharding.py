@@ -21,6 +21,7 @@ SEQ = "seq"
 EMBED = "embed"
 HEADS = "heads"
 HEAD_DIM = "head_dim"
+QKV = "qkv"  # the query/key/value triple of a fused projection
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
@@ -36,6 +37,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (EMBED, None),
     (SEQ, None),
     (HEAD_DIM, None),
+    (QKV, None),
     (LAYERS, None),
     (STAGE, "pipeline"),
 )

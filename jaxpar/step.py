@@ -84,9 +84,16 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
     def mb_loss(params, mb, count):
         return jnp.sum(losses(params, mb).astype(jnp.float32)) / count
 
-    def scatter(g, s):
-        dim = zero_dim(s)
-        return g if dim is None else collectives.reduce_scatter(g, dim, s.compute)
+    def scatter(g, s: LeafSpecs):
+        """Reduce a ZeRO-split leaf's gradient to its slice (not for unsplit leaves)."""
+        return collectives.reduce_scatter(g, zero_dim(s), s.compute)
+
+    def finish(s: LeafSpecs, g):
+        """The step's one data-parallel reduction of an accumulated local gradient."""
+        if zero_dim(s) is None:
+            return collectives.reduce(g, s.compute)  # ZeRO 0, or a leaf ZeRO leaves unsplit
+        # ZeRO-1 accumulated the whole gradient; ZeRO-2/3 slices arrive reduced already.
+        return scatter(g, s) if zero == 1 else g
 
     def local(params, batch):
         mbs = jax.tree.map(lambda x, shp: x.reshape((accum,) + shp), batch, per_mb)
@@ -97,18 +104,16 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
         def body(carry, mb):
             loss, acc = carry
             l, g = grad_fn(params, mb, count)
-            if zero == 2:
-                g = _leaves_map(lambda s, x: scatter(x, s), specs, g)
+            if zero == 2:  # keep only a slice of each gradient between micro-batches
+                g = _leaves_map(lambda s, x: x if zero_dim(s) is None else scatter(x, s),
+                                specs, g)
             return (loss + l, jax.tree.map(jnp.add, acc, g)), None
 
         zeros = jax.tree.map(
             lambda p, s: jnp.zeros(_grad_block_shape(p.shape, s, zero, mesh), jnp.float32),
             params, specs, is_leaf=lambda x: isinstance(x, LeafSpecs))
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
-        if zero == 0:
-            grads = _leaves_map(lambda s, g: collectives.reduce(g, s.compute), specs, grads)
-        elif zero == 1:
-            grads = _leaves_map(lambda s, g: scatter(g, s), specs, grads)
+        grads = _leaves_map(finish, specs, grads)
         return jax.lax.psum(loss, DATA), grads
 
     data_only = lambda field: _leaves_map(  # noqa: E731

@@ -22,3 +22,17 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:
     tokens_BxT = batch["tokens"]
     logits_BxSxV = model(tokens_BxT[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, tokens_BxT[:, 1:])
+
+
+# Megatron all-reduces of a [batch, seq, embed] activation over `tensor`, per micro-batch:
+# each block's row-split outputs in forward and column-split inputs in backward, plus the
+# vocab-split embedding (forward) and output projection (backward).
+TENSOR_ALLREDUCES = {
+    "gpt": lambda layers: 4 * layers + 2,  # attention + MLP, 2 each way
+    "mlp": lambda layers: 2 * layers + 2,  # one feed-forward, 1 each way
+}
+
+
+def tensor_allreduce_elements(cfg: Model, rows: int, seq_len: int) -> int:
+    """Elements all-reduced over `tensor` for one micro-batch of `rows` sequences."""
+    return TENSOR_ALLREDUCES[cfg.name](cfg.layers) * rows * seq_len * cfg.embed

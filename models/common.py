@@ -6,14 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.layers import constrain
+from jaxpar.layers import constrain, param
 from jaxpar.sharding import BATCH, EMBED, MLP, SEQ
-
-
-def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
-    """A parameter annotated with one logical name per dim (placement is jaxpar's job)."""
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names,
-                     eager_sharding=False)
 
 
 def normal(std: float):

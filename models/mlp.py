@@ -6,9 +6,9 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxpar.config import Model
-from jaxpar.layers import constrain, scan_layers
+from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, embed_tokens, normal, param, stack
+from models.common import FeedForward, LayerNorm, embed_tokens, normal, stack
 
 
 class Residual(nnx.Module):

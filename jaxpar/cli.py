@@ -1,0 +1,68 @@
+"""The `jaxpar` command: parse, set up devices, dispatch. Logic lives in the modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from jaxpar.config import ConfigError, load, preset_names
+
+DEFAULT_CPU_DEVICES = 8
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model with the configured parallelism")
+    train.add_argument("--config", default="default",
+                       help=f"preset ({', '.join(preset_names())}) or a YAML file")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dotted overrides, e.g. parallel.tensor=2 train.steps=20")
+    train.add_argument("--out", type=Path, help="run directory (default: runs/<time>-<config>)")
+    bench = sub.add_parser("bench", help="compare strategies on gpt-tiny: time, memory, comm")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
+    bench.add_argument("--out", type=Path, help="also write the table as JSON here")
+    for p in (train, bench):
+        p.add_argument("--cpu-devices", type=int, metavar="N",
+                       help=f"simulate N devices on the CPU (default {DEFAULT_CPU_DEVICES} when "
+                            "no GPU/TPU plugin is installed)")
+    return parser
+
+
+def _setup_devices(n: int | None) -> None:
+    from jaxpar.mesh import accelerator_installed, use_cpu_devices  # noqa: PLC0415
+
+    if n is None and not accelerator_installed():
+        n = DEFAULT_CPU_DEVICES
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"--cpu-devices {n}: must be 1 or more")
+        use_cpu_devices(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _setup_devices(args.cpu_devices)
+        if args.command == "train":
+            from jaxpar.trainer import train_config  # noqa: PLC0415
+
+            cfg = load(args.config, args.overrides)
+            name = Path(args.config).stem
+            out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+            train_config(cfg, out)
+            print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
+        else:
+            from jaxpar.bench import run_bench  # noqa: PLC0415
+
+            run_bench(steps=args.steps, out=args.out)
+    except ConfigError as e:
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
