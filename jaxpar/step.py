@@ -156,7 +156,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
                                 jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                              batch))
         loss, grads = grads_fn(params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         clip = cfg.train.clip_norm
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))

@@ -24,7 +24,7 @@ class LayerNorm(nnx.Module):
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
-        return (y * self.scale[...] + self.bias[...]).astype(x_BxSxE.dtype)
+        return (y * _last(self.scale, y) + _last(self.bias, y)).astype(x_BxSxE.dtype)
 
 
 class FeedForward(nnx.Module):
@@ -38,10 +38,17 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
-        h_BxSxM = jax.nn.gelu(x_BxSxE @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt))
+        h_BxSxM = x_BxSxE @ self.w_in[...].astype(dt)
+        h_BxSxM = jax.nn.gelu(h_BxSxM + _last(self.b_in, h_BxSxM))
         h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
-        y_BxSxE = h_BxSxM @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
+        y_BxSxE = h_BxSxM @ self.w_out[...].astype(dt)
+        y_BxSxE = y_BxSxE + _last(self.b_out, y_BxSxE)
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+
+
+def _last(vector: nnx.Param, like: jax.Array) -> jax.Array:
+    """A [dim] parameter shaped to broadcast over `like`'s last dim, in its dtype."""
+    return vector[...].astype(like.dtype).reshape((1,) * (like.ndim - 1) + (-1,))
 
 
 def stack(make, layers: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -66,7 +66,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxS):
         dt = self.head.dtype
         x_BxSxE = embed_tokens(self.tokens, tokens_BxS, dt)
-        x_BxSxE = x_BxSxE + self.positions[...][: tokens_BxS.shape[1]].astype(dt)
+        x_BxSxE = x_BxSxE + self.positions[...][None, : tokens_BxS.shape[1]].astype(dt)
         x_BxSxE = scan_layers(self.blocks, x_BxSxE, lambda block, x: block(x))
         logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(dt)
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))

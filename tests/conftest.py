@@ -1,0 +1,14 @@
+"""8 simulated CPU devices before jax starts; strict numerics."""
+
+import jax
+import pytest
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
+    return jax.devices()

@@ -1,0 +1,31 @@
+"""Run a shipped preset on a sub-mesh and compare runs."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from jaxpar import config
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.trainer import shipped_problem, train
+
+
+def run(preset: str, overrides: list[str], steps: int = 10):
+    """Train `preset` with `overrides` on as many devices as the degrees ask for."""
+    cfg = config.load(preset, [f"train.steps={steps}", *overrides])
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in ("data", "pipeline", "tensor"))
+    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
+    return train(problem, cfg, batches, mesh=mesh, tensor_elements=tensor_elements, quiet=True)
+
+
+def assert_same_training(result, reference, rtol: float = 1e-4) -> None:
+    """Every step's loss and every final parameter leaf within relative `rtol`."""
+    losses, ref_losses = np.array(result.losses), np.array(reference.losses)
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=0)
+    for key, ref in reference.params.items():
+        got, want = np.asarray(result.params[key]), np.asarray(ref)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= rtol, f"parameter {key}: relative error {err:.2e} > {rtol}"
