@@ -17,14 +17,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from jaxpar import collectives
 from jaxpar.sharding import LAYERS, LeafSpecs, compute_spec, zero_dim
 
 SPECS_KEY = "jaxpar_specs"  # Variable metadata: the LeafSpecs of a stacked leaf
-GATHERED = "jaxpar_zero3_gathered"  # checkpoint name of a layer's gathered weights
 
 
 @dataclass(frozen=True)
@@ -72,9 +70,7 @@ def _layer_value(var: nnx.Variable, zero: int):
     dim = zero_dim(specs)
     if dim is None:
         return value
-    layer_spec = jax.sharding.PartitionSpec(*specs.compute[1:])
-    full = collectives.gather(value, dim - 1, layer_spec)
-    return checkpoint_name(full, GATHERED)
+    return collectives.gather(value, dim - 1, jax.sharding.PartitionSpec(*specs.compute[1:]))
 
 
 def scan_layers(stack: nnx.Module, carry, fn: Callable):
@@ -100,7 +96,11 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable):
     if p and p.remat == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     elif zero >= 3:
+        # Keep the big matmul outputs, recompute the rest: above all the gathered weights,
+        # which are gathered again for the backward pass instead of being stored whole.
+        # (A policy refusing to save only the all-gathers still left the whole gathered
+        # weights stored for backward: no all-gather in the backward loop of the HLO.)
         body = jax.checkpoint(
-            body, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+            body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
     return carry

@@ -29,3 +29,18 @@ def assert_same_training(result, reference, rtol: float = 1e-4) -> None:
         got, want = np.asarray(result.params[key]), np.asarray(ref)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err <= rtol, f"parameter {key}: relative error {err:.2e} > {rtol}"
+
+
+def compile_only(preset: str, overrides: list[str]) -> dict:
+    """The summary of a compiled (not run) step: memory, collectives, comm."""
+    from jaxpar.step import build  # noqa: PLC0415
+    from jaxpar.trainer import compile_step, describe_run  # noqa: PLC0415
+
+    cfg = config.load(preset, overrides)
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in ("data", "pipeline", "tensor"))
+    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
+    engine = build(problem, cfg, mesh)
+    compiled, seconds, state_shapes = compile_step(engine, batches(0))
+    return describe_run(cfg, mesh, problem, engine, compiled, seconds, state_shapes,
+                        tensor_elements)
