@@ -309,7 +309,8 @@ def report(compiled, *, specs, shapes, state_shapes, mesh_shape: dict, zero: int
         # Nothing is offloaded yet: host (pinned_host) memory holds no state.
         "host_memory_per_device": {"params": 0, "opt_state": 0, "activations": 0},
         "state_bytes": {"actual": mem["params"] + mem["opt_state"], "formula": formula,
-                        "ratio": (mem["params"] + mem["opt_state"]) / formula},
+                        "ratio": (mem["params"] + mem["opt_state"]) / formula,
+                        "arguments": mem["arguments"]},
         "collectives": led.by_kind(),
         "collective_counts": led.counts(),
         "comm": {

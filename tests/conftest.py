@@ -12,3 +12,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def devices():
     assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
     return jax.devices()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/*.json from the current code")
+
+
+@pytest.fixture(scope="session")
+def update_golden(request) -> bool:
+    return request.config.getoption("--update-golden")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,8 +32,9 @@ def assert_same_training(result, reference, rtol: float = 1e-4) -> None:
         assert err <= rtol, f"parameter {key}: relative error {err:.2e} > {rtol}"
 
 
-def compile_only(preset: str, overrides: list[str]) -> dict:
-    """The summary of a compiled (not run) step: memory, collectives, comm."""
+@functools.cache
+def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
+    """The summary of a compiled (not run) step: memory, collectives, comm (cached)."""
     from jaxpar.step import build  # noqa: PLC0415
     from jaxpar.trainer import compile_step, describe_run  # noqa: PLC0415
 
