@@ -26,10 +26,14 @@ def assert_same_training(result, reference, rtol: float = 1e-4) -> None:
     """Every step's loss and every final parameter leaf within relative `rtol`."""
     losses, ref_losses = np.array(result.losses), np.array(reference.losses)
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=0)
-    for key, ref in reference.params.items():
-        got, want = np.asarray(result.params[key]), np.asarray(ref)
+    got_leaves = jax.tree_util.tree_leaves_with_path(result.params)
+    want_leaves = jax.tree_util.tree_leaves_with_path(reference.params)
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
+    for (path, got), (_, want) in zip(got_leaves, want_leaves, strict=True):
+        got, want = np.asarray(got), np.asarray(want)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= rtol, f"parameter {key}: relative error {err:.2e} > {rtol}"
+        assert err <= rtol, f"parameter {jax.tree_util.keystr(path)}: relative error " \
+                            f"{err:.2e} > {rtol}"
 
 
 @functools.cache

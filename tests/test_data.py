@@ -1,0 +1,36 @@
+"""Batches are a pure function of (seed, step), for every source."""
+
+import numpy as np
+import pytest
+
+from jaxpar import config, data
+
+
+@pytest.mark.parametrize("source", ["corpus", "synthetic"])
+def test_batch_is_pure_function_of_seed_and_step(source):
+    cfg = config.load("gpt-tiny", [f"data.source={source}"])
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    kw = dict(batch_size=16, seq_len=64, vocab=256)
+    a = data.batch_at(tokens, seed=0, step=3, **kw)["tokens"]
+    assert a.shape == (16, 65) and a.dtype == np.int32
+    assert (a >= 0).all() and (a < 256).all()
+    np.testing.assert_array_equal(a, data.batch_at(tokens, seed=0, step=3, **kw)["tokens"])
+    assert not np.array_equal(a, data.batch_at(tokens, seed=0, step=4, **kw)["tokens"])
+    assert not np.array_equal(a, data.batch_at(tokens, seed=1, step=3, **kw)["tokens"])
+
+
+def test_corpus_is_embedded_text():
+    text = data.corpus_bytes()
+    assert len(text) > 200_000
+    assert b"def " in text or b"class " in text
+
+
+def test_user_text_file(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(200)) * 3)
+    cfg = config.load("gpt-tiny", ["data.source=file", f"data.path={path}"])
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    batch = data.batch_at(tokens, seed=0, step=0, batch_size=4, seq_len=64, vocab=256)
+    rows = batch["tokens"]
+    # Every row is a contiguous window of the file.
+    assert all(((row[1:] - row[:-1]) % 200 == 1).all() for row in rows)
