@@ -16,18 +16,27 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model with the configured parallelism")
-    train.add_argument("--config", default="default",
-                       help=f"preset ({', '.join(preset_names())}) or a YAML file")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                       help="dotted overrides, e.g. parallel.tensor=2 train.steps=20")
+    train.add_argument(
+        "--config", default="default", help=f"preset ({', '.join(preset_names())}) or a YAML file"
+    )
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. parallel.tensor=2 train.steps=20",
+    )
     train.add_argument("--out", type=Path, help="run directory (default: runs/<time>-<config>)")
     bench = sub.add_parser("bench", help="compare strategies on gpt-tiny: time, memory, comm")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
     for p in (train, bench):
-        p.add_argument("--cpu-devices", type=int, metavar="N",
-                       help=f"simulate N devices on the CPU (default {DEFAULT_CPU_DEVICES} when "
-                            "no GPU/TPU plugin is installed)")
+        p.add_argument(
+            "--cpu-devices",
+            type=int,
+            metavar="N",
+            help=f"simulate N devices on the CPU (default {DEFAULT_CPU_DEVICES} when "
+            "no GPU/TPU plugin is installed)",
+        )
     return parser
 
 

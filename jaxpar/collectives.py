@@ -21,8 +21,9 @@ def _blockwise(fn, x, spec: PartitionSpec):
     mesh = jax.sharding.get_abstract_mesh()
     others = tuple(a for a in mesh.axis_names if a != DATA)
     local = PartitionSpec(*(a if a in others else None for a in spec))
-    return jax.shard_map(fn, in_specs=local, out_specs=local, axis_names=set(others),
-                         check_vma=False)(x)
+    return jax.shard_map(
+        fn, in_specs=local, out_specs=local, axis_names=set(others), check_vma=False
+    )(x)
 
 
 def gather(x, dim: int, spec: PartitionSpec):

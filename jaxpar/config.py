@@ -49,7 +49,7 @@ class Train:
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only
     seed: int = 0  # seeds parameters and data
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master parameters and optimizer state)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables it
     log_every: int = 1  # write a metrics row every N steps
 
@@ -76,26 +76,38 @@ CHOICES = {
     "data.source": ("corpus", "file", "synthetic"),
 }
 # Keys that may be 0 (the rest of the numbers must be positive, degrees may also be -1).
-MAY_BE_ZERO = {"parallel.zero", "train.weight_decay", "train.clip_norm", "train.seed", "train.warmup"}
+MAY_BE_ZERO = {
+    "parallel.zero",
+    "train.weight_decay",
+    "train.clip_norm",
+    "train.seed",
+    "train.warmup",
+}
 DEGREES = {"parallel.data", "parallel.pipeline", "parallel.tensor"}
 
 
 def preset_names() -> list[str]:
     folder = resources.files("jaxpar") / "configs"
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def _read_preset(name_or_path: str) -> dict:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ConfigError(f"--config {name_or_path}: no such file; give a YAML file or one "
-                              f"of the presets {preset_names()}")
+            raise ConfigError(
+                f"--config {name_or_path}: no such file; give a YAML file or one "
+                f"of the presets {preset_names()}"
+            )
         text = path.read_text()
     else:
         if name_or_path not in preset_names():
-            raise ConfigError(f"--config {name_or_path}: no such preset; choose one of "
-                              f"{preset_names()} or give a path to a YAML file")
+            raise ConfigError(
+                f"--config {name_or_path}: no such preset; choose one of "
+                f"{preset_names()} or give a path to a YAML file"
+            )
         text = (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text()
     try:
         tree = yaml.safe_load(text) or {}
@@ -112,17 +124,21 @@ def _coerce(key: str, value, kind):
     if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)
     if type(value) is not kind:
-        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got "
-                          f"{type(value).__name__}")
+        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key}={value!r}: choose one of {list(CHOICES[key])}")
     if kind in (int, float) and key not in CHOICES:
         low_ok = -1 if key in DEGREES else 0
-        if value < low_ok or (value == 0 and key not in MAY_BE_ZERO) or (
-            key in DEGREES and value == 0
+        if (
+            value < low_ok
+            or (value == 0 and key not in MAY_BE_ZERO)
+            or (key in DEGREES and value == 0)
         ):
-            allowed = "-1 (the rest) or a positive degree" if key in DEGREES else (
-                "0 or more" if key in MAY_BE_ZERO else "a positive number")
+            allowed = (
+                "-1 (the rest) or a positive degree"
+                if key in DEGREES
+                else ("0 or more" if key in MAY_BE_ZERO else "a positive number")
+            )
             raise ConfigError(f"{key}={value}: must be {allowed}")
     return value
 
@@ -141,8 +157,9 @@ def _section(cls, key: str, values: dict):
             raise ConfigError(f"{full}: unknown key{hint}")
         kind = hints[name]
         kwargs[name] = (
-            _section(kind, full, value) if dataclasses.is_dataclass(kind) else
-            _coerce(full, value, kind)
+            _section(kind, full, value)
+            if dataclasses.is_dataclass(kind)
+            else _coerce(full, value, kind)
         )
     return cls(**kwargs)
 
@@ -162,8 +179,9 @@ def parse_overrides(items: list[str]) -> dict:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key or "." not in key:
-            raise ConfigError(f"{item!r}: overrides are KEY=VALUE with a dotted key, "
-                              "e.g. parallel.tensor=2")
+            raise ConfigError(
+                f"{item!r}: overrides are KEY=VALUE with a dotted key, e.g. parallel.tensor=2"
+            )
         try:
             value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
@@ -195,10 +213,9 @@ def replace(cfg: Config, **sections) -> Config:
     for key, value in sections.items():
         section, _, name = key.partition("_")
         changes.setdefault(section, {})[name] = value
-    return dataclasses.replace(cfg, **{
-        s: dataclasses.replace(getattr(cfg, s), **vals) for s, vals in changes.items()
-    })
-
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **vals) for s, vals in changes.items()}
+    )
 
 
 def check_train(train: Train, mesh_shape: dict) -> None:
@@ -208,20 +225,25 @@ def check_train(train: Train, mesh_shape: dict) -> None:
         raise ConfigError(
             f"train.batch_size={train.batch_size} does not split into data({data}) * "
             f"train.grad_accum({train.grad_accum}) = {data * train.grad_accum} equal parts; "
-            f"use a multiple of {data * train.grad_accum}")
+            f"use a multiple of {data * train.grad_accum}"
+        )
 
 
 def check_model(model: Model, mesh_shape: dict) -> None:
     """The shipped models' dims against the tensor degree (named by key, before any leaf)."""
     tensor = mesh_shape["tensor"]
     if model.name == "gpt" and model.embed % model.heads:
-        raise ConfigError(f"model.embed={model.embed} is not divisible by model.heads="
-                          f"{model.heads}; each head needs embed/heads dims")
+        raise ConfigError(
+            f"model.embed={model.embed} is not divisible by model.heads="
+            f"{model.heads}; each head needs embed/heads dims"
+        )
     dims = {"model.mlp": model.mlp, "model.vocab": model.vocab}
     if model.name == "gpt":
         dims["model.heads"] = model.heads
     for key, size in dims.items():
         if size % tensor:
-            raise ConfigError(f"{key}={size} is not divisible by parallel.tensor={tensor}; "
-                              f"Megatron splits it over tensor: choose a tensor degree "
-                              f"dividing {size}, or change {key}")
+            raise ConfigError(
+                f"{key}={size} is not divisible by parallel.tensor={tensor}; "
+                f"Megatron splits it over tensor: choose a tensor degree "
+                f"dividing {size}, or change {key}"
+            )

@@ -26,14 +26,18 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
     if data.source == "synthetic":
         return None
     if model.vocab < BYTE_VOCAB:
-        raise ConfigError(f"model.vocab={model.vocab}: byte-level text has {BYTE_VOCAB} "
-                          f"symbols; set model.vocab={BYTE_VOCAB} (or more), or "
-                          "data.source=synthetic")
+        raise ConfigError(
+            f"model.vocab={model.vocab}: byte-level text has {BYTE_VOCAB} "
+            f"symbols; set model.vocab={BYTE_VOCAB} (or more), or "
+            "data.source=synthetic"
+        )
     if data.source == "file":
         path = Path(data.path)
         if not data.path or not path.is_file():
-            raise ConfigError(f"data.path={data.path!r}: no such file; give a text file with "
-                              "data.source=file, or use data.source=corpus")
+            raise ConfigError(
+                f"data.path={data.path!r}: no such file; give a text file with "
+                "data.source=file, or use data.source=corpus"
+            )
         raw = path.read_bytes()
     else:
         raw = corpus_bytes()
@@ -41,13 +45,16 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
     need = train.seq_len + 2
     if len(tokens) < need:
         where = f"data.path={data.path}" if data.source == "file" else "the corpus"
-        raise ConfigError(f"{where} has {len(tokens)} bytes, fewer than train.seq_len+2 = "
-                          f"{need}; use a longer text or a smaller train.seq_len")
+        raise ConfigError(
+            f"{where} has {len(tokens)} bytes, fewer than train.seq_len+2 = "
+            f"{need}; use a longer text or a smaller train.seq_len"
+        )
     return tokens
 
 
-def batch_at(tokens: np.ndarray | None, *, seed: int, step: int, batch_size: int,
-             seq_len: int, vocab: int) -> dict[str, np.ndarray]:
+def batch_at(
+    tokens: np.ndarray | None, *, seed: int, step: int, batch_size: int, seq_len: int, vocab: int
+) -> dict[str, np.ndarray]:
     """Global batch `step`: {"tokens": int32 [batch_size, seq_len + 1]}."""
     rng = np.random.default_rng([seed, step])
     if tokens is None:

@@ -34,7 +34,8 @@ class Placement:
 
 
 _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
-    "jaxpar_placement", default=None)
+    "jaxpar_placement", default=None
+)
 
 
 @contextlib.contextmanager
@@ -48,8 +49,9 @@ def placing(placement: Placement):
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
     """An fp32 parameter with one logical name per dim; jaxpar decides where it lives."""
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=tuple(names),
-                     eager_sharding=False)
+    return nnx.Param(
+        init(rngs.params(), shape, jnp.float32), out_sharding=tuple(names), eager_sharding=False
+    )
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
@@ -82,15 +84,19 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable):
     for path, var in nnx.to_flat_state(state):
         names = var.get_metadata().get("out_sharding") or ()
         if not names or names[0] != LAYERS:
-            raise ValueError(f"scan_layers: {'/'.join(map(str, path))} has logical names "
-                             f"{names}; a stacked layer's first name must be {LAYERS!r}")
+            raise ValueError(
+                f"scan_layers: {'/'.join(map(str, path))} has logical names "
+                f"{names}; a stacked layer's first name must be {LAYERS!r}"
+            )
     p = _PLACEMENT.get()
     zero = p.zero if p else 0
 
     def body(carry, layer_state):
         layer_state = jax.tree.map(
-            lambda v: v.replace(_layer_value(v, zero)), layer_state,
-            is_leaf=lambda x: isinstance(x, nnx.Variable))
+            lambda v: v.replace(_layer_value(v, zero)),
+            layer_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
         return fn(nnx.merge(graphdef, layer_state), carry)
 
     if p and p.remat == "full":
@@ -100,7 +106,6 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable):
         # which are gathered again for the backward pass instead of being stored whole.
         # (A policy refusing to save only the all-gathers still left the whole gathered
         # weights stored for backward: no all-gather in the backward loop of the HLO.)
-        body = jax.checkpoint(
-            body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
     return carry

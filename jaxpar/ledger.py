@@ -20,13 +20,29 @@ import numpy as np
 from jaxpar.sharding import LeafSpecs, zero_dim
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+}
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)="
-                    r"%?([\w.\-]+)")
+_CALLS = re.compile(
+    r"\b(body|condition|to_apply|calls|true_computation|false_computation)="
+    r"%?([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
@@ -45,7 +61,8 @@ class Collective:
         if n <= 1:
             return 0.0
         factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n)
+            self.kind, (n - 1) / n
+        )
         return factor * self.buffer_bytes * self.executions
 
 
@@ -57,8 +74,7 @@ class Ledger:
     def by_kind(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for c in self.collectives:
-            row = out.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0.0,
-                                          "axes": {}})
+            row = out.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "axes": {}})
             row["count"] += c.executions
             row["bytes"] += c.buffer_bytes * c.executions
             row["wire_bytes"] += c.wire_bytes
@@ -67,8 +83,7 @@ class Ledger:
         return out
 
     def wire_bytes(self, axes: set[str] | None = None) -> float:
-        return sum(c.wire_bytes for c in self.collectives
-                   if axes is None or set(c.axes) & axes)
+        return sum(c.wire_bytes for c in self.collectives if axes is None or set(c.axes) & axes)
 
     def counts(self) -> dict[str, int]:
         """Executions per step by 'kind@axes' (for golden files); trivial groups skipped."""
@@ -99,8 +114,10 @@ def _top_level(type_str: str) -> list[str]:
 
 
 def _bytes(type_str: str) -> int:
-    return sum(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-               for dt, dims in _ARRAY.findall(type_str))
+    return sum(
+        _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+        for dt, dims in _ARRAY.findall(type_str)
+    )
 
 
 def _result_bytes(kind: str, type_str: str, is_async: bool) -> int:
@@ -108,7 +125,7 @@ def _result_bytes(kind: str, type_str: str, is_async: bool) -> int:
     if is_async and kind in ("all-gather", "collective-permute"):
         # (operands..., results..., [context]) -> the results
         arrays = [p for p in parts if _ARRAY.search(p) and not p.strip().startswith("u32[]")]
-        parts = arrays[len(arrays) // 2:]
+        parts = arrays[len(arrays) // 2 :]
     return sum(_bytes(p) for p in parts)
 
 
@@ -125,13 +142,18 @@ def _iota(spec: str) -> np.ndarray:
 def _groups(line: str) -> list[list[int]] | None:
     m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
     if m:
-        return [[int(x) for x in g.split(",") if x.strip()]
-                for g in re.findall(r"\{([\d, ]*)\}", m.group(1))]
+        return [
+            [int(x) for x in g.split(",") if x.strip()]
+            for g in re.findall(r"\{([\d, ]*)\}", m.group(1))
+        ]
     m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
     if m:
         return _iota(m.group(1)).tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*"
-                  r"\{([^}]*)\}", line)
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\]"
+        r"(?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*\{([^}]*)\}",
+        line,
+    )
     if m:
         names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         shape = [int(n) for _, n in names]
@@ -169,8 +191,9 @@ def _multipliers(lines: list[str]) -> tuple[dict[str, int], dict[int, str], int]
         owner[i] = current
         trip = _TRIP.search(line)
         for role, callee in _CALLS.findall(line):
-            edges[current].append((callee, (int(trip.group(1)) if trip else None)
-                                   if role == "body" else 1))
+            edges[current].append(
+                (callee, (int(trip.group(1)) if trip else None) if role == "body" else 1)
+            )
         for branches in _BRANCHES.findall(line):
             for callee in re.findall(r"%?([\w.\-]+)", branches):
                 edges[current].append((callee, 1))
@@ -205,9 +228,15 @@ def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
         buffer = _result_bytes(kind, type_str, is_async)
         if kind == "reduce-scatter":
             buffer *= size
-        ledger.collectives.append(Collective(
-            kind=kind, axes=_axes(groups, mesh_shape), group=size, buffer_bytes=buffer,
-            executions=mult.get(owner.get(i), 0)))
+        ledger.collectives.append(
+            Collective(
+                kind=kind,
+                axes=_axes(groups, mesh_shape),
+                group=size,
+                buffer_bytes=buffer,
+                executions=mult.get(owner.get(i), 0),
+            )
+        )
     return ledger
 
 
@@ -216,8 +245,16 @@ def _local_elems(shape, spec, mesh_shape) -> float:
     return math.prod(shape) / split
 
 
-def minimum_bytes(specs, shapes, *, zero: int, mesh_shape: dict, compute_bytes: int,
-                  accum: int, tensor_elements: int | None) -> dict[str, float | None]:
+def minimum_bytes(
+    specs,
+    shapes,
+    *,
+    zero: int,
+    mesh_shape: dict,
+    compute_bytes: int,
+    accum: int,
+    tensor_elements: int | None,
+) -> dict[str, float | None]:
     """Textbook wire bytes per device per step, by axis.
 
     data: ZeRO-0 ring all-reduce 2(N-1)/N of the fp32 gradient; ZeRO-1/2 reduce-scatter
@@ -238,15 +275,22 @@ def minimum_bytes(specs, shapes, *, zero: int, mesh_shape: dict, compute_bytes: 
             data += share * 4 * local * ((accum if zero == 2 else 1) + 1)
         else:
             data += share * compute_bytes * local * 3 * accum
-    tensor = (None if tensor_elements is None else
-              2 * (t - 1) / t * tensor_elements * compute_bytes * accum)
+    tensor = (
+        None
+        if tensor_elements is None
+        else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
+    )
     return {"data": data, "tensor": tensor}
 
 
 def _pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
     out = []
-    jax.tree.map(lambda s, x: out.append((s, tuple(x.shape))), specs, shapes,
-                 is_leaf=lambda x: isinstance(x, LeafSpecs))
+    jax.tree.map(
+        lambda s, x: out.append((s, tuple(x.shape))),
+        specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
     return out
 
 
@@ -257,16 +301,16 @@ def params_per_device(specs, shapes, mesh_shape: dict) -> float:
 
 def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
     """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
-    return int(sum(4 * _local_elems(shape, s.grad, mesh_shape)
-                   for s, shape in _pairs(specs, shapes)))
+    return int(
+        sum(4 * _local_elems(shape, s.grad, mesh_shape) for s, shape in _pairs(specs, shapes))
+    )
 
 
 def state_formula(zero: int, params_per_device: float, n: int) -> float:
     """ZeRO paper's model-state bytes per device for fp32 AdamW (K=8: m and v; 4 for the
     fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N."""
     psi = params_per_device
-    return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(
-        zero, 12 * psi / n)
+    return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
 
 
 def memory(compiled, state_shapes) -> dict[str, int]:
@@ -275,9 +319,12 @@ def memory(compiled, state_shapes) -> dict[str, int]:
     state_sh = compiled.input_shardings[0][0]
 
     def total(shapes, shardings):
-        return int(sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings),
-                                        strict=True)))
+        return int(
+            sum(
+                math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+                for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+            )
+        )
 
     stats = compiled.memory_analysis()
     return {
@@ -288,29 +335,51 @@ def memory(compiled, state_shapes) -> dict[str, int]:
     }
 
 
-def report(compiled, *, specs, shapes, state_shapes, mesh_shape: dict, zero: int,
-           compute_bytes: int, accum: int, tensor_elements: int | None) -> dict:
+def report(
+    compiled,
+    *,
+    specs,
+    shapes,
+    state_shapes,
+    mesh_shape: dict,
+    zero: int,
+    compute_bytes: int,
+    accum: int,
+    tensor_elements: int | None,
+) -> dict:
     """The summary.json sections that describe the compiled step."""
     led = read(compiled.as_text(), mesh_shape)
     mem = memory(compiled, state_shapes)
     psi = params_per_device(specs, shapes, mesh_shape)
-    minimum = minimum_bytes(specs, shapes, zero=zero, mesh_shape=mesh_shape,
-                            compute_bytes=compute_bytes, accum=accum,
-                            tensor_elements=tensor_elements)
+    minimum = minimum_bytes(
+        specs,
+        shapes,
+        zero=zero,
+        mesh_shape=mesh_shape,
+        compute_bytes=compute_bytes,
+        accum=accum,
+        tensor_elements=tensor_elements,
+    )
     wire = {"data": led.wire_bytes({"data"}), "tensor": led.wire_bytes({"tensor"})}
     known = [a for a in wire if minimum[a] is not None]
     total_min = sum(minimum[a] for a in known)
     total_wire = sum(wire[a] for a in known)
     formula = state_formula(zero, psi, mesh_shape.get("data", 1))
     return {
-        "memory_per_device": {"params": mem["params"], "grads": grad_bytes(specs, shapes,
-                                                                         mesh_shape),
-                              "opt_state": mem["opt_state"], "temp": mem["temp"]},
+        "memory_per_device": {
+            "params": mem["params"],
+            "grads": grad_bytes(specs, shapes, mesh_shape),
+            "opt_state": mem["opt_state"],
+            "temp": mem["temp"],
+        },
         # Nothing is offloaded yet: host (pinned_host) memory holds no state.
         "host_memory_per_device": {"params": 0, "opt_state": 0, "activations": 0},
-        "state_bytes": {"actual": mem["params"] + mem["opt_state"], "formula": formula,
-                        "ratio": (mem["params"] + mem["opt_state"]) / formula,
-                        "arguments": mem["arguments"]},
+        "state_bytes": {
+            "actual": mem["params"] + mem["opt_state"],
+            "formula": formula,
+            "ratio": (mem["params"] + mem["opt_state"]) / formula,
+            "arguments": mem["arguments"],
+        },
         "collectives": led.by_kind(),
         "collective_counts": led.counts(),
         "comm": {

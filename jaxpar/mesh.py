@@ -17,22 +17,30 @@ def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
     degrees = {axis: getattr(parallel, axis) for axis in AXES}
     rest = [a for a, d in degrees.items() if d == -1]
     if len(rest) > 1:
-        raise ConfigError(f"parallel.{rest[0]} and parallel.{rest[1]} are both -1: at most one "
-                          "degree may take the remaining devices")
+        raise ConfigError(
+            f"parallel.{rest[0]} and parallel.{rest[1]} are both -1: at most one "
+            "degree may take the remaining devices"
+        )
     fixed = math.prod(d for d in degrees.values() if d != -1)
     shown = " * ".join(f"{a}({d})" for a, d in degrees.items())
     if rest:
         if devices % fixed:
-            raise ConfigError(f"parallel.{rest[0]}=-1: {shown} cannot fill {devices} devices "
-                              f"because {fixed} does not divide {devices}; choose degrees whose "
-                              f"product divides {devices}")
+            raise ConfigError(
+                f"parallel.{rest[0]}=-1: {shown} cannot fill {devices} devices "
+                f"because {fixed} does not divide {devices}; choose degrees whose "
+                f"product divides {devices}"
+            )
         degrees[rest[0]] = devices // fixed
     elif fixed != devices:
-        raise ConfigError(f"parallel degrees: {shown} = {fixed} != {devices} devices; make the "
-                          f"product {devices}, or set one degree to -1")
+        raise ConfigError(
+            f"parallel degrees: {shown} = {fixed} != {devices} devices; make the "
+            f"product {devices}, or set one degree to -1"
+        )
     if degrees["pipeline"] != 1:
-        raise ConfigError(f"parallel.pipeline={degrees['pipeline']}: pipeline stages are not "
-                          "built yet (issue 3); use parallel.pipeline=1")
+        raise ConfigError(
+            f"parallel.pipeline={degrees['pipeline']}: pipeline stages are not "
+            "built yet (issue 3); use parallel.pipeline=1"
+        )
     return degrees
 
 
@@ -68,9 +76,11 @@ def use_cpu_devices(n: int) -> None:
     if xla_bridge.backends_are_initialized():
         have = jax.device_count()
         if have != n or jax.devices()[0].platform != "cpu":
-            raise ConfigError(f"--cpu-devices {n}: jax already started with {have} "
-                              f"{jax.devices()[0].platform} devices in this process; pass "
-                              "--cpu-devices before anything touches jax")
+            raise ConfigError(
+                f"--cpu-devices {n}: jax already started with {have} "
+                f"{jax.devices()[0].platform} devices in this process; pass "
+                "--cpu-devices before anything touches jax"
+            )
         return
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)

@@ -33,8 +33,9 @@ class Problem:
     per_layer_gather: bool = False
 
 
-def from_nnx(make: Callable[[nnx.Rngs], nnx.Module],
-             loss: Callable[[nnx.Module, Any], jax.Array]) -> Problem:
+def from_nnx(
+    make: Callable[[nnx.Rngs], nnx.Module], loss: Callable[[nnx.Module, Any], jax.Array]
+) -> Problem:
     """make(rngs) builds the module; loss(module, batch) returns per-example losses."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
     flat = list(nnx.to_flat_state(abstract))
@@ -43,29 +44,37 @@ def from_nnx(make: Callable[[nnx.Rngs], nnx.Module],
     for key, (_, var) in zip(keys, flat, strict=True):
         spec = var.get_metadata().get("out_sharding")
         if spec is None:
-            raise ConfigError(f"parameter {key} {var.shape} has no logical names; create it "
-                              "with nnx.Param(value, out_sharding=(names...), eager_sharding="
-                              "False) using jaxpar.sharding's names")
+            raise ConfigError(
+                f"parameter {key} {var.shape} has no logical names; create it "
+                "with nnx.Param(value, out_sharding=(names...), eager_sharding="
+                "False) using jaxpar.sharding's names"
+            )
         names[key] = tuple(spec)
 
     def init(key):
         state = nnx.state(make(nnx.Rngs(key)))
-        return {k: v.get_value() for k, (_, v) in
-                zip(keys, nnx.to_flat_state(state), strict=True)}
+        return {k: v.get_value() for k, (_, v) in zip(keys, nnx.to_flat_state(state), strict=True)}
 
     def apply(params, batch, specs=None):
-        state = nnx.from_flat_state([
-            (path, var.replace(params[k], **{SPECS_KEY: specs[k] if specs else None}))
-            for k, (path, var) in zip(keys, flat, strict=True)])
+        state = nnx.from_flat_state(
+            [
+                (path, var.replace(params[k], **{SPECS_KEY: specs[k] if specs else None}))
+                for k, (path, var) in zip(keys, flat, strict=True)
+            ]
+        )
         return loss(nnx.merge(graphdef, state), batch)
 
-    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, (_, v) in zip(keys, flat,
-                                                                             strict=True)}
+    shapes = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, (_, v) in zip(keys, flat, strict=True)
+    }
     return Problem(init=init, shapes=shapes, names=names, loss=apply, per_layer_gather=True)
 
 
-def from_pytree(init: Callable[[jax.Array], Any], loss: Callable[[Any, Any], jax.Array],
-                rules: Sequence[tuple[str, tuple[str, ...]]]) -> Problem:
+def from_pytree(
+    init: Callable[[jax.Array], Any],
+    loss: Callable[[Any, Any], jax.Array],
+    rules: Sequence[tuple[str, tuple[str, ...]]],
+) -> Problem:
     """A plain pytree: `rules` maps regexes (searched in each leaf's path, first match
     wins) to logical names. Every leaf must match one rule."""
     shapes = jax.eval_shape(init, jax.random.key(0))
@@ -76,9 +85,15 @@ def from_pytree(init: Callable[[jax.Array], Any], loss: Callable[[Any, Any], jax
         for pattern, names in compiled:
             if pattern.search(text):
                 return names
-        raise ConfigError(f"parameter {text} {leaf.shape}: no rule matches its path; add a "
-                          f"(regex, names) pair, e.g. ({text.strip('[]')!r}, (...))")
+        raise ConfigError(
+            f"parameter {text} {leaf.shape}: no rule matches its path; add a "
+            f"(regex, names) pair, e.g. ({text.strip('[]')!r}, (...))"
+        )
 
     names = jax.tree_util.tree_map_with_path(name_of, shapes)
-    return Problem(init=init, shapes=shapes, names=names,
-                   loss=lambda params, batch, specs=None: loss(params, batch))
+    return Problem(
+        init=init,
+        shapes=shapes,
+        names=names,
+        loss=lambda params, batch, specs=None: loss(params, batch),
+    )

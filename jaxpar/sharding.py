@@ -60,19 +60,29 @@ def _rule_table(rules) -> dict[str, str | None]:
     return dict(rules)
 
 
-def compute_spec(names: tuple[str, ...], shape: tuple[int, ...], rules, mesh_shape: dict,
-                 path: str = "", skip_axes: tuple[str, ...] = ()) -> PartitionSpec:
+def compute_spec(
+    names: tuple[str, ...],
+    shape: tuple[int, ...],
+    rules,
+    mesh_shape: dict,
+    path: str = "",
+    skip_axes: tuple[str, ...] = (),
+) -> PartitionSpec:
     """Rules applied to a leaf's (or an activation's) logical names."""
     table = _rule_table(rules)
     if len(names) != len(shape):
-        raise ConfigError(f"{path}: {len(names)} logical names {names} for a leaf of shape "
-                          f"{shape}; give one name per dim")
+        raise ConfigError(
+            f"{path}: {len(names)} logical names {names} for a leaf of shape "
+            f"{shape}; give one name per dim"
+        )
     used: set[str] = set()
     spec = []
     for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
         if name not in table:
-            raise ConfigError(f"{path}: logical name {name!r} (dim {dim}) is not in the rules; "
-                              f"use one of {sorted(table)}")
+            raise ConfigError(
+                f"{path}: logical name {name!r} (dim {dim}) is not in the rules; "
+                f"use one of {sorted(table)}"
+            )
         axis = table[name]
         if axis is None or axis in used or axis in skip_axes or mesh_shape.get(axis, 1) == 1:
             spec.append(None)
@@ -81,7 +91,8 @@ def compute_spec(names: tuple[str, ...], shape: tuple[int, ...], rules, mesh_sha
             raise ConfigError(
                 f"{path}: shape {shape} dim {dim} ({name}={size}) is not divisible by "
                 f"{axis}={mesh_shape[axis]} (rule {name} -> {axis}); the leaf would stay "
-                f"replicated. Choose parallel.{axis} dividing {size}, or change {name}")
+                f"replicated. Choose parallel.{axis} dividing {size}, or change {name}"
+            )
         used.add(axis)
         spec.append(axis)
     return PartitionSpec(*spec)
@@ -89,8 +100,11 @@ def compute_spec(names: tuple[str, ...], shape: tuple[int, ...], rules, mesh_sha
 
 def _zero_dim(names, shape, spec: PartitionSpec, n: int) -> int | None:
     """The dim ZeRO splits over `data`: the largest free dim that `data` divides."""
-    free = [d for d in range(len(shape))
-            if spec[d] is None and names[d] not in NOT_ZERO and shape[d] % n == 0]
+    free = [
+        d
+        for d in range(len(shape))
+        if spec[d] is None and names[d] not in NOT_ZERO and shape[d] % n == 0
+    ]
     return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
@@ -100,8 +114,15 @@ def _with_axis(spec: PartitionSpec, dim: int | None, axis: str) -> PartitionSpec
     return PartitionSpec(*(axis if d == dim else a for d, a in enumerate(spec)))
 
 
-def leaf_specs(names: tuple[str, ...], shape: tuple[int, ...], *, rules, zero: int,
-               mesh_shape: dict, path: str = "") -> LeafSpecs:
+def leaf_specs(
+    names: tuple[str, ...],
+    shape: tuple[int, ...],
+    *,
+    rules,
+    zero: int,
+    mesh_shape: dict,
+    path: str = "",
+) -> LeafSpecs:
     """THE placement function: the four specs of one parameter leaf."""
     compute = compute_spec(names, shape, rules, mesh_shape, path)
     n = mesh_shape.get(ZERO_AXIS, 1)
@@ -131,13 +152,21 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
     parameters, that is an error listing the largest; below it they are reported by
     `unsplit_leaves`.
     """
+
     def one(path, names, shape):
-        return leaf_specs(tuple(names), tuple(shape), rules=rules, zero=zero,
-                          mesh_shape=mesh_shape, path=_path(path))
+        return leaf_specs(
+            tuple(names),
+            tuple(shape),
+            rules=rules,
+            zero=zero,
+            mesh_shape=mesh_shape,
+            path=_path(path),
+        )
 
     specs = jax.tree_util.tree_map_with_path(one, names_tree, shapes_tree, is_leaf=_is_names)
-    unsplit = unsplit_leaves(specs, shapes_tree) if zero and mesh_shape.get(ZERO_AXIS, 1) > 1 \
-        else []
+    unsplit = (
+        unsplit_leaves(specs, shapes_tree) if zero and mesh_shape.get(ZERO_AXIS, 1) > 1 else []
+    )
     total = sum(math.prod(s) for s in jax.tree.leaves(shapes_tree, is_leaf=_is_shape))
     left = sum(size for _, _, size in unsplit)
     if left > ZERO_UNSPLIT_LIMIT * total:
@@ -147,7 +176,8 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
             f"parallel.zero={zero}: {len(unsplit)} parameter leaves ({left} of {total} "
             f"parameters, over {ZERO_UNSPLIT_LIMIT:.0%}) have no dim divisible by data={n} and "
             f"would stay replicated on every device (largest: {worst}). Choose parallel.data "
-            f"dividing their sizes, or parallel.zero=0")
+            f"dividing their sizes, or parallel.zero=0"
+        )
     return specs
 
 
@@ -170,8 +200,9 @@ def unsplit_leaves(specs, shapes_tree) -> list[tuple[str, tuple, int]]:
         if zero_dim(s) is None and math.prod(shape) > 1:
             rows.append((_path(path), tuple(shape), math.prod(shape)))
 
-    jax.tree_util.tree_map_with_path(visit, specs, shapes_tree,
-                                     is_leaf=lambda x: isinstance(x, LeafSpecs))
+    jax.tree_util.tree_map_with_path(
+        visit, specs, shapes_tree, is_leaf=lambda x: isinstance(x, LeafSpecs)
+    )
     return sorted(rows, key=lambda r: -r[2])
 
 
@@ -181,14 +212,16 @@ def _is_names(x) -> bool:
 
 def named(mesh, spec_tree):
     """PartitionSpecs -> NamedShardings on `mesh`."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
 
 def pick(spec_tree, field: str):
     """One of the four specs for every leaf of a plan."""
-    return jax.tree.map(lambda s: getattr(s, field), spec_tree,
-                        is_leaf=lambda x: isinstance(x, LeafSpecs))
+    return jax.tree.map(
+        lambda s: getattr(s, field), spec_tree, is_leaf=lambda x: isinstance(x, LeafSpecs)
+    )
 
 
 def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:

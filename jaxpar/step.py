@@ -50,22 +50,30 @@ def optimizer(cfg: Config, names) -> tuple[optax.GradientTransformation, Any]:
     """AdamW with linear warm-up and cosine decay; weight decay on matrices only."""
     t = cfg.train
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, t.lr, warmup_steps=t.warmup, decay_steps=max(t.steps, t.warmup + 1),
-        end_value=t.lr * 0.1)
-    is_matrix = jax.tree.map(lambda n: sum(d != LAYERS for d in n) >= 2, names,
-                             is_leaf=lambda x: isinstance(x, tuple))
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay,
-                       mask=is_matrix), schedule
+        0.0,
+        t.lr,
+        warmup_steps=t.warmup,
+        decay_steps=max(t.steps, t.warmup + 1),
+        end_value=t.lr * 0.1,
+    )
+    is_matrix = jax.tree.map(
+        lambda n: sum(d != LAYERS for d in n) >= 2, names, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    return optax.adamw(
+        schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=is_matrix
+    ), schedule
 
 
 def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
     """(params local blocks, batch local rows) -> (global loss, reduced local gradients)."""
     zero, accum = cfg.parallel.zero, cfg.train.grad_accum
     dtype = DTYPES[cfg.train.precision]
-    placement = Placement(rules=RULES, mesh_shape=dict(mesh.shape), zero=zero,
-                          remat=cfg.parallel.remat)
-    per_mb = jax.tree.map(lambda s: (s.shape[0] // (mesh.shape[DATA] * accum),) + s.shape[1:],
-                          batch_shape)
+    placement = Placement(
+        rules=RULES, mesh_shape=dict(mesh.shape), zero=zero, remat=cfg.parallel.remat
+    )
+    per_mb = jax.tree.map(
+        lambda s: (s.shape[0] // (mesh.shape[DATA] * accum),) + s.shape[1:], batch_shape
+    )
 
     def prepare(x, s: LeafSpecs, names):
         """Master parameter -> what the forward pass reads (compute dtype, ZeRO-3 gathered)."""
@@ -76,8 +84,9 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
         return collectives.gather(x, dim, s.compute)
 
     def losses(params, mb):
-        p = jax.tree.map(prepare, params, specs, problem.names,
-                         is_leaf=lambda x: isinstance(x, LeafSpecs))
+        p = jax.tree.map(
+            prepare, params, specs, problem.names, is_leaf=lambda x: isinstance(x, LeafSpecs)
+        )
         with placing(placement):
             return problem.loss(p, mb, specs)
 
@@ -103,24 +112,32 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
 
         def body(carry, mb):
             loss, acc = carry
-            l, g = grad_fn(params, mb, count)
+            mb_loss_value, g = grad_fn(params, mb, count)
             if zero == 2:  # keep only a slice of each gradient between micro-batches
-                g = _leaves_map(lambda s, x: x if zero_dim(s) is None else scatter(x, s),
-                                specs, g)
-            return (loss + l, jax.tree.map(jnp.add, acc, g)), None
+                g = _leaves_map(lambda s, x: x if zero_dim(s) is None else scatter(x, s), specs, g)
+            return (loss + mb_loss_value, jax.tree.map(jnp.add, acc, g)), None
 
         zeros = jax.tree.map(
             lambda p, s: jnp.zeros(_grad_block_shape(p.shape, s, zero, mesh), jnp.float32),
-            params, specs, is_leaf=lambda x: isinstance(x, LeafSpecs))
+            params,
+            specs,
+            is_leaf=lambda x: isinstance(x, LeafSpecs),
+        )
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
         grads = _leaves_map(finish, specs, grads)
         return jax.lax.psum(loss, DATA), grads
 
     data_only = lambda field: _leaves_map(  # noqa: E731
-        lambda s: only_axes(getattr(s, field), (DATA,)), specs)
+        lambda s: only_axes(getattr(s, field), (DATA,)), specs
+    )
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(data_only("storage"), PartitionSpec(DATA)),
-        out_specs=(PartitionSpec(), data_only("opt")), axis_names={DATA}, check_vma=False)
+        local,
+        mesh=mesh,
+        in_specs=(data_only("storage"), PartitionSpec(DATA)),
+        out_specs=(PartitionSpec(), data_only("opt")),
+        axis_names={DATA},
+        check_vma=False,
+    )
 
 
 def _grad_block_shape(shape, s: LeafSpecs, zero: int, mesh: Mesh) -> tuple[int, ...]:
@@ -133,15 +150,23 @@ def _grad_block_shape(shape, s: LeafSpecs, zero: int, mesh: Mesh) -> tuple[int, 
 
 
 def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
-    specs = plan(problem.names, jax.tree.map(lambda s: s.shape, problem.shapes),
-                 zero=cfg.parallel.zero, mesh_shape=dict(mesh.shape))
+    specs = plan(
+        problem.names,
+        jax.tree.map(lambda s: s.shape, problem.shapes),
+        zero=cfg.parallel.zero,
+        mesh_shape=dict(mesh.shape),
+    )
     tx, schedule = optimizer(cfg, problem.names)
     param_sh = named(mesh, pick(specs, "storage"))
     opt_sh_of_params = named(mesh, pick(specs, "opt"))
     opt_shapes = jax.eval_shape(tx.init, problem.shapes)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, sh: sh, opt_shapes, opt_sh_of_params,
-        transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+        tx,
+        lambda _, sh: sh,
+        opt_shapes,
+        opt_sh_of_params,
+        transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
+    )
     replicated = NamedSharding(mesh, PartitionSpec())
     state_sh = {"step": replicated, "params": param_sh, "opt": opt_sh}
     batch_sh = NamedSharding(mesh, PartitionSpec(DATA))
@@ -152,9 +177,13 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
 
     def train_step(state, batch):
         params = state["params"]
-        grads_fn = _local_grads(problem, cfg, mesh, specs,
-                                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                             batch))
+        grads_fn = _local_grads(
+            problem,
+            cfg,
+            mesh,
+            specs,
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch),
+        )
         loss, grads = grads_fn(params, batch)
         grad_norm = optax.tree.norm(grads)
         clip = cfg.train.clip_norm
@@ -164,13 +193,22 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         params_opt = jax.lax.with_sharding_constraint(params, opt_sh_of_params)
         updates, opt = tx.update(grads, state["opt"], params_opt)
         new_params = jax.lax.with_sharding_constraint(
-            optax.apply_updates(params_opt, updates), param_sh)
+            optax.apply_updates(params_opt, updates), param_sh
+        )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": new_params, "opt": opt}, metrics
 
     return Engine(
-        mesh=mesh, specs=specs, state_shardings=state_sh, batch_sharding=batch_sh,
+        mesh=mesh,
+        specs=specs,
+        state_shardings=state_sh,
+        batch_sharding=batch_sh,
         init=jax.jit(init, out_shardings=state_sh),
-        step=jax.jit(train_step, in_shardings=(state_sh, batch_sh),
-                     out_shardings=(state_sh, replicated), donate_argnums=0),
-        schedule=schedule)
+        step=jax.jit(
+            train_step,
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        ),
+        schedule=schedule,
+    )

@@ -37,18 +37,30 @@ class Result:
 def compile_step(engine: Engine, batch_example: dict):
     """Lower and compile the step for the state and batch shapes; seconds it took."""
     state_shapes = jax.eval_shape(engine.init, jax.random.key(0))
-    state_in = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                            state_shapes, engine.state_shardings)
+    state_in = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        state_shapes,
+        engine.state_shardings,
+    )
     batch_in = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine.batch_sharding),
-        batch_example)
+        batch_example,
+    )
     start = time.perf_counter()
     compiled = engine.step.lower(state_in, batch_in).compile()
     return compiled, time.perf_counter() - start, state_shapes
 
 
-def describe_run(cfg: Config, mesh, problem: Problem, engine: Engine, compiled, compile_s: float,
-                 state_shapes, tensor_elements: int | None) -> dict:
+def describe_run(
+    cfg: Config,
+    mesh,
+    problem: Problem,
+    engine: Engine,
+    compiled,
+    compile_s: float,
+    state_shapes,
+    tensor_elements: int | None,
+) -> dict:
     mesh_shape = describe(mesh)
     summary = {
         "config": config_lib.to_dict(cfg),
@@ -57,17 +69,33 @@ def describe_run(cfg: Config, mesh, problem: Problem, engine: Engine, compiled, 
         "strategy": strategy_name(cfg, mesh_shape),
         "compile_s": round(compile_s, 3),
         "zero_unsplit_leaves": [
-            {"path": p, "shape": list(s)} for p, s, _ in unsplit_leaves(engine.specs, jax.tree.map(
-                lambda x: x.shape, problem.shapes))] if cfg.parallel.zero and mesh_shape["data"] > 1
+            {"path": p, "shape": list(s)}
+            for p, s, _ in unsplit_leaves(
+                engine.specs, jax.tree.map(lambda x: x.shape, problem.shapes)
+            )
+        ]
+        if cfg.parallel.zero and mesh_shape["data"] > 1
         else [],
-        "pipeline": {"stages": [list(range(cfg.model.layers))], "schedule": None,
-                     "bubble": 0.0, "bubble_formula": 0.0},
+        "pipeline": {
+            "stages": [list(range(cfg.model.layers))],
+            "schedule": None,
+            "bubble": 0.0,
+            "bubble_formula": 0.0,
+        },
     }
-    summary.update(ledger.report(
-        compiled, specs=engine.specs, shapes=problem.shapes, state_shapes=state_shapes,
-        mesh_shape=mesh_shape, zero=cfg.parallel.zero,
-        compute_bytes=jnp.dtype(DTYPES[cfg.train.precision]).itemsize,
-        accum=cfg.train.grad_accum, tensor_elements=tensor_elements))
+    summary.update(
+        ledger.report(
+            compiled,
+            specs=engine.specs,
+            shapes=problem.shapes,
+            state_shapes=state_shapes,
+            mesh_shape=mesh_shape,
+            zero=cfg.parallel.zero,
+            compute_bytes=jnp.dtype(DTYPES[cfg.train.precision]).itemsize,
+            accum=cfg.train.grad_accum,
+            tensor_elements=tensor_elements,
+        )
+    )
     return summary
 
 
@@ -87,16 +115,18 @@ def startup_text(summary: dict, params: int) -> str:
         f"  mesh      {' x '.join(f'{a}={n}' for a, n in summary['mesh'].items())} "
         f"({summary['devices']} devices: {jax.devices()[0].platform})",
         f"  model     {params / 1e6:.2f} M parameters",
-        "  memory    per device: " + ", ".join(
-            f"{k} {metrics.human_bytes(v)}" for k, v in mem.items()),
+        "  memory    per device: "
+        + ", ".join(f"{k} {metrics.human_bytes(v)}" for k, v in mem.items()),
         f"  state     {summary['state_bytes']['ratio']:.3f} x the ZeRO formula",
         f"  comm      {metrics.human_bytes(comm['wire_bytes_per_device'])} per device per "
         f"step; {_ratio(comm['ratio'])} x the textbook minimum",
         f"  compiled  in {summary['compile_s']:.1f} s",
     ]
     if summary["zero_unsplit_leaves"]:
-        lines.append(f"  note      ZeRO leaves {len(summary['zero_unsplit_leaves'])} small leaves "
-                     "replicated (no dim divisible by data); see summary.json")
+        lines.append(
+            f"  note      ZeRO left {len(summary['zero_unsplit_leaves'])} small leaf(s) "
+            "replicated (no dim divisible by data); see summary.json"
+        )
     return "\n".join(lines)
 
 
@@ -104,16 +134,25 @@ def _ratio(r) -> str:
     return "-" if r is None else f"{r:.3f}"
 
 
-def train(problem: Problem, cfg: Config, batches: Callable[[int], dict], *,
-          out_dir: Path | None = None, mesh=None, progress: bool = True,
-          tensor_elements: int | None = None, quiet: bool = False) -> Result:
+def train(
+    problem: Problem,
+    cfg: Config,
+    batches: Callable[[int], dict],
+    *,
+    out_dir: Path | None = None,
+    mesh=None,
+    progress: bool = True,
+    tensor_elements: int | None = None,
+    quiet: bool = False,
+) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches."""
     mesh = build_mesh(cfg.parallel) if mesh is None else mesh
     config_lib.check_train(cfg.train, describe(mesh))
     engine = build(problem, cfg, mesh)
     compiled, compile_s, state_shapes = compile_step(engine, batches(0))
-    summary = describe_run(cfg, mesh, problem, engine, compiled, compile_s, state_shapes,
-                           tensor_elements)
+    summary = describe_run(
+        cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
+    )
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
     say = (lambda *_: None) if quiet else tqdm.write
     say(startup_text(summary, n_params))
@@ -122,12 +161,16 @@ def train(problem: Problem, cfg: Config, batches: Callable[[int], dict], *,
         (out_dir / "step.hlo.txt").write_text(compiled.as_text())
     log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None)
     state = engine.init(jax.random.key(cfg.train.seed))
-    state, losses, times = _loop(compiled, engine, state, batches, cfg, log,
-                                 progress and not quiet)
+    state, losses, times = run_loop(
+        compiled, engine, state, batches, cfg, log, progress and not quiet
+    )
     log.close()
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    summary.update(final_loss=losses[-1], step_time_s=float(np.median(times)),
-                   tokens_per_s=tokens / float(np.median(times)))
+    summary.update(
+        final_loss=losses[-1],
+        step_time_s=float(np.median(times)),
+        tokens_per_s=tokens / float(np.median(times)),
+    )
     if out_dir:
         metrics.write_json(out_dir / "summary.json", summary)
         metrics.plot_loss(log.rows, out_dir / "loss.png", summary["strategy"])
@@ -135,7 +178,7 @@ def train(problem: Problem, cfg: Config, batches: Callable[[int], dict], *,
     return Result(losses=losses, params=state["params"], summary=summary, rows=log.rows)
 
 
-def _loop(compiled, engine: Engine, state, batches, cfg: Config, log, progress: bool):
+def run_loop(compiled, engine: Engine, state, batches, cfg: Config, log, progress: bool):
     steps, every = cfg.train.steps, cfg.train.log_every
     tokens = cfg.train.batch_size * cfg.train.seq_len
     losses: list[float] = []
@@ -157,9 +200,14 @@ def _loop(compiled, engine: Engine, state, batches, cfg: Config, log, progress: 
         if (step + 1) % every == 0 or step + 1 == steps:
             dt = float(np.mean(since_log))
             since_log.clear()
-            row = {"step": step + 1, "loss": float(host["loss"]),
-                   "grad_norm": float(host["grad_norm"]), "lr": float(host["lr"]),
-                   "step_time_s": dt, "tokens_per_s": tokens / dt}
+            row = {
+                "step": step + 1,
+                "loss": float(host["loss"]),
+                "grad_norm": float(host["grad_norm"]),
+                "lr": float(host["lr"]),
+                "step_time_s": dt,
+                "tokens_per_s": tokens / dt,
+            }
             log.write(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
@@ -180,10 +228,16 @@ def end_table(summary: dict, losses: list[float]) -> str:
         ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
         ["step time", f"{summary['step_time_s'] * 1e3:.1f} ms (median)"],
         ["tokens/s", f"{summary['tokens_per_s']:.0f}"],
-        ["state / device", f"{metrics.human_bytes(mem['params'] + mem['opt_state'])} "
-                           f"({summary['state_bytes']['ratio']:.3f} x formula)"],
-        ["comm / device", f"{metrics.human_bytes(summary['comm']['wire_bytes_per_device'])} "
-                          f"({_ratio(summary['comm']['ratio'])} x minimum)"],
+        [
+            "state / device",
+            f"{metrics.human_bytes(mem['params'] + mem['opt_state'])} "
+            f"({summary['state_bytes']['ratio']:.3f} x formula)",
+        ],
+        [
+            "comm / device",
+            f"{metrics.human_bytes(summary['comm']['wire_bytes_per_device'])} "
+            f"({_ratio(summary['comm']['ratio'])} x minimum)",
+        ],
     ]
     return "\n" + metrics.table(rows, ["done", summary["strategy"]])
 
@@ -195,13 +249,20 @@ def shipped_problem(cfg: Config, mesh_shape: dict):
     config_lib.check_model(cfg.model, mesh_shape)
     config_lib.check_train(cfg.train, mesh_shape)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
-    problem = from_nnx(lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs),
-                       models.next_token_loss)
+    problem = from_nnx(
+        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs), models.next_token_loss
+    )
     t = cfg.train
 
     def batches(step: int) -> dict:
-        return data.batch_at(tokens, seed=t.seed, step=step, batch_size=t.batch_size,
-                             seq_len=t.seq_len, vocab=cfg.model.vocab)
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=step,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+        )
 
     rows = t.batch_size // (mesh_shape["data"] * t.grad_accum)
     return problem, batches, models.tensor_allreduce_elements(cfg.model, rows, t.seq_len)
@@ -211,5 +272,6 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
     """Train a shipped model as the config says (what `jaxpar train` runs)."""
     mesh = build_mesh(cfg.parallel)
     problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
-    return train(problem, cfg, batches, out_dir=out_dir, mesh=mesh,
-                 tensor_elements=tensor_elements, **kwargs)
+    return train(
+        problem, cfg, batches, out_dir=out_dir, mesh=mesh, tensor_elements=tensor_elements, **kwargs
+    )

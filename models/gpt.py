@@ -17,20 +17,25 @@ from models.common import FeedForward, LayerNorm, embed_tokens, normal, stack
 class Attention(nnx.Module):
     """Q, K, V column-split over heads; the output projection row-split over heads."""
 
-
     def __init__(self, embed: int, heads: int, layers: int, rngs: nnx.Rngs):
         head_dim = embed // heads
         # One fused projection: its input gradient is one partial sum, so one all-reduce.
-        self.wqkv = param(rngs, normal(0.02), (embed, 3, heads, head_dim),
-                          (EMBED, QKV, HEADS, HEAD_DIM))
-        self.wo = param(rngs, normal(0.02 / (2 * layers) ** 0.5), (heads, head_dim, embed),
-                        (HEADS, HEAD_DIM, EMBED))
+        self.wqkv = param(
+            rngs, normal(0.02), (embed, 3, heads, head_dim), (EMBED, QKV, HEADS, HEAD_DIM)
+        )
+        self.wo = param(
+            rngs,
+            normal(0.02 / (2 * layers) ** 0.5),
+            (heads, head_dim, embed),
+            (HEADS, HEAD_DIM, EMBED),
+        )
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
         qkv_BxSx3xHxD = constrain(
             jnp.einsum("bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt)),
-            (BATCH, SEQ, QKV, HEADS, HEAD_DIM))
+            (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
+        )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
         scale = q_BxSxHxD.shape[-1] ** -0.5
         att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)

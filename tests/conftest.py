@@ -15,8 +15,11 @@ def devices():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--update-golden", action="store_true",
-                     help="rewrite tests/golden/*.json from the current code")
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/*.json from the current code",
+    )
 
 
 @pytest.fixture(scope="session")

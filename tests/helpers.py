@@ -32,8 +32,9 @@ def assert_same_training(result, reference, rtol: float = 1e-4) -> None:
     for (path, got), (_, want) in zip(got_leaves, want_leaves, strict=True):
         got, want = np.asarray(got), np.asarray(want)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= rtol, f"parameter {jax.tree_util.keystr(path)}: relative error " \
-                            f"{err:.2e} > {rtol}"
+        assert err <= rtol, (
+            f"parameter {jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+        )
 
 
 @functools.cache
@@ -48,5 +49,6 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
     problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
     compiled, seconds, state_shapes = compile_step(engine, batches(0))
-    return describe_run(cfg, mesh, problem, engine, compiled, seconds, state_shapes,
-                        tensor_elements)
+    return describe_run(
+        cfg, mesh, problem, engine, compiled, seconds, state_shapes, tensor_elements
+    )

@@ -36,10 +36,12 @@ class Classifier(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
-        self.w = jaxpar.param(rngs, nnx.initializers.normal(0.1), (HIDDEN, 2 * HIDDEN),
-                              (EMBED, MLP))
-        self.v = jaxpar.param(rngs, nnx.initializers.normal(0.1), (2 * HIDDEN, HIDDEN),
-                              (MLP, EMBED))
+        self.w = jaxpar.param(
+            rngs, nnx.initializers.normal(0.1), (HIDDEN, 2 * HIDDEN), (EMBED, MLP)
+        )
+        self.v = jaxpar.param(
+            rngs, nnx.initializers.normal(0.1), (2 * HIDDEN, HIDDEN), (MLP, EMBED)
+        )
 
     def __call__(self, h):
         u = jaxpar.constrain(jax.nn.relu(h @ self.w[...]), (BATCH, MLP))
@@ -57,8 +59,9 @@ def nnx_loss(model, batch):
 
 
 def train(problem, devices, **parallel):
-    cfg = jaxpar.Config(parallel=jaxpar.Parallel(**parallel),
-                        train=jaxpar.Train(steps=10, batch_size=32, lr=1e-2))
+    cfg = jaxpar.Config(
+        parallel=jaxpar.Parallel(**parallel), train=jaxpar.Train(steps=10, batch_size=32, lr=1e-2)
+    )
     mesh = jaxpar.build_mesh(cfg.parallel, devices)
     return jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True)
 
@@ -74,8 +77,10 @@ def test_user_nnx_module_every_strategy_equals_one_device(devices):
 def test_plain_pytree_with_regex_rules(devices):
     def init(key):
         k1, k2 = jax.random.split(key)
-        return {"hidden": {"kernel": jax.random.normal(k1, (FEATURES, HIDDEN)) * 0.1},
-                "head": {"kernel": jax.random.normal(k2, (HIDDEN, CLASSES)) * 0.1}}
+        return {
+            "hidden": {"kernel": jax.random.normal(k1, (FEATURES, HIDDEN)) * 0.1},
+            "head": {"kernel": jax.random.normal(k2, (HIDDEN, CLASSES)) * 0.1},
+        }
 
     def loss(params, batch):
         h = jnp.tanh(batch["x"] @ params["hidden"]["kernel"])

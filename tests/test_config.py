@@ -19,14 +19,21 @@ def test_presets_parse_and_start_with_their_command(name):
     assert cfg.train.steps > 0
 
 
-@pytest.mark.parametrize("degrees", [
-    (8, 1), (4, 2), (2, 4), (1, 8),
-])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        (8, 1),
+        (4, 2),
+        (2, 4),
+        (1, 8),
+    ],
+)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_gpt_tiny_valid_for_every_strategy(degrees, zero):
     data, tensor = degrees
-    cfg = config.load("gpt-tiny", [f"parallel.data={data}", f"parallel.tensor={tensor}",
-                                   f"parallel.zero={zero}"])
+    cfg = config.load(
+        "gpt-tiny", [f"parallel.data={data}", f"parallel.tensor={tensor}", f"parallel.zero={zero}"]
+    )
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     config.check_model(cfg.model, mesh_shape)
     config.check_train(cfg.train, mesh_shape)
@@ -37,12 +44,18 @@ BAD = {
     "product": (["parallel.data=3"], ["data(3) * pipeline(1) * tensor(1) = 3 != 8"]),
     "two-rest": (["parallel.data=-1", "parallel.tensor=-1"], ["parallel.data", "-1"]),
     "rest-indivisible": (["parallel.tensor=3"], ["parallel.data=-1", "3 does not divide 8"]),
-    "heads": (["parallel.data=2", "parallel.tensor=4", "model.heads=6", "model.embed=96"],
-              ["model.heads=6", "parallel.tensor=4"]),
-    "mlp": (["parallel.data=1", "parallel.tensor=8", "model.mlp=100"],
-            ["model.mlp=100", "parallel.tensor=8"]),
-    "vocab": (["parallel.data=1", "parallel.tensor=8", "model.vocab=260"],
-              ["model.vocab=260", "parallel.tensor=8"]),
+    "heads": (
+        ["parallel.data=2", "parallel.tensor=4", "model.heads=6", "model.embed=96"],
+        ["model.heads=6", "parallel.tensor=4"],
+    ),
+    "mlp": (
+        ["parallel.data=1", "parallel.tensor=8", "model.mlp=100"],
+        ["model.mlp=100", "parallel.tensor=8"],
+    ),
+    "vocab": (
+        ["parallel.data=1", "parallel.tensor=8", "model.vocab=260"],
+        ["model.vocab=260", "parallel.tensor=8"],
+    ),
     "batch": (["parallel.data=8", "train.batch_size=12"], ["train.batch_size=12", "data(8)"]),
     "accum": (["parallel.data=8", "train.grad_accum=3"], ["train.grad_accum(3)", "24"]),
     "unknown-key": (["train.stepz=3"], ["train.stepz", "did you mean train.steps"]),
@@ -51,8 +64,10 @@ BAD = {
     "negative": (["train.lr=-1"], ["train.lr=-1", "positive"]),
     "zero-steps": (["train.steps=0"], ["train.steps=0", "positive"]),
     "choice": (["parallel.zero=4"], ["parallel.zero=4", "[0, 1, 2, 3]"]),
-    "missing-file": (["data.source=file", "data.path=/no/such.txt"],
-                     ["data.path='/no/such.txt'", "no such file"]),
+    "missing-file": (
+        ["data.source=file", "data.path=/no/such.txt"],
+        ["data.path='/no/such.txt'", "no such file"],
+    ),
     "embed-heads": (["model.embed=100"], ["model.embed=100", "model.heads=8"]),
     "vocab-text": (["model.vocab=128"], ["model.vocab=128", "256"]),
     "no-equals": (["train.steps"], ["'train.steps'", "KEY=VALUE"]),
@@ -64,8 +79,18 @@ BAD = {
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_exits_2_with_one_message(case, capsys, devices):
     overrides, needles = BAD[case]
-    code = cli.main(["train", "--config", "gpt-tiny", "--cpu-devices", "8", *overrides,
-                     "--out", "/nonexistent/never-written"])
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            "gpt-tiny",
+            "--cpu-devices",
+            "8",
+            *overrides,
+            "--out",
+            "/nonexistent/never-written",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
@@ -76,8 +101,17 @@ def test_bad_input_exits_2_with_one_message(case, capsys, devices):
 def test_short_corpus_file(tmp_path, capsys, devices):
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    code = cli.main(["train", "--config", "gpt-tiny", "data.source=file",
-                     f"data.path={short}", "--out", str(tmp_path / "run")])
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            "gpt-tiny",
+            "data.source=file",
+            f"data.path={short}",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "9 bytes" in err and "train.seq_len" in err
 
@@ -94,11 +128,26 @@ def test_bad_preset_and_bad_yaml(tmp_path, capsys):
 def test_no_traceback_from_the_installed_command(tmp_path):
     """The real console entry point, in a fresh process: exit 2, one line, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny",
-         "parallel.data=3", "--cpu-devices", "8", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli",
+            "train",
+            "--config",
+            "gpt-tiny",
+            "parallel.data=3",
+            "--cpu-devices",
+            "8",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "jaxpar: error: parallel degrees: data(3) * pipeline(1) * tensor(1) = 3 != 8 devices; "
-        "make the product 8, or set one degree to -1"]
+        "make the product 8, or set one degree to -1"
+    ]

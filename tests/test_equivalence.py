@@ -12,8 +12,12 @@ STRATEGIES = {
     "dp4-tp2-zero3": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
     "dp2-tp4-zero2": ["parallel.data=2", "parallel.tensor=4", "parallel.zero=2"],
     "tp8": ["parallel.data=1", "parallel.tensor=8"],
-    "dp4-tp2-zero3-remat": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3",
-                            "parallel.remat=full"],
+    "dp4-tp2-zero3-remat": [
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+        "parallel.remat=full",
+    ],
 }
 SINGLE = ["parallel.data=1", "parallel.tensor=1"]
 
@@ -36,20 +40,22 @@ def test_grad_accum_equals_one_big_batch(devices):
     """grad_accum=4 on the same global batch, with ZeRO-0 and ZeRO-2 (sliced accumulator)."""
     base = run("gpt-tiny", ["parallel.data=2", "parallel.zero=0", "train.grad_accum=1"])
     for zero in (0, 2):
-        accum = run("gpt-tiny", ["parallel.data=2", f"parallel.zero={zero}",
-                                 "train.grad_accum=4"])
+        accum = run("gpt-tiny", ["parallel.data=2", f"parallel.zero={zero}", "train.grad_accum=4"])
         assert_same_training(accum, base)
 
 
 def test_mlp_model_with_tensor_and_zero3(devices):
     ref = run("mlp-tiny", SINGLE)
-    assert_same_training(run("mlp-tiny", ["parallel.data=4", "parallel.tensor=2",
-                                          "parallel.zero=3"]), ref)
+    assert_same_training(
+        run("mlp-tiny", ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"]), ref
+    )
 
 
 def test_bf16_close_to_fp32(reference):
     """bf16 compute keeps fp32 master weights: the loss curve stays close."""
-    bf16 = run("gpt-tiny", ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3",
-                            "train.precision=bf16"])
+    bf16 = run(
+        "gpt-tiny",
+        ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3", "train.precision=bf16"],
+    )
     for got, want in zip(bf16.losses, reference.losses, strict=True):
         assert abs(got - want) / want < 1e-2

@@ -34,11 +34,16 @@ def _specs(preset: str, overrides) -> dict:
     cfg = config.load(preset, list(overrides))
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     problem, _, _ = shipped_problem(cfg, mesh_shape)
-    specs = plan(problem.names, jax.tree.map(lambda s: s.shape, problem.shapes),
-                 zero=cfg.parallel.zero, mesh_shape=mesh_shape)
-    return {path: {field: ",".join(a or "-" for a in getattr(s, field))
-                   for field in LeafSpecs._fields}
-            for path, s in sorted(specs.items())}
+    specs = plan(
+        problem.names,
+        jax.tree.map(lambda s: s.shape, problem.shapes),
+        zero=cfg.parallel.zero,
+        mesh_shape=mesh_shape,
+    )
+    return {
+        path: {field: ",".join(a or "-" for a in getattr(s, field)) for field in LeafSpecs._fields}
+        for path, s in sorted(specs.items())
+    }
 
 
 def _check(name: str, actual: dict, update: bool) -> None:
@@ -47,16 +52,22 @@ def _check(name: str, actual: dict, update: bool) -> None:
         path.write_text(json.dumps(actual, indent=1, sort_keys=True) + "\n")
         pytest.skip(f"rewrote {path}")
     assert actual == json.loads(path.read_text()), (
-        f"{path} differs; if intended, rerun with --update-golden and review the diff")
+        f"{path} differs; if intended, rerun with --update-golden and review the diff"
+    )
 
 
 def test_partition_specs(update_golden):
-    actual = {f"{model}/{name}": _specs(model, overrides)
-              for model in MODELS for name, overrides in STRATEGIES.items()}
+    actual = {
+        f"{model}/{name}": _specs(model, overrides)
+        for model in MODELS
+        for name, overrides in STRATEGIES.items()
+    }
     _check("partition_specs.json", actual, update_golden)
 
 
 def test_collective_counts(devices, update_golden):
-    actual = {name: compile_only("gpt-tiny", overrides)["collective_counts"]
-              for name, overrides in STRATEGIES.items()}
+    actual = {
+        name: compile_only("gpt-tiny", overrides)["collective_counts"]
+        for name, overrides in STRATEGIES.items()
+    }
     _check("collective_counts.json", actual, update_golden)

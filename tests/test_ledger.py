@@ -5,6 +5,7 @@ from helpers import compile_only
 
 from jaxpar import ledger
 
+
 def summary(*overrides: str) -> dict:
     return compile_only("gpt-tiny", overrides)
 
@@ -22,21 +23,26 @@ def test_state_bytes_match_zero_formula(devices, mesh, zero):
 
 
 def test_state_shrinks_stage_by_stage(devices):
-    state = [summary("parallel.data=8", f"parallel.zero={z}")["state_bytes"]["actual"]
-             for z in range(4)]
+    state = [
+        summary("parallel.data=8", f"parallel.zero={z}")["state_bytes"]["actual"] for z in range(4)
+    ]
     assert state[0] > state[1] == state[2] > state[3]
     assert state[0] / state[3] == pytest.approx(8, rel=0.02)
 
 
-@pytest.mark.parametrize("overrides", [
-    ("parallel.data=8", "parallel.zero=0"),
-    ("parallel.data=8", "parallel.zero=1"),
-    ("parallel.data=8", "parallel.zero=2"),
-    ("parallel.data=8", "parallel.zero=3"),
-    ("parallel.data=1", "parallel.tensor=8"),
-    ("parallel.data=4", "parallel.tensor=2", "parallel.zero=1"),
-    ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
-], ids=lambda o: "-".join(x.split(".")[1] for x in o))
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("parallel.data=8", "parallel.zero=0"),
+        ("parallel.data=8", "parallel.zero=1"),
+        ("parallel.data=8", "parallel.zero=2"),
+        ("parallel.data=8", "parallel.zero=3"),
+        ("parallel.data=1", "parallel.tensor=8"),
+        ("parallel.data=4", "parallel.tensor=2", "parallel.zero=1"),
+        ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+    ],
+    ids=lambda o: "-".join(x.split(".")[1] for x in o),
+)
 def test_comm_at_textbook_minimum(devices, overrides):
     comm = summary(*overrides)["comm"]
     assert comm["unknown_trip_counts"] == 0
@@ -61,8 +67,10 @@ def test_zero3_gathers_again_for_backward(devices):
 
 
 def test_zero3_keeps_less_in_temporaries_than_zero0(devices):
-    temp = {z: summary("parallel.data=8", f"parallel.zero={z}")["memory_per_device"]["temp"]
-            for z in (0, 3)}
+    temp = {
+        z: summary("parallel.data=8", f"parallel.zero={z}")["memory_per_device"]["temp"]
+        for z in (0, 3)
+    }
     assert temp[3] < temp[0]
 
 
@@ -105,6 +113,10 @@ def test_parser_reads_kinds_axes_bytes_and_trip_counts():
     assert (mesh_form.axes, mesh_form.group, mesh_form.buffer_bytes) == (("data",), 4, 20)
     cp = rows["collective-permute"]
     assert (cp.axes, cp.buffer_bytes, cp.wire_bytes) == (("data",), 16, 16)
-    assert led.counts() == {"all-gather@data": 3, "all-reduce@data": 1,
-                            "all-reduce@tensor": 3, "collective-permute@data": 1,
-                            "reduce-scatter@data": 1}
+    assert led.counts() == {
+        "all-gather@data": 3,
+        "all-reduce@data": 1,
+        "all-reduce@tensor": 3,
+        "collective-permute@data": 1,
+        "reduce-scatter@data": 1,
+    }

@@ -1,0 +1,114 @@
+"""`jaxpar bench`: every strategy on gpt-tiny, measured in one run.
+
+Per strategy: compile time, bare step time and tokens/s, model-state bytes against the
+ZeRO formula, wire bytes against the textbook minimum, and the trainer's step time
+over the bare compiled step (the loop's own overhead).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+
+from jaxpar import config, metrics
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.step import build
+from jaxpar.trainer import compile_step, describe_run, run_loop, shipped_problem
+
+PRESET = "gpt-tiny"
+STRATEGIES = {
+    "dp8-zero0": ("parallel.data=8", "parallel.zero=0"),
+    "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
+    "dp8-zero2": ("parallel.data=8", "parallel.zero=2"),
+    "dp8-zero3": ("parallel.data=8", "parallel.zero=3"),
+    "dp4-tp2-zero0": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=0"),
+    "dp4-tp2-zero3": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+    "dp2-tp4-zero2": ("parallel.data=2", "parallel.tensor=4", "parallel.zero=2"),
+    "tp8": ("parallel.data=1", "parallel.tensor=8"),
+}
+WARMUP = 3
+REPEATS = 3
+
+
+def measure(overrides: tuple[str, ...], steps: int) -> dict:
+    cfg = config.load(PRESET, [*overrides, f"train.steps={steps}", "train.log_every=1"])
+    mesh = build_mesh(cfg.parallel)
+    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
+    engine = build(problem, cfg, mesh)
+    compiled, compile_s, state_shapes = compile_step(engine, batches(0))
+    summary = describe_run(
+        cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
+    )
+    state = engine.init(jax.random.key(0))
+    on_device = [jax.device_put(batches(i), engine.batch_sharding) for i in range(steps)]
+    for batch in on_device[:WARMUP]:
+        state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
+    bare, loop = [], []
+    for _ in range(REPEATS):  # alternate, keep each one's best: CPU timings are noisy
+        start = time.perf_counter()
+        for batch in on_device:
+            state, _ = compiled(state, batch)
+        jax.block_until_ready(state)
+        bare.append((time.perf_counter() - start) / steps)
+        start = time.perf_counter()
+        state, _, _ = run_loop(
+            compiled, engine, state, batches, cfg, metrics.MetricsLog(None), progress=False
+        )
+        loop.append((time.perf_counter() - start) / steps)
+    bare, loop = min(bare), min(loop)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    return {
+        "compile_s": compile_s,
+        "step_s": bare,
+        "tokens_per_s": tokens / bare,
+        "state": summary["state_bytes"],
+        "comm": summary["comm"],
+        "trainer_over_bare": loop / bare,
+    }
+
+
+def run_bench(steps: int = 20, out: Path | None = None) -> dict:
+    results = {}
+    for name, overrides in STRATEGIES.items():
+        results[name] = measure(overrides, steps)
+        print(f"measured {name}", flush=True)
+    rows = [
+        [
+            name,
+            f"{r['compile_s']:.1f}",
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            metrics.human_bytes(r["state"]["actual"]),
+            metrics.human_bytes(r["state"]["formula"]),
+            f"{r['state']['ratio']:.3f}",
+            metrics.human_bytes(r["comm"]["wire_bytes_per_device"]),
+            metrics.human_bytes(r["comm"]["minimum_bytes_per_device"]),
+            f"{r['comm']['ratio']:.3f}",
+            f"{r['trainer_over_bare']:.3f}",
+        ]
+        for name, r in results.items()
+    ]
+    header = [
+        "strategy",
+        "compile s",
+        "step ms",
+        "tokens/s",
+        "state",
+        "ZeRO formula",
+        "ratio",
+        "comm/step",
+        "minimum",
+        "ratio",
+        "trainer/bare",
+    ]
+    print(
+        f"\n{PRESET} on {jax.device_count()} {jax.devices()[0].platform} devices; step time "
+        f"is the best of {REPEATS} runs of {steps} steps\n"
+    )
+    print(metrics.table(rows, header))
+    if out:
+        metrics.write_json(out, results)
+    return results
