@@ -1,0 +1,52 @@
+"""The one placement function and its errors."""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError
+from jaxpar.sharding import EMBED, HEADS, LAYERS, MLP, RULES, VOCAB, leaf_specs, plan
+
+MESH = {"data": 4, "pipeline": 1, "tensor": 2}
+
+
+def specs(names, shape, zero, mesh=MESH):
+    return leaf_specs(names, shape, rules=RULES, zero=zero, mesh_shape=mesh, path="w")
+
+
+def test_megatron_and_zero_placement():
+    s = specs((LAYERS, EMBED, MLP), (4, 64, 256), zero=3)
+    assert s.compute == P(None, None, "tensor")
+    assert s.storage == s.grad == s.opt == P(None, "data", "tensor")
+    # Each stage adds one more split over data; LAYERS is never split by ZeRO.
+    assert specs((LAYERS, EMBED, MLP), (4, 64, 256), zero=0).opt == P(None, None, "tensor")
+    s1 = specs((LAYERS, EMBED, MLP), (4, 64, 256), zero=1)
+    assert (s1.storage, s1.grad, s1.opt) == (s1.compute, s1.compute, P(None, "data", "tensor"))
+    s2 = specs((LAYERS, EMBED, MLP), (4, 64, 256), zero=2)
+    assert (s2.storage, s2.grad) == (s2.compute, P(None, "data", "tensor"))
+
+
+def test_zero_picks_the_largest_free_dim():
+    assert specs((VOCAB, EMBED), (256, 64), zero=1).opt == P("tensor", "data")
+    assert specs((EMBED, EMBED), (8, 64), zero=1, mesh={**MESH, "tensor": 1}).opt == P(
+        None, "data"
+    )
+
+
+def test_rule_that_cannot_split_is_an_error_naming_leaf_and_rule():
+    with pytest.raises(ConfigError, match=r"w: shape \(4, 6, 8\) dim 1 \(heads=6\).*tensor=4"):
+        specs((LAYERS, HEADS, EMBED), (4, 6, 8), zero=0, mesh={**MESH, "tensor": 4})
+
+
+def test_unknown_logical_name_is_an_error():
+    with pytest.raises(ConfigError, match="'hidden' .* not in the rules"):
+        specs(("hidden", EMBED), (8, 8), zero=0)
+
+
+def test_zero_refuses_to_leave_much_replicated():
+    names = {"big": (EMBED, MLP), "small": (MLP,)}
+    shapes = {"big": (6, 6), "small": (2,)}  # nothing divisible by data=4
+    with pytest.raises(ConfigError, match=r"2 parameter leaves .*largest: big \(6, 6\)"):
+        plan(names, shapes, zero=1, mesh_shape={**MESH, "tensor": 1})
+    # A tiny unsplit leaf among large split ones is allowed (and reported by the trainer).
+    shapes = {"big": (64, 64), "small": (2,)}
+    assert plan(names, shapes, zero=1, mesh_shape={**MESH, "tensor": 1})["small"].opt == P(None)
