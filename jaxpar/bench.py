@@ -15,7 +15,13 @@ import jax
 from jaxpar import config, metrics
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.step import build
-from jaxpar.trainer import compile_step, describe_run, run_loop, shipped_problem
+from jaxpar.trainer import (
+    compile_step,
+    describe_run,
+    run_loop,
+    shipped_problem,
+    tokens_per_step,
+)
 
 PRESET = "gpt-tiny"
 STRATEGIES = {
@@ -41,6 +47,7 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
     summary = describe_run(
         cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
     )
+    tokens = tokens_per_step(problem, batches(0))
     state = engine.init(jax.random.key(0))
     on_device = [jax.device_put(batches(i), engine.batch_sharding) for i in range(steps)]
     for batch in on_device[:WARMUP]:
@@ -55,11 +62,10 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         bare.append((time.perf_counter() - start) / steps)
         start = time.perf_counter()
         state, _, _ = run_loop(
-            compiled, engine, state, batches, cfg, metrics.MetricsLog(None), progress=False
+            compiled, engine, state, batches, cfg, metrics.MetricsLog(None), tokens, False
         )
         loop.append((time.perf_counter() - start) / steps)
     bare, loop = min(bare), min(loop)
-    tokens = cfg.train.batch_size * cfg.train.seq_len
     return {
         "compile_s": compile_s,
         "step_s": bare,

@@ -51,6 +51,12 @@ def compile_step(engine: Engine, batch_example: dict):
     return compiled, time.perf_counter() - start, state_shapes
 
 
+def tokens_per_step(problem: Problem, batch: dict) -> int:
+    """Loss elements in one global batch: tokens for a language model, examples for a
+    classifier (the unit of tokens_per_s)."""
+    return math.prod(jax.eval_shape(problem.loss, problem.shapes, batch).shape)
+
+
 def describe_run(
     cfg: Config,
     mesh,
@@ -153,6 +159,7 @@ def train(
     summary = describe_run(
         cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
     )
+    tokens = tokens_per_step(problem, batches(0))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
     say = (lambda *_: None) if quiet else tqdm.write
     say(startup_text(summary, n_params))
@@ -162,11 +169,11 @@ def train(
     log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None)
     state = engine.init(jax.random.key(cfg.train.seed))
     state, losses, times = run_loop(
-        compiled, engine, state, batches, cfg, log, progress and not quiet
+        compiled, engine, state, batches, cfg, log, tokens, progress and not quiet
     )
     log.close()
-    tokens = cfg.train.batch_size * cfg.train.seq_len
     summary.update(
+        tokens_per_step=tokens,
         final_loss=losses[-1],
         step_time_s=float(np.median(times)),
         tokens_per_s=tokens / float(np.median(times)),
@@ -178,9 +185,11 @@ def train(
     return Result(losses=losses, params=state["params"], summary=summary, rows=log.rows)
 
 
-def run_loop(compiled, engine: Engine, state, batches, cfg: Config, log, progress: bool):
+def run_loop(
+    compiled, engine: Engine, state, batches, cfg: Config, log, tokens: int, progress: bool
+):
+    """Run cfg.train.steps steps; returns (state, losses, per-step seconds)."""
     steps, every = cfg.train.steps, cfg.train.log_every
-    tokens = cfg.train.batch_size * cfg.train.seq_len
     losses: list[float] = []
     times: list[float] = []
     bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, leave=True)

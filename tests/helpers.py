@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -51,4 +53,11 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
     compiled, seconds, state_shapes = compile_step(engine, batches(0))
     return describe_run(
         cfg, mesh, problem, engine, compiled, seconds, state_shapes, tensor_elements
+    )
+
+
+def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
+    """`jaxpar ARGS` in a fresh process (so --cpu-devices really sets up jax)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", *args], capture_output=True, text=True, timeout=300
     )

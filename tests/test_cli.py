@@ -1,34 +1,26 @@
 """`jaxpar train` end to end: the run directory keeps its contract."""
 
 import json
-import subprocess
-import sys
+
+from helpers import jaxpar_command
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
 
 def test_train_writes_run_directory(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.cli",
-            "train",
-            "--config",
-            "gpt-tiny",
-            "parallel.data=4",
-            "parallel.tensor=2",
-            "parallel.zero=1",
-            "train.steps=4",
-            "--cpu-devices",
-            "8",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = jaxpar_command(
+        "train",
+        "--config",
+        "gpt-tiny",
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.zero=1",
+        "train.steps=4",
+        "--cpu-devices",
+        "8",
+        "--out",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr
     assert "data=4 x tensor=2, ZeRO-1, fp32" in proc.stdout  # start-up summary

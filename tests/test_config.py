@@ -1,9 +1,7 @@
 """Presets parse; every configuration mistake exits 2 with one message naming key and fix."""
 
-import subprocess
-import sys
-
 import pytest
+from helpers import jaxpar_command
 
 from jaxpar import cli, config
 from jaxpar.mesh import resolve_degrees
@@ -127,23 +125,15 @@ def test_bad_preset_and_bad_yaml(tmp_path, capsys):
 
 def test_no_traceback_from_the_installed_command(tmp_path):
     """The real console entry point, in a fresh process: exit 2, one line, no traceback."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.cli",
-            "train",
-            "--config",
-            "gpt-tiny",
-            "parallel.data=3",
-            "--cpu-devices",
-            "8",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = jaxpar_command(
+        "train",
+        "--config",
+        "gpt-tiny",
+        "parallel.data=3",
+        "--cpu-devices",
+        "8",
+        "--out",
+        str(tmp_path),
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -27,9 +27,7 @@ def test_megatron_and_zero_placement():
 
 def test_zero_picks_the_largest_free_dim():
     assert specs((VOCAB, EMBED), (256, 64), zero=1).opt == P("tensor", "data")
-    assert specs((EMBED, EMBED), (8, 64), zero=1, mesh={**MESH, "tensor": 1}).opt == P(
-        None, "data"
-    )
+    assert specs((EMBED, EMBED), (8, 64), zero=1, mesh={**MESH, "tensor": 1}).opt == P(None, "data")
 
 
 def test_rule_that_cannot_split_is_an_error_naming_leaf_and_rule():
