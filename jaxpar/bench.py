@@ -46,7 +46,7 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
     engine = build(problem, cfg, mesh)
     compiled, compile_s, state_shapes = compile_step(engine, batches(0))
     summary = describe_run(
-        cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
+        cfg, mesh, engine, compiled, compile_s, state_shapes, tensor_elements, batches(0)
     )
     tokens = tokens_per_step(problem, batches(0))
     state = engine.init(jax.random.key(0))

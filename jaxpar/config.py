@@ -23,9 +23,12 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     data: int = -1  # degree of the `data` axis; -1 = all devices left over
-    pipeline: int = 1  # degree of the `pipeline` axis (pipeline schedules: see issue 3)
+    pipeline: int = 1  # degree of the `pipeline` axis: stages of the layer stack
     tensor: int = 1  # degree of the `tensor` axis (Megatron column/row splits)
     zero: int = 0  # ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters
+    microbatches: int = 1  # pipeline micro-batches each data shard's batch is split into
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # chunks of layers per device (schedule=interleaved)
     remat: str = "none"  # activation checkpointing of each layer: none | full
 
 
@@ -71,6 +74,7 @@ class Config:
 CHOICES = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.remat": ("none", "full"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
     "data.source": ("corpus", "file", "synthetic"),
@@ -218,14 +222,35 @@ def replace(cfg: Config, **sections) -> Config:
     )
 
 
-def check_train(train: Train, mesh_shape: dict) -> None:
+def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
-    data = mesh_shape["data"]
-    if train.batch_size % (data * train.grad_accum):
+    train, parallel, data = cfg.train, cfg.parallel, mesh_shape["data"]
+    parts = data * train.grad_accum * parallel.microbatches
+    if train.batch_size % parts:
         raise ConfigError(
             f"train.batch_size={train.batch_size} does not split into data({data}) * "
-            f"train.grad_accum({train.grad_accum}) = {data * train.grad_accum} equal parts; "
-            f"use a multiple of {data * train.grad_accum}"
+            f"train.grad_accum({train.grad_accum}) * parallel.microbatches"
+            f"({parallel.microbatches}) = {parts} equal parts; use a multiple of {parts}"
+        )
+    pipelined = mesh_shape["pipeline"] > 1
+    if parallel.microbatches > 1 and not pipelined:
+        raise ConfigError(
+            f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
+            "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
+        )
+    interleaved = parallel.schedule == "interleaved"
+    if (parallel.virtual_stages > 1) != interleaved and pipelined:
+        raise ConfigError(
+            f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
+            f"{parallel.virtual_stages}: virtual stages (2 or more) go with "
+            "schedule=interleaved, and only with it"
+        )
+    p, m = mesh_shape["pipeline"], parallel.microbatches
+    if pipelined and interleaved and m % p:
+        raise ConfigError(
+            f"parallel.microbatches={m} is not a multiple of parallel.pipeline={p}: the "
+            "interleaved schedule sends micro-batches round the stages in groups of "
+            f"{p}; use {p * max(1, m // p)} or {p * (m // p + 1)}"
         )
 
 

@@ -75,10 +75,11 @@ def _layer_value(var: nnx.Variable, zero: int):
     return collectives.gather(value, dim - 1, jax.sharding.PartitionSpec(*specs.compute[1:]))
 
 
-def scan_layers(stack: nnx.Module, carry, fn: Callable):
+def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None = None):
     """carry = fn(layer, carry) for each layer of `stack` (an nnx.vmap-stacked module).
 
-    Every parameter of `stack` must have `layers` as its first logical name.
+    Every parameter of `stack` must have `layers` as its first logical name. `active`
+    ([layers] bool) skips the layers it marks False (a pipeline stage's padding).
     """
     graphdef, state = nnx.split(stack)
     for path, var in nnx.to_flat_state(state):
@@ -107,5 +108,13 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable):
         # (A policy refusing to save only the all-gathers still left the whole gathered
         # weights stored for backward: no all-gather in the backward loop of the HLO.)
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
+    if active is None:
+        carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
+    else:
+        skip = lambda c, s: c  # noqa: E731
+        carry, _ = jax.lax.scan(
+            lambda c, xs: (jax.lax.cond(xs[0], body, skip, c, xs[1]), None),
+            carry,
+            (active, state),
+        )
     return carry

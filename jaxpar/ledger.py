@@ -82,8 +82,12 @@ class Ledger:
             row["axes"][key] = row["axes"].get(key, 0) + c.executions
         return out
 
-    def wire_bytes(self, axes: set[str] | None = None) -> float:
-        return sum(c.wire_bytes for c in self.collectives if axes is None or set(c.axes) & axes)
+    def wire_bytes(self, axes: set[str] | None = None, kinds: set[str] | None = None) -> float:
+        return sum(
+            c.wire_bytes
+            for c in self.collectives
+            if (axes is None or set(c.axes) & axes) and (kinds is None or c.kind in kinds)
+        )
 
     def counts(self) -> dict[str, int]:
         """Executions per step by 'kind@axes' (for golden files); trivial groups skipped."""
@@ -211,6 +215,15 @@ def _multipliers(lines: list[str]) -> tuple[dict[str, int], dict[int, str], int]
 
     visit(entry, 1)
     return mult, owner, unknown
+
+
+def loop_trip_counts(hlo_text: str, scope: str) -> list[int]:
+    """Trip counts of the while loops traced under jax.named_scope(scope)."""
+    return [
+        int(trip.group(1))
+        for line in hlo_text.splitlines()
+        if " while(" in line and scope in line and (trip := _TRIP.search(line))
+    ]
 
 
 def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:

@@ -36,11 +36,6 @@ def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
             f"parallel degrees: {shown} = {fixed} != {devices} devices; make the "
             f"product {devices}, or set one degree to -1"
         )
-    if degrees["pipeline"] != 1:
-        raise ConfigError(
-            f"parallel.pipeline={degrees['pipeline']}: pipeline stages are not "
-            "built yet (issue 3); use parallel.pipeline=1"
-        )
     return degrees
 
 

@@ -18,7 +18,29 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.layers import SPECS_KEY
+from jaxpar.layers import SPECS_KEY, scan_layers
+
+
+@dataclass(frozen=True)
+class Stages:
+    """How to cut an NNX model into pipeline stages: pre -> layers of `stack` -> post."""
+
+    pre: Callable[[nnx.Module, Any], jax.Array]  # (model, batch) -> activation
+    stack: str  # attribute holding the nnx.vmap-stacked layers
+    layer: Callable[[nnx.Module, jax.Array], jax.Array]  # (one layer, activation) -> activation
+    post: Callable[[nnx.Module, jax.Array, Any], jax.Array]  # (model, act., batch) -> losses
+    costs: tuple[float, float, float] = (0.0, 1.0, 0.0)  # relative cost: pre, a layer, post
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A problem's pipeline pieces as functions of parameter dicts (built by from_nnx)."""
+
+    stack_keys: tuple[str, ...]  # parameters of the layer stack, [layers, ...] each
+    pre: Callable[..., jax.Array]  # (params, batch, specs) -> activation
+    chunk: Callable[..., jax.Array]  # (stack params [n, ...], act., active [n], specs) -> act.
+    post: Callable[..., jax.Array]  # (params, activation, batch, specs) -> per-example losses
+    costs: tuple[float, float, float]
 
 
 @dataclass(frozen=True)
@@ -31,13 +53,19 @@ class Problem:
     # True when leaves named `layers` are gathered layer by layer inside
     # jaxpar.layers.scan_layers (ZeRO-3); otherwise the step gathers every leaf up front.
     per_layer_gather: bool = False
+    parts: Parts | None = None  # what pipeline parallelism needs; None: no stages
 
 
 def from_nnx(
-    make: Callable[[nnx.Rngs], nnx.Module], loss: Callable[[nnx.Module, Any], jax.Array]
+    make: Callable[[nnx.Rngs], nnx.Module],
+    loss: Callable[[nnx.Module, Any], jax.Array],
+    stages: Stages | None = None,
 ) -> Problem:
-    """make(rngs) builds the module; loss(module, batch) returns per-example losses."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+    """make(rngs) builds the module; loss(module, batch) returns per-example losses.
+    `stages` (optional) says how to cut it for pipeline parallelism; its pre, stack and
+    post must compose to `loss`."""
+    abstract_model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(abstract_model)
     flat = list(nnx.to_flat_state(abstract))
     keys = ["/".join(map(str, path)) for path, _ in flat]
     names = {}
@@ -55,19 +83,52 @@ def from_nnx(
         state = nnx.state(make(nnx.Rngs(key)))
         return {k: v.get_value() for k, (_, v) in zip(keys, nnx.to_flat_state(state), strict=True)}
 
-    def apply(params, batch, specs=None):
-        state = nnx.from_flat_state(
+    def variables(params, specs, entries):
+        return nnx.from_flat_state(
             [
                 (path, var.replace(params[k], **{SPECS_KEY: specs[k] if specs else None}))
-                for k, (path, var) in zip(keys, flat, strict=True)
+                for k, path, var in entries
             ]
         )
-        return loss(nnx.merge(graphdef, state), batch)
+
+    everything = [(k, path, var) for k, (path, var) in zip(keys, flat, strict=True)]
+
+    def model(params, specs):
+        return nnx.merge(graphdef, variables(params, specs, everything))
 
     shapes = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, (_, v) in zip(keys, flat, strict=True)
     }
-    return Problem(init=init, shapes=shapes, names=names, loss=apply, per_layer_gather=True)
+    return Problem(
+        init=init,
+        shapes=shapes,
+        names=names,
+        loss=lambda params, batch, specs=None: loss(model(params, specs), batch),
+        per_layer_gather=True,
+        parts=None
+        if stages is None
+        else _parts(stages, getattr(abstract_model, stages.stack), everything, model, variables),
+    )
+
+
+def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Parts:
+    stack_graphdef, _ = nnx.split(abstract_stack)
+    prefix = (stages.stack,)
+    stack_entries = [(k, path[1:], var) for k, path, var in everything if path[:1] == prefix]
+    if not stack_entries:
+        raise ConfigError(f"Stages.stack={stages.stack!r}: the model has no parameters there")
+
+    def chunk(params, h, active, specs):
+        stack = nnx.merge(stack_graphdef, variables(params, specs, stack_entries))
+        return scan_layers(stack, h, stages.layer, active)
+
+    return Parts(
+        stack_keys=tuple(k for k, _, _ in stack_entries),
+        pre=lambda params, batch, specs: stages.pre(model(params, specs), batch),
+        chunk=chunk,
+        post=lambda params, h, batch, specs: stages.post(model(params, specs), h, batch),
+        costs=stages.costs,
+    )
 
 
 def from_pytree(

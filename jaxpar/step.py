@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import collectives
-from jaxpar.config import Config
+from jaxpar import collectives, pipeline
+from jaxpar.config import Config, ConfigError
 from jaxpar.layers import Placement, placing
 from jaxpar.problem import Problem
-from jaxpar.sharding import LAYERS, RULES, LeafSpecs, named, only_axes, pick, plan, zero_dim
+from jaxpar.sharding import LAYERS, RULES, STAGE, LeafSpecs, named, only_axes, pick, plan, zero_dim
 
 DATA = "data"
+PIPE = "pipeline"
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -40,6 +41,14 @@ class Engine:
     init: Any  # jitted: key -> state, created directly in its sharding
     step: Any  # jitted: (state, batch) -> (state, metrics); state is donated
     schedule: Any  # step -> learning rate
+    layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
+    problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
+
+    def export(self, params):
+        """Parameters in the model's own layout (the layer stack unstaged)."""
+        return (
+            params if self.layout is None else pipeline.unstaged(self.problem, self.layout, params)
+        )
 
 
 def _leaves_map(fn, *trees):
@@ -57,14 +66,16 @@ def optimizer(cfg: Config, names) -> tuple[optax.GradientTransformation, Any]:
         end_value=t.lr * 0.1,
     )
     is_matrix = jax.tree.map(
-        lambda n: sum(d != LAYERS for d in n) >= 2, names, is_leaf=lambda x: isinstance(x, tuple)
+        lambda n: sum(d not in (LAYERS, STAGE) for d in n) >= 2,
+        names,
+        is_leaf=lambda x: isinstance(x, tuple),
     )
     return optax.adamw(
-        schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=is_matrix
+        schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=mask
     ), schedule
 
 
-def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
+def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, layout):
     """(params local blocks, batch local rows) -> (global loss, reduced local gradients)."""
     zero, accum = cfg.parallel.zero, cfg.train.grad_accum
     dtype = DTYPES[cfg.train.precision]
@@ -83,15 +94,45 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
             return x  # layer stacks are gathered one layer at a time by scan_layers
         return collectives.gather(x, dim, s.compute)
 
-    def losses(params, mb):
-        p = jax.tree.map(
+    def prepared(params):
+        return jax.tree.map(
             prepare, params, specs, problem.names, is_leaf=lambda x: isinstance(x, LeafSpecs)
         )
+
+    def losses(params, mb):
         with placing(placement):
-            return problem.loss(p, mb, specs)
+            if layout is None:
+                return problem.loss(prepared(params), mb, specs)
+            p, parts = prepared(params), problem.parts  # the per-example loss shape
+            return parts.post(p, parts.pre(p, mb, specs), mb, specs)
 
     def mb_loss(params, mb, count):
         return jnp.sum(losses(params, mb).astype(jnp.float32)) / count
+
+    pipe = layout and pipeline.Pipe(
+        problem, layout, cfg.parallel.schedule, cfg.parallel.microbatches, specs
+    )
+
+    def pipelined_loss(params, mb, count):
+        with placing(placement):
+            return pipeline.circular_loss(pipe, prepared(params), mb, count)
+
+    def one_f_one_b(params, mb, count):
+        def prepare_rest(rest):
+            return {k: prepare(v, specs[k], problem.names[k]) for k, v in rest.items()}
+
+        def cast(x):
+            return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        with placing(placement):
+            return pipeline.one_f_one_b_grads(pipe, params, mb, count, prepare_rest, cast)
+
+    if layout is None:
+        grad_fn = jax.value_and_grad(mb_loss)
+    elif cfg.parallel.schedule == "1f1b":
+        grad_fn = one_f_one_b
+    else:
+        grad_fn = jax.value_and_grad(pipelined_loss)
 
     def scatter(g, s: LeafSpecs):
         """Reduce a ZeRO-split leaf's gradient to its slice (not for unsplit leaves)."""
@@ -108,7 +149,6 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
         mbs = jax.tree.map(lambda x, shp: x.reshape((accum,) + shp), batch, per_mb)
         probe = jax.eval_shape(losses, params, jax.tree.map(lambda x: x[0], mbs))
         count = math.prod(probe.shape) * mesh.shape[DATA] * accum  # elements in the global batch
-        grad_fn = jax.value_and_grad(mb_loss)
 
         def body(carry, mb):
             loss, acc = carry
@@ -124,18 +164,20 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape):
             is_leaf=lambda x: isinstance(x, LeafSpecs),
         )
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+        if pipe:  # leaves every stage holds got their gradient on one stage
+            grads = pipeline.reduce_shared(pipe, grads, specs)
         grads = _leaves_map(finish, specs, grads)
-        return jax.lax.psum(loss, DATA), grads
+        return jax.lax.psum(loss, (DATA, PIPE)), grads
 
-    data_only = lambda field: _leaves_map(  # noqa: E731
-        lambda s: only_axes(getattr(s, field), (DATA,)), specs
+    manual = lambda field: _leaves_map(  # noqa: E731
+        lambda s: only_axes(getattr(s, field), (DATA, PIPE)), specs
     )
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(data_only("storage"), PartitionSpec(DATA)),
-        out_specs=(PartitionSpec(), data_only("opt")),
-        axis_names={DATA},
+        in_specs=(manual("storage"), PartitionSpec(DATA)),
+        out_specs=(PartitionSpec(), manual("opt")),
+        axis_names={DATA, PIPE},
         check_vma=False,
     )
 
@@ -150,6 +192,19 @@ def _grad_block_shape(shape, s: LeafSpecs, zero: int, mesh: Mesh) -> tuple[int, 
 
 
 def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
+    layout = None
+    if mesh.shape[PIPE] > 1:
+        if problem.parts is None:
+            raise ConfigError(
+                f"parallel.pipeline={mesh.shape[PIPE]}: this model has no pipeline stages; "
+                "build it with jaxpar.from_nnx(..., stages=jaxpar.Stages(...)), or use "
+                "parallel.pipeline=1"
+            )
+        layers = problem.shapes[problem.parts.stack_keys[0]].shape[0]
+        layout = pipeline.assign(
+            layers, mesh.shape[PIPE], cfg.parallel.virtual_stages, problem.parts.costs
+        )
+        problem = pipeline.staged(problem, layout)
     specs = plan(
         problem.names,
         jax.tree.map(lambda s: s.shape, problem.shapes),
@@ -183,6 +238,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
             mesh,
             specs,
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch),
+            layout,
         )
         loss, grads = grads_fn(params, batch)
         grad_norm = optax.tree.norm(grads)
@@ -211,4 +267,6 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
             donate_argnums=0,
         ),
         schedule=schedule,
+        layout=layout,
+        problem=problem,
     )

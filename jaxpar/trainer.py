@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar import config as config_lib
-from jaxpar import data, ledger, metrics
+from jaxpar import data, ledger, metrics, pipeline
 from jaxpar.config import Config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.problem import Problem, from_nnx
@@ -60,14 +60,15 @@ def tokens_per_step(problem: Problem, batch: dict) -> int:
 def describe_run(
     cfg: Config,
     mesh,
-    problem: Problem,
     engine: Engine,
     compiled,
     compile_s: float,
     state_shapes,
     tensor_elements: int | None,
+    batch: dict,
 ) -> dict:
     mesh_shape = describe(mesh)
+    problem = engine.problem
     summary = {
         "config": config_lib.to_dict(cfg),
         "mesh": mesh_shape,
@@ -82,12 +83,7 @@ def describe_run(
         ]
         if cfg.parallel.zero and mesh_shape["data"] > 1
         else [],
-        "pipeline": {
-            "stages": [list(range(cfg.model.layers))],
-            "schedule": None,
-            "bubble": 0.0,
-            "bubble_formula": 0.0,
-        },
+        "pipeline": pipeline_summary(cfg, engine, compiled.as_text(), mesh_shape, batch),
     }
     summary.update(
         ledger.report(
@@ -105,9 +101,53 @@ def describe_run(
     return summary
 
 
+def pipeline_summary(cfg: Config, engine: Engine, hlo: str, mesh_shape: dict, batch) -> dict:
+    """Stage assignment, schedule, bubble (from the compiled tick loop) and hand-over bytes."""
+    layout, parts = engine.layout, engine.problem.parts
+    if layout is None:
+        layers = engine.problem.shapes[parts.stack_keys[0]].shape[0] if parts else 0
+        return {
+            "stages": [list(range(layers))],
+            "schedule": None,
+            "bubble": 0.0,
+            "bubble_formula": 0.0,
+        }
+    p, m, v = layout.stages, cfg.parallel.microbatches, layout.virtual
+    schedule = cfg.parallel.schedule
+    loop = max(ledger.loop_trip_counts(hlo, "pipeline_ticks"), default=0)
+    rows = jax.tree.leaves(batch)[0].shape[0] // (mesh_shape["data"] * cfg.train.grad_accum * m)
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype), batch)
+    h = jax.eval_shape(lambda prm, b: parts.pre(prm, b, None), engine.problem.shapes, mb)
+    h_bytes = math.prod(h.shape) * jnp.dtype(DTYPES[cfg.train.precision]).itemsize
+    # Each hand-over between consecutive chunks carries one activation each way per
+    # micro-batch; p * v - 1 hand-overs, shared by p devices.
+    minimum = 2 * m * cfg.train.grad_accum * h_bytes * (p * v - 1) / p
+    permutes = ledger.read(hlo, mesh_shape).wire_bytes({"pipeline"}, kinds={"collective-permute"})
+    return {
+        "stages": layout.device_layers(),
+        "chunks": [list(c) for c in layout.chunks],
+        "schedule": schedule,
+        "microbatches": m,
+        "virtual_stages": v,
+        "ticks": loop,
+        "bubble": pipeline.bubble(schedule, p, m, v, loop) if loop else None,
+        "bubble_formula": pipeline.bubble_formula(p, m, v),
+        "permute_bytes_per_device": permutes,
+        "permute_minimum_per_device": minimum,
+        "permute_ratio": permutes / minimum,
+    }
+
+
 def strategy_name(cfg: Config, mesh_shape: dict) -> str:
     axes = " x ".join(f"{axis}={n}" for axis, n in mesh_shape.items() if n > 1)
     extras = [f"ZeRO-{cfg.parallel.zero}", cfg.train.precision]
+    if mesh_shape["pipeline"] > 1:
+        p = cfg.parallel
+        extras.insert(
+            0,
+            f"{p.schedule} m={p.microbatches}"
+            + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+        )
     if cfg.train.grad_accum > 1:
         extras.append(f"grad_accum={cfg.train.grad_accum}")
     return ", ".join([axes or "single device", *extras])
@@ -128,6 +168,13 @@ def startup_text(summary: dict, params: int) -> str:
         f"step; {_ratio(comm['ratio'])} x the textbook minimum",
         f"  compiled  in {summary['compile_s']:.1f} s",
     ]
+    pipe = summary["pipeline"]
+    if pipe["schedule"]:
+        lines.append(
+            f"  stages    layers per device {pipe['stages']}; {pipe['schedule']}, "
+            f"{pipe['ticks']} ticks, bubble {pipe['bubble']:.3f} "
+            f"(formula {pipe['bubble_formula']:.3f})"
+        )
     if summary["zero_unsplit_leaves"]:
         lines.append(
             f"  note      ZeRO left {len(summary['zero_unsplit_leaves'])} small leaf(s) "
@@ -153,11 +200,11 @@ def train(
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches."""
     mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-    config_lib.check_train(cfg.train, describe(mesh))
+    config_lib.check_train(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
     compiled, compile_s, state_shapes = compile_step(engine, batches(0))
     summary = describe_run(
-        cfg, mesh, problem, engine, compiled, compile_s, state_shapes, tensor_elements
+        cfg, mesh, engine, compiled, compile_s, state_shapes, tensor_elements, batches(0)
     )
     tokens = tokens_per_step(problem, batches(0))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
@@ -182,7 +229,9 @@ def train(
         metrics.write_json(out_dir / "summary.json", summary)
         metrics.plot_loss(log.rows, out_dir / "loss.png", summary["strategy"])
     say(end_table(summary, losses))
-    return Result(losses=losses, params=state["params"], summary=summary, rows=log.rows)
+    return Result(
+        losses=losses, params=engine.export(state["params"]), summary=summary, rows=log.rows
+    )
 
 
 def run_loop(
@@ -256,10 +305,12 @@ def shipped_problem(cfg: Config, mesh_shape: dict):
     import models  # noqa: PLC0415 (models import jaxpar; keep `import jaxpar` cycle-free)
 
     config_lib.check_model(cfg.model, mesh_shape)
-    config_lib.check_train(cfg.train, mesh_shape)
+    config_lib.check_train(cfg, mesh_shape)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     problem = from_nnx(
-        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs), models.next_token_loss
+        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs),
+        models.next_token_loss,
+        models.stages(cfg.model, cfg.train.seq_len),
     )
     t = cfg.train
 
@@ -274,7 +325,14 @@ def shipped_problem(cfg: Config, mesh_shape: dict):
         )
 
     rows = t.batch_size // (mesh_shape["data"] * t.grad_accum)
-    return problem, batches, models.tensor_allreduce_elements(cfg.model, rows, t.seq_len)
+    # With a pipeline each device runs some layers, and the head or embedding on some
+    # stages only: the Megatron count per device has no single value.
+    tensor = (
+        None
+        if mesh_shape["pipeline"] > 1
+        else models.tensor_allreduce_elements(cfg.model, rows, t.seq_len)
+    )
+    return problem, batches, tensor
 
 
 def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:

@@ -7,6 +7,9 @@ import optax
 from flax import nnx
 
 from jaxpar.config import Model
+from jaxpar.layers import scan_layers
+from jaxpar.problem import Stages
+from models.common import apply_layer
 from models.gpt import GPT
 from models.mlp import MLP
 
@@ -17,11 +20,35 @@ def build(cfg: Model, seq_len: int, rngs: nnx.Rngs) -> nnx.Module:
     return MODELS[cfg.name](cfg, seq_len, rngs)
 
 
+def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
+    """The pipeline's first piece: tokens[:, :-1] -> residual stream."""
+    return model.embed(batch["tokens"][:, :-1])
+
+
+def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
+    """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:]."""
+    logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["tokens"][:, 1:])
+
+
 def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:
     """Per-token cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-    tokens_BxT = batch["tokens"]
-    logits_BxSxV = model(tokens_BxT[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, tokens_BxT[:, 1:])
+    x_BxSxE = scan_layers(model.blocks, embed_inputs(model, batch), apply_layer)
+    return token_losses(model, x_BxSxE, batch)
+
+
+def stages(cfg: Model, seq_len: int) -> Stages:
+    """How the shipped models are cut into pipeline stages, with forward FLOPs per token
+    of the embedding, one block and the output head (for balancing the stages)."""
+    e, m, v = cfg.embed, cfg.mlp, cfg.vocab
+    block = {"gpt": 8 * e * e + 4 * e * m + 4 * seq_len * e, "mlp": 4 * e * m}[cfg.name]
+    return Stages(
+        pre=embed_inputs,
+        stack="blocks",
+        layer=apply_layer,
+        post=token_losses,
+        costs=(2 * v * e, block, 2 * e * v),
+    )
 
 
 # Megatron all-reduces of a [batch, seq, embed] activation over `tensor`, per micro-batch:

@@ -68,3 +68,8 @@ def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Arra
     vocab = table_VxE.shape[0]
     onehot_BxSxV = jax.nn.one_hot(tokens_BxS, vocab, dtype=dtype)
     return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ, EMBED))
+
+
+def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array) -> jax.Array:
+    """One layer of a stack, for jaxpar.scan_layers."""
+    return layer(x_BxSxE)

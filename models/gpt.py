@@ -11,7 +11,7 @@ from flax import nnx
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, embed_tokens, normal, stack
+from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal, stack
 
 
 class Attention(nnx.Module):
@@ -68,10 +68,15 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.embed, rngs)
         self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
-    def __call__(self, tokens_BxS):
+    def embed(self, tokens_BxS):
         dt = self.head.dtype
         x_BxSxE = embed_tokens(self.tokens, tokens_BxS, dt)
-        x_BxSxE = x_BxSxE + self.positions[...][None, : tokens_BxS.shape[1]].astype(dt)
-        x_BxSxE = scan_layers(self.blocks, x_BxSxE, lambda block, x: block(x))
-        logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(dt)
+        return x_BxSxE + self.positions[...][None, : tokens_BxS.shape[1]].astype(dt)
+
+    def logits(self, x_BxSxE):
+        logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(x_BxSxE.dtype)
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
+
+    def __call__(self, tokens_BxS):
+        x_BxSxE = scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer)
+        return self.logits(x_BxSxE)

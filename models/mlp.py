@@ -8,7 +8,7 @@ from flax import nnx
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, embed_tokens, normal, stack
+from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal, stack
 
 
 class Residual(nnx.Module):
@@ -27,8 +27,11 @@ class MLP(nnx.Module):
         self.blocks = stack(lambda r: Residual(cfg, r), cfg.layers, rngs)
         self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
+    def embed(self, tokens_BxS):
+        return embed_tokens(self.tokens, tokens_BxS, self.head.dtype)
+
+    def logits(self, x_BxSxE):
+        return constrain(x_BxSxE @ self.head[...].astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
+
     def __call__(self, tokens_BxS):
-        dt = self.head.dtype
-        x_BxSxE = embed_tokens(self.tokens, tokens_BxS, dt)
-        x_BxSxE = scan_layers(self.blocks, x_BxSxE, lambda block, x: block(x))
-        return constrain(x_BxSxE @ self.head[...].astype(dt), (BATCH, SEQ, VOCAB))
+        return self.logits(scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer))

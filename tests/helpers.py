@@ -52,7 +52,7 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
     engine = build(problem, cfg, mesh)
     compiled, seconds, state_shapes = compile_step(engine, batches(0))
     return describe_run(
-        cfg, mesh, problem, engine, compiled, seconds, state_shapes, tensor_elements
+        cfg, mesh, engine, compiled, seconds, state_shapes, tensor_elements, batches(0)
     )
 
 

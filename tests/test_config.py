@@ -34,7 +34,7 @@ def test_gpt_tiny_valid_for_every_strategy(degrees, zero):
     )
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     config.check_model(cfg.model, mesh_shape)
-    config.check_train(cfg.train, mesh_shape)
+    config.check_train(cfg, mesh_shape)
     assert cfg.model.layers >= 4 and cfg.train.batch_size == 16
 
 
