@@ -65,13 +65,14 @@ def optimizer(cfg: Config, names) -> tuple[optax.GradientTransformation, Any]:
         decay_steps=max(t.steps, t.warmup + 1),
         end_value=t.lr * 0.1,
     )
+    # Decay matrices only; the stacking dims (layers, stage) do not make a matrix.
     is_matrix = jax.tree.map(
         lambda n: sum(d not in (LAYERS, STAGE) for d in n) >= 2,
         names,
         is_leaf=lambda x: isinstance(x, tuple),
     )
     return optax.adamw(
-        schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=mask
+        schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=is_matrix
     ), schedule
 
 
