@@ -3,8 +3,8 @@ and its per-device memory by category, and sets them against the textbook minimu
 
 Wire bytes per device use the ring factors: all-reduce 2(n-1)/n of the buffer,
 all-gather and all-to-all (n-1)/n of the gathered buffer, reduce-scatter (n-1)/n of
-the input, collective-permute 1x. Collectives inside loops count once per iteration
-(XLA's known_trip_count).
+the input, collective-permute 1x for each device that sends (averaged over the
+devices). Collectives inside loops count once per iteration (XLA's known_trip_count).
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ class Collective:
     group: int  # devices per group
     buffer_bytes: int  # result bytes (reduce-scatter: its input)
     executions: int  # times per step (loop trip counts multiplied)
+    senders: float = 1.0  # collective-permute: share of devices that send
 
     @property
     def wire_bytes(self) -> float:
         n = self.group
         if n <= 1:
             return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": self.senders}.get(
             self.kind, (n - 1) / n
         )
         return factor * self.buffer_bytes * self.executions
@@ -248,6 +249,9 @@ def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
                 group=size,
                 buffer_bytes=buffer,
                 executions=mult.get(owner.get(i), 0),
+                senders=len(groups) / math.prod(mesh_shape.values())
+                if kind == "collective-permute" and groups
+                else 1.0,
             )
         )
     return ledger

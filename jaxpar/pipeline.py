@@ -189,6 +189,16 @@ def ticks(schedule: str, p: int, m: int, v: int) -> int:
     return v * m + p - 1
 
 
+def handover_share(schedule: str, p: int, m: int) -> float:
+    """Share of the tick loop's hand-overs that really happen: 1f1b skips the ticks on
+    which no stage sends that way (the ledger, reading the HLO, counts every tick)."""
+    if schedule != "1f1b":
+        return 1.0
+    table, _ = one_f_one_b(p, m)
+    fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + (table[:, 1:, 0] == BWD).any(axis=1).sum()
+    return float(fired) / (2 * len(table))
+
+
 def bubble(schedule: str, p: int, m: int, v: int, loop_ticks: int) -> float:
     """Idle share of a device's ticks, given the loop's trip count."""
     busy = 2 * m if schedule == "1f1b" else v * m
@@ -267,7 +277,8 @@ def circular_loss(pipe: Pipe, params: dict, batch, count: int):
             lambda: jnp.sum(parts.post(params, y, mb, pipe.specs).astype(jnp.float32)),
             lambda: jnp.zeros((), jnp.float32),
         )
-        send = jax.lax.ppermute(y, PIPE, [(s, (s + 1) % p) for s in range(p)])
+        # Round the ring only when chunks wrap round it (interleaved).
+        send = jax.lax.ppermute(y, PIPE, [(s, (s + 1) % p) for s in range(p - (v == 1))])
         return (send, loss), None
 
     init = (jnp.zeros(h_shape.shape, h_shape.dtype), jnp.zeros((), jnp.float32))
@@ -282,6 +293,8 @@ def one_f_one_b_grads(pipe: Pipe, params: dict, batch, count: int, prepare_rest,
     p = layout.stages
     table, slots_n = one_f_one_b(p, m)
     table_j = jnp.asarray(table)
+    sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
+    sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
     stage = jax.lax.axis_index(PIPE)
     stack, rest_storage = _split(params, pipe.stack_keys)
     rest, rest_vjp = jax.vjp(prepare_rest, rest_storage)
@@ -342,8 +355,18 @@ def one_f_one_b_grads(pipe: Pipe, params: dict, batch, count: int, prepare_rest,
     def tick(state, t):
         kind, i = table_j[t, stage, 0], table_j[t, stage, 1]
         state, send_f, send_b = jax.lax.switch(kind, [idle, forward, backward], state, i)
-        got_f = jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)])
-        got_b = jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)])
+        # Hand over only on ticks where some stage has something to hand over (the
+        # condition is the same on every device, so the collective stays matched).
+        got_f = jax.lax.cond(
+            sends_f[t],
+            lambda: jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)]),
+            lambda: zeros_h,
+        )
+        got_b = jax.lax.cond(
+            sends_b[t],
+            lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
+            lambda: zeros_h,
+        )
         acts, gins, g_stack, g_rest, loss = state
         # File what the neighbours handed over, by the table's record of what they ran.
         prev_kind, prev_i = table_j[t, stage - 1, 0], table_j[t, stage - 1, 1]

@@ -122,7 +122,9 @@ def pipeline_summary(cfg: Config, engine: Engine, hlo: str, mesh_shape: dict, ba
     # Each hand-over between consecutive chunks carries one activation each way per
     # micro-batch; p * v - 1 hand-overs, shared by p devices.
     minimum = 2 * m * cfg.train.grad_accum * h_bytes * (p * v - 1) / p
-    permutes = ledger.read(hlo, mesh_shape).wire_bytes({"pipeline"}, kinds={"collective-permute"})
+    permutes = ledger.read(hlo, mesh_shape).wire_bytes(
+        {"pipeline"}, kinds={"collective-permute"}
+    ) * pipeline.handover_share(schedule, p, m)
     return {
         "stages": layout.device_layers(),
         "chunks": [list(c) for c in layout.chunks],
