@@ -35,6 +35,21 @@ STRATEGIES = {
     "dp2-tp4-zero2": ("parallel.data=2", "parallel.tensor=4", "parallel.zero=2"),
     "tp8": ("parallel.data=1", "parallel.tensor=8"),
 }
+# Pipeline schedules on 8 devices (data=4 x pipeline=2), 8 micro-batches of 1 sequence.
+SCHEDULES = {
+    name: (
+        "parallel.data=4",
+        "parallel.pipeline=2",
+        "parallel.microbatches=8",
+        "train.batch_size=32",
+        *extra,
+    )
+    for name, extra in {
+        "gpipe": ("parallel.schedule=gpipe",),
+        "1f1b": ("parallel.schedule=1f1b",),
+        "interleaved-v2": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
+    }.items()
+}
 WARMUP = 3
 REPEATS = 3
 
@@ -87,6 +102,8 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         "comm": summary["comm"],
         "trainer_over_bare": loop / bare,
         "host_s": host,
+        "temp": summary["memory_per_device"]["temp"],
+        "pipeline": summary["pipeline"],
     }
 
 
@@ -131,6 +148,37 @@ def run_bench(steps: int = 20, out: Path | None = None) -> dict:
         f"is the best of {REPEATS} runs of {steps} steps\n"
     )
     print(metrics.table(rows, header))
+    pipes = {}
+    for name, overrides in SCHEDULES.items():
+        pipes[name] = measure(overrides, steps)
+        print(f"measured {name}", flush=True)
+    rows = [
+        [
+            name,
+            f"{r['pipeline']['bubble']:.3f}",
+            f"{r['pipeline']['bubble_formula']:.3f}",
+            metrics.human_bytes(r["temp"]),
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            metrics.human_bytes(r["pipeline"]["permute_bytes_per_device"]),
+            metrics.human_bytes(r["pipeline"]["permute_minimum_per_device"]),
+            f"{r['pipeline']['permute_ratio']:.3f}",
+        ]
+        for name, r in pipes.items()
+    ]
+    header = [
+        "schedule",
+        "bubble",
+        "formula",
+        "temp",
+        "step ms",
+        "tokens/s",
+        "permute",
+        "minimum",
+        "ratio",
+    ]
+    print(f"\npipeline schedules, {PRESET}: {' '.join(SCHEDULES['gpipe'][:4])}\n")
+    print(metrics.table(rows, header))
     if out:
-        metrics.write_json(out, results)
+        metrics.write_json(out, {"strategies": results, "schedules": pipes})
     return results

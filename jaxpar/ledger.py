@@ -404,6 +404,7 @@ def report(
             "minimum_bytes_per_device": total_min,
             "ratio": total_wire / total_min if total_min else None,
             "by_axis": {a: {"wire": wire[a], "minimum": minimum[a]} for a in wire},
+            "ratio_axes": known,
             "unknown_trip_counts": led.unknown_trip_counts,
         },
     }

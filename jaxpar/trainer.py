@@ -167,7 +167,8 @@ def startup_text(summary: dict, params: int) -> str:
         + ", ".join(f"{k} {metrics.human_bytes(v)}" for k, v in mem.items()),
         f"  state     {summary['state_bytes']['ratio']:.3f} x the ZeRO formula",
         f"  comm      {metrics.human_bytes(comm['wire_bytes_per_device'])} per device per "
-        f"step; {_ratio(comm['ratio'])} x the textbook minimum",
+        f"step; {_ratio(comm['ratio'])} x the textbook minimum "
+        f"({' + '.join(comm['ratio_axes'])})",
         f"  compiled  in {summary['compile_s']:.1f} s",
     ]
     pipe = summary["pipeline"]

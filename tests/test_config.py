@@ -69,7 +69,41 @@ BAD = {
     "embed-heads": (["model.embed=100"], ["model.embed=100", "model.heads=8"]),
     "vocab-text": (["model.vocab=128"], ["model.vocab=128", "256"]),
     "no-equals": (["train.steps"], ["'train.steps'", "KEY=VALUE"]),
-    "pipeline": (["parallel.data=4", "parallel.pipeline=2"], ["parallel.pipeline=2"]),
+    "microbatches": (
+        ["parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.microbatches=3"],
+        ["parallel.microbatches(3)", "train.batch_size=16"],
+    ),
+    "stages-layers": (
+        ["parallel.data=1", "parallel.pipeline=8"],
+        ["parallel.pipeline=8", "8 chunks", "4 layers"],
+    ),
+    "virtual-fit": (
+        [
+            "parallel.data=2",
+            "parallel.pipeline=4",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "parallel.microbatches=4",
+        ],
+        ["virtual_stages=2 = 8 chunks", "4 layers"],
+    ),
+    "virtual-schedule": (
+        ["parallel.data=4", "parallel.pipeline=2", "parallel.virtual_stages=2"],
+        ["parallel.schedule=1f1b", "virtual_stages=2"],
+    ),
+    "interleaved-m": (
+        [
+            "parallel.data=2",
+            "parallel.pipeline=4",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "parallel.microbatches=2",
+            "model.layers=8",
+        ],
+        ["parallel.microbatches=2", "multiple of parallel.pipeline=4"],
+    ),
+    "schedule-name": (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe"]),
+    "microbatches-no-pipe": (["parallel.microbatches=2"], ["needs parallel.pipeline > 1"]),
     "zero-degree": (["parallel.tensor=0"], ["parallel.tensor=0", "-1 (the rest)"]),
 }
 
