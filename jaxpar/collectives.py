@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
 DATA = "data"
@@ -44,3 +45,70 @@ def reduce_scatter(x, dim: int, spec: PartitionSpec, axis: str = DATA):
     """Sum local gradients over `axis`, each device keeping its slice along `dim`."""
     fn = partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True)
     return _blockwise(fn, x, spec)
+
+
+# --- hand-written collectives, from ppermute (each equals its jax.lax twin) ------------
+
+
+def _ring(axis: str) -> list[tuple[int, int]]:
+    n = jax.lax.axis_size(axis)
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+def ring_reduce_scatter(x, axis: str, dim: int = 0):
+    """psum_scatter(x, axis, scatter_dimension=dim, tiled=True) as a ring: N-1 steps, each
+    device sending one 1/N chunk to its right neighbour and adding its own to what arrives."""
+    n = jax.lax.axis_size(axis)
+    if n == 1:
+        return x
+    me = jax.lax.axis_index(axis)
+    chunks = jnp.stack(jnp.split(x, n, axis=dim))  # [n, ...chunk]
+    buf = chunks[(me - 1) % n]
+    for step in range(n - 1):
+        buf = jax.lax.ppermute(buf, axis, _ring(axis)) + chunks[(me - 2 - step) % n]
+    return buf
+
+
+def ring_all_gather(x, axis: str, dim: int = 0):
+    """all_gather(x, axis, axis=dim, tiled=True) as a ring: N-1 steps, each device
+    passing on to its right neighbour the chunk it received last."""
+    n = jax.lax.axis_size(axis)
+    if n == 1:
+        return x
+    me = jax.lax.axis_index(axis)
+    out = jnp.zeros((n, *x.shape), x.dtype).at[me].set(x)
+    buf = x
+    for step in range(n - 1):
+        buf = jax.lax.ppermute(buf, axis, _ring(axis))
+        out = out.at[(me - 1 - step) % n].set(buf)
+    return jnp.concatenate(list(out), axis=dim)
+
+
+def ring_all_reduce(x, axis: str):
+    """psum(x, axis) as ring reduce-scatter then ring all-gather (any shape: flattened and
+    padded to a multiple of N)."""
+    n = jax.lax.axis_size(axis)
+    if n == 1:
+        return x
+    flat = x.reshape(-1)
+    pad = -flat.shape[0] % n
+    flat = jnp.pad(flat, (0, pad))
+    out = ring_all_gather(ring_reduce_scatter(flat, axis), axis)
+    return out[: x.size].reshape(x.shape)
+
+
+def server_all_reduce(x, axis: str, server: int = 0):
+    """psum(x, axis) through one device: every other device sends its x to `server`, which
+    sums and sends the total back (a gradient server's traffic pattern)."""
+    n = jax.lax.axis_size(axis)
+    if n == 1:
+        return x
+    total = x
+    for worker in range(n):
+        if worker != server:
+            total = total + jax.lax.ppermute(x, axis, [(worker, server)])
+    # One send per worker (a permute's sources must differ); each worker gets one.
+    received = sum(
+        jax.lax.ppermute(total, axis, [(server, worker)]) for worker in range(n) if worker != server
+    )
+    return jnp.where(jax.lax.axis_index(axis) == server, total, received)
