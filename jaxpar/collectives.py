@@ -18,33 +18,42 @@ from jax.sharding import AxisType, PartitionSpec
 DATA = "data"
 
 
-def _blockwise(fn, x, spec: PartitionSpec):
+def blockwise(fn, xs, specs):
+    """fn(blocks) on each device's block of `xs` (a pytree; `specs` its compute specs),
+    manual over every axis the compiler still manages."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = tuple(
         a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual
     )
     if not auto:
-        return fn(x)
-    local = PartitionSpec(*(a if a in auto else None for a in spec))
+        return fn(xs)
+    local = jax.tree.map(
+        lambda spec: PartitionSpec(*(a if a in auto else None for a in spec)),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
     return jax.shard_map(
-        fn, in_specs=local, out_specs=local, axis_names=set(auto), check_vma=False
-    )(x)
+        fn, in_specs=(local,), out_specs=local, axis_names=set(auto), check_vma=False
+    )(xs)
 
 
-def gather(x, dim: int, spec: PartitionSpec, axis: str = DATA):
-    """All-gather a ZeRO-split leaf over `axis` along `dim` (spec: its compute spec)."""
-    return _blockwise(partial(jax.lax.all_gather, axis_name=axis, axis=dim, tiled=True), x, spec)
+def gather(x, dim: int, spec: PartitionSpec, axis: str = DATA, ring: bool = False):
+    """All-gather a ZeRO-split leaf over `axis` along `dim` (spec: its compute spec); with
+    `ring`, by ring_all_gather (whose gradient is then a ring reduce-scatter)."""
+    if ring:
+        return blockwise(partial(ring_all_gather, axis=axis, dim=dim), x, spec)
+    return blockwise(partial(jax.lax.all_gather, axis_name=axis, axis=dim, tiled=True), x, spec)
 
 
 def reduce(x, spec: PartitionSpec, axis: str = DATA):
     """Sum local gradients over `axis` (all-reduce)."""
-    return _blockwise(partial(jax.lax.psum, axis_name=axis), x, spec)
+    return blockwise(partial(jax.lax.psum, axis_name=axis), x, spec)
 
 
 def reduce_scatter(x, dim: int, spec: PartitionSpec, axis: str = DATA):
     """Sum local gradients over `axis`, each device keeping its slice along `dim`."""
     fn = partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True)
-    return _blockwise(fn, x, spec)
+    return blockwise(fn, x, spec)
 
 
 # --- hand-written collectives, from ppermute (each equals its jax.lax twin) ------------

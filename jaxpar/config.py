@@ -30,6 +30,8 @@ class Parallel:
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # chunks of layers per device (schedule=interleaved)
     remat: str = "none"  # activation checkpointing of each layer: none | full
+    dp_collective: str = "xla"  # how gradients are reduced over data: xla | ring | server
+    bucket_mb: float = 25.0  # ring/server: fuse gradient leaves into buckets of this size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,7 @@ CHOICES = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.remat": ("none", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.dp_collective": ("xla", "ring", "server"),
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
     "data.source": ("corpus", "file", "synthetic"),
@@ -231,6 +234,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"train.batch_size={train.batch_size} does not split into data({data}) * "
             f"train.grad_accum({train.grad_accum}) * parallel.microbatches"
             f"({parallel.microbatches}) = {parts} equal parts; use a multiple of {parts}"
+        )
+    if parallel.dp_collective == "server" and parallel.zero:
+        raise ConfigError(
+            f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
+            "server sums everything on one device, which is what ZeRO avoids (it splits the "
+            "optimizer state and the reduction over all devices); use parallel.zero=0 with "
+            "server, or dp_collective=ring or xla with ZeRO"
         )
     pipelined = mesh_shape["pipeline"] > 1
     if parallel.microbatches > 1 and not pipelined:

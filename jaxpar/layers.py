@@ -31,6 +31,7 @@ class Placement:
     mesh_shape: dict
     zero: int
     remat: str  # none | full
+    ring: bool = False  # ZeRO-3 gathers by ring_all_gather (parallel.dp_collective=ring)
 
 
 _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
@@ -64,7 +65,7 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _layer_value(var: nnx.Variable, zero: int):
+def _layer_value(var: nnx.Variable, zero: int, ring: bool):
     value = var.get_value()
     specs: LeafSpecs | None = var.get_metadata().get(SPECS_KEY)
     if zero < 3 or specs is None:
@@ -72,7 +73,8 @@ def _layer_value(var: nnx.Variable, zero: int):
     dim = zero_dim(specs)
     if dim is None:
         return value
-    return collectives.gather(value, dim - 1, jax.sharding.PartitionSpec(*specs.compute[1:]))
+    spec = jax.sharding.PartitionSpec(*specs.compute[1:])
+    return collectives.gather(value, dim - 1, spec, ring=ring)
 
 
 def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None = None):
@@ -94,7 +96,7 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
 
     def body(carry, layer_state):
         layer_state = jax.tree.map(
-            lambda v: v.replace(_layer_value(v, zero)),
+            lambda v: v.replace(_layer_value(v, zero, p is not None and p.ring)),
             layer_state,
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )

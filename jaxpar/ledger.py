@@ -55,6 +55,7 @@ class Collective:
     buffer_bytes: int  # result bytes (reduce-scatter: its input)
     executions: int  # times per step (loop trip counts multiplied)
     senders: float = 1.0  # collective-permute: share of devices that send
+    groups: list = field(default_factory=list)  # device groups (permutes: (source, target))
 
     @property
     def wire_bytes(self) -> float:
@@ -89,6 +90,24 @@ class Ledger:
             for c in self.collectives
             if (axes is None or set(c.axes) & axes) and (kinds is None or c.kind in kinds)
         )
+
+    def device_bytes(self) -> dict[int, float]:
+        """Bytes each device sends plus receives per step (ring model for group collectives)."""
+        out: dict[int, float] = defaultdict(float)
+        for c in self.collectives:
+            if c.kind == "collective-permute":
+                for source, target in c.groups:
+                    out[source] += c.buffer_bytes * c.executions
+                    out[target] += c.buffer_bytes * c.executions
+            elif c.group > 1:
+                sent = c.wire_bytes  # per member; it receives as much
+                for group in c.groups:
+                    for device in group:
+                        out[device] += 2 * sent
+        return dict(out)
+
+    def busiest_device_bytes(self) -> float:
+        return max(self.device_bytes().values(), default=0.0)
 
     def counts(self) -> dict[str, int]:
         """Executions per step by 'kind@axes' (for golden files); trivial groups skipped."""
@@ -167,9 +186,9 @@ def _groups(line: str) -> list[list[int]] | None:
         rest = [i for i in range(len(shape)) if i not in grouped]
         ids = ids.transpose(rest + grouped)
         return ids.reshape(-1, math.prod(shape[i] for i in grouped) if grouped else 1).tolist()
-    m = re.search(r"source_target_pairs=\{(.*?)\}\}?", line)
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
     if m:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", line)]
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
     return None
 
 
@@ -252,6 +271,7 @@ def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
                 senders=len(groups) / math.prod(mesh_shape.values())
                 if kind == "collective-permute" and groups
                 else 1.0,
+                groups=groups or [],
             )
         )
     return ledger
@@ -405,6 +425,7 @@ def report(
             "ratio": total_wire / total_min if total_min else None,
             "by_axis": {a: {"wire": wire[a], "minimum": minimum[a]} for a in wire},
             "ratio_axes": known,
+            "busiest_device_bytes": led.busiest_device_bytes(),
             "unknown_trip_counts": led.unknown_trip_counts,
         },
     }

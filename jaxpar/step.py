@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import collectives, pipeline
+from jaxpar import collectives, dp, pipeline
 from jaxpar.config import Config, ConfigError
 from jaxpar.layers import Placement, placing
 from jaxpar.problem import Problem
@@ -80,8 +80,13 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
     """(params local blocks, batch local rows) -> (global loss, reduced local gradients)."""
     zero, accum = cfg.parallel.zero, cfg.train.grad_accum
     dtype = DTYPES[cfg.train.precision]
+    mode = cfg.parallel.dp_collective
     placement = Placement(
-        rules=RULES, mesh_shape=dict(mesh.shape), zero=zero, remat=cfg.parallel.remat
+        rules=RULES,
+        mesh_shape=dict(mesh.shape),
+        zero=zero,
+        remat=cfg.parallel.remat,
+        ring=mode == "ring",
     )
     per_mb = jax.tree.map(
         lambda s: (s.shape[0] // (mesh.shape[DATA] * accum),) + s.shape[1:], batch_shape
@@ -93,7 +98,7 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
         dim = zero_dim(s)
         if zero < 3 or dim is None or (problem.per_layer_gather and LAYERS in names):
             return x  # layer stacks are gathered one layer at a time by scan_layers
-        return collectives.gather(x, dim, s.compute)
+        return collectives.gather(x, dim, s.compute, ring=mode == "ring")
 
     def prepared(params):
         return jax.tree.map(
@@ -135,16 +140,20 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
     else:
         grad_fn = jax.value_and_grad(pipelined_loss)
 
-    def scatter(g, s: LeafSpecs):
-        """Reduce a ZeRO-split leaf's gradient to its slice (not for unsplit leaves)."""
-        return collectives.reduce_scatter(g, zero_dim(s), s.compute)
+    compute = _leaves_map(lambda s: s.compute, specs)
+    dims = _leaves_map(zero_dim, specs)
 
-    def finish(s: LeafSpecs, g):
-        """The step's one data-parallel reduction of an accumulated local gradient."""
-        if zero_dim(s) is None:
-            return collectives.reduce(g, s.compute)  # ZeRO 0, or a leaf ZeRO leaves unsplit
-        # ZeRO-1 accumulated the whole gradient; ZeRO-2/3 slices arrive reduced already.
-        return scatter(g, s) if zero == 1 else g
+    def reduce(grads, todo):
+        return dp.reduce(grads, compute, todo, dims, mode, cfg.parallel.bucket_mb * 2**20)
+
+    # The step's one data-parallel reduction of the accumulated local gradients: ZeRO-0
+    # (and leaves ZeRO cannot split) sum; ZeRO-1 accumulated whole gradients and
+    # reduce-scatters them now; ZeRO-2/3 slices arrive reduced already.
+    final = _leaves_map(
+        lambda s: dp.SUM if zero_dim(s) is None else dp.SCATTER if zero == 1 else None, specs
+    )
+    # ZeRO-2 keeps only a slice of each gradient between micro-batches.
+    per_micro_batch = _leaves_map(lambda s: None if zero_dim(s) is None else dp.SCATTER, specs)
 
     def local(params, batch):
         mbs = jax.tree.map(lambda x, shp: x.reshape((accum,) + shp), batch, per_mb)
@@ -154,8 +163,8 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
         def body(carry, mb):
             loss, acc = carry
             mb_loss_value, g = grad_fn(params, mb, count)
-            if zero == 2:  # keep only a slice of each gradient between micro-batches
-                g = _leaves_map(lambda s, x: x if zero_dim(s) is None else scatter(x, s), specs, g)
+            if zero == 2:
+                g = reduce(g, per_micro_batch)
             return (loss + mb_loss_value, jax.tree.map(jnp.add, acc, g)), None
 
         zeros = jax.tree.map(
@@ -167,7 +176,7 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
         if pipe:  # leaves every stage holds got their gradient on one stage
             grads = pipeline.reduce_shared(pipe, grads, specs)
-        grads = _leaves_map(finish, specs, grads)
+        grads = reduce(grads, final)
         return jax.lax.psum(loss, (DATA, PIPE)), grads
 
     manual = lambda field: _leaves_map(  # noqa: E731

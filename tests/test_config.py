@@ -104,6 +104,12 @@ BAD = {
     ),
     "schedule-name": (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe"]),
     "microbatches-no-pipe": (["parallel.microbatches=2"], ["needs parallel.pipeline > 1"]),
+    "dp-mode": (["parallel.dp_collective=tree"], ["parallel.dp_collective='tree'", "ring"]),
+    "bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0", "positive"]),
+    "server-zero": (
+        ["parallel.dp_collective=server", "parallel.zero=1"],
+        ["dp_collective=server", "parallel.zero=1", "ZeRO"],
+    ),
     "zero-degree": (["parallel.tensor=0"], ["parallel.tensor=0", "-1 (the rest)"]),
 }
 

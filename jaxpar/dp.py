@@ -1,0 +1,94 @@
+"""How gradients are reduced over `data`: the compiler's collectives (`xla`), a ring of
+ppermutes (`ring`: reduce-scatter + all-gather), or a gradient server (`server`).
+
+`ring` and `server` fuse leaves into flat buckets of about `parallel.bucket_mb`
+before communicating, as PyTorch DDP does, so a step launches about total/bucket
+reductions instead of one per leaf. All of it runs inside the step's shard_map
+(manual over `data`), in one nested shard_map manual over the remaining axes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import collectives
+
+SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
+DATA = "data"
+
+
+def reduce(grads, specs, todo, dims, mode: str, bucket_bytes: float):
+    """Reduce each gradient leaf over `data` as `todo` says (SUM, SCATTER along `dims`, or
+    None: leave it); `specs` are the leaves' compute specs."""
+    leaves, treedef = jax.tree.flatten(grads)
+    spec_list = treedef.flatten_up_to(specs)
+    todo_list = treedef.flatten_up_to(todo)
+    dim_list = treedef.flatten_up_to(dims)
+    if mode == "xla":
+        out = [
+            g
+            if t is None
+            else collectives.reduce(g, s)
+            if t == SUM
+            else collectives.reduce_scatter(g, d, s)
+            for g, s, t, d in zip(leaves, spec_list, todo_list, dim_list, strict=True)
+        ]
+        return treedef.unflatten(out)
+    chosen = [i for i, t in enumerate(todo_list) if t is not None]
+
+    def run(blocks):
+        out = list(blocks)
+        for kind in (SUM, SCATTER):
+            members = [i for i in chosen if todo_list[i] == kind]
+            sizes = [blocks[i].size * blocks[i].dtype.itemsize for i in members]
+            for positions in buckets(sizes, bucket_bytes):
+                bucket = [members[k] for k in positions]
+                parts = [blocks[i] for i in bucket]
+                if kind == SUM:
+                    reduced = _sum_bucket(parts, mode)
+                else:
+                    reduced = _scatter_bucket(parts, [dim_list[i] for i in bucket])
+                for i, r in zip(bucket, reduced, strict=True):
+                    out[i] = r
+        return out
+
+    reduced = collectives.blockwise(run, leaves, spec_list)
+    return treedef.unflatten(reduced)
+
+
+def buckets(sizes_bytes: list[int], bucket_bytes: float) -> list[list[int]]:
+    """Greedy, in order: a bucket takes leaves while it stays within bucket_bytes (a leaf
+    larger than that gets a bucket of its own). Returns positions."""
+    out, current, size = [], [], 0
+    for k, nbytes in enumerate(sizes_bytes):
+        if current and size + nbytes > bucket_bytes:
+            out.append(current)
+            current, size = [], 0
+        current.append(k)
+        size += nbytes
+    return out + ([current] if current else [])
+
+
+def _sum_bucket(parts, mode: str):
+    flat = jnp.concatenate([p.reshape(-1) for p in parts])
+    fn = collectives.ring_all_reduce if mode == "ring" else collectives.server_all_reduce
+    total = fn(flat, DATA)
+    ends = [sum(p.size for p in parts[: k + 1]) for k in range(len(parts) - 1)]
+    pieces = jnp.split(total, ends)
+    return [piece.reshape(p.shape) for piece, p in zip(pieces, parts, strict=True)]
+
+
+def _scatter_bucket(parts, dims):
+    """Each leaf as [N, rest] (its ZeRO dim first, cut into the N slices), side by side:
+    one ring reduce-scatter along that leading dim serves them all."""
+    n = jax.lax.axis_size(DATA)
+    rows = [jnp.moveaxis(p, d, 0).reshape(n, -1) for p, d in zip(parts, dims, strict=True)]
+    mine = collectives.ring_reduce_scatter(jnp.concatenate(rows, axis=1), DATA, dim=0)
+    widths = [r.shape[1] for r in rows]
+    pieces = jnp.split(mine, [sum(widths[:k]) for k in range(1, len(widths))], axis=1)
+    out = []
+    for piece, p, d in zip(pieces, parts, dims, strict=True):
+        moved = jnp.moveaxis(p, d, 0).shape
+        out.append(jnp.moveaxis(piece.reshape((moved[0] // n,) + moved[1:]), 0, d))
+    return out
