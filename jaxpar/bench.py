@@ -50,6 +50,14 @@ SCHEDULES = {
         "interleaved-v2": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
     }.items()
 }
+# Data-parallel gradient reduction, data=8, ZeRO-0.
+DP_MODES = {
+    "xla": ("parallel.data=8", "parallel.dp_collective=xla"),
+    "ring": ("parallel.data=8", "parallel.dp_collective=ring"),
+    "ring-0.1MB": ("parallel.data=8", "parallel.dp_collective=ring", "parallel.bucket_mb=0.1"),
+    "server": ("parallel.data=8", "parallel.dp_collective=server"),
+    "server-0.1MB": ("parallel.data=8", "parallel.dp_collective=server", "parallel.bucket_mb=0.1"),
+}
 WARMUP = 3
 REPEATS = 3
 
@@ -104,6 +112,7 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         "host_s": host,
         "temp": summary["memory_per_device"]["temp"],
         "pipeline": summary["pipeline"],
+        "collective_counts": summary["collective_counts"],
     }
 
 
@@ -179,6 +188,24 @@ def run_bench(steps: int = 20, out: Path | None = None) -> dict:
     ]
     print(f"\npipeline schedules, {PRESET}: {' '.join(SCHEDULES['gpipe'][:4])}\n")
     print(metrics.table(rows, header))
+    modes = {}
+    for name, overrides in DP_MODES.items():
+        modes[name] = measure(overrides, steps)
+        print(f"measured {name}", flush=True)
+    rows = [
+        [
+            name,
+            f"{r['step_s'] * 1e3:.1f}",
+            metrics.human_bytes(r["comm"]["wire_bytes_per_device"]),
+            metrics.human_bytes(r["comm"]["minimum_bytes_per_device"]),
+            metrics.human_bytes(r["comm"]["busiest_device_bytes"]),
+            str(sum(n for k, n in r["collective_counts"].items() if k.endswith("@data"))),
+        ]
+        for name, r in modes.items()
+    ]
+    header = ["dp_collective", "step ms", "wire/device", "minimum", "busiest device", "collectives"]
+    print(f"\ndata-parallel gradient reduction, {PRESET}, data=8, ZeRO-0\n")
+    print(metrics.table(rows, header))
     if out:
-        metrics.write_json(out, {"strategies": results, "schedules": pipes})
+        metrics.write_json(out, {"strategies": results, "schedules": pipes, "dp": modes})
     return results
