@@ -116,96 +116,82 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
     }
 
 
-def run_bench(steps: int = 20, out: Path | None = None) -> dict:
+def _bytes(*path):
+    def get(r):
+        for key in path:
+            r = r[key]
+        return metrics.human_bytes(r)
+
+    return get
+
+
+STRATEGY_COLUMNS = {
+    "compile s": lambda r: f"{r['compile_s']:.1f}",
+    "step ms": lambda r: f"{r['step_s'] * 1e3:.1f}",
+    "tokens/s": lambda r: f"{r['tokens_per_s']:.0f}",
+    "state": _bytes("state", "actual"),
+    "ZeRO formula": _bytes("state", "formula"),
+    "ratio": lambda r: f"{r['state']['ratio']:.3f}",
+    "comm/step": _bytes("comm", "wire_bytes_per_device"),
+    "minimum": _bytes("comm", "minimum_bytes_per_device"),
+    "ratio ": lambda r: f"{r['comm']['ratio']:.3f}",
+    "trainer/bare": lambda r: f"{r['trainer_over_bare']:.3f}",
+    "host ms": lambda r: f"{r['host_s'] * 1e3:.2f}",
+}
+SCHEDULE_COLUMNS = {
+    "bubble": lambda r: f"{r['pipeline']['bubble']:.3f}",
+    "formula": lambda r: f"{r['pipeline']['bubble_formula']:.3f}",
+    "temp": _bytes("temp"),
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "tokens/s": STRATEGY_COLUMNS["tokens/s"],
+    "permute": _bytes("pipeline", "permute_bytes_per_device"),
+    "minimum": _bytes("pipeline", "permute_minimum_per_device"),
+    "ratio": lambda r: f"{r['pipeline']['permute_ratio']:.3f}",
+}
+DP_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "wire/device": _bytes("comm", "wire_bytes_per_device"),
+    "minimum": _bytes("comm", "minimum_bytes_per_device"),
+    "busiest device": _bytes("comm", "busiest_device_bytes"),
+    "collectives": lambda r: str(
+        sum(n for k, n in r["collective_counts"].items() if k.endswith("@data"))
+    ),
+}
+
+
+def _section(title: str, kind: str, configs: dict, columns: dict, steps: int) -> dict:
     results = {}
-    for name, overrides in STRATEGIES.items():
+    for name, overrides in configs.items():
         results[name] = measure(overrides, steps)
         print(f"measured {name}", flush=True)
-    rows = [
-        [
-            name,
-            f"{r['compile_s']:.1f}",
-            f"{r['step_s'] * 1e3:.1f}",
-            f"{r['tokens_per_s']:.0f}",
-            metrics.human_bytes(r["state"]["actual"]),
-            metrics.human_bytes(r["state"]["formula"]),
-            f"{r['state']['ratio']:.3f}",
-            metrics.human_bytes(r["comm"]["wire_bytes_per_device"]),
-            metrics.human_bytes(r["comm"]["minimum_bytes_per_device"]),
-            f"{r['comm']['ratio']:.3f}",
-            f"{r['trainer_over_bare']:.3f}",
-            f"{r['host_s'] * 1e3:.2f}",
-        ]
-        for name, r in results.items()
-    ]
-    header = [
-        "strategy",
-        "compile s",
-        "step ms",
-        "tokens/s",
-        "state",
-        "ZeRO formula",
-        "ratio",
-        "comm/step",
-        "minimum",
-        "ratio",
-        "trainer/bare",
-        "host ms",
-    ]
-    print(
-        f"\n{PRESET} on {jax.device_count()} {jax.devices()[0].platform} devices; step time "
-        f"is the best of {REPEATS} runs of {steps} steps\n"
-    )
-    print(metrics.table(rows, header))
-    pipes = {}
-    for name, overrides in SCHEDULES.items():
-        pipes[name] = measure(overrides, steps)
-        print(f"measured {name}", flush=True)
-    rows = [
-        [
-            name,
-            f"{r['pipeline']['bubble']:.3f}",
-            f"{r['pipeline']['bubble_formula']:.3f}",
-            metrics.human_bytes(r["temp"]),
-            f"{r['step_s'] * 1e3:.1f}",
-            f"{r['tokens_per_s']:.0f}",
-            metrics.human_bytes(r["pipeline"]["permute_bytes_per_device"]),
-            metrics.human_bytes(r["pipeline"]["permute_minimum_per_device"]),
-            f"{r['pipeline']['permute_ratio']:.3f}",
-        ]
-        for name, r in pipes.items()
-    ]
-    header = [
-        "schedule",
-        "bubble",
-        "formula",
-        "temp",
-        "step ms",
-        "tokens/s",
-        "permute",
-        "minimum",
-        "ratio",
-    ]
-    print(f"\npipeline schedules, {PRESET}: {' '.join(SCHEDULES['gpipe'][:4])}\n")
-    print(metrics.table(rows, header))
-    modes = {}
-    for name, overrides in DP_MODES.items():
-        modes[name] = measure(overrides, steps)
-        print(f"measured {name}", flush=True)
-    rows = [
-        [
-            name,
-            f"{r['step_s'] * 1e3:.1f}",
-            metrics.human_bytes(r["comm"]["wire_bytes_per_device"]),
-            metrics.human_bytes(r["comm"]["minimum_bytes_per_device"]),
-            metrics.human_bytes(r["comm"]["busiest_device_bytes"]),
-            str(sum(n for k, n in r["collective_counts"].items() if k.endswith("@data"))),
-        ]
-        for name, r in modes.items()
-    ]
-    header = ["dp_collective", "step ms", "wire/device", "minimum", "busiest device", "collectives"]
-    print(f"\ndata-parallel gradient reduction, {PRESET}, data=8, ZeRO-0\n")
-    print(metrics.table(rows, header))
+    rows = [[name, *(cell(r) for cell in columns.values())] for name, r in results.items()]
+    print(f"\n{title}\n")
+    print(metrics.table(rows, [kind, *(h.strip() for h in columns)]))
+    return results
+
+
+def run_bench(steps: int = 20, out: Path | None = None) -> dict:
+    where = f"{PRESET} on {jax.device_count()} {jax.devices()[0].platform} devices"
+    results = {
+        "strategies": _section(
+            f"{where}; step time is the best of {REPEATS} runs of {steps} steps",
+            STRATEGIES,
+            STRATEGY_COLUMNS,
+            steps,
+        ),
+        "schedules": _section(
+            f"pipeline schedules, {where}: {' '.join(SCHEDULES['gpipe'][:4])}",
+            SCHEDULES,
+            SCHEDULE_COLUMNS,
+            steps,
+        ),
+        "dp": _section(
+            f"data-parallel gradient reduction, {where}, data=8, ZeRO-0",
+            DP_MODES,
+            DP_COLUMNS,
+            steps,
+        ),
+    }
     if out:
-        metrics.write_json(out, {"strategies": results, "schedules": pipes, "dp": modes})
+        metrics.write_json(out, results)
     return results
