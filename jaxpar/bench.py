@@ -58,6 +58,17 @@ DP_MODES = {
     "server": ("parallel.data=8", "parallel.dp_collective=server"),
     "server-0.1MB": ("parallel.data=8", "parallel.dp_collective=server", "parallel.bucket_mb=0.1"),
 }
+# ZeRO-Offload, data=8, ZeRO-1.
+OFFLOAD = {
+    f"{precision} {mode}": (
+        "parallel.data=8",
+        "parallel.zero=1",
+        f"parallel.offload={mode}",
+        f"train.precision={precision}",
+    )
+    for precision in ("fp32", "bf16")
+    for mode in ("none", "optimizer")
+}
 WARMUP = 3
 REPEATS = 3
 
@@ -113,6 +124,8 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         "temp": summary["memory_per_device"]["temp"],
         "pipeline": summary["pipeline"],
         "collective_counts": summary["collective_counts"],
+        "memory": summary["memory_per_device"],
+        "host_memory": summary["host_memory_per_device"],
     }
 
 
@@ -156,6 +169,15 @@ DP_COLUMNS = {
     "collectives": lambda r: str(
         sum(n for k, n in r["collective_counts"].items() if k.endswith("@data"))
     ),
+}
+
+
+OFFLOAD_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "device params": _bytes("memory", "params"),
+    "device opt state": _bytes("memory", "opt_state"),
+    "host params": _bytes("host_memory", "params"),
+    "host opt state": _bytes("host_memory", "opt_state"),
 }
 
 

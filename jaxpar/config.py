@@ -32,6 +32,7 @@ class Parallel:
     remat: str = "none"  # activation checkpointing of each layer: none | full
     dp_collective: str = "xla"  # how gradients are reduced over data: xla | ring | server
     bucket_mb: float = 25.0  # ring/server: fuse gradient leaves into buckets of this size
+    offload: str = "none"  # none | optimizer (Adam state + fp32 master weights on the host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,7 @@ CHOICES = {
     "parallel.remat": ("none", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.dp_collective": ("xla", "ring", "server"),
+    "parallel.offload": ("none", "optimizer"),
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
     "data.source": ("corpus", "file", "synthetic"),

@@ -343,30 +343,45 @@ def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
     )
 
 
-def state_formula(zero: int, params_per_device: float, n: int) -> float:
+def state_formula(zero: int, params_per_device: float, n: int, offload: bool = False) -> float:
     """ZeRO paper's model-state bytes per device for fp32 AdamW (K=8: m and v; 4 for the
-    fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N."""
+    fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N. Offloaded, the
+    fp32 master parameters are split like the optimizer state: 12Psi/N from stage 1."""
     psi = params_per_device
+    if offload and zero:
+        return 12 * psi / n
     return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
 
 
 def memory(compiled, state_shapes) -> dict[str, int]:
-    """Per-device bytes of the compiled step's state (from its input shardings) and of its
+    """Per-device bytes of the compiled step's state by memory kind (from its input
+    shardings: host arrays are the ones XLA lays out in memory space S(5)) and of its
     temporaries (memory_analysis)."""
     state_sh = compiled.input_shardings[0][0]
 
-    def total(shapes, shardings):
+    def total(part: str, host: bool) -> int:
+        if part not in state_shapes:
+            return 0
+        pairs = zip(
+            jax.tree.leaves(state_shapes[part]), jax.tree.leaves(state_sh[part]), strict=True
+        )
         return int(
             sum(
                 math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
-                for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+                for x, sh in pairs
+                if (sh.memory_kind == "pinned_host") == host
             )
         )
 
     stats = compiled.memory_analysis()
     return {
-        "params": total(state_shapes["params"], state_sh["params"]),
-        "opt_state": total(state_shapes["opt"], state_sh["opt"]),
+        # on the device: the parameters it computes with (a compute copy when offloaded)
+        "params": total("params", False) + total("compute", False),
+        "opt_state": total("opt", False),
+        "host_params": total("params", True) + total("compute", True),
+        "host_opt_state": total("opt", True),
+        # the model state of the ZeRO formula: master parameters and optimizer state
+        "state": sum(total(part, host) for part in ("params", "opt") for host in (False, True)),
         "temp": int(stats.temp_size_in_bytes),
         "arguments": int(stats.argument_size_in_bytes),
     }
@@ -401,7 +416,7 @@ def report(
     known = [a for a in wire if minimum[a] is not None]
     total_min = sum(minimum[a] for a in known)
     total_wire = sum(wire[a] for a in known)
-    formula = state_formula(zero, psi, mesh_shape.get("data", 1))
+    formula = state_formula(zero, psi, mesh_shape.get("data", 1), offload="compute" in state_shapes)
     return {
         "memory_per_device": {
             "params": mem["params"],
@@ -410,11 +425,15 @@ def report(
             "temp": mem["temp"],
         },
         # Nothing is offloaded yet: host (pinned_host) memory holds no state.
-        "host_memory_per_device": {"params": 0, "opt_state": 0, "activations": 0},
+        "host_memory_per_device": {
+            "params": mem["host_params"],
+            "opt_state": mem["host_opt_state"],
+            "activations": 0,  # activation offload: not built yet
+        },
         "state_bytes": {
-            "actual": mem["params"] + mem["opt_state"],
+            "actual": mem["state"],
             "formula": formula,
-            "ratio": (mem["params"] + mem["opt_state"]) / formula,
+            "ratio": mem["state"] / formula,
             "arguments": mem["arguments"],
         },
         "collectives": led.by_kind(),

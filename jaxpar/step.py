@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import collectives, dp, pipeline
+from jaxpar import collectives, dp, offload, pipeline
 from jaxpar.config import Config, ConfigError
 from jaxpar.layers import Placement, placing
 from jaxpar.problem import Problem
@@ -46,9 +46,10 @@ class Engine:
 
     def export(self, params):
         """Parameters in the model's own layout (the layer stack unstaged)."""
-        return (
-            params if self.layout is None else pipeline.unstaged(self.problem, self.layout, params)
-        )
+        if self.layout is None:
+            return params
+        # on the host: offloaded master weights cannot be indexed on the device
+        return pipeline.unstaged(self.problem, self.layout, jax.device_get(params))
 
 
 def _leaves_map(fn, *trees):
@@ -233,15 +234,29 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
     )
     replicated = NamedSharding(mesh, PartitionSpec())
-    state_sh = {"step": replicated, "params": param_sh, "opt": opt_sh}
     batch_sh = NamedSharding(mesh, PartitionSpec(DATA))
+    dtype = DTYPES[cfg.train.precision]
+    offloaded = cfg.parallel.offload == "optimizer"
+    if offloaded:  # master weights and optimizer state on the host, split as ZeRO says
+        state_sh = {
+            "step": replicated,
+            "params": offload.on_host(opt_sh_of_params),
+            "compute": param_sh,
+            "opt": offload.on_host(opt_sh),
+        }
+        host_update = offload.host_update(tx, dtype)
+    else:
+        state_sh = {"step": replicated, "params": param_sh, "opt": opt_sh}
 
     def init(key):
         params = problem.init(key)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": tx.init(params)}
+        if offloaded:  # what the device computes with
+            state["compute"] = jax.tree.map(lambda p: p.astype(dtype), params)
+        return state
 
     def train_step(state, batch):
-        params = state["params"]
+        params = state["compute" if offloaded else "params"]
         grads_fn = _local_grads(
             problem,
             cfg,
@@ -256,12 +271,17 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        if offloaded:
+            grads = jax.device_put(grads, offload.on_host(opt_sh_of_params))
+            master, opt, compute = host_update(grads, state["opt"], state["params"])
+            new = {"params": master, "opt": opt, "compute": jax.device_put(compute, param_sh)}
+            return {"step": state["step"] + 1, **new}, metrics
         params_opt = jax.lax.with_sharding_constraint(params, opt_sh_of_params)
         updates, opt = tx.update(grads, state["opt"], params_opt)
         new_params = jax.lax.with_sharding_constraint(
             optax.apply_updates(params_opt, updates), param_sh
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": new_params, "opt": opt}, metrics
 
     return Engine(

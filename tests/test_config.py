@@ -106,6 +106,7 @@ BAD = {
     "microbatches-no-pipe": (["parallel.microbatches=2"], ["needs parallel.pipeline > 1"]),
     "dp-mode": (["parallel.dp_collective=tree"], ["parallel.dp_collective='tree'", "ring"]),
     "bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0", "positive"]),
+    "offload": (["parallel.offload=disk"], ["parallel.offload='disk'", "optimizer"]),
     "server-zero": (
         ["parallel.dp_collective=server", "parallel.zero=1"],
         ["dp_collective=server", "parallel.zero=1", "ZeRO"],
