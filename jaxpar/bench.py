@@ -58,16 +58,17 @@ DP_MODES = {
     "server": ("parallel.data=8", "parallel.dp_collective=server"),
     "server-0.1MB": ("parallel.data=8", "parallel.dp_collective=server", "parallel.bucket_mb=0.1"),
 }
-# ZeRO-Offload, data=8, ZeRO-1.
+# ZeRO-Offload on data=8.
 OFFLOAD = {
-    f"{precision} {mode}": (
+    f"zero{zero} {precision} {mode}": (
         "parallel.data=8",
-        "parallel.zero=1",
+        f"parallel.zero={zero}",
         f"parallel.offload={mode}",
         f"train.precision={precision}",
     )
+    for zero, modes in ((1, ("none", "optimizer")), (3, ("none", "optimizer+params")))
     for precision in ("fp32", "bf16")
-    for mode in ("none", "optimizer")
+    for mode in modes
 }
 WARMUP = 3
 REPEATS = 3

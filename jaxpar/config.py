@@ -32,7 +32,9 @@ class Parallel:
     remat: str = "none"  # activation checkpointing of each layer: none | full
     dp_collective: str = "xla"  # how gradients are reduced over data: xla | ring | server
     bucket_mb: float = 25.0  # ring/server: fuse gradient leaves into buckets of this size
-    offload: str = "none"  # none | optimizer (Adam state + fp32 master weights on the host)
+    # none | optimizer (Adam state + fp32 master weights on the host, update there) |
+    # optimizer+params (ZeRO-3 only: also the stored parameter shards, fetched per layer)
+    offload: str = "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +81,7 @@ CHOICES = {
     "parallel.remat": ("none", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.dp_collective": ("xla", "ring", "server"),
-    "parallel.offload": ("none", "optimizer"),
+    "parallel.offload": ("none", "optimizer", "optimizer+params"),
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
     "data.source": ("corpus", "file", "synthetic"),
@@ -243,6 +245,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "server sums everything on one device, which is what ZeRO avoids (it splits the "
             "optimizer state and the reduction over all devices); use parallel.zero=0 with "
             "server, or dp_collective=ring or xla with ZeRO"
+        )
+    if parallel.offload == "optimizer+params" and parallel.zero != 3:
+        raise ConfigError(
+            f"parallel.offload=optimizer+params with parallel.zero={parallel.zero}: only "
+            "ZeRO-3 stores parameter shards that a layer can fetch when it runs; below "
+            "stage 3 every device needs all parameters. Use parallel.zero=3, or "
+            "parallel.offload=optimizer"
         )
     pipelined = mesh_shape["pipeline"] > 1
     if parallel.microbatches > 1 and not pipelined:

@@ -32,6 +32,7 @@ class Placement:
     zero: int
     remat: str  # none | full
     ring: bool = False  # ZeRO-3 gathers by ring_all_gather (parallel.dp_collective=ring)
+    fetch: bool = False  # parameter shards live on the host: bring each layer's to the device
 
 
 _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
@@ -65,8 +66,10 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _layer_value(var: nnx.Variable, zero: int, ring: bool):
+def _layer_value(var: nnx.Variable, zero: int, ring: bool, fetch: bool):
     value = var.get_value()
+    if fetch:
+        value = jax.device_put(value, jax.memory.Space.Device)
     specs: LeafSpecs | None = var.get_metadata().get(SPECS_KEY)
     if zero < 3 or specs is None:
         return value
@@ -96,7 +99,9 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
 
     def body(carry, layer_state):
         layer_state = jax.tree.map(
-            lambda v: v.replace(_layer_value(v, zero, p is not None and p.ring)),
+            lambda v: v.replace(
+                _layer_value(v, zero, p is not None and p.ring, p is not None and p.fetch)
+            ),
             layer_state,
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )

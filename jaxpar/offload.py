@@ -20,14 +20,16 @@ def on_host(shardings):
     )
 
 
-def host_update(tx: optax.GradientTransformation, dtype):
-    """(grads, opt_state, master) on the host -> (new master, new opt_state, compute copy)."""
+def host_update(tx: optax.GradientTransformation, dtype, clipped):
+    """(grads, opt_state, master) on the host -> (new master, new opt_state, compute copy,
+    gradient norm); `clipped` clips the gradients there."""
 
     @compute_on("device_host")
     @jax.jit
     def update(grads, opt_state, master):
+        grads, grad_norm = clipped(grads)
         updates, opt_state = tx.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
-        return master, opt_state, jax.tree.map(lambda p: p.astype(dtype), master)
+        return master, opt_state, jax.tree.map(lambda p: p.astype(dtype), master), grad_norm
 
     return update

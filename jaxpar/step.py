@@ -82,12 +82,14 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
     zero, accum = cfg.parallel.zero, cfg.train.grad_accum
     dtype = DTYPES[cfg.train.precision]
     mode = cfg.parallel.dp_collective
+    fetch = cfg.parallel.offload == "optimizer+params"  # parameter shards live on the host
     placement = Placement(
         rules=RULES,
         mesh_shape=dict(mesh.shape),
         zero=zero,
         remat=cfg.parallel.remat,
         ring=mode == "ring",
+        fetch=fetch,
     )
     per_mb = jax.tree.map(
         lambda s: (s.shape[0] // (mesh.shape[DATA] * accum),) + s.shape[1:], batch_shape
@@ -97,8 +99,11 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
         """Master parameter -> what the forward pass reads (compute dtype, ZeRO-3 gathered)."""
         x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
         dim = zero_dim(s)
-        if zero < 3 or dim is None or (problem.per_layer_gather and LAYERS in names):
-            return x  # layer stacks are gathered one layer at a time by scan_layers
+        if problem.per_layer_gather and LAYERS in names:
+            return x  # layer stacks are fetched and gathered a layer at a time by scan_layers
+        x = jax.device_put(x, jax.memory.Space.Device) if fetch else x
+        if zero < 3 or dim is None:
+            return x
         return collectives.gather(x, dim, s.compute, ring=mode == "ring")
 
     def prepared(params):
@@ -164,6 +169,8 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, specs, batch_shape, 
         def body(carry, mb):
             loss, acc = carry
             mb_loss_value, g = grad_fn(params, mb, count)
+            if fetch:  # gradients of host-resident shards arrive on the host: accumulate here
+                g = jax.device_put(g, jax.memory.Space.Device)
             if zero == 2:
                 g = reduce(g, per_micro_batch)
             return (loss + mb_loss_value, jax.tree.map(jnp.add, acc, g)), None
@@ -236,15 +243,27 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sh = NamedSharding(mesh, PartitionSpec(DATA))
     dtype = DTYPES[cfg.train.precision]
-    offloaded = cfg.parallel.offload == "optimizer"
+    offloaded = cfg.parallel.offload != "none"
+
+    def clipped(grads):
+        """Global-norm clipping (on sharded gradients: the norm sums over all shards)."""
+        # (not optax.tree.norm: its sum starts from a device constant, which the host
+        # update of an offloaded optimizer cannot add to)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        if cfg.train.clip_norm > 0:
+            scale = jnp.minimum(1.0, cfg.train.clip_norm / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        return grads, grad_norm
+
     if offloaded:  # master weights and optimizer state on the host, split as ZeRO says
+        compute_sh = param_sh if cfg.parallel.offload == "optimizer" else offload.on_host(param_sh)
         state_sh = {
             "step": replicated,
             "params": offload.on_host(opt_sh_of_params),
-            "compute": param_sh,
+            "compute": compute_sh,
             "opt": offload.on_host(opt_sh),
         }
-        host_update = offload.host_update(tx, dtype)
+        host_update = offload.host_update(tx, dtype, clipped)
     else:
         state_sh = {"step": replicated, "params": param_sh, "opt": opt_sh}
 
@@ -266,17 +285,14 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
             layout,
         )
         loss, grads = grads_fn(params, batch)
-        grad_norm = optax.tree.norm(grads)
-        clip = cfg.train.clip_norm
-        if clip > 0:
-            scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "lr": schedule(state["step"])}
         if offloaded:
             grads = jax.device_put(grads, offload.on_host(opt_sh_of_params))
-            master, opt, compute = host_update(grads, state["opt"], state["params"])
-            new = {"params": master, "opt": opt, "compute": jax.device_put(compute, param_sh)}
+            master, opt, compute, grad_norm = host_update(grads, state["opt"], state["params"])
+            new = {"params": master, "opt": opt, "compute": jax.device_put(compute, compute_sh)}
+            metrics["grad_norm"] = jax.device_put(grad_norm, replicated)
             return {"step": state["step"] + 1, **new}, metrics
+        grads, metrics["grad_norm"] = clipped(grads)
         params_opt = jax.lax.with_sharding_constraint(params, opt_sh_of_params)
         updates, opt = tx.update(grads, state["opt"], params_opt)
         new_params = jax.lax.with_sharding_constraint(

@@ -107,6 +107,10 @@ BAD = {
     "dp-mode": (["parallel.dp_collective=tree"], ["parallel.dp_collective='tree'", "ring"]),
     "bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0", "positive"]),
     "offload": (["parallel.offload=disk"], ["parallel.offload='disk'", "optimizer"]),
+    "offload-params": (
+        ["parallel.offload=optimizer+params", "parallel.zero=1"],
+        ["parallel.offload=optimizer+params", "parallel.zero=1", "ZeRO-3"],
+    ),
     "server-zero": (
         ["parallel.dp_collective=server", "parallel.zero=1"],
         ["dp_collective=server", "parallel.zero=1", "ZeRO"],
