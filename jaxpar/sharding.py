@@ -227,13 +227,3 @@ def pick(spec_tree, field: str):
 def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:
     """The spec with every other axis replaced by None."""
     return PartitionSpec(*(a if a in axes else None for a in spec))
-
-
-def without_axes(spec: PartitionSpec, axes) -> PartitionSpec:
-    return PartitionSpec(*(None if a in axes else a for a in spec))
-
-
-def shard_bytes(shape, dtype, spec: PartitionSpec, mesh_shape: dict) -> int:
-    """Bytes of one device's shard of an array."""
-    split = math.prod(mesh_shape[a] for a in spec if a is not None)
-    return math.prod(shape) * jax.numpy.dtype(dtype).itemsize // split
