@@ -389,6 +389,7 @@ def memory(compiled, state_shapes) -> dict[str, int]:
 
 def report(
     compiled,
+    led: Ledger,
     *,
     specs,
     shapes,
@@ -399,8 +400,7 @@ def report(
     accum: int,
     tensor_elements: int | None,
 ) -> dict:
-    """The summary.json sections that describe the compiled step."""
-    led = read(compiled.as_text(), mesh_shape)
+    """The summary.json sections that describe the compiled step (`led`: its ledger)."""
     mem = memory(compiled, state_shapes)
     psi = params_per_device(specs, shapes, mesh_shape)
     minimum = minimum_bytes(

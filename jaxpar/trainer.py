@@ -69,6 +69,8 @@ def describe_run(
 ) -> dict:
     mesh_shape = describe(mesh)
     problem = engine.problem
+    hlo = compiled.as_text()
+    led = ledger.read(hlo, mesh_shape)
     summary = {
         "config": config_lib.to_dict(cfg),
         "mesh": mesh_shape,
@@ -83,11 +85,12 @@ def describe_run(
         ]
         if cfg.parallel.zero and mesh_shape["data"] > 1
         else [],
-        "pipeline": pipeline_summary(cfg, engine, compiled.as_text(), mesh_shape, batch),
+        "pipeline": pipeline_summary(cfg, engine, hlo, led, mesh_shape, batch),
     }
     summary.update(
         ledger.report(
             compiled,
+            led,
             specs=engine.specs,
             shapes=problem.shapes,
             state_shapes=state_shapes,
@@ -101,7 +104,9 @@ def describe_run(
     return summary
 
 
-def pipeline_summary(cfg: Config, engine: Engine, hlo: str, mesh_shape: dict, batch) -> dict:
+def pipeline_summary(
+    cfg: Config, engine: Engine, hlo: str, led: ledger.Ledger, mesh_shape: dict, batch
+) -> dict:
     """Stage assignment, schedule, bubble (from the compiled tick loop) and hand-over bytes."""
     layout, parts = engine.layout, engine.problem.parts
     if layout is None:
@@ -122,9 +127,9 @@ def pipeline_summary(cfg: Config, engine: Engine, hlo: str, mesh_shape: dict, ba
     # Each hand-over between consecutive chunks carries one activation each way per
     # micro-batch; p * v - 1 hand-overs, shared by p devices.
     minimum = 2 * m * cfg.train.grad_accum * h_bytes * (p * v - 1) / p
-    permutes = ledger.read(hlo, mesh_shape).wire_bytes(
-        {"pipeline"}, kinds={"collective-permute"}
-    ) * pipeline.handover_share(schedule, p, m)
+    permutes = led.wire_bytes({"pipeline"}, kinds={"collective-permute"}) * pipeline.handover_share(
+        schedule, p, m
+    )
     return {
         "stages": layout.device_layers(),
         "chunks": [list(c) for c in layout.chunks],
