@@ -70,6 +70,11 @@ OFFLOAD = {
     for precision in ("fp32", "bf16")
     for mode in modes
 }
+# Activation checkpointing of the layers, data=8, ZeRO-1.
+REMAT = {
+    mode: ("parallel.data=8", "parallel.zero=1", f"parallel.remat={mode}")
+    for mode in ("none", "full", "offload")
+}
 WARMUP = 3
 REPEATS = 3
 
@@ -79,10 +84,9 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
     mesh = build_mesh(cfg.parallel)
     problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
-    compiled, compile_s, state_shapes = compile_step(engine, batches(0))
-    summary = describe_run(
-        cfg, mesh, engine, compiled, compile_s, state_shapes, tensor_elements, batches(0)
-    )
+    step = compile_step(engine, batches(0))
+    compiled = step.executable
+    summary = describe_run(cfg, mesh, engine, step, tensor_elements, batches(0))
     tokens = tokens_per_step(problem, batches(0))
     state = engine.init(jax.random.key(0))
     on_device = [jax.device_put(batches(i), engine.batch_sharding) for i in range(steps)]
@@ -115,7 +119,7 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         jax.device_get(step_metrics)
     host = (time.perf_counter() - start) / steps
     return {
-        "compile_s": compile_s,
+        "compile_s": step.seconds,
         "step_s": bare,
         "tokens_per_s": tokens / bare,
         "state": summary["state_bytes"],
@@ -180,6 +184,13 @@ OFFLOAD_COLUMNS = {
     "host params": _bytes("host_memory", "params"),
     "host opt state": _bytes("host_memory", "opt_state"),
 }
+REMAT_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "device temp": _bytes("memory", "temp"),
+    "host activations": _bytes("host_memory", "activations"),
+    "compiled host temp": _bytes("host_memory", "temp"),
+    "comm/step": STRATEGY_COLUMNS["comm/step"],
+}
 
 
 def _section(title: str, kind: str, configs: dict, columns: dict, steps: int) -> dict:
@@ -193,27 +204,51 @@ def _section(title: str, kind: str, configs: dict, columns: dict, steps: int) ->
     return results
 
 
-def run_bench(steps: int = 20, out: Path | None = None) -> dict:
+def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None = None) -> dict:
+    """Measure the `only` sections (default: all) and print their tables."""
     where = f"{PRESET} on {jax.device_count()} {jax.devices()[0].platform} devices"
-    results = {
-        "strategies": _section(
+    sections = {
+        "strategies": (
             f"{where}; step time is the best of {REPEATS} runs of {steps} steps",
+            "strategy",
             STRATEGIES,
             STRATEGY_COLUMNS,
-            steps,
         ),
-        "schedules": _section(
+        "schedules": (
             f"pipeline schedules, {where}: {' '.join(SCHEDULES['gpipe'][:4])}",
+            "schedule",
             SCHEDULES,
             SCHEDULE_COLUMNS,
-            steps,
         ),
-        "dp": _section(
+        "dp": (
             f"data-parallel gradient reduction, {where}, data=8, ZeRO-0",
+            "dp_collective",
             DP_MODES,
             DP_COLUMNS,
-            steps,
         ),
+        "offload": (
+            f"ZeRO-Offload, {where}, data=8",
+            "zero precision offload",
+            OFFLOAD,
+            OFFLOAD_COLUMNS,
+        ),
+        "remat": (
+            f"activation checkpointing, {where}, data=8, ZeRO-1",
+            "parallel.remat",
+            REMAT,
+            REMAT_COLUMNS,
+        ),
+    }
+    unknown = sorted(set(only or ()) - set(sections))
+    if unknown:
+        raise config.ConfigError(
+            f"jaxpar bench --only {' '.join(unknown)}: no such section; "
+            f"choose from {' '.join(sections)}"
+        )
+    results = {
+        name: _section(title, kind, configs, columns, steps)
+        for name, (title, kind, configs, columns) in sections.items()
+        if not only or name in only
     }
     if out:
         metrics.write_json(out, results)

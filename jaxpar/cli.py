@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare strategies on gpt-tiny: time, memory, comm")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SECTION",
+        help="measure only these sections: strategies schedules dp offload remat (default: all)",
+    )
     for p in (train, bench):
         p.add_argument(
             "--cpu-devices",
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from jaxpar.bench import run_bench  # noqa: PLC0415
 
-            run_bench(steps=args.steps, out=args.out)
+            run_bench(steps=args.steps, out=args.out, only=args.only)
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2

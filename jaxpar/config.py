@@ -29,7 +29,9 @@ class Parallel:
     microbatches: int = 1  # pipeline micro-batches each data shard's batch is split into
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # chunks of layers per device (schedule=interleaved)
-    remat: str = "none"  # activation checkpointing of each layer: none | full
+    # activation checkpointing of each layer: none | full (keep its input, recompute the
+    # rest) | offload (full, with the kept inputs in host memory)
+    remat: str = "none"
     dp_collective: str = "xla"  # how gradients are reduced over data: xla | ring | server
     bucket_mb: float = 25.0  # ring/server: fuse gradient leaves into buckets of this size
     # none | optimizer (Adam state + fp32 master weights on the host, update there) |
@@ -78,7 +80,7 @@ class Config:
 
 CHOICES = {
     "parallel.zero": (0, 1, 2, 3),
-    "parallel.remat": ("none", "full"),
+    "parallel.remat": ("none", "full", "offload"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.dp_collective": ("xla", "ring", "server"),
     "parallel.offload": ("none", "optimizer", "optimizer+params"),
@@ -258,6 +260,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         raise ConfigError(
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
             "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
+        )
+    if pipelined and parallel.schedule == "1f1b" and parallel.remat == "offload":
+        raise ConfigError(
+            "parallel.remat=offload with parallel.schedule=1f1b: 1F1B already keeps only "
+            "each stage's input per micro-batch and recomputes the layers in the backward "
+            "pass, so there are no saved layer inputs to send to the host; use "
+            "schedule=gpipe or interleaved with remat=offload, or remat=none with 1f1b"
         )
     interleaved = parallel.schedule == "interleaved"
     if (parallel.virtual_stages > 1) != interleaved and pipelined:

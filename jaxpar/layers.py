@@ -3,7 +3,8 @@
 - `constrain(x, names)`: pin an activation's dims to the rules (no-op outside a step).
 - `scan_layers(stack, carry, fn)`: run a stacked NNX module layer by layer. Inside a
   jaxpar step it gathers each layer's ZeRO-3 shards just before use (and again in the
-  backward pass instead of keeping them), and applies `parallel.remat`.
+  backward pass instead of keeping them), and applies `parallel.remat`: `full` keeps
+  each layer's input and recomputes the rest; `offload` keeps that input in host memory.
 
 The running step publishes how it places things through `placing(...)`.
 """
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import collectives
+from jaxpar.offload import HOST, LAYER_INPUT
 from jaxpar.sharding import LAYERS, LeafSpecs, compute_spec, zero_dim
 
 SPECS_KEY = "jaxpar_specs"  # Variable metadata: the LeafSpecs of a stacked leaf
@@ -30,7 +33,7 @@ class Placement:
     rules: tuple
     mesh_shape: dict
     zero: int
-    remat: str  # none | full
+    remat: str  # none | full | offload
     ring: bool = False  # ZeRO-3 gathers by ring_all_gather (parallel.dp_collective=ring)
     fetch: bool = False  # parameter shards live on the host: bring each layer's to the device
 
@@ -98,6 +101,9 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     zero = p.zero if p else 0
 
     def body(carry, layer_state):
+        if p and p.remat == "offload":
+            # the only value kept for the backward pass, sent to host memory there
+            carry = checkpoint_name(carry, LAYER_INPUT)
         layer_state = jax.tree.map(
             lambda v: v.replace(
                 _layer_value(v, zero, p is not None and p.ring, p is not None and p.fetch)
@@ -109,6 +115,14 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
 
     if p and p.remat == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    elif p and p.remat == "offload":
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst=HOST,
+        )
+        body = jax.checkpoint(body, policy=policy)
     elif zero >= 3:
         # Keep the big matmul outputs, recompute the rest: above all the gathered weights,
         # which are gathered again for the backward pass instead of being stored whole.

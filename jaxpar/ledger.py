@@ -383,6 +383,7 @@ def memory(compiled, state_shapes) -> dict[str, int]:
         # the model state of the ZeRO formula: master parameters and optimizer state
         "state": sum(total(part, host) for part in ("params", "opt") for host in (False, True)),
         "temp": int(stats.temp_size_in_bytes),
+        "host_temp": int(stats.host_temp_size_in_bytes),
         "arguments": int(stats.argument_size_in_bytes),
     }
 
@@ -394,6 +395,7 @@ def report(
     specs,
     shapes,
     state_shapes,
+    host_activations: int,
     mesh_shape: dict,
     zero: int,
     compute_bytes: int,
@@ -424,11 +426,15 @@ def report(
             "opt_state": mem["opt_state"],
             "temp": mem["temp"],
         },
-        # Nothing is offloaded yet: host (pinned_host) memory holds no state.
-        "host_memory_per_device": {
+        "host_memory_per_device": {  # pinned_host
             "params": mem["host_params"],
             "opt_state": mem["host_opt_state"],
-            "activations": 0,  # activation offload: not built yet
+            # layer inputs the program sends to the host for the backward pass
+            # (parallel.remat=offload), counted in the traced step ...
+            "activations": host_activations,
+            # ... and the host temporaries of the compiled step, where the compiler
+            # placed them (XLA:CPU drops in-step placement: 0 there)
+            "temp": mem["host_temp"],
         },
         "state_bytes": {
             "actual": mem["state"],

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar import config as config_lib
-from jaxpar import data, ledger, metrics, pipeline
+from jaxpar import data, ledger, metrics, offload, pipeline
 from jaxpar.config import Config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.problem import Problem, from_nnx
@@ -34,8 +35,16 @@ class Result:
     rows: list[dict]  # metrics rows as logged
 
 
-def compile_step(engine: Engine, batch_example: dict):
-    """Lower and compile the step for the state and batch shapes; seconds it took."""
+@dataclass(frozen=True)
+class CompiledStep:
+    executable: Any  # (state, batch) -> (state, metrics)
+    seconds: float  # tracing, lowering and compiling it took
+    state_shapes: Any  # ShapeDtypeStructs of the state, with their shardings
+    host_activations: int  # per-device bytes of layer inputs the step sends to the host
+
+
+def step_inputs(engine: Engine, batch_example: dict):
+    """Shapes and shardings of the step's (state, batch), for tracing it without data."""
     state_shapes = jax.eval_shape(engine.init, jax.random.key(0))
     state_in = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -46,9 +55,21 @@ def compile_step(engine: Engine, batch_example: dict):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine.batch_sharding),
         batch_example,
     )
+    return state_in, batch_in
+
+
+def compile_step(engine: Engine, batch_example: dict) -> CompiledStep:
+    """Trace, lower and compile the step for the state and batch shapes."""
+    state_in, batch_in = step_inputs(engine, batch_example)
     start = time.perf_counter()
-    compiled = engine.step.lower(state_in, batch_in).compile()
-    return compiled, time.perf_counter() - start, state_shapes
+    traced = engine.step.trace(state_in, batch_in)
+    compiled = traced.lower().compile()
+    return CompiledStep(
+        compiled,
+        time.perf_counter() - start,
+        state_in,
+        offload.offloaded_activation_bytes(traced.jaxpr),
+    )
 
 
 def tokens_per_step(problem: Problem, batch: dict) -> int:
@@ -61,22 +82,20 @@ def describe_run(
     cfg: Config,
     mesh,
     engine: Engine,
-    compiled,
-    compile_s: float,
-    state_shapes,
+    step: CompiledStep,
     tensor_elements: int | None,
     batch: dict,
 ) -> dict:
     mesh_shape = describe(mesh)
     problem = engine.problem
-    hlo = compiled.as_text()
+    hlo = step.executable.as_text()
     led = ledger.read(hlo, mesh_shape)
     summary = {
         "config": config_lib.to_dict(cfg),
         "mesh": mesh_shape,
         "devices": int(mesh.size),
         "strategy": strategy_name(cfg, mesh_shape),
-        "compile_s": round(compile_s, 3),
+        "compile_s": round(step.seconds, 3),
         "zero_unsplit_leaves": [
             {"path": p, "shape": list(s)}
             for p, s, _ in unsplit_leaves(
@@ -89,11 +108,12 @@ def describe_run(
     }
     summary.update(
         ledger.report(
-            compiled,
+            step.executable,
             led,
             specs=engine.specs,
             shapes=problem.shapes,
-            state_shapes=state_shapes,
+            state_shapes=step.state_shapes,
+            host_activations=step.host_activations,
             mesh_shape=mesh_shape,
             zero=cfg.parallel.zero,
             compute_bytes=jnp.dtype(DTYPES[cfg.train.precision]).itemsize,
@@ -176,6 +196,18 @@ def startup_text(summary: dict, params: int) -> str:
         f"({' + '.join(comm['ratio_axes'])})",
         f"  compiled  in {summary['compile_s']:.1f} s",
     ]
+    host = summary["host_memory_per_device"]
+    if any(host.values()):
+        lines.append(
+            "  host      per device: "
+            + ", ".join(f"{k} {metrics.human_bytes(v)}" for k, v in host.items())
+        )
+    if host["activations"] and not host["temp"]:
+        lines.append(
+            f"  note      {metrics.human_bytes(host['activations'])} of layer inputs are sent "
+            f"to host memory, but this backend's compiled step keeps them on the device "
+            f"(host temp 0 B; XLA:CPU ignores in-step memory placement)"
+        )
     pipe = summary["pipeline"]
     if pipe["schedule"]:
         lines.append(
@@ -210,10 +242,9 @@ def train(
     mesh = build_mesh(cfg.parallel) if mesh is None else mesh
     config_lib.check_train(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
-    compiled, compile_s, state_shapes = compile_step(engine, batches(0))
-    summary = describe_run(
-        cfg, mesh, engine, compiled, compile_s, state_shapes, tensor_elements, batches(0)
-    )
+    step = compile_step(engine, batches(0))
+    compiled = step.executable
+    summary = describe_run(cfg, mesh, engine, step, tensor_elements, batches(0))
     tokens = tokens_per_step(problem, batches(0))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
     say = (lambda *_: None) if quiet else tqdm.write

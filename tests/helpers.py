@@ -59,10 +59,8 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
     mesh = build_mesh(cfg.parallel, jax.devices()[:n])
     problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
-    compiled, seconds, state_shapes = compile_step(engine, batches(0))
-    return describe_run(
-        cfg, mesh, engine, compiled, seconds, state_shapes, tensor_elements, batches(0)
-    )
+    step = compile_step(engine, batches(0))
+    return describe_run(cfg, mesh, engine, step, tensor_elements, batches(0))
 
 
 def jaxpar_command(*args: str) -> subprocess.CompletedProcess:

@@ -34,7 +34,12 @@ def test_train_writes_run_directory(tmp_path):
     assert summary["config"]["parallel"]["zero"] == 1
     assert summary["final_loss"] == rows[-1]["loss"]
     assert set(summary["memory_per_device"]) == {"params", "grads", "opt_state", "temp"}
-    assert set(summary["host_memory_per_device"]) == {"params", "opt_state", "activations"}
+    assert set(summary["host_memory_per_device"]) == {
+        "params",
+        "opt_state",
+        "activations",
+        "temp",
+    }
     assert {"all-reduce", "all-gather", "reduce-scatter"} <= set(summary["collectives"])
     assert summary["comm"]["ratio"] <= 1.05
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"

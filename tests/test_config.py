@@ -111,6 +111,10 @@ BAD = {
         ["parallel.offload=optimizer+params", "parallel.zero=1"],
         ["parallel.offload=optimizer+params", "parallel.zero=1", "ZeRO-3"],
     ),
+    "remat-offload-1f1b": (
+        ["parallel.remat=offload", "parallel.pipeline=2", "parallel.schedule=1f1b"],
+        ["parallel.remat=offload", "schedule=1f1b", "schedule=gpipe"],
+    ),
     "server-zero": (
         ["parallel.dp_collective=server", "parallel.zero=1"],
         ["dp_collective=server", "parallel.zero=1", "ZeRO"],

@@ -1,7 +1,15 @@
-"""ZeRO-Offload: optimizer state and fp32 master weights on the host, update on the host."""
+"""ZeRO-Offload: optimizer state and fp32 master weights on the host, update on the host;
+layer inputs kept for the backward pass in host memory (parallel.remat=offload)."""
+
+import re
 
 import pytest
 from helpers import assert_same_training, compile_only, run
+
+from jaxpar import config
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.step import build
+from jaxpar.trainer import shipped_problem, step_inputs
 
 MESHES = {
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
@@ -58,3 +66,75 @@ def test_offload_with_a_pipeline(devices):
     assert_same_training(
         run("gpt-tiny", [*overrides, "parallel.offload=optimizer"]), run("gpt-tiny", overrides)
     )
+
+
+REMAT_MESHES = {
+    # everything offloaded at once: optimizer, parameter shards, layer inputs
+    "dp4-tp2-zero3-all": (*MESHES["dp4-tp2-zero3"], "parallel.offload=optimizer+params"),
+    "gpipe": (
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.zero=1",
+        "parallel.microbatches=2",
+        "parallel.schedule=gpipe",
+    ),
+}
+
+
+@pytest.mark.parametrize("mesh", REMAT_MESHES)
+def test_remat_offload_trains_like_keeping_activations(devices, mesh):
+    overrides = list(REMAT_MESHES[mesh])
+    plain = [o for o in overrides if not o.startswith("parallel.offload")]
+    assert_same_training(
+        run("gpt-tiny", [*overrides, "parallel.remat=offload"]), run("gpt-tiny", plain)
+    )
+
+
+def test_remat_offload_sends_each_layer_input_to_the_host(devices):
+    # gpt-tiny: 4 layers, batch 16, seq 64, embed 64; fp32
+    layer_input = 16 // 8 * 64 * 64 * 4
+    host = lambda *o: compile_only("gpt-tiny", ("parallel.data=8", *o))  # noqa: E731
+    assert host("parallel.remat=offload")["host_memory_per_device"]["activations"] == (
+        4 * layer_input
+    )
+    for remat in ("none", "full"):
+        assert host(f"parallel.remat={remat}")["host_memory_per_device"]["activations"] == 0
+    # bf16 compute: the layer inputs are half the bytes
+    bf16 = host("parallel.remat=offload", "train.precision=bf16")
+    assert bf16["host_memory_per_device"]["activations"] == 4 * layer_input // 2
+
+
+def test_remat_offload_in_a_pipeline_keeps_every_tick(devices):
+    # gpipe on 2 stages with 2 micro-batches runs 3 ticks; each tick every stage runs its
+    # 2 layers on a micro-batch of 16 / (2 data * 2 micro-batches) = 4 rows
+    summary = compile_only("gpt-tiny", (*REMAT_MESHES["gpipe"], "parallel.remat=offload"))
+    assert summary["pipeline"]["ticks"] == 3
+    assert summary["host_memory_per_device"]["activations"] == 3 * 2 * 4 * 64 * 64 * 4
+
+
+def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
+    """XLA:CPU lowers in-step memory placement to nothing (so the compiled step here
+    keeps the layer inputs on the device); lowered for CUDA, the same step annotates
+    each layer's saved input for pinned_host, which XLA's host offloader acts on."""
+    placements = lowered_placements("parallel.remat=offload")
+    # the per-layer input, [rows, seq, embed], and nothing else
+    assert placements["pinned_host"] == ["tensor<2x64x64xf32>"]
+    assert "pinned_host" not in lowered_placements("parallel.remat=full")
+
+
+def lowered_placements(*overrides: str) -> dict[str, list[str]]:
+    cfg = config.load("gpt-tiny", ["parallel.data=8", *overrides])
+    mesh = build_mesh(cfg.parallel)
+    problem, batches, _ = shipped_problem(cfg, describe(mesh))
+    engine = build(problem, cfg, mesh)
+    lowered = engine.step.trace(*step_inputs(engine, batches(0))).lower(
+        lowering_platforms=("cuda",)
+    )
+    found = {}
+    for kind, operand in re.findall(
+        r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*\(([^)]*)\) ->',
+        lowered.as_text(),
+    ):
+        found.setdefault(kind, []).append(operand)
+    return found

@@ -1,0 +1,27 @@
+"""`jaxpar bench`: a section measures, prints its table and returns its numbers."""
+
+from helpers import jaxpar_command
+
+from jaxpar.bench import run_bench
+
+
+def test_remat_section(devices, capsys):
+    results = run_bench(steps=2, only=["remat"])
+    assert list(results) == ["remat"]
+    rows = results["remat"]
+    assert list(rows) == ["none", "full", "offload"]
+    # gpt-tiny on data=8: 4 layers of [2 rows, 64 tokens, 64 wide] fp32 inputs
+    assert rows["offload"]["host_memory"]["activations"] == 4 * 2 * 64 * 64 * 4
+    assert rows["full"]["memory"]["temp"] < rows["none"]["memory"]["temp"]
+    assert all(r["step_s"] > 0 for r in rows.values())
+    out = capsys.readouterr().out
+    assert "parallel.remat" in out and "host activations" in out
+
+
+def test_unknown_section_exits_2():
+    done = jaxpar_command("bench", "--only", "strategies", "warp")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "jaxpar: error: jaxpar bench --only warp: no such section; "
+        "choose from strategies schedules dp offload remat"
+    )
