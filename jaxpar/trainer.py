@@ -38,6 +38,7 @@ class Result:
 @dataclass(frozen=True)
 class CompiledStep:
     executable: Any  # (state, batch) -> (state, metrics)
+    hlo: str  # its optimized HLO text (what the ledger reads and step.hlo.txt keeps)
     seconds: float  # tracing, lowering and compiling it took
     state_shapes: Any  # ShapeDtypeStructs of the state, with their shardings
     host_activations: int  # per-device bytes of layer inputs the step sends to the host
@@ -66,6 +67,7 @@ def compile_step(engine: Engine, batch_example: dict) -> CompiledStep:
     compiled = traced.lower().compile()
     return CompiledStep(
         compiled,
+        compiled.as_text(),
         time.perf_counter() - start,
         state_in,
         offload.offloaded_activation_bytes(traced.jaxpr),
@@ -88,7 +90,7 @@ def describe_run(
 ) -> dict:
     mesh_shape = describe(mesh)
     problem = engine.problem
-    hlo = step.executable.as_text()
+    hlo = step.hlo
     led = ledger.read(hlo, mesh_shape)
     summary = {
         "config": config_lib.to_dict(cfg),
@@ -251,7 +253,7 @@ def train(
     say(startup_text(summary, n_params))
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "step.hlo.txt").write_text(compiled.as_text())
+        (out_dir / "step.hlo.txt").write_text(step.hlo)
     log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None)
     state = engine.init(jax.random.key(cfg.train.seed))
     state, losses, times = run_loop(
