@@ -1,9 +1,11 @@
-"""jaxpar: data, tensor and ZeRO parallelism for JAX/Flax on one named mesh."""
+"""jaxpar: data (server, ring, XLA), tensor, pipeline (GPipe, 1F1B, interleaved) and
+ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh."""
 
-from jaxpar.config import Config, ConfigError, Data, Model, Parallel, Train, load
+from jaxpar.config import Config, Data, Model, Parallel, Train, load
+from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.mesh import build_mesh
-from jaxpar.problem import Problem, from_nnx, from_pytree
+from jaxpar.problem import Problem, Stages, from_nnx, from_pytree
 from jaxpar.sharding import (
     BATCH,
     EMBED,
@@ -16,7 +18,7 @@ from jaxpar.sharding import (
     STAGE,
     VOCAB,
 )
-from jaxpar.trainer import Result, train, train_config
+from jaxpar.trainer import Result, train
 
 __all__ = [
     "BATCH",
@@ -36,6 +38,7 @@ __all__ = [
     "Parallel",
     "Problem",
     "Result",
+    "Stages",
     "Train",
     "build_mesh",
     "constrain",
@@ -45,5 +48,4 @@ __all__ = [
     "param",
     "scan_layers",
     "train",
-    "train_config",
 ]

@@ -13,16 +13,11 @@ from pathlib import Path
 
 import jax
 
+import models
 from jaxpar import config, metrics
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.step import build
-from jaxpar.trainer import (
-    compile_step,
-    describe_run,
-    run_loop,
-    shipped_problem,
-    tokens_per_step,
-)
+from jaxpar.run import prepare
+from jaxpar.trainer import run_loop
 
 PRESET = "gpt-tiny"
 STRATEGIES = {
@@ -80,16 +75,15 @@ REPEATS = 3
 
 
 def measure(overrides: tuple[str, ...], steps: int) -> dict:
+    """Compile and time one configuration: {compile_s, step_s, tokens_per_s,
+    trainer_over_bare, host_s, report}."""
     cfg = config.load(PRESET, [*overrides, f"train.steps={steps}", "train.log_every=1"])
     mesh = build_mesh(cfg.parallel)
-    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
-    engine = build(problem, cfg, mesh)
-    step = compile_step(engine, batches(0))
-    compiled = step.executable
-    summary = describe_run(cfg, mesh, engine, step, tensor_elements, batches(0))
-    tokens = tokens_per_step(problem, batches(0))
-    state = engine.init(jax.random.key(0))
-    on_device = [jax.device_put(batches(i), engine.batch_sharding) for i in range(steps)]
+    problem, batches = models.problem(cfg, describe(mesh))
+    run = prepare(cfg, problem, mesh, batches(0))
+    compiled, sharding = run.step.executable, run.engine.batch_sharding
+    state = run.engine.init(jax.random.key(0))
+    on_device = [jax.device_put(batches(i), sharding) for i in range(steps)]
     for batch in on_device[:WARMUP]:
         state, _ = compiled(state, batch)
     jax.block_until_ready(state)
@@ -106,89 +100,76 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         jax.block_until_ready(state)
         bare.append((time.perf_counter() - start) / steps)
         start = time.perf_counter()
-        state, _, _ = run_loop(
-            compiled, engine, state, batches, cfg, metrics.MetricsLog(None), tokens, False
-        )
+        state, _, _ = run_loop(run, state, batches, metrics.MetricsLog(None), False)
         loop.append((time.perf_counter() - start) / steps)
     bare, loop = min(bare), min(loop)
     # The trainer's own work per step (make and place a batch, read a step's metrics),
     # timed with the devices idle: what it adds when it cannot overlap with a step.
     start = time.perf_counter()
     for i in range(steps):
-        jax.block_until_ready(jax.device_put(batches(i), engine.batch_sharding))
+        jax.block_until_ready(jax.device_put(batches(i), sharding))
         jax.device_get(step_metrics)
     host = (time.perf_counter() - start) / steps
     return {
-        "compile_s": step.seconds,
+        "compile_s": run.step.seconds,
         "step_s": bare,
-        "tokens_per_s": tokens / bare,
-        "state": summary["state_bytes"],
-        "comm": summary["comm"],
+        "tokens_per_s": run.tokens_per_step / bare,
         "trainer_over_bare": loop / bare,
         "host_s": host,
-        "temp": summary["memory_per_device"]["temp"],
-        "pipeline": summary["pipeline"],
-        "collective_counts": summary["collective_counts"],
-        "memory": summary["memory_per_device"],
-        "host_memory": summary["host_memory_per_device"],
+        "report": run.report,
     }
 
 
-def _bytes(*path):
-    def get(r):
-        for key in path:
-            r = r[key]
-        return metrics.human_bytes(r)
-
-    return get
+def _bytes(read):
+    return lambda r: metrics.human_bytes(read(r["report"]))
 
 
 STRATEGY_COLUMNS = {
     "compile s": lambda r: f"{r['compile_s']:.1f}",
     "step ms": lambda r: f"{r['step_s'] * 1e3:.1f}",
     "tokens/s": lambda r: f"{r['tokens_per_s']:.0f}",
-    "state": _bytes("state", "actual"),
-    "ZeRO formula": _bytes("state", "formula"),
-    "ratio": lambda r: f"{r['state']['ratio']:.3f}",
-    "comm/step": _bytes("comm", "wire_bytes_per_device"),
-    "minimum": _bytes("comm", "minimum_bytes_per_device"),
-    "ratio ": lambda r: f"{r['comm']['ratio']:.3f}",
+    "state": _bytes(lambda rep: rep.state_bytes.actual),
+    "ZeRO formula": _bytes(lambda rep: rep.state_bytes.formula),
+    "ratio": lambda r: f"{r['report'].state_bytes.ratio:.3f}",
+    "comm/step": _bytes(lambda rep: rep.comm.wire_bytes_per_device),
+    "minimum": _bytes(lambda rep: rep.comm.minimum_bytes_per_device),
+    "ratio ": lambda r: f"{r['report'].comm.ratio:.3f}",
     "trainer/bare": lambda r: f"{r['trainer_over_bare']:.3f}",
     "host ms": lambda r: f"{r['host_s'] * 1e3:.2f}",
 }
 SCHEDULE_COLUMNS = {
-    "bubble": lambda r: f"{r['pipeline']['bubble']:.3f}",
-    "formula": lambda r: f"{r['pipeline']['bubble_formula']:.3f}",
-    "temp": _bytes("temp"),
+    "bubble": lambda r: f"{r['report'].pipeline.bubble:.3f}",
+    "formula": lambda r: f"{r['report'].pipeline.bubble_formula:.3f}",
+    "temp": _bytes(lambda rep: rep.memory_per_device.temp),
     "step ms": STRATEGY_COLUMNS["step ms"],
     "tokens/s": STRATEGY_COLUMNS["tokens/s"],
-    "permute": _bytes("pipeline", "permute_bytes_per_device"),
-    "minimum": _bytes("pipeline", "permute_minimum_per_device"),
-    "ratio": lambda r: f"{r['pipeline']['permute_ratio']:.3f}",
+    "permute": _bytes(lambda rep: rep.pipeline.permute_bytes_per_device),
+    "minimum": _bytes(lambda rep: rep.pipeline.permute_minimum_per_device),
+    "ratio": lambda r: f"{r['report'].pipeline.permute_ratio:.3f}",
 }
 DP_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
-    "wire/device": _bytes("comm", "wire_bytes_per_device"),
-    "minimum": _bytes("comm", "minimum_bytes_per_device"),
-    "busiest device": _bytes("comm", "busiest_device_bytes"),
+    "wire/device": STRATEGY_COLUMNS["comm/step"],
+    "minimum": STRATEGY_COLUMNS["minimum"],
+    "busiest device": _bytes(lambda rep: rep.comm.busiest_device_bytes),
     "collectives": lambda r: str(
-        sum(n for k, n in r["collective_counts"].items() if k.endswith("@data"))
+        sum(n for k, n in r["report"].collective_counts.items() if k.endswith("@data"))
     ),
 }
 
 
 OFFLOAD_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
-    "device params": _bytes("memory", "params"),
-    "device opt state": _bytes("memory", "opt_state"),
-    "host params": _bytes("host_memory", "params"),
-    "host opt state": _bytes("host_memory", "opt_state"),
+    "device params": _bytes(lambda rep: rep.memory_per_device.params),
+    "device opt state": _bytes(lambda rep: rep.memory_per_device.opt_state),
+    "host params": _bytes(lambda rep: rep.host_memory_per_device.params),
+    "host opt state": _bytes(lambda rep: rep.host_memory_per_device.opt_state),
 }
 REMAT_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
-    "device temp": _bytes("memory", "temp"),
-    "host activations": _bytes("host_memory", "activations"),
-    "compiled host temp": _bytes("host_memory", "temp"),
+    "device temp": _bytes(lambda rep: rep.memory_per_device.temp),
+    "host activations": _bytes(lambda rep: rep.host_memory_per_device.activations),
+    "compiled host temp": _bytes(lambda rep: rep.host_memory_per_device.temp),
     "comm/step": STRATEGY_COLUMNS["comm/step"],
 }
 
@@ -251,5 +232,11 @@ def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None =
         if not only or name in only
     }
     if out:
-        metrics.write_json(out, results)
+        metrics.write_json(
+            out,
+            {
+                section: {name: {**r, "report": r["report"].to_json()} for name, r in rows.items()}
+                for section, rows in results.items()
+            },
+        )
     return results

@@ -1,4 +1,4 @@
-"""The `jaxpar` command: parse, set up devices, dispatch. Logic lives in the modules."""
+"""The `jaxpar` command: train with any mix of parallelism, or benchmark the strategies."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup_devices(n: int | None) -> None:
-    from jaxpar.mesh import accelerator_installed, use_cpu_devices  # noqa: PLC0415
+    from jaxpar.mesh import accelerator_installed, use_cpu_devices
 
     if n is None and not accelerator_installed():
         n = DEFAULT_CPU_DEVICES
@@ -57,12 +57,25 @@ def _setup_devices(n: int | None) -> None:
         use_cpu_devices(n)
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags and KEY=VALUE overrides in any order: argparse takes the overrides only up to
+    the first flag, so the ones after it come back unparsed and join them here."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    stray = [a for a in rest if a.startswith("-") or "=" not in a or args.command != "train"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         _setup_devices(args.cpu_devices)
         if args.command == "train":
-            from jaxpar.trainer import train_config  # noqa: PLC0415
+            from models import train_config
 
             cfg = load(args.config, args.overrides)
             name = Path(args.config).stem
@@ -70,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             train_config(cfg, out)
             print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
         else:
-            from jaxpar.bench import run_bench  # noqa: PLC0415
+            from jaxpar.bench import run_bench
 
             run_bench(steps=args.steps, out=args.out, only=args.only)
     except ConfigError as e:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-DATA = "data"
+from jaxpar.mesh import DATA
 
 
 def blockwise(fn, xs, specs):

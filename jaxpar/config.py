@@ -15,9 +15,8 @@ from pathlib import Path
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration mistake: the message names the key, the numbers and the fix."""
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DATA, PIPE, TENSOR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,20 +219,17 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def replace(cfg: Config, **sections) -> Config:
-    """A copy with whole sections or `section_field` values changed (for tests and the bench)."""
-    changes: dict[str, dict] = {}
-    for key, value in sections.items():
-        section, _, name = key.partition("_")
-        changes.setdefault(section, {})[name] = value
-    return dataclasses.replace(
-        cfg, **{s: dataclasses.replace(getattr(cfg, s), **vals) for s, vals in changes.items()}
-    )
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one optimizer step's global batch is cut (rows = sequences or examples)."""
+
+    shard: int  # rows each data shard gets
+    accum: int  # rows of one accumulation micro-batch on a shard
+    micro: int  # rows of one pipeline micro-batch
 
 
-def check_train(cfg: Config, mesh_shape: dict) -> None:
-    """Batch arithmetic every run needs, whatever the model."""
-    train, parallel, data = cfg.train, cfg.parallel, mesh_shape["data"]
+def batch_split(train: Train, parallel: Parallel, data: int) -> BatchSplit:
+    """THE batch arithmetic: global batch -> data shards -> accumulation -> pipeline."""
     parts = data * train.grad_accum * parallel.microbatches
     if train.batch_size % parts:
         raise ConfigError(
@@ -241,6 +237,15 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"train.grad_accum({train.grad_accum}) * parallel.microbatches"
             f"({parallel.microbatches}) = {parts} equal parts; use a multiple of {parts}"
         )
+    shard = train.batch_size // data
+    accum = shard // train.grad_accum
+    return BatchSplit(shard=shard, accum=accum, micro=accum // parallel.microbatches)
+
+
+def check_train(cfg: Config, mesh_shape: dict) -> None:
+    """Batch arithmetic every run needs, whatever the model."""
+    parallel = cfg.parallel
+    batch_split(cfg.train, parallel, mesh_shape[DATA])
     if parallel.dp_collective == "server" and parallel.zero:
         raise ConfigError(
             f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
@@ -255,7 +260,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "stage 3 every device needs all parameters. Use parallel.zero=3, or "
             "parallel.offload=optimizer"
         )
-    pipelined = mesh_shape["pipeline"] > 1
+    pipelined = mesh_shape[PIPE] > 1
     if parallel.microbatches > 1 and not pipelined:
         raise ConfigError(
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
@@ -275,7 +280,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"{parallel.virtual_stages}: virtual stages (2 or more) go with "
             "schedule=interleaved, and only with it"
         )
-    p, m = mesh_shape["pipeline"], parallel.microbatches
+    p, m = mesh_shape[PIPE], parallel.microbatches
     if pipelined and interleaved and m % p:
         raise ConfigError(
             f"parallel.microbatches={m} is not a multiple of parallel.pipeline={p}: the "
@@ -286,7 +291,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
 
 def check_model(model: Model, mesh_shape: dict) -> None:
     """The shipped models' dims against the tensor degree (named by key, before any leaf)."""
-    tensor = mesh_shape["tensor"]
+    tensor = mesh_shape[TENSOR]
     if model.name == "gpt" and model.embed % model.heads:
         raise ConfigError(
             f"model.embed={model.embed} is not divisible by model.heads="

@@ -13,18 +13,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import collectives
+from jaxpar.mesh import DATA
 
 SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
-DATA = "data"
 
 
-def reduce(grads, specs, todo, dims, mode: str, bucket_bytes: float):
-    """Reduce each gradient leaf over `data` as `todo` says (SUM, SCATTER along `dims`, or
-    None: leave it); `specs` are the leaves' compute specs."""
+def reduce(grads, specs, todo, mode: str, bucket_bytes: float):
+    """Reduce each gradient leaf over `data` as `todo` says (SUM, SCATTER along its ZeRO
+    dim, or None: leave it); `specs` are the leaves' LeafSpecs."""
     leaves, treedef = jax.tree.flatten(grads)
-    spec_list = treedef.flatten_up_to(specs)
+    leaf_specs = treedef.flatten_up_to(specs)
+    spec_list = [s.compute for s in leaf_specs]
+    dim_list = [s.dim for s in leaf_specs]
     todo_list = treedef.flatten_up_to(todo)
-    dim_list = treedef.flatten_up_to(dims)
     if mode == "xla":
         out = [
             g

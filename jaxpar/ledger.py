@@ -1,76 +1,45 @@
-"""Reads a compiled step: its collectives (kind, mesh axes, bytes, executions per step)
-and its per-device memory by category, and sets them against the textbook minimum.
+"""The cost model: a compiled step's collectives and memory against the textbook.
 
 Wire bytes per device use the ring factors: all-reduce 2(n-1)/n of the buffer,
 all-gather and all-to-all (n-1)/n of the gathered buffer, reduce-scatter (n-1)/n of
 the input, collective-permute 1x for each device that sends (averaged over the
-devices). Collectives inside loops count once per iteration (XLA's known_trip_count).
+devices). Collectives inside loops count once per iteration (the HLO is read by
+jaxpar.hlo). Memory: per-device state bytes from the compiled input shardings against
+the ZeRO paper's formula; temporaries from `memory_analysis()`. Pipelines: the bubble
+measured from the schedule's tick table, and the hand-over bytes against one
+activation per micro-batch per chunk boundary.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
-import numpy as np
 
-from jaxpar.sharding import LeafSpecs, zero_dim
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-}
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
-_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-_CALLS = re.compile(
-    r"\b(body|condition|to_apply|calls|true_computation|false_computation)="
-    r"%?([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+from jaxpar import schedules
+from jaxpar.hlo import Collective, collectives, loop_trip_counts
+from jaxpar.mesh import DATA, PIPE, TENSOR
+from jaxpar.pipeline import Layout
+from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
+from jaxpar.sharding import LeafSpecs
 
 
-@dataclass
-class Collective:
-    kind: str
-    axes: tuple[str, ...]  # mesh axes the groups span
-    group: int  # devices per group
-    buffer_bytes: int  # result bytes (reduce-scatter: its input)
-    executions: int  # times per step (loop trip counts multiplied)
-    senders: float = 1.0  # collective-permute: share of devices that send
-    groups: list = field(default_factory=list)  # device groups (permutes: (source, target))
-
-    @property
-    def wire_bytes(self) -> float:
-        n = self.group
-        if n <= 1:
-            return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": self.senders}.get(
-            self.kind, (n - 1) / n
-        )
-        return factor * self.buffer_bytes * self.executions
+def wire_bytes(c: Collective) -> float:
+    """Bytes one device of the group puts on the wire per step for `c` (ring factors)."""
+    n = c.group
+    if n <= 1:
+        return 0.0
+    factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": c.senders}.get(
+        c.kind, (n - 1) / n
+    )
+    return factor * c.buffer_bytes * c.executions
 
 
 @dataclass
 class Ledger:
-    collectives: list[Collective] = field(default_factory=list)
+    collectives: list[Collective]
     unknown_trip_counts: int = 0  # loops whose collectives were counted once
 
     def by_kind(self) -> dict[str, dict]:
@@ -79,14 +48,14 @@ class Ledger:
             row = out.setdefault(c.kind, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "axes": {}})
             row["count"] += c.executions
             row["bytes"] += c.buffer_bytes * c.executions
-            row["wire_bytes"] += c.wire_bytes
+            row["wire_bytes"] += wire_bytes(c)
             key = "+".join(c.axes) or "none"
             row["axes"][key] = row["axes"].get(key, 0) + c.executions
         return out
 
     def wire_bytes(self, axes: set[str] | None = None, kinds: set[str] | None = None) -> float:
         return sum(
-            c.wire_bytes
+            wire_bytes(c)
             for c in self.collectives
             if (axes is None or set(c.axes) & axes) and (kinds is None or c.kind in kinds)
         )
@@ -100,7 +69,7 @@ class Ledger:
                     out[source] += c.buffer_bytes * c.executions
                     out[target] += c.buffer_bytes * c.executions
             elif c.group > 1:
-                sent = c.wire_bytes  # per member; it receives as much
+                sent = wire_bytes(c)  # per member; it receives as much
                 for group in c.groups:
                     for device in group:
                         out[device] += 2 * sent
@@ -118,163 +87,9 @@ class Ledger:
         return dict(sorted(out.items()))
 
 
-def _top_level(type_str: str) -> list[str]:
-    """Top-level elements of an HLO result type (a tuple or a single array)."""
-    s = type_str.strip()
-    if not s.startswith("("):
-        return [s]
-    parts, depth, cur = [], 0, ""
-    for ch in s[1:-1]:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return parts + [cur]
-
-
-def _bytes(type_str: str) -> int:
-    return sum(
-        _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-        for dt, dims in _ARRAY.findall(type_str)
-    )
-
-
-def _result_bytes(kind: str, type_str: str, is_async: bool) -> int:
-    parts = _top_level(type_str)
-    if is_async and kind in ("all-gather", "collective-permute"):
-        # (operands..., results..., [context]) -> the results
-        arrays = [p for p in parts if _ARRAY.search(p) and not p.strip().startswith("u32[]")]
-        parts = arrays[len(arrays) // 2 :]
-    return sum(_bytes(p) for p in parts)
-
-
-def _iota(spec: str) -> np.ndarray:
-    """'[4,2]<=[8]', '[2,4]<=[4,2]T(1,0)' or '[4,2]T(1,0)' -> the device id array."""
-    m = re.match(r"(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
-    dims = [int(x) for x in m.group(2).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(3):
-        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return ids.reshape([int(x) for x in m.group(1).split(",")] if m.group(1) else -1)
-
-
-def _groups(line: str) -> list[list[int]] | None:
-    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
-    if m:
-        return [
-            [int(x) for x in g.split(",") if x.strip()]
-            for g in re.findall(r"\{([\d, ]*)\}", m.group(1))
-        ]
-    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
-    if m:
-        return _iota(m.group(1)).tolist()
-    m = re.search(
-        r"replica_groups=mesh\[([^\]]*)\]"
-        r"(?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*\{([^}]*)\}",
-        line,
-    )
-    if m:
-        names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-        shape = [int(n) for _, n in names]
-        ids = (_iota(m.group(2)) if m.group(2) else np.arange(math.prod(shape))).reshape(shape)
-        grouped = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(3)]
-        rest = [i for i in range(len(shape)) if i not in grouped]
-        ids = ids.transpose(rest + grouped)
-        return ids.reshape(-1, math.prod(shape[i] for i in grouped) if grouped else 1).tolist()
-    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
-    if m:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-    return None
-
-
-def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    if not groups:
-        return ()
-    names, shape = list(mesh_shape), list(mesh_shape.values())
-    coords = np.array([np.unravel_index(i, shape) for i in groups[0]])
-    return tuple(n for d, n in enumerate(names) if len(set(coords[:, d])) > 1)
-
-
-def _multipliers(lines: list[str]) -> tuple[dict[str, int], dict[int, str], int]:
-    """Executions per step of each computation, and which computation each line is in."""
-    owner: dict[int, str] = {}
-    edges: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
-    entry, current = None, None
-    for i, line in enumerate(lines):
-        m = _COMP.match(line)
-        if m and not line.startswith(" "):
-            current = m.group(2)
-            if m.group(1):
-                entry = current
-            continue
-        owner[i] = current
-        trip = _TRIP.search(line)
-        for role, callee in _CALLS.findall(line):
-            edges[current].append(
-                (callee, (int(trip.group(1)) if trip else None) if role == "body" else 1)
-            )
-        for branches in _BRANCHES.findall(line):
-            for callee in re.findall(r"%?([\w.\-]+)", branches):
-                edges[current].append((callee, 1))
-    mult: dict[str, int] = defaultdict(int)
-    unknown = 0
-
-    def visit(comp: str, times: int) -> None:
-        nonlocal unknown
-        mult[comp] += times
-        for callee, k in edges.get(comp, ()):
-            if k is None:
-                unknown += 1
-                k = 1
-            visit(callee, times * k)
-
-    visit(entry, 1)
-    return mult, owner, unknown
-
-
-def loop_trip_counts(hlo_text: str, scope: str) -> list[int]:
-    """Trip counts of the while loops traced under jax.named_scope(scope)."""
-    return [
-        int(trip.group(1))
-        for line in hlo_text.splitlines()
-        if " while(" in line and scope in line and (trip := _TRIP.search(line))
-    ]
-
-
 def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
     """The collectives of an optimized HLO module, per device, per step."""
-    lines = hlo_text.splitlines()
-    mult, owner, unknown = _multipliers(lines)
-    ledger = Ledger(unknown_trip_counts=unknown)
-    for i, line in enumerate(lines):
-        m = _OP.match(line)
-        if not m:
-            continue
-        type_str, kind, is_async = m.group(1), m.group(2), bool(m.group(3))
-        groups = _groups(line)
-        size = len(groups[0]) if groups and kind != "collective-permute" else 2
-        buffer = _result_bytes(kind, type_str, is_async)
-        if kind == "reduce-scatter":
-            buffer *= size
-        ledger.collectives.append(
-            Collective(
-                kind=kind,
-                axes=_axes(groups, mesh_shape),
-                group=size,
-                buffer_bytes=buffer,
-                executions=mult.get(owner.get(i), 0),
-                senders=len(groups) / math.prod(mesh_shape.values())
-                if kind == "collective-permute" and groups
-                else 1.0,
-                groups=groups or [],
-            )
-        )
-    return ledger
+    return Ledger(*collectives(hlo_text, mesh_shape))
 
 
 def _local_elems(shape, spec, mesh_shape) -> float:
@@ -301,12 +116,12 @@ def minimum_bytes(
     Leaves ZeRO cannot split pay the all-reduce. tensor: Megatron's all-reduces of
     activations, 2(T-1)/T of `tensor_elements` (per micro-batch) each.
     """
-    n, t = mesh_shape.get("data", 1), mesh_shape.get("tensor", 1)
+    n, t = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1)
     ring, share = 2 * (n - 1) / n, (n - 1) / n
     data = 0.0
     for s, shape in _pairs(specs, shapes):
         local = _local_elems(shape, s.compute, mesh_shape)
-        if zero == 0 or zero_dim(s) is None:
+        if zero == 0 or s.dim is None:
             data += ring * 4 * local
         elif zero in (1, 2):
             data += share * 4 * local * ((accum if zero == 2 else 1) + 1)
@@ -317,7 +132,7 @@ def minimum_bytes(
         if tensor_elements is None
         else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
     )
-    return {"data": data, "tensor": tensor}
+    return {DATA: data, TENSOR: tensor}
 
 
 def _pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
@@ -353,104 +168,101 @@ def state_formula(zero: int, params_per_device: float, n: int, offload: bool = F
     return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
 
 
-def memory(compiled, state_shapes) -> dict[str, int]:
-    """Per-device bytes of the compiled step's state by memory kind (from its input
-    shardings: host arrays are the ones XLA lays out in memory space S(5)) and of its
-    temporaries (memory_analysis)."""
+def _state_totals(compiled, state_shapes) -> dict[tuple[str, bool], int]:
+    """Per-device bytes of each part of the compiled step's state, by (part, on host):
+    host arrays are the ones its input shardings place in pinned_host."""
     state_sh = compiled.input_shardings[0][0]
+    totals = defaultdict(int)
+    for part in ("params", "opt", "compute"):
+        shapes, shardings = getattr(state_shapes, part), getattr(state_sh, part)
+        for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
+            host = sh.memory_kind == "pinned_host"
+            totals[part, host] += math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+    return totals
 
-    def total(part: str, host: bool) -> int:
-        if part not in state_shapes:
-            return 0
-        pairs = zip(
-            jax.tree.leaves(state_shapes[part]), jax.tree.leaves(state_sh[part]), strict=True
-        )
-        return int(
-            sum(
-                math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
-                for x, sh in pairs
-                if (sh.memory_kind == "pinned_host") == host
-            )
-        )
 
+def memory(
+    compiled, state_shapes, grads: int, host_activations: int
+) -> tuple[DeviceMemory, HostMemory]:
+    """Per-device memory of the compiled step, on the device and in host memory."""
+    t = _state_totals(compiled, state_shapes)
     stats = compiled.memory_analysis()
-    return {
-        # on the device: the parameters it computes with (a compute copy when offloaded)
-        "params": total("params", False) + total("compute", False),
-        "opt_state": total("opt", False),
-        "host_params": total("params", True) + total("compute", True),
-        "host_opt_state": total("opt", True),
-        # the model state of the ZeRO formula: master parameters and optimizer state
-        "state": sum(total(part, host) for part in ("params", "opt") for host in (False, True)),
-        "temp": int(stats.temp_size_in_bytes),
-        "host_temp": int(stats.host_temp_size_in_bytes),
-        "arguments": int(stats.argument_size_in_bytes),
-    }
-
-
-def report(
-    compiled,
-    led: Ledger,
-    *,
-    specs,
-    shapes,
-    state_shapes,
-    host_activations: int,
-    mesh_shape: dict,
-    zero: int,
-    compute_bytes: int,
-    accum: int,
-    tensor_elements: int | None,
-) -> dict:
-    """The summary.json sections that describe the compiled step (`led`: its ledger)."""
-    mem = memory(compiled, state_shapes)
-    psi = params_per_device(specs, shapes, mesh_shape)
-    minimum = minimum_bytes(
-        specs,
-        shapes,
-        zero=zero,
-        mesh_shape=mesh_shape,
-        compute_bytes=compute_bytes,
-        accum=accum,
-        tensor_elements=tensor_elements,
+    device = DeviceMemory(
+        # the parameters it computes with (a compute copy when offloaded)
+        params=t["params", False] + t["compute", False],
+        grads=grads,
+        opt_state=t["opt", False],
+        temp=int(stats.temp_size_in_bytes),
     )
-    wire = {"data": led.wire_bytes({"data"}), "tensor": led.wire_bytes({"tensor"})}
+    host = HostMemory(
+        params=t["params", True] + t["compute", True],
+        opt_state=t["opt", True],
+        activations=host_activations,
+        temp=int(stats.host_temp_size_in_bytes),
+    )
+    return device, host
+
+
+def state_bytes(compiled, state_shapes, formula: float) -> StateBytes:
+    """The model state of the ZeRO formula (master parameters and optimizer state, on
+    the device and the host) against it."""
+    t = _state_totals(compiled, state_shapes)
+    actual = sum(t[part, host] for part in ("params", "opt") for host in (False, True))
+    arguments = int(compiled.memory_analysis().argument_size_in_bytes)
+    return StateBytes(actual=actual, formula=formula, ratio=actual / formula, arguments=arguments)
+
+
+def comm(led: Ledger, minimum: dict[str, float | None]) -> Comm:
+    """Wire bytes against the textbook minimum, on the axes that have one."""
+    wire = {axis: led.wire_bytes({axis}) for axis in (DATA, TENSOR)}
     known = [a for a in wire if minimum[a] is not None]
     total_min = sum(minimum[a] for a in known)
-    total_wire = sum(wire[a] for a in known)
-    formula = state_formula(zero, psi, mesh_shape.get("data", 1), offload="compute" in state_shapes)
-    return {
-        "memory_per_device": {
-            "params": mem["params"],
-            "grads": grad_bytes(specs, shapes, mesh_shape),
-            "opt_state": mem["opt_state"],
-            "temp": mem["temp"],
-        },
-        "host_memory_per_device": {  # pinned_host
-            "params": mem["host_params"],
-            "opt_state": mem["host_opt_state"],
-            # layer inputs the program sends to the host for the backward pass
-            # (parallel.remat=offload), counted in the traced step ...
-            "activations": host_activations,
-            # ... and the host temporaries of the compiled step, where the compiler
-            # placed them (XLA:CPU drops in-step placement: 0 there)
-            "temp": mem["host_temp"],
-        },
-        "state_bytes": {
-            "actual": mem["state"],
-            "formula": formula,
-            "ratio": mem["state"] / formula,
-            "arguments": mem["arguments"],
-        },
-        "collectives": led.by_kind(),
-        "collective_counts": led.counts(),
-        "comm": {
-            "wire_bytes_per_device": led.wire_bytes(),
-            "minimum_bytes_per_device": total_min,
-            "ratio": total_wire / total_min if total_min else None,
-            "by_axis": {a: {"wire": wire[a], "minimum": minimum[a]} for a in wire},
-            "ratio_axes": known,
-            "busiest_device_bytes": led.busiest_device_bytes(),
-            "unknown_trip_counts": led.unknown_trip_counts,
-        },
-    }
+    return Comm(
+        wire_bytes_per_device=led.wire_bytes(),
+        minimum_bytes_per_device=total_min,
+        ratio=sum(wire[a] for a in known) / total_min if total_min else None,
+        by_axis={a: AxisComm(wire=wire[a], minimum=minimum[a]) for a in wire},
+        ratio_axes=known,
+        busiest_device_bytes=led.busiest_device_bytes(),
+        unknown_trip_counts=led.unknown_trip_counts,
+    )
+
+
+def kinds(led: Ledger) -> dict[str, KindTotals]:
+    return {kind: KindTotals(**row) for kind, row in led.by_kind().items()}
+
+
+def pipeline_report(
+    layout: Layout,
+    schedule: str,
+    m: int,
+    accum: int,
+    hlo_text: str,
+    led: Ledger,
+    activation_bytes: int,
+) -> Pipeline:
+    """Stage assignment, the bubble measured from the tick table the compiled loop runs,
+    and the hand-over bytes against the minimum (`activation_bytes`: one micro-batch's
+    activation at a chunk boundary)."""
+    p, v = layout.stages, layout.virtual
+    table = schedules.tick_table(schedule, p, m, v)
+    loop = max(loop_trip_counts(hlo_text, schedules.TICKS_SCOPE), default=0)
+    # Each hand-over between consecutive chunks carries one activation each way per
+    # micro-batch; p * v - 1 hand-overs, shared by p devices.
+    minimum = 2 * m * accum * activation_bytes * (p * v - 1) / p
+    permutes = led.wire_bytes({PIPE}, kinds={"collective-permute"}) * schedules.handover_share(
+        schedule, p, m
+    )
+    return Pipeline(
+        stages=layout.device_layers(),
+        chunks=[list(c) for c in layout.chunks],
+        schedule=schedule,
+        microbatches=m,
+        virtual_stages=v,
+        ticks=loop,
+        bubble=schedules.idle_share(table) if loop == len(table) else None,
+        bubble_formula=schedules.bubble_formula(p, m, v),
+        permute_bytes_per_device=permutes,
+        permute_minimum_per_device=minimum,
+        permute_ratio=permutes / minimum,
+    )

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import ConfigError, Parallel
+from jaxpar.errors import ConfigError
 
-AXES = ("data", "pipeline", "tensor")
+if TYPE_CHECKING:
+    from jaxpar.config import Parallel
+
+# The mesh axes, outermost to innermost (`tensor` gets neighbouring devices, the fastest
+# links). Declared here only: every other module imports these names.
+DATA, PIPE, TENSOR = "data", "pipeline", "tensor"
+AXES = (DATA, PIPE, TENSOR)
 
 
 def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
@@ -58,7 +65,7 @@ def describe(mesh: Mesh) -> dict[str, int]:
 
 def accelerator_installed() -> bool:
     """Whether a GPU/TPU plugin for jax is installed (checked without starting jax)."""
-    from importlib.metadata import distributions  # noqa: PLC0415
+    from importlib.metadata import distributions
 
     names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in distributions()}
     return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
@@ -66,7 +73,7 @@ def accelerator_installed() -> bool:
 
 def use_cpu_devices(n: int) -> None:
     """Simulate n devices on the CPU. Must run before jax starts its backends."""
-    from jax._src import xla_bridge  # noqa: PLC0415
+    from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         have = jax.device_count()

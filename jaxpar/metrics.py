@@ -25,10 +25,10 @@ class MetricsLog:
 
 
 def plot_loss(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib  # noqa: PLC0415 (only runs that write a plot pay the import)
+    import matplotlib  # here: only runs that write a plot pay the import
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.5)

@@ -1,13 +1,21 @@
 """ZeRO-Offload: optimizer state and fp32 master weights in host memory, the update
 computed on the host, the device keeping only compute-dtype parameters; and the layer
-inputs kept for the backward pass (`parallel.remat=offload`) sent to host memory."""
+inputs kept for the backward pass (`parallel.remat=offload`) sent to host memory.
+
+Offload is a state layout (`layout`) and an update (`host_update`); the step is the
+same with or without it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
+
+from jaxpar.state import TrainState
 
 HOST = "pinned_host"
 LAYER_INPUT = "jaxpar_layer_input"  # checkpoint name of a layer's input (remat=offload)
@@ -22,17 +30,43 @@ def on_host(shardings):
     )
 
 
-def host_update(tx: optax.GradientTransformation, dtype, clipped):
-    """(grads, opt_state, master) on the host -> (new master, new opt_state, compute copy,
-    gradient norm); `clipped` clips the gradients there."""
+def layout(mode: str, device: TrainState, opt_params: object) -> TrainState:
+    """The state's shardings with offload `mode` (optimizer | optimizer+params), from
+    those without it (`device`) and the optimizer-state split of the parameters: master
+    weights and optimizer state on the host, split as ZeRO splits the optimizer state;
+    the compute copy on the device (optimizer) or, as stored shards, on the host too."""
+    return TrainState(
+        step=device.step,
+        params=on_host(opt_params),
+        opt=on_host(device.opt),
+        compute=device.params if mode == "optimizer" else on_host(device.params),
+    )
+
+
+def host_update(
+    tx: optax.GradientTransformation, dtype, clip: Callable, shardings: TrainState, opt_params
+) -> Callable:
+    """(state, grads) -> (new state, gradient norm), clipping and updating on the host:
+    the gradients go there (split as `opt_params`), the compute copy comes back."""
 
     @compute_on("device_host")
     @jax.jit
-    def update(grads, opt_state, master):
-        grads, grad_norm = clipped(grads)
+    def on_the_host(grads, opt_state, master):
+        grads, grad_norm = clip(grads)
         updates, opt_state = tx.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
         return master, opt_state, jax.tree.map(lambda p: p.astype(dtype), master), grad_norm
+
+    def update(state: TrainState, grads):
+        grads = jax.device_put(grads, on_host(opt_params))
+        master, opt, compute, grad_norm = on_the_host(grads, state.opt, state.params)
+        new = TrainState(
+            step=state.step + 1,
+            params=master,
+            opt=opt,
+            compute=jax.device_put(compute, shardings.compute),
+        )
+        return new, jax.device_put(grad_norm, shardings.step)
 
     return update
 

@@ -4,11 +4,13 @@ Two ways in: a Flax NNX module whose parameters carry logical names
 (`from_nnx`), or a plain parameter pytree whose leaf paths are matched by
 regular expressions to logical names (`from_pytree`). Either way the engine
 sees pure parameter pytrees, a matching pytree of names, and
-`loss(params, batch) -> per-example losses` (leading dim = batch).
+`loss(params, batch) -> per-example losses` (leading dim = batch), where `params` is
+the step's compute view (jaxpar.zero.ZeroPolicy.compute_view).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,8 +19,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpar.config import ConfigError
-from jaxpar.layers import SPECS_KEY, scan_layers
+from jaxpar import context
+from jaxpar.errors import ConfigError
+from jaxpar.layers import KEY, scan_layers
+from jaxpar.sharding import leaf_key
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,9 @@ class Parts:
     """A problem's pipeline pieces as functions of parameter dicts (built by from_nnx)."""
 
     stack_keys: tuple[str, ...]  # parameters of the layer stack, [layers, ...] each
-    pre: Callable[..., jax.Array]  # (params, batch, specs) -> activation
-    chunk: Callable[..., jax.Array]  # (stack params [n, ...], act., active [n], specs) -> act.
-    post: Callable[..., jax.Array]  # (params, activation, batch, specs) -> per-example losses
+    pre: Callable[..., jax.Array]  # (params, batch) -> activation
+    chunk: Callable[..., jax.Array]  # (stack params [n, ...], activation, active [n]) -> act.
+    post: Callable[..., jax.Array]  # (params, activation, batch) -> per-example losses
     costs: tuple[float, float, float]
 
 
@@ -48,12 +52,18 @@ class Problem:
     init: Callable[[jax.Array], Any]  # key -> params pytree (fp32)
     shapes: Any  # params pytree of jax.ShapeDtypeStruct
     names: Any  # params pytree of logical-name tuples
-    # (params, batch, specs) -> per-example losses; specs: pytree of LeafSpecs or None
-    loss: Callable[..., jax.Array]
-    # True when leaves named `layers` are gathered layer by layer inside
-    # jaxpar.layers.scan_layers (ZeRO-3); otherwise the step gathers every leaf up front.
-    per_layer_gather: bool = False
+    loss: Callable[..., jax.Array]  # (params, batch) -> per-example losses
     parts: Parts | None = None  # what pipeline parallelism needs; None: no stages
+    # rows of one micro-batch -> activation elements the model all-reduces over `tensor`
+    # per micro-batch (Megatron's count, for the ledger's minimum); None: not known
+    tensor_elements: Callable[[int], int] | None = None
+
+
+def loss_elements(problem: Problem, batch) -> int:
+    """Elements of the loss over one batch: tokens for a language model, examples for a
+    classifier (what the step averages over, and the unit of tokens_per_s)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    return math.prod(jax.eval_shape(problem.loss, problem.shapes, shapes).shape)
 
 
 def from_nnx(
@@ -83,18 +93,16 @@ def from_nnx(
         state = nnx.state(make(nnx.Rngs(key)))
         return {k: v.get_value() for k, (_, v) in zip(keys, nnx.to_flat_state(state), strict=True)}
 
-    def variables(params, specs, entries):
+    def variables(params, entries):
+        # each Variable knows its key, for the step's per-layer gather (scan_layers)
         return nnx.from_flat_state(
-            [
-                (path, var.replace(params[k], **{SPECS_KEY: specs[k] if specs else None}))
-                for k, path, var in entries
-            ]
+            [(path, var.replace(params[k], **{KEY: k})) for k, path, var in entries]
         )
 
     everything = [(k, path, var) for k, (path, var) in zip(keys, flat, strict=True)]
 
-    def model(params, specs):
-        return nnx.merge(graphdef, variables(params, specs, everything))
+    def model(params):
+        return nnx.merge(graphdef, variables(params, everything))
 
     shapes = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, (_, v) in zip(keys, flat, strict=True)
@@ -103,8 +111,7 @@ def from_nnx(
         init=init,
         shapes=shapes,
         names=names,
-        loss=lambda params, batch, specs=None: loss(model(params, specs), batch),
-        per_layer_gather=True,
+        loss=lambda params, batch: loss(model(params), batch),
         parts=None
         if stages is None
         else _parts(stages, getattr(abstract_model, stages.stack), everything, model, variables),
@@ -118,15 +125,15 @@ def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Part
     if not stack_entries:
         raise ConfigError(f"Stages.stack={stages.stack!r}: the model has no parameters there")
 
-    def chunk(params, h, active, specs):
-        stack = nnx.merge(stack_graphdef, variables(params, specs, stack_entries))
+    def chunk(params, h, active):
+        stack = nnx.merge(stack_graphdef, variables(params, stack_entries))
         return scan_layers(stack, h, stages.layer, active)
 
     return Parts(
         stack_keys=tuple(k for k, _, _ in stack_entries),
-        pre=lambda params, batch, specs: stages.pre(model(params, specs), batch),
+        pre=lambda params, batch: stages.pre(model(params), batch),
         chunk=chunk,
-        post=lambda params, h, batch, specs: stages.post(model(params, specs), h, batch),
+        post=lambda params, h, batch: stages.post(model(params), h, batch),
         costs=stages.costs,
     )
 
@@ -152,9 +159,18 @@ def from_pytree(
         )
 
     names = jax.tree_util.tree_map_with_path(name_of, shapes)
+
+    def whole(params):
+        """Inside a step, stacked leaves arrive as stored (made ready a layer at a time
+        by scan_layers, which a pytree model does not use): make them ready whole."""
+        ctx = context.current()
+        if ctx is None:
+            return params
+        return jax.tree_util.tree_map_with_path(lambda p, x: ctx.whole(leaf_key(p), x), params)
+
     return Problem(
         init=init,
         shapes=shapes,
         names=names,
-        loss=lambda params, batch, specs=None: loss(params, batch),
+        loss=lambda params, batch: loss(whole(params), batch),
     )

@@ -13,7 +13,8 @@ from typing import NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ConfigError
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DATA, PIPE, TENSOR
 
 # Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
 BATCH = "batch"
@@ -30,18 +31,18 @@ STAGE = "stage"
 # Ordered: logical name -> mesh axis (None = never split). The only place where
 # model dims meet mesh axes. An axis is used at most once per leaf (first dim wins).
 RULES: tuple[tuple[str, str | None], ...] = (
-    (BATCH, "data"),
-    (VOCAB, "tensor"),
-    (HEADS, "tensor"),
-    (MLP, "tensor"),
+    (BATCH, DATA),
+    (VOCAB, TENSOR),
+    (HEADS, TENSOR),
+    (MLP, TENSOR),
     (EMBED, None),
     (SEQ, None),
     (HEAD_DIM, None),
     (QKV, None),
     (LAYERS, None),
-    (STAGE, "pipeline"),
+    (STAGE, PIPE),
 )
-ZERO_AXIS = "data"
+ZERO_AXIS = DATA
 # Dims ZeRO never splits: a layer stack is sliced per layer, so its per-layer
 # shard must not depend on the stack.
 NOT_ZERO = (LAYERS, STAGE)
@@ -54,10 +55,10 @@ class LeafSpecs(NamedTuple):
     compute: PartitionSpec  # in forward/backward
     grad: PartitionSpec  # the gradient accumulation buffer (ZeRO>=2: split over data)
     opt: PartitionSpec  # optimizer state and the update (ZeRO>=1: split over data)
+    dim: int | None  # the dim ZeRO splits over `data` (None: not split)
 
 
-def _rule_table(rules) -> dict[str, str | None]:
-    return dict(rules)
+SPEC_FIELDS = ("storage", "compute", "grad", "opt")
 
 
 def compute_spec(
@@ -69,7 +70,7 @@ def compute_spec(
     skip_axes: tuple[str, ...] = (),
 ) -> PartitionSpec:
     """Rules applied to a leaf's (or an activation's) logical names."""
-    table = _rule_table(rules)
+    table = dict(rules)
     if len(names) != len(shape):
         raise ConfigError(
             f"{path}: {len(names)} logical names {names} for a leaf of shape "
@@ -133,15 +134,8 @@ def leaf_specs(
         compute=compute,
         grad=split if zero >= 2 else compute,
         opt=split if zero >= 1 else compute,
+        dim=dim,
     )
-
-
-def zero_dim(specs: LeafSpecs) -> int | None:
-    """Which dim of a leaf ZeRO splits (None if it is not split)."""
-    for d, (a, b) in enumerate(zip(specs.opt, specs.compute, strict=False)):
-        if a != b:
-            return d
-    return None
 
 
 def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
@@ -160,7 +154,7 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
             rules=rules,
             zero=zero,
             mesh_shape=mesh_shape,
-            path=_path(path),
+            path=leaf_key(path),
         )
 
     specs = jax.tree_util.tree_map_with_path(one, names_tree, shapes_tree, is_leaf=_is_names)
@@ -184,7 +178,8 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
 ZERO_UNSPLIT_LIMIT = 0.01  # share of parameters ZeRO may leave replicated (MaxText allows ~2%)
 
 
-def _path(path) -> str:
+def leaf_key(path) -> str:
+    """A parameter leaf's name: its pytree path joined by '/' (from_nnx's dict keys)."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -197,8 +192,8 @@ def unsplit_leaves(specs, shapes_tree) -> list[tuple[str, tuple, int]]:
     rows = []
 
     def visit(path, s: LeafSpecs, shape):
-        if zero_dim(s) is None and math.prod(shape) > 1:
-            rows.append((_path(path), tuple(shape), math.prod(shape)))
+        if s.dim is None and math.prod(shape) > 1:
+            rows.append((leaf_key(path), tuple(shape), math.prod(shape)))
 
     jax.tree_util.tree_map_with_path(
         visit, specs, shapes_tree, is_leaf=lambda x: isinstance(x, LeafSpecs)

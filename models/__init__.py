@@ -1,14 +1,23 @@
-"""Models shipped with jaxpar, by `model.name`, and their loss."""
+"""Models shipped with jaxpar, by `model.name`, their loss, and the wiring that makes one
+a jaxpar Problem on the configured data (what `jaxpar train` and `jaxpar bench` run)."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.config import Model
+from jaxpar import config as config_lib
+from jaxpar import data
+from jaxpar.config import Config, Model
 from jaxpar.layers import scan_layers
-from jaxpar.problem import Stages
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.problem import Problem, Stages, from_nnx
+from jaxpar.trainer import Result, train
 from models.common import apply_layer
 from models.gpt import GPT
 from models.mlp import MLP
@@ -63,3 +72,38 @@ TENSOR_ALLREDUCES = {
 def tensor_allreduce_elements(cfg: Model, rows: int, seq_len: int) -> int:
     """Elements all-reduced over `tensor` for one micro-batch of `rows` sequences."""
     return TENSOR_ALLREDUCES[cfg.name](cfg.layers) * rows * seq_len * cfg.embed
+
+
+def problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[[int], dict]]:
+    """(the shipped model `model.*` as a Problem, batches(step) from `data.*`)."""
+    config_lib.check_model(cfg.model, mesh_shape)
+    config_lib.check_train(cfg, mesh_shape)
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    t = cfg.train
+    shipped = from_nnx(
+        lambda rngs: build(cfg.model, t.seq_len, rngs),
+        next_token_loss,
+        stages(cfg.model, t.seq_len),
+    )
+    shipped = dataclasses.replace(
+        shipped, tensor_elements=lambda rows: tensor_allreduce_elements(cfg.model, rows, t.seq_len)
+    )
+
+    def batches(step: int) -> dict:
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=step,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+        )
+
+    return shipped, batches
+
+
+def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
+    """Train a shipped model as the config says (what `jaxpar train` runs)."""
+    mesh = build_mesh(cfg.parallel)
+    shipped, batches = problem(cfg, describe(mesh))
+    return train(shipped, cfg, batches, out_dir=out_dir, mesh=mesh, **kwargs)

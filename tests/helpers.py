@@ -10,18 +10,27 @@ import sys
 import jax
 import numpy as np
 
+import models
 from jaxpar import config
-from jaxpar.mesh import build_mesh, describe
-from jaxpar.trainer import shipped_problem, train
+from jaxpar.mesh import AXES, build_mesh, describe
+from jaxpar.report import Report
+from jaxpar.run import Run, prepare
+from jaxpar.trainer import train
+
+
+def _shipped(preset: str, overrides):
+    """(cfg, mesh on as many devices as the degrees ask for, problem, batches)."""
+    cfg = config.load(preset, list(overrides))
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
+    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+    problem, batches = models.problem(cfg, describe(mesh))
+    return cfg, mesh, problem, batches
 
 
 def run(preset: str, overrides: list[str], steps: int = 10):
-    """Train `preset` with `overrides` on as many devices as the degrees ask for."""
-    cfg = config.load(preset, [f"train.steps={steps}", *overrides])
-    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in ("data", "pipeline", "tensor"))
-    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
-    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
-    return train(problem, cfg, batches, mesh=mesh, tensor_elements=tensor_elements, quiet=True)
+    """Train `preset` with `overrides`."""
+    cfg, mesh, problem, batches = _shipped(preset, [f"train.steps={steps}", *overrides])
+    return train(problem, cfg, batches, mesh=mesh, quiet=True)
 
 
 def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool = True) -> None:
@@ -49,18 +58,15 @@ def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool =
 
 
 @functools.cache
-def compile_only(preset: str, overrides: tuple[str, ...]) -> dict:
-    """The summary of a compiled (not run) step: memory, collectives, comm (cached)."""
-    from jaxpar.step import build  # noqa: PLC0415
-    from jaxpar.trainer import compile_step, describe_run  # noqa: PLC0415
+def prepared(preset: str, overrides: tuple[str, ...]) -> Run:
+    """A compiled (not run) step and its report (cached)."""
+    cfg, mesh, problem, batches = _shipped(preset, overrides)
+    return prepare(cfg, problem, mesh, batches(0))
 
-    cfg = config.load(preset, overrides)
-    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in ("data", "pipeline", "tensor"))
-    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
-    problem, batches, tensor_elements = shipped_problem(cfg, describe(mesh))
-    engine = build(problem, cfg, mesh)
-    step = compile_step(engine, batches(0))
-    return describe_run(cfg, mesh, engine, step, tensor_elements, batches(0))
+
+def compile_only(preset: str, overrides: tuple[str, ...]) -> Report:
+    """The report of a compiled (not run) step: memory, collectives, comm (cached)."""
+    return prepared(preset, overrides).report
 
 
 def jaxpar_command(*args: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from helpers import assert_same_training
 
@@ -66,6 +67,7 @@ def train(problem, devices, **parallel):
     return jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True)
 
 
+@pytest.mark.slow
 def test_user_nnx_module_every_strategy_equals_one_device(devices):
     problem = jaxpar.from_nnx(Classifier, nnx_loss)
     reference = train(problem, devices[:1], data=1)
@@ -74,6 +76,7 @@ def test_user_nnx_module_every_strategy_equals_one_device(devices):
     assert_same_training(train(problem, devices, data=8, zero=2), reference)
 
 
+@pytest.mark.slow
 def test_plain_pytree_with_regex_rules(devices):
     def init(key):
         k1, k2 = jax.random.split(key)

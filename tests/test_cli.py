@@ -2,25 +2,30 @@
 
 import json
 
+import pytest
 from helpers import jaxpar_command
+
+from jaxpar import cli
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
 
+@pytest.mark.slow
 def test_train_writes_run_directory(tmp_path):
     out = tmp_path / "run"
+    # flags and overrides mixed, as people type them
     proc = jaxpar_command(
         "train",
-        "--config",
-        "gpt-tiny",
-        "parallel.data=4",
-        "parallel.tensor=2",
-        "parallel.zero=1",
-        "train.steps=4",
         "--cpu-devices",
         "8",
+        "parallel.data=4",
+        "--config",
+        "gpt-tiny",
+        "parallel.tensor=2",
         "--out",
         str(out),
+        "parallel.zero=1",
+        "train.steps=4",
     )
     assert proc.returncode == 0, proc.stderr
     assert "data=4 x tensor=2, ZeRO-1, fp32" in proc.stdout  # start-up summary
@@ -44,3 +49,25 @@ def test_train_writes_run_directory(tmp_path):
     assert summary["comm"]["ratio"] <= 1.05
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "HloModule" in (out / "step.hlo.txt").read_text()[:200]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "gpt-tiny", "--cpu-devices", "8", "parallel.data=4", "train.steps=5"],
+        ["--cpu-devices", "8", "--config", "gpt-tiny", "parallel.data=4", "train.steps=5"],
+        ["parallel.data=4", "--cpu-devices", "8", "train.steps=5", "--config", "gpt-tiny"],
+        ["--out", "d", "parallel.data=4", "--config", "gpt-tiny", "train.steps=5", "--out", "d"],
+    ],
+)
+def test_overrides_and_flags_in_any_order(argv):
+    args = cli._parse(["train", *argv])
+    assert args.config == "gpt-tiny"
+    assert sorted(args.overrides) == ["parallel.data=4", "train.steps=5"]
+
+
+def test_a_stray_argument_is_refused(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli._parse(["train", "--config", "gpt-tiny", "parallel.data=4", "--warp", "9"])
+    assert stop.value.code == 2
+    assert "--warp" in capsys.readouterr().err

@@ -21,6 +21,8 @@ STRATEGIES = {
 }
 SINGLE = ["parallel.data=1", "parallel.tensor=1"]
 
+pytestmark = pytest.mark.slow  # every test here trains
+
 
 @pytest.fixture(scope="module")
 def reference(devices):
@@ -59,3 +61,12 @@ def test_bf16_close_to_fp32(reference):
     )
     for got, want in zip(bf16.losses, reference.losses, strict=True):
         assert abs(got - want) / want < 1e-2
+
+
+def test_default_job_equals_one_device(devices):
+    """The preset `jaxpar train` runs with no arguments (data=2 x pipeline=2 x tensor=2,
+    ZeRO-1, 1F1B over 4 micro-batches), a few steps, against one device."""
+    steps = ["train.steps=3"]
+    one = ["parallel.data=1", "parallel.pipeline=1", "parallel.tensor=1"]
+    reference = run("default", [*steps, *one, "parallel.microbatches=1"], steps=3)
+    assert_same_training(run("default", steps, steps=3), reference)

@@ -11,11 +11,11 @@ import jax
 import pytest
 from helpers import compile_only
 
+import models
 from jaxpar import config
 from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
-from jaxpar.sharding import LeafSpecs, plan
-from jaxpar.trainer import shipped_problem
+from jaxpar.sharding import SPEC_FIELDS, plan
 
 GOLDEN = Path(__file__).parent / "golden"
 MODELS = ("gpt-tiny", "mlp-tiny")
@@ -24,7 +24,7 @@ MODELS = ("gpt-tiny", "mlp-tiny")
 def _specs(preset: str, overrides) -> dict:
     cfg = config.load(preset, list(overrides))
     mesh_shape = resolve_degrees(cfg.parallel, 8)
-    problem, _, _ = shipped_problem(cfg, mesh_shape)
+    problem, _ = models.problem(cfg, mesh_shape)
     specs = plan(
         problem.names,
         jax.tree.map(lambda s: s.shape, problem.shapes),
@@ -32,7 +32,7 @@ def _specs(preset: str, overrides) -> dict:
         mesh_shape=mesh_shape,
     )
     return {
-        path: {field: ",".join(a or "-" for a in getattr(s, field)) for field in LeafSpecs._fields}
+        path: {field: ",".join(a or "-" for a in getattr(s, field)) for field in SPEC_FIELDS}
         for path, s in sorted(specs.items())
     }
 
@@ -58,7 +58,7 @@ def test_partition_specs(update_golden):
 
 def test_collective_counts(devices, update_golden):
     actual = {
-        name: compile_only("gpt-tiny", overrides)["collective_counts"]
+        name: compile_only("gpt-tiny", overrides).collective_counts
         for name, overrides in STRATEGIES.items()
     }
     _check("collective_counts.json", actual, update_golden)

@@ -6,10 +6,11 @@ import re
 import pytest
 from helpers import assert_same_training, compile_only, run
 
+import models
 from jaxpar import config
 from jaxpar.mesh import build_mesh, describe
+from jaxpar.run import step_inputs
 from jaxpar.step import build
-from jaxpar.trainer import shipped_problem, step_inputs
 
 MESHES = {
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
@@ -17,6 +18,7 @@ MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 1e-2)])
 @pytest.mark.parametrize("mesh", MESHES)
 def test_offload_trains_like_no_offload(devices, mesh, precision, rtol):
@@ -32,11 +34,11 @@ def test_offload_trains_like_no_offload(devices, mesh, precision, rtol):
 def test_optimizer_state_lives_on_the_host(devices, mesh):
     plain = compile_only("gpt-tiny", MESHES[mesh])
     off = compile_only("gpt-tiny", (*MESHES[mesh], "parallel.offload=optimizer"))
-    assert off["memory_per_device"]["opt_state"] == 0
-    assert off["host_memory_per_device"]["opt_state"] == plain["memory_per_device"]["opt_state"]
+    assert off.memory_per_device.opt_state == 0
+    assert off.host_memory_per_device.opt_state == plain.memory_per_device.opt_state
     # fp32 master weights on the host, split over data like the optimizer state
-    assert off["host_memory_per_device"]["params"] > 0
-    assert abs(off["state_bytes"]["ratio"] - 1) <= 0.02
+    assert off.host_memory_per_device.params > 0
+    assert abs(off.state_bytes.ratio - 1) <= 0.02
 
 
 def test_bf16_device_parameters_are_half_of_fp32(devices):
@@ -49,11 +51,12 @@ def test_bf16_device_parameters_are_half_of_fp32(devices):
                 "parallel.offload=optimizer",
                 f"train.precision={precision}",
             ),
-        )["memory_per_device"]["params"]
+        ).memory_per_device.params
 
     assert device_params("bf16") * 2 == device_params("fp32")
 
 
+@pytest.mark.slow
 def test_offload_with_a_pipeline(devices):
     overrides = [
         "parallel.data=2",
@@ -82,6 +85,7 @@ REMAT_MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", REMAT_MESHES)
 def test_remat_offload_trains_like_keeping_activations(devices, mesh):
     overrides = list(REMAT_MESHES[mesh])
@@ -91,26 +95,25 @@ def test_remat_offload_trains_like_keeping_activations(devices, mesh):
     )
 
 
+@pytest.mark.slow  # compiles four steps
 def test_remat_offload_sends_each_layer_input_to_the_host(devices):
     # gpt-tiny: 4 layers, batch 16, seq 64, embed 64; fp32
     layer_input = 16 // 8 * 64 * 64 * 4
     host = lambda *o: compile_only("gpt-tiny", ("parallel.data=8", *o))  # noqa: E731
-    assert host("parallel.remat=offload")["host_memory_per_device"]["activations"] == (
-        4 * layer_input
-    )
+    assert host("parallel.remat=offload").host_memory_per_device.activations == (4 * layer_input)
     for remat in ("none", "full"):
-        assert host(f"parallel.remat={remat}")["host_memory_per_device"]["activations"] == 0
+        assert host(f"parallel.remat={remat}").host_memory_per_device.activations == 0
     # bf16 compute: the layer inputs are half the bytes
     bf16 = host("parallel.remat=offload", "train.precision=bf16")
-    assert bf16["host_memory_per_device"]["activations"] == 4 * layer_input // 2
+    assert bf16.host_memory_per_device.activations == 4 * layer_input // 2
 
 
 def test_remat_offload_in_a_pipeline_keeps_every_tick(devices):
     # gpipe on 2 stages with 2 micro-batches runs 3 ticks; each tick every stage runs its
     # 2 layers on a micro-batch of 16 / (2 data * 2 micro-batches) = 4 rows
     summary = compile_only("gpt-tiny", (*REMAT_MESHES["gpipe"], "parallel.remat=offload"))
-    assert summary["pipeline"]["ticks"] == 3
-    assert summary["host_memory_per_device"]["activations"] == 3 * 2 * 4 * 64 * 64 * 4
+    assert summary.pipeline.ticks == 3
+    assert summary.host_memory_per_device.activations == 3 * 2 * 4 * 64 * 64 * 4
 
 
 def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
@@ -126,7 +129,7 @@ def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
 def lowered_placements(*overrides: str) -> dict[str, list[str]]:
     cfg = config.load("gpt-tiny", ["parallel.data=8", *overrides])
     mesh = build_mesh(cfg.parallel)
-    problem, batches, _ = shipped_problem(cfg, describe(mesh))
+    problem, batches = models.problem(cfg, describe(mesh))
     engine = build(problem, cfg, mesh)
     lowered = engine.step.trace(*step_inputs(engine, batches(0))).lower(
         lowering_platforms=("cuda",)

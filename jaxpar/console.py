@@ -1,0 +1,78 @@
+"""What `jaxpar train` prints: the start-up summary and the closing table."""
+
+from __future__ import annotations
+
+from jaxpar.metrics import human_bytes, table
+from jaxpar.report import Report
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def startup(report: Report, params: int, platform: str) -> str:
+    mem, comm, host = report.memory_per_device, report.comm, report.host_memory_per_device
+    lines = [
+        f"jaxpar  {report.strategy}",
+        f"  mesh      {' x '.join(f'{a}={n}' for a, n in report.mesh.items())} "
+        f"({report.devices} devices: {platform})",
+        f"  model     {params / 1e6:.2f} M parameters",
+        "  memory    per device: "
+        + ", ".join(
+            f"{k} {human_bytes(v)}"
+            for k, v in (
+                ("params", mem.params),
+                ("grads", mem.grads),
+                ("opt_state", mem.opt_state),
+                ("temp", mem.temp),
+            )
+        ),
+        f"  state     {report.state_bytes.ratio:.3f} x the ZeRO formula",
+        f"  comm      {human_bytes(comm.wire_bytes_per_device)} per device per "
+        f"step; {_ratio(comm.ratio)} x the textbook minimum ({' + '.join(comm.ratio_axes)})",
+        f"  compiled  in {report.compile_s:.1f} s",
+    ]
+    if any((host.params, host.opt_state, host.activations, host.temp)):
+        lines.append(
+            f"  host      per device: params {human_bytes(host.params)}, opt_state "
+            f"{human_bytes(host.opt_state)}, activations {human_bytes(host.activations)}, "
+            f"temp {human_bytes(host.temp)}"
+        )
+    if host.activations and not host.temp:
+        lines.append(
+            f"  note      {human_bytes(host.activations)} of layer inputs are sent "
+            f"to host memory, but this backend's compiled step keeps them on the device "
+            f"(host temp 0 B; XLA:CPU ignores in-step memory placement)"
+        )
+    pipe = report.pipeline
+    if pipe.schedule:
+        lines.append(
+            f"  stages    layers per device {pipe.stages}; {pipe.schedule}, "
+            f"{pipe.ticks} ticks, bubble {_ratio(pipe.bubble)} "
+            f"(formula {pipe.bubble_formula:.3f})"
+        )
+    if report.zero_unsplit_leaves:
+        lines.append(
+            f"  note      ZeRO left {len(report.zero_unsplit_leaves)} small leaf(s) "
+            "replicated (no dim divisible by data); see summary.json"
+        )
+    return "\n".join(lines)
+
+
+def closing(report: Report, losses: list[float]) -> str:
+    mem = report.memory_per_device
+    rows = [
+        ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
+        ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
+        ["tokens/s", f"{report.tokens_per_s:.0f}"],
+        [
+            "state / device",
+            f"{human_bytes(mem.params + mem.opt_state)} ({report.state_bytes.ratio:.3f} x formula)",
+        ],
+        [
+            "comm / device",
+            f"{human_bytes(report.comm.wire_bytes_per_device)} "
+            f"({_ratio(report.comm.ratio)} x minimum)",
+        ],
+    ]
+    return "\n" + table(rows, ["done", report.strategy])

@@ -1,0 +1,49 @@
+"""The one channel from the running step to model code.
+
+While a step traces the model it installs a `Context`; the helpers that models call
+(`jaxpar.constrain`, `jaxpar.scan_layers`) read it, and nothing else does. Outside a
+step there is none, and those helpers leave their input as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class Context:
+    rules: tuple  # logical name -> mesh axis (jaxpar.sharding.RULES)
+    mesh_shape: dict[str, int]
+    # what scan_layers keeps of each layer for the backward pass: none (everything) |
+    # full (its input) | offload (its input, in host memory) | regather (the matmul
+    # outputs, not the ZeRO-3 gathered weights)
+    remat: str
+    # (leaf key, one layer's stored slice of a stacked leaf) -> what the layer computes
+    # with: the offload fetch and the ZeRO-3 gather of that layer alone
+    layer: Callable[[str, jax.Array], jax.Array]
+    # (leaf key, a stored leaf) -> the whole leaf, fetched and gathered; for a stacked
+    # leaf that a model reads without scan_layers (others arrive ready)
+    whole: Callable[[str, jax.Array], jax.Array]
+
+
+_CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "jaxpar_context", default=None
+)
+
+
+def current() -> Context | None:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def active(ctx: Context):
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,104 @@
+"""The typed report of a run: what summary.json serialises and the console, bench and
+tests read by attribute. Figures are per device, bytes unless named otherwise."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceMemory:  # device memory
+    params: int  # parameters the device holds between steps (a compute copy when offloaded)
+    grads: int  # the fp32 gradient accumulator, as its gradient spec splits it
+    opt_state: int
+    temp: int  # the compiled step's temporaries (memory_analysis)
+
+
+@dataclass(frozen=True)
+class HostMemory:  # pinned_host
+    params: int
+    opt_state: int
+    # layer inputs the program sends to the host for the backward pass (remat=offload),
+    # counted in the traced step ...
+    activations: int
+    # ... and the host temporaries of the compiled step, where the compiler placed them
+    # (XLA:CPU drops in-step placement: 0 there)
+    temp: int
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    actual: int  # master parameters and optimizer state, device and host
+    formula: float  # the ZeRO paper's figure for the stage
+    ratio: float
+    arguments: int  # the compiled step's argument bytes (state, step counter, batch rows)
+
+
+@dataclass(frozen=True)
+class KindTotals:
+    count: int  # executions per step
+    bytes: int  # buffer bytes per step
+    wire_bytes: float  # bytes on the wire per device per step (ring factors)
+    axes: dict[str, int]  # executions by the mesh axes their groups span
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    wire: float
+    minimum: float | None  # None: no textbook figure for this axis here
+
+
+@dataclass(frozen=True)
+class Comm:
+    wire_bytes_per_device: float
+    minimum_bytes_per_device: float  # over `ratio_axes`
+    ratio: float | None  # wire over minimum, on the axes that have a minimum
+    by_axis: dict[str, AxisComm]
+    ratio_axes: list[str]
+    busiest_device_bytes: float  # sent plus received by the busiest device
+    unknown_trip_counts: int  # loops whose collectives were counted once
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: list[list[int]]  # layers each device holds
+    schedule: str | None  # None: no pipeline
+    bubble: float | None  # idle share of the schedule's tick table (None: table != compiled loop)
+    bubble_formula: float
+    chunks: list[list[int]] | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    ticks: int | None = None  # trip count of the compiled tick loop
+    permute_bytes_per_device: float | None = None
+    permute_minimum_per_device: float | None = None
+    permute_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    config: dict  # the resolved config
+    mesh: dict[str, int]
+    devices: int
+    strategy: str
+    compile_s: float
+    zero_unsplit_leaves: list[dict]
+    pipeline: Pipeline
+    memory_per_device: DeviceMemory
+    host_memory_per_device: HostMemory
+    state_bytes: StateBytes
+    collectives: dict[str, KindTotals]
+    collective_counts: dict[str, int]  # executions per step by 'kind@axes'
+    comm: Comm
+    # after training
+    tokens_per_step: int | None = None
+    final_loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+
+    def trained(self, **figures) -> Report:
+        return dataclasses.replace(self, **figures)
+
+    def to_json(self) -> dict:
+        """summary.json: every field, nested dataclasses as objects."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,171 @@
+"""One setup path: prepare(cfg, problem, mesh, batch) -> Run, a compiled step and its report.
+
+What `jaxpar.train`, `jaxpar bench` and the tests all call before running steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxpar import config as config_lib
+from jaxpar import ledger, offload
+from jaxpar.config import Config, batch_split
+from jaxpar.mesh import DATA, PIPE, describe
+from jaxpar.problem import Problem, loss_elements
+from jaxpar.report import Pipeline, Report
+from jaxpar.sharding import unsplit_leaves
+from jaxpar.step import DTYPES, Engine, build
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    executable: Any  # (state, batch) -> (state, metrics)
+    hlo: str  # its optimized HLO text (what the ledger reads and step.hlo.txt keeps)
+    seconds: float  # tracing, lowering and compiling it took
+    state_shapes: Any  # TrainState of ShapeDtypeStructs, with their shardings
+    host_activations: int  # per-device bytes of layer inputs the step sends to the host
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: Config
+    mesh: Mesh
+    problem: Problem  # as given (the model's own layout)
+    engine: Engine
+    step: CompiledStep
+    report: Report  # of the compiled step; `trained` adds the run's figures
+    tokens_per_step: int  # loss elements per global batch
+
+
+def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch) -> Run:
+    """Check the config against the mesh, build the engine, compile the step for
+    `batch`'s shapes (one global batch), and describe it."""
+    config_lib.check_train(cfg, describe(mesh))
+    engine = build(problem, cfg, mesh)
+    step = compile_step(engine, batch)
+    return Run(
+        cfg=cfg,
+        mesh=mesh,
+        problem=problem,
+        engine=engine,
+        step=step,
+        report=describe_step(cfg, mesh, problem, engine, step, batch),
+        tokens_per_step=loss_elements(problem, batch),
+    )
+
+
+def step_inputs(engine: Engine, batch):
+    """Shapes and shardings of the step's (state, batch), for tracing it without data."""
+    state_shapes = jax.eval_shape(engine.init, jax.random.key(0))
+    state_in = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        state_shapes,
+        engine.state_shardings,
+    )
+    batch_in = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine.batch_sharding), batch
+    )
+    return state_in, batch_in
+
+
+def compile_step(engine: Engine, batch) -> CompiledStep:
+    """Trace, lower and compile the step for the state and batch shapes."""
+    state_in, batch_in = step_inputs(engine, batch)
+    start = time.perf_counter()
+    traced = engine.step.trace(state_in, batch_in)
+    compiled = traced.lower().compile()
+    return CompiledStep(
+        compiled,
+        compiled.as_text(),
+        time.perf_counter() - start,
+        state_in,
+        offload.offloaded_activation_bytes(traced.jaxpr),
+    )
+
+
+def describe_step(
+    cfg: Config, mesh: Mesh, problem: Problem, engine: Engine, step: CompiledStep, batch
+) -> Report:
+    mesh_shape = describe(mesh)
+    par, trained = cfg.parallel, engine.problem
+    shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
+    led = ledger.read(step.hlo, mesh_shape)
+    compute_bytes = jnp.dtype(DTYPES[cfg.train.precision]).itemsize
+    split = batch_split(cfg.train, par, mesh_shape[DATA])
+    # With a pipeline each device runs some layers, and the head or embedding on some
+    # stages only: the Megatron count per device has no single value.
+    tensor = problem.tensor_elements
+    minimum = ledger.minimum_bytes(
+        engine.specs,
+        trained.shapes,
+        zero=par.zero,
+        mesh_shape=mesh_shape,
+        compute_bytes=compute_bytes,
+        accum=cfg.train.grad_accum,
+        tensor_elements=tensor(split.accum) if tensor and mesh_shape[PIPE] == 1 else None,
+    )
+    psi = ledger.params_per_device(engine.specs, trained.shapes, mesh_shape)
+    formula = ledger.state_formula(par.zero, psi, mesh_shape[DATA], par.offload != "none")
+    device, host = ledger.memory(
+        step.executable,
+        step.state_shapes,
+        ledger.grad_bytes(engine.specs, trained.shapes, mesh_shape),
+        step.host_activations,
+    )
+    unsplit = unsplit_leaves(engine.specs, shapes) if par.zero and mesh_shape[DATA] > 1 else []
+    return Report(
+        config=config_lib.to_dict(cfg),
+        mesh=mesh_shape,
+        devices=int(mesh.size),
+        strategy=strategy_name(cfg, mesh_shape),
+        compile_s=round(step.seconds, 3),
+        zero_unsplit_leaves=[{"path": p, "shape": list(s)} for p, s, _ in unsplit],
+        pipeline=_pipeline(cfg, problem, engine, step.hlo, led, batch, split.micro, compute_bytes),
+        memory_per_device=device,
+        host_memory_per_device=host,
+        state_bytes=ledger.state_bytes(step.executable, step.state_shapes, formula),
+        collectives=ledger.kinds(led),
+        collective_counts=led.counts(),
+        comm=ledger.comm(led, minimum),
+    )
+
+
+def _pipeline(cfg, problem, engine, hlo, led, batch, rows: int, compute_bytes: int) -> Pipeline:
+    layout, parts = engine.layout, problem.parts
+    if layout is None:
+        layers = problem.shapes[parts.stack_keys[0]].shape[0] if parts else 0
+        return Pipeline(stages=[list(range(layers))], schedule=None, bubble=0.0, bubble_formula=0.0)
+    # one micro-batch's activation at a chunk boundary
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype), batch)
+    h = jax.eval_shape(parts.pre, problem.shapes, micro)
+    return ledger.pipeline_report(
+        layout,
+        cfg.parallel.schedule,
+        cfg.parallel.microbatches,
+        cfg.train.grad_accum,
+        hlo,
+        led,
+        math.prod(h.shape) * compute_bytes,
+    )
+
+
+def strategy_name(cfg: Config, mesh_shape: dict) -> str:
+    axes = " x ".join(f"{axis}={n}" for axis, n in mesh_shape.items() if n > 1)
+    extras = [f"ZeRO-{cfg.parallel.zero}", cfg.train.precision]
+    if mesh_shape[PIPE] > 1:
+        p = cfg.parallel
+        extras.insert(
+            0,
+            f"{p.schedule} m={p.microbatches}"
+            + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+        )
+    if cfg.train.grad_accum > 1:
+        extras.append(f"grad_accum={cfg.train.grad_accum}")
+    return ", ".join([axes or "single device", *extras])

@@ -1,0 +1,132 @@
+"""The ZeRO policy: what every parameter leaf needs over `data` at each point of a step.
+
+Built from the plan (each leaf's LeafSpecs, with the dim ZeRO splits) and the stage:
+- for compute: stage 3 all-gathers a split leaf just before use (a layer stack one
+  layer at a time, inside jaxpar.scan_layers); with parameter offload every stored
+  shard is first fetched from host memory;
+- per micro-batch: stage 2 reduce-scatters the gradients into a sliced accumulator;
+- per step: stage 0 (and any leaf ZeRO cannot split) all-reduces, stage 1
+  reduce-scatters; stage 3 gradients arrive reduce-scattered, as the gather's transpose.
+All of it runs inside the step's shard_map, manual over `data`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar import collectives, dp
+from jaxpar.sharding import NOT_ZERO, LeafSpecs, leaf_key
+
+
+def _leaves_map(fn, *trees):
+    return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, LeafSpecs))
+
+
+def stack_dims(names: tuple[str, ...]) -> int:
+    """How many leading dims stack a leaf's layers (`stage`, `layers`): 0 if none."""
+    n = 0
+    while n < len(names) and names[n] in NOT_ZERO:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    stage: int  # parallel.zero
+    specs: Any  # params pytree of LeafSpecs
+    names: Any  # params pytree of logical-name tuples
+    dtype: Any  # compute dtype
+    dp_mode: str = "xla"  # parallel.dp_collective: how the reductions (and gathers) run
+    bucket_bytes: float = 25 * 2**20  # ring/server bucket size
+    fetch: bool = False  # stored parameter shards live in host memory
+    _by_key: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        table = {}
+        jax.tree_util.tree_map_with_path(
+            lambda path, s, names: table.__setitem__(leaf_key(path), (s, stack_dims(names))),
+            self.specs,
+            self.names,
+            is_leaf=lambda x: isinstance(x, LeafSpecs),
+        )
+        object.__setattr__(self, "_by_key", table)
+
+    # --- forward: stored leaf -> what the model computes with ---------------------------
+
+    def _materialize(self, s: LeafSpecs, lead: int, x):
+        """Fetch a stored shard and gather it, `lead` stacking dims already sliced off."""
+        if self.fetch:
+            x = jax.device_put(x, jax.memory.Space.Device)
+        if self.stage < 3 or s.dim is None:
+            return x
+        spec = PartitionSpec(*s.compute[lead:])
+        return collectives.gather(x, s.dim - lead, spec, ring=self.dp_mode == "ring")
+
+    def compute_view(self, params):
+        """Stored parameters (any sub-dict of them) -> what the forward pass reads: the
+        compute dtype, ZeRO-3 leaves gathered. Layer stacks are only cast: `layer`
+        gathers them a layer at a time (or `whole`, for a model that does not scan)."""
+
+        def one(path, x):
+            s, lead = self._by_key[leaf_key(path)]
+            x = x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            return x if lead else self._materialize(s, 0, x)
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def remat(self, requested: str) -> str:
+        """What scan_layers keeps for the backward pass (jaxpar.context.Context.remat):
+        with no remat asked for, ZeRO-3 still re-gathers each layer's weights there
+        instead of keeping them whole."""
+        return "regather" if requested == "none" and self.stage >= 3 else requested
+
+    def layer(self, key: str, x):
+        """One layer's slice of a stacked leaf (cast by compute_view) -> ready to use."""
+        s, lead = self._by_key[key]
+        return self._materialize(s, lead, x)
+
+    def whole(self, key: str, x):
+        """A stacked leaf read whole (no scan_layers) -> ready to use; others unchanged."""
+        s, lead = self._by_key[key]
+        return self._materialize(s, 0, x) if lead else x
+
+    # --- backward: local gradients -> reduced over `data` ------------------------------
+
+    def accumulator(self, params):
+        """Zeros for the local gradient sum: ZeRO-2 keeps only this device's slice of each
+        split leaf (ZeRO-3 parameters, and so their gradients, are slices already)."""
+
+        def zeros(p, s: LeafSpecs):
+            shape = p.shape
+            if self.stage == 2 and s.dim is not None:
+                n = jax.lax.axis_size(dp.DATA)
+                shape = tuple(d // n if i == s.dim else d for i, d in enumerate(shape))
+            return jnp.zeros(shape, jnp.float32)
+
+        return jax.tree.map(zeros, params, self.specs, is_leaf=lambda x: isinstance(x, LeafSpecs))
+
+    def each_micro_batch(self, grads):
+        """A micro-batch's gradients, as they are added to the accumulator."""
+        if self.fetch:  # gradients of host-resident shards arrive on the host
+            grads = jax.device_put(grads, jax.memory.Space.Device)
+        if self.stage == 2:
+            todo = _leaves_map(lambda s: None if s.dim is None else dp.SCATTER, self.specs)
+            grads = self._reduce(grads, todo)
+        return grads
+
+    def finish(self, grads):
+        """The step's one reduction of the accumulated gradients: sum what ZeRO leaves
+        whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced already."""
+        todo = _leaves_map(
+            lambda s: dp.SUM if s.dim is None else dp.SCATTER if self.stage == 1 else None,
+            self.specs,
+        )
+        return self._reduce(grads, todo)
+
+    def _reduce(self, grads, todo):
+        return dp.reduce(grads, self.specs, todo, self.dp_mode, self.bucket_bytes)
