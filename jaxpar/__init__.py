@@ -1,8 +1,10 @@
 """jaxpar: data (server, ring, XLA), tensor, pipeline (GPipe, 1F1B, interleaved) and
 ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh."""
 
-from jaxpar.config import Config, Data, Model, Parallel, Train, load
-from jaxpar.errors import ConfigError
+from jaxpar.config import Checkpoint, Config, Data, Model, Parallel, Train, load
+from jaxpar.errors import ConfigError, NonFinite
+from jaxpar.export import load as load_exported
+from jaxpar.export import to_nnx
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem, Stages, from_nnx, from_pytree
@@ -18,7 +20,8 @@ from jaxpar.sharding import (
     STAGE,
     VOCAB,
 )
-from jaxpar.trainer import Result, train
+from jaxpar.state import TrainState
+from jaxpar.trainer import Result, restore, train
 
 __all__ = [
     "BATCH",
@@ -31,21 +34,27 @@ __all__ = [
     "SEQ",
     "STAGE",
     "VOCAB",
+    "Checkpoint",
     "Config",
     "ConfigError",
     "Data",
     "Model",
+    "NonFinite",
     "Parallel",
     "Problem",
     "Result",
     "Stages",
     "Train",
+    "TrainState",
     "build_mesh",
     "constrain",
     "from_nnx",
     "from_pytree",
     "load",
+    "load_exported",
     "param",
+    "restore",
     "scan_layers",
+    "to_nnx",
     "train",
 ]

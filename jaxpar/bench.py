@@ -8,13 +8,16 @@ would cost if nothing overlapped).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import models
-from jaxpar import config, metrics
+from jaxpar import checkpoint, config, metrics
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.run import prepare
 from jaxpar.trainer import run_loop
@@ -70,6 +73,12 @@ REMAT = {
     mode: ("parallel.data=8", "parallel.zero=1", f"parallel.remat={mode}")
     for mode in ("none", "full", "offload")
 }
+# Checkpointing overhead on data=8 ZeRO-3 (nothing replicated: the state on disk is the
+# ledger's per-device state times the devices).
+CHECKPOINTS = {
+    "off": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=0"),
+    "every=1 (async)": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=1"),
+}
 WARMUP = 3
 REPEATS = 3
 
@@ -87,7 +96,7 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
     for batch in on_device[:WARMUP]:
         state, _ = compiled(state, batch)
     jax.block_until_ready(state)
-    bare, loop = [], []
+    bare, loop, saves = [], [], _Saves(cfg, problem, run, mesh)
     for _ in range(REPEATS):  # alternate, keep each one's best: CPU timings are noisy
         start = time.perf_counter()
         previous = None
@@ -100,7 +109,8 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         jax.block_until_ready(state)
         bare.append((time.perf_counter() - start) / steps)
         start = time.perf_counter()
-        state, _, _ = run_loop(run, state, batches, metrics.MetricsLog(None), False)
+        log = metrics.MetricsLog(None)
+        state = run_loop(run, state, batches, log, False, 0, saves.every, saves.start()).state
         loop.append((time.perf_counter() - start) / steps)
     bare, loop = min(bare), min(loop)
     # The trainer's own work per step (make and place a batch, read a step's metrics),
@@ -117,7 +127,46 @@ def measure(overrides: tuple[str, ...], steps: int) -> dict:
         "trainer_over_bare": loop / bare,
         "host_s": host,
         "report": run.report,
+        **saves.figures(),
     }
+
+
+class _Saves:
+    """checkpoint.every > 0: each timed loop saves into a fresh directory; the time each
+    save holds the loop (the blocking part: copying the state off the device), and the
+    bytes one checkpoint takes on disk."""
+
+    def __init__(self, cfg, problem, run, mesh):
+        self.every = cfg.checkpoint.every
+        self.blocking: list[float] = []
+        self.ckpts = None
+        if self.every:
+            self.folder = Path(tempfile.mkdtemp(prefix="jaxpar-bench-"))
+            self.layout = checkpoint.layout(cfg, problem, run.engine, mesh)
+            self.meta = lambda step: checkpoint.meta(cfg, mesh, self.layout, step)
+
+    def start(self):
+        if not self.every:
+            return None
+        if self.ckpts:
+            self.ckpts.close()
+        self.ckpts = checkpoint.Checkpoints(self.folder / str(len(self.blocking)), keep=2)
+
+        def save(state, step: int) -> None:
+            start = time.perf_counter()
+            self.ckpts.save(step, self.layout.to_saved(state), self.meta(step))
+            self.blocking.append(time.perf_counter() - start)
+
+        return save
+
+    def figures(self) -> dict:
+        if not self.every:
+            return {"save_blocking_s": None, "disk_bytes": None}
+        self.ckpts.close()
+        latest = self.ckpts.directory / str(self.ckpts.latest)
+        disk = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file())
+        shutil.rmtree(self.folder)
+        return {"save_blocking_s": float(np.median(self.blocking)), "disk_bytes": disk}
 
 
 def _bytes(read):
@@ -164,6 +213,14 @@ OFFLOAD_COLUMNS = {
     "device opt state": _bytes(lambda rep: rep.memory_per_device.opt_state),
     "host params": _bytes(lambda rep: rep.host_memory_per_device.params),
     "host opt state": _bytes(lambda rep: rep.host_memory_per_device.opt_state),
+}
+CHECKPOINT_COLUMNS = {
+    "trainer step ms": lambda r: f"{r['step_s'] * r['trainer_over_bare'] * 1e3:.1f}",
+    "blocking ms/save": lambda r: (
+        "-" if r["save_blocking_s"] is None else f"{r['save_blocking_s'] * 1e3:.1f}"
+    ),
+    "on disk": lambda r: metrics.human_bytes(r["disk_bytes"]),
+    "ledger state x devices": _bytes(lambda rep: rep.state_bytes.actual * rep.devices),
 }
 REMAT_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
@@ -218,6 +275,12 @@ def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None =
             "parallel.remat",
             REMAT,
             REMAT_COLUMNS,
+        ),
+        "checkpoint": (
+            f"checkpointing, {where}, data=8, ZeRO-3 (orbax, asynchronous)",
+            "checkpoint",
+            CHECKPOINTS,
+            CHECKPOINT_COLUMNS,
         ),
     }
     unknown = sorted(set(only or ()) - set(sections))

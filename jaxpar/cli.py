@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.config import ConfigError, load, preset_names
+from jaxpar.config import load, preset_names
+from jaxpar.errors import ConfigError, NonFinite
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -25,7 +26,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="dotted overrides, e.g. parallel.tensor=2 train.steps=20",
     )
-    train.add_argument("--out", type=Path, help="run directory (default: runs/<time>-<config>)")
+    train.add_argument(
+        "--out",
+        type=Path,
+        help="run directory (default: runs/<time>-<config>); with checkpoints there, resume",
+    )
+    train.add_argument(
+        "--restart",
+        action="store_true",
+        help="set aside the run and checkpoints already in --out, and start fresh",
+    )
+    export = sub.add_parser(
+        "export", help="write a run's latest parameters to one safetensors file"
+    )
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    export.add_argument("--to", type=Path, required=True, metavar="FILE")
     bench = sub.add_parser("bench", help="compare strategies on gpt-tiny: time, memory, comm")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
@@ -33,9 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         "--only",
         nargs="+",
         metavar="SECTION",
-        help="measure only these sections: strategies schedules dp offload remat (default: all)",
+        help="measure only these sections: strategies schedules dp offload remat checkpoint "
+        "(default: all)",
     )
-    for p in (train, bench):
+    for p in (train, bench, export):
         p.add_argument(
             "--cpu-devices",
             type=int,
@@ -80,8 +96,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load(args.config, args.overrides)
             name = Path(args.config).stem
             out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
-            train_config(cfg, out)
+            result = train_config(cfg, out, restart=args.restart)
             print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
+            if result.checkpoints:
+                print(f"checkpoints:   {result.checkpoints}")
+        elif args.command == "export":
+            from jaxpar.export import export
+
+            step, tensors = export(args.run_dir, args.to)
+            print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
         else:
             from jaxpar.bench import run_bench
 
@@ -89,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
+    except NonFinite as e:
+        print(f"jaxpar: stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -61,6 +62,9 @@ class Train:
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables it
     log_every: int = 1  # write a metrics row every N steps
+    # a step whose loss or gradients are not finite: stop (save the last good state,
+    # exit 3) | skip (leave the state as it was, count it in the metrics' `skipped`)
+    on_nonfinite: str = "stop"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,11 +74,19 @@ class Data:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    every: int = 0  # save every N steps (asynchronously), and at the end; 0 = off
+    keep: int = 3  # how many of the newest checkpoints to keep
+    dir: str = ""  # where; empty = <run directory>/checkpoints
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     parallel: Parallel = field(default_factory=Parallel)
     model: Model = field(default_factory=Model)
     train: Train = field(default_factory=Train)
     data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 CHOICES = {
@@ -86,6 +98,7 @@ CHOICES = {
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
     "data.source": ("corpus", "file", "synthetic"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 # Keys that may be 0 (the rest of the numbers must be positive, degrees may also be -1).
 MAY_BE_ZERO = {
@@ -94,6 +107,7 @@ MAY_BE_ZERO = {
     "train.clip_norm",
     "train.seed",
     "train.warmup",
+    "checkpoint.every",
 }
 DEGREES = {"parallel.data", "parallel.pipeline", "parallel.tensor"}
 
@@ -130,7 +144,14 @@ def _read_preset(name_or_path: str) -> dict:
     return tree
 
 
+_NUMBER = re.compile(r"[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _coerce(key: str, value, kind):
+    if kind in (int, float) and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        # numbers as people write them, which YAML 1.1 leaves as strings: 1e-3, 3E-4, 1_000
+        number = float(value.strip().replace("_", ""))
+        value = int(number) if kind is int and number.is_integer() else number
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
@@ -261,6 +282,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
+    if pipelined and parallel.offload == "optimizer+params":
+        raise ConfigError(
+            f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
+            "not supported; JAX refuses the gradient of host-resident stage parameters "
+            "inside the pipeline loop (float32<host> expected, float32 got). Use "
+            "parallel.offload=optimizer with a pipeline, or parallel.pipeline=1"
+        )
     if parallel.microbatches > 1 and not pipelined:
         raise ConfigError(
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "

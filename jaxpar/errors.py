@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """A configuration mistake: the message names the key, the numbers and the fix."""
+
+
+class NonFinite(RuntimeError):
+    """A step's loss or gradients were not finite (train.on_nonfinite=stop): exit status 3."""

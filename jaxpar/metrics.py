@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
+
+import numpy as np
 
 
 class MetricsLog:
-    """One JSON object per logged step, flushed as it is written."""
+    """One JSON object per logged step, flushed as it is written.
 
-    def __init__(self, path: Path | None):
-        self._file = path.open("w") if path else None
-        self.rows: list[dict] = []
+    `resume_at=N` keeps the complete rows of an earlier run up to step N (a torn last
+    line, or rows past the checkpoint being resumed, are dropped) and appends after them.
+    """
+
+    def __init__(self, path: Path | None, resume_at: int = 0):
+        self.rows: list[dict] = _rows(path, resume_at) if path and resume_at else []
+        if path:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            os.replace(tmp, path)  # atomic: a kill leaves the old or the new file
+        self._file = path.open("a") if path else None
 
     def write(self, row: dict) -> None:
+        # not-finite numbers as null: strict JSON readers refuse NaN
+        row = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+        }
         self.rows.append(row)
         if self._file:
             self._file.write(json.dumps(row) + "\n")
@@ -24,6 +40,20 @@ class MetricsLog:
             self._file.close()
 
 
+def _rows(path: Path, up_to: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= up_to:
+            rows.append(row)
+    return rows
+
+
 def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib  # here: only runs that write a plot pay the import
 
@@ -31,7 +61,11 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.5)
+    ax.plot(
+        [r["step"] for r in rows],
+        [np.nan if r["loss"] is None else r["loss"] for r in rows],
+        lw=1.5,
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)

@@ -15,6 +15,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 
+from jaxpar.optim import keep_if
 from jaxpar.state import TrainState
 
 HOST = "pinned_host"
@@ -35,8 +36,7 @@ def layout(mode: str, device: TrainState, opt_params: object) -> TrainState:
     those without it (`device`) and the optimizer-state split of the parameters: master
     weights and optimizer state on the host, split as ZeRO splits the optimizer state;
     the compute copy on the device (optimizer) or, as stored shards, on the host too."""
-    return TrainState(
-        step=device.step,
+    return device.replace(
         params=on_host(opt_params),
         opt=on_host(device.opt),
         compute=device.params if mode == "optimizer" else on_host(device.params),
@@ -44,29 +44,41 @@ def layout(mode: str, device: TrainState, opt_params: object) -> TrainState:
 
 
 def host_update(
-    tx: optax.GradientTransformation, dtype, clip: Callable, shardings: TrainState, opt_params
+    tx: optax.GradientTransformation,
+    dtype,
+    clip: Callable,
+    verdict: Callable,
+    shardings: TrainState,
+    opt_params,
 ) -> Callable:
-    """(state, grads) -> (new state, gradient norm), clipping and updating on the host:
-    the gradients go there (split as `opt_params`), the compute copy comes back."""
+    """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
+    norm, applied, finite), clipping and updating on the host: the gradients go there
+    (split as `opt_params`), the compute copy comes back."""
 
     @compute_on("device_host")
     @jax.jit
-    def on_the_host(grads, opt_state, master):
+    def on_the_host(grads, opt_state, master, loss, skipped):
         grads, grad_norm = clip(grads)
-        updates, opt_state = tx.update(grads, opt_state, master)
-        master = optax.apply_updates(master, updates)
-        return master, opt_state, jax.tree.map(lambda p: p.astype(dtype), master), grad_norm
+        applied, finite = verdict(loss, grad_norm, skipped)
+        updates, new_opt = tx.update(grads, opt_state, master)
+        master = keep_if(applied, optax.apply_updates(master, updates), master)
+        opt_state = keep_if(applied, new_opt, opt_state)
+        compute = jax.tree.map(lambda p: p.astype(dtype), master)
+        return master, opt_state, compute, grad_norm, applied, finite
 
-    def update(state: TrainState, grads):
-        grads = jax.device_put(grads, on_host(opt_params))
-        master, opt, compute, grad_norm = on_the_host(grads, state.opt, state.params)
-        new = TrainState(
-            step=state.step + 1,
-            params=master,
-            opt=opt,
-            compute=jax.device_put(compute, shardings.compute),
+    def update(state: TrainState, grads, loss):
+        host = on_host(shardings.step)
+        master, opt, compute, *scalars = on_the_host(
+            jax.device_put(grads, on_host(opt_params)),
+            state.opt,
+            state.params,
+            jax.device_put(loss, host),
+            jax.device_put(state.skipped, host),
         )
-        return new, jax.device_put(grad_norm, shardings.step)
+        new = state.replace(
+            params=master, opt=opt, compute=jax.device_put(compute, shardings.compute)
+        )
+        return new, *jax.device_put(scalars, shardings.step)
 
     return update
 

@@ -41,3 +41,16 @@ def clip(grads, clip_norm: float):
         scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
         grads = jax.tree.map(lambda g: g * scale, grads)
     return grads, grad_norm
+
+
+def verdict(loss, grad_norm, skipped, on_nonfinite: str):
+    """(apply the update?, is the step finite?): a step whose loss or gradient norm is
+    not finite is never applied; with `stop`, neither is any after it (the loop saves
+    the last good state and exits)."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return (finite if on_nonfinite == "skip" else finite & (skipped == 0)), finite
+
+
+def keep_if(apply, new, old):
+    """`new` where `apply`, else `old`, leaf by leaf."""
+    return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import context, offload, optim, pipeline, schedules
+from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
 from jaxpar.config import Config, batch_split
 from jaxpar.mesh import DATA, PIPE
@@ -39,10 +40,12 @@ class Engine:
     """Everything built for one (problem, config, mesh): specs, shardings, jitted functions."""
 
     specs: Any  # params pytree of LeafSpecs
+    tx: optax.GradientTransformation  # the optimizer (its state's structure)
     state_shardings: TrainState  # of NamedShardings
     batch_sharding: NamedSharding
     init: Any  # jitted: key -> TrainState, created directly in its sharding
     step: Any  # jitted: (state, batch) -> (state, metrics); state is donated
+    grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
     layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
     problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
 
@@ -77,39 +80,34 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     tx, schedule = optim.optimizer(cfg.train, trained.names)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
-    device = TrainState(
-        step=replicated,
-        params=named(mesh, pick(specs, "storage")),
-        opt=optax.tree_map_params(
-            tx,
-            lambda _, sh: sh,
-            jax.eval_shape(tx.init, trained.shapes),
-            opt_params,
-            transform_non_params=lambda _: replicated,
-        ),
-    )
+    device = state_lib.shardings(mesh, specs, tx, trained.shapes)
     clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
+    verdict = functools.partial(optim.verdict, on_nonfinite=cfg.train.on_nonfinite)
     if par.offload == "none":
-        shardings, update = device, _device_update(tx, clip, device, opt_params)
+        shardings, update = device, _device_update(tx, clip, verdict, device, opt_params)
     else:
         shardings = offload.layout(par.offload, device, opt_params)
-        update = offload.host_update(tx, dtype, clip, shardings, opt_params)
+        update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params)
     grads_of = _local_grads(trained, cfg, mesh, policy, layout)
 
     def init(key):
         params = trained.init(key)
         compute = None if par.offload == "none" else jax.tree.map(lambda p: p.astype(dtype), params)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), compute)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, tx.init(params), zero, compute)
 
     def train_step(state: TrainState, batch):
         count = loss_elements(problem, batch)  # the loss is a mean over the global batch
         loss, grads = grads_of(state.compute_params, batch, count)
-        new, grad_norm = update(state, grads)
-        return new, {"loss": loss, "lr": schedule(state.step), "grad_norm": grad_norm}
+        new, grad_norm, applied, finite = update(state, grads, loss)
+        new = new.advanced(applied, finite, cfg.train.on_nonfinite)
+        metrics = {"loss": loss, "lr": schedule(state.step), "grad_norm": grad_norm}
+        return new, {**metrics, "skipped": new.skipped}
 
     batch_sharding = NamedSharding(mesh, PartitionSpec(DATA))
     return Engine(
         specs=specs,
+        tx=tx,
         state_shardings=shardings,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=shardings),
@@ -119,23 +117,34 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
             out_shardings=(shardings, replicated),
             donate_argnums=0,
         ),
+        grads=jax.jit(
+            lambda state, batch: grads_of(
+                state.compute_params, batch, loss_elements(problem, batch)
+            )[1]
+        ),
         layout=layout,
         problem=trained,
     )
 
 
-def _device_update(tx, clip, shardings: TrainState, opt_params):
-    """(state, grads) -> (new state, gradient norm): clip, then AdamW on the optimizer's
-    split of the parameters (ZeRO>=1: a slice), all-gathered back to their storage."""
+def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
+    """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
+    norm, applied, finite): clip, then AdamW on the optimizer's split of the parameters
+    (ZeRO>=1: a slice), all-gathered back to their storage."""
 
-    def update(state: TrainState, grads):
+    def update(state: TrainState, grads, loss):
         grads, grad_norm = clip(grads)
+        applied, finite = verdict(loss, grad_norm, state.skipped)
         params = jax.lax.with_sharding_constraint(state.params, opt_params)
         updates, opt = tx.update(grads, state.opt, params)
-        params = jax.lax.with_sharding_constraint(
+        new = jax.lax.with_sharding_constraint(
             optax.apply_updates(params, updates), shardings.params
         )
-        return TrainState(state.step + 1, params, opt), grad_norm
+        # (choosing between the stored parameters, not their optimizer slices: one
+        # all-gather of the new ones, as without the choice)
+        params = optim.keep_if(applied, new, state.params)
+        opt = optim.keep_if(applied, opt, state.opt)
+        return state.replace(params=params, opt=opt), grad_norm, applied, finite
 
     return update
 

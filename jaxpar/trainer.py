@@ -1,35 +1,46 @@
-"""The loop: data -> step -> metrics -> run directory.
+"""The loop: data -> step -> metrics -> checkpoints -> run directory.
 
 Step n is dispatched before step n-1's metrics are read to the host, so the device
-never waits on Python.
+never waits on Python. A first SIGINT (Ctrl-C) or SIGTERM finishes the step in flight,
+saves, and returns; a second one exits at once (the last complete checkpoint stays).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar import console, metrics
+from jaxpar import checkpoint, console, metrics
 from jaxpar.config import Config
+from jaxpar.errors import ConfigError, NonFinite
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
 from jaxpar.report import Report
 from jaxpar.run import Run, prepare
+from jaxpar.sharding import leaf_key
+from jaxpar.step import build
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt")
 
 
 @dataclass
 class Result:
-    losses: list[float]  # every step's loss
+    losses: list[float]  # the loss of every step this call ran
     params: dict  # final parameters (global arrays), in the model's own layout
     report: Report  # what summary.json holds
-    rows: list[dict]  # metrics rows as logged
+    rows: list[dict]  # metrics rows as logged (a resumed run's earlier rows too)
+    checkpoints: Path | None = None  # where the checkpoints are (None: not saved)
+    stopped: str | None = None  # the signal that stopped the run early, if one did
 
     @property
     def summary(self) -> dict:
@@ -46,43 +57,169 @@ def train(
     mesh=None,
     progress: bool = True,
     quiet: bool = False,
+    restart: bool = False,
 ) -> Result:
-    """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches."""
-    mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-    run = prepare(cfg, problem, mesh, batches(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
+    """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
+
+    With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless
+    checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
+    earlier run's files and checkpoints aside and starts fresh."""
     say = (lambda *_: None) if quiet else tqdm.write
-    say(console.startup(run.report, n_params, jax.devices()[0].platform))
-    if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "step.hlo.txt").write_text(run.step.hlo)
-    log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None)
-    state = run.engine.init(jax.random.key(cfg.train.seed))
-    state, losses, times = run_loop(run, state, batches, log, progress and not quiet)
-    log.close()
-    step_time = float(np.median(times))
-    report = run.report.trained(
-        tokens_per_step=run.tokens_per_step,
-        final_loss=losses[-1],
-        step_time_s=step_time,
-        tokens_per_s=run.tokens_per_step / step_time,
-    )
+    ckpt_dir = _checkpoint_dir(cfg, out_dir)
+    if restart:
+        _set_aside(out_dir, ckpt_dir, say)
+    _refuse_another_run(out_dir, ckpt_dir)
+    with _Saver(cfg, ckpt_dir) as saver:
+        start = saver.latest or 0
+        if start:
+            say(f"resuming from step {start}: {saver.directory / str(start)}")
+        mesh = build_mesh(cfg.parallel) if mesh is None else mesh
+        run = prepare(cfg, problem, mesh, batches(0))
+        saver.bind(problem, run.engine, mesh)
+        state = saver.restore(start) if start else run.engine.init(jax.random.key(cfg.train.seed))
+        start = int(state.step)  # the data position (a save racing a halt is labelled later)
+        if start >= cfg.train.steps:
+            say(
+                f"already at step {start} of train.steps={cfg.train.steps}: nothing to train "
+                "(raise train.steps to go on, or --restart to start again)"
+            )
+        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
+        say(console.startup(run.report, n_params, jax.devices()[0].platform))
+        if out_dir:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "step.hlo.txt").write_text(run.step.hlo)
+        log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None, resume_at=start)
+        every = cfg.checkpoint.every if ckpt_dir else 0
+        with _Stops() as stops:
+            loop = run_loop(
+                run, state, batches, log, progress and not quiet, start, every, saver.save, stops
+            )
+        log.close()
+        state = saver.finish(loop, start)
+    if loop.nonfinite is not None:
+        raise NonFinite(_nonfinite_message(run, state, batches, loop, saver))
+    report = run.report
+    if loop.losses:  # (a stop before the first step leaves none)
+        step_time = float(np.median(loop.times))
+        report = report.trained(
+            tokens_per_step=run.tokens_per_step,
+            final_loss=loop.losses[-1],
+            step_time_s=step_time,
+            tokens_per_s=run.tokens_per_step / step_time,
+        )
+        say(console.closing(report, loop.losses))
     if out_dir:
         metrics.write_json(out_dir / "summary.json", report.to_json())
         metrics.plot_loss(log.rows, out_dir / "loss.png", report.strategy)
-    say(console.closing(report, losses))
+    if loop.stopped:
+        where = f"saved to {saver.where(loop.end)}" if saver.directory else "nothing saved"
+        say(f"\nstopped by {loop.stopped} after step {loop.end}: {where}")
+        say("run the same command to resume")
     return Result(
-        losses=losses, params=run.engine.export(state.params), report=report, rows=log.rows
+        losses=loop.losses,
+        params=run.engine.export(state.params),
+        report=report,
+        rows=log.rows,
+        checkpoints=saver.directory if saver.opened else None,
+        stopped=loop.stopped,
     )
 
 
-def run_loop(run: Run, state, batches, log: metrics.MetricsLog, progress: bool):
-    """Run cfg.train.steps steps; returns (state, losses, per-step seconds)."""
-    steps, every = run.cfg.train.steps, run.cfg.train.log_every
+class _Saver:
+    """A run's checkpoints: resumed from if there are any, saved into every
+    checkpoint.every steps, at the end, and at a stop (a signal, a non-finite step) even
+    with checkpoint.every=0 when there is a place for them. Opened when first needed;
+    closed (pending writes finished) on any exit."""
+
+    def __init__(self, cfg: Config, directory: Path | None):
+        self.cfg, self.directory = cfg, directory
+        self.ckpts = None
+        if directory and (cfg.checkpoint.every or directory.exists()):
+            self._open()
+        self.latest = self.ckpts.latest if self.ckpts else None
+
+    def _open(self) -> None:
+        self.ckpts = checkpoint.Checkpoints(self.directory, self.cfg.checkpoint.keep)
+
+    @property
+    def opened(self) -> bool:
+        return self.ckpts is not None
+
+    def where(self, step: int) -> Path:
+        return self.ckpts.directory / str(step)
+
+    def bind(self, problem: Problem, engine, mesh) -> None:
+        self.mesh = mesh
+        self.layout = checkpoint.layout(self.cfg, problem, engine, mesh) if self.directory else None
+
+    def restore(self, step: int):
+        checkpoint.check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
+        state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
+        if self.cfg.train.on_nonfinite == "stop":  # a save that raced a halt
+            state = state.replace(skipped=state.skipped * 0)
+        return state
+
+    def save(self, state, step: int) -> None:
+        """Start saving (returns once the state is copied off the device)."""
+        if self.ckpts is None:
+            self._open()
+        meta = checkpoint.meta(self.cfg, self.mesh, self.layout, step)
+        self.ckpts.save(step, self.layout.to_saved(state), meta)
+
+    def finish(self, loop: Loop, start: int):
+        """The state to return after the loop, saved where it ought to be."""
+        state = loop.state
+        if self.directory is None:
+            return state
+        if loop.nonfinite is not None:
+            # the state is the last good one: drop saves of it made after the halt (their
+            # labels ran ahead of it), then save it under its own step
+            if self.ckpts:
+                self.ckpts.wait()
+                for late in sorted(s for s in loop.saved if s >= loop.end):
+                    self.ckpts.manager.delete(late)
+            loop.saved = {s for s in loop.saved if s < loop.end}
+            state = state.replace(skipped=state.skipped * 0)
+        wanted = self.cfg.checkpoint.every or loop.stopped or loop.nonfinite is not None
+        if wanted and loop.end not in loop.saved and loop.end != start:
+            self.save(state, loop.end)
+        return state
+
+    def __enter__(self) -> _Saver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ckpts:
+            self.ckpts.close()
+
+
+@dataclass
+class Loop:
+    state: object
+    end: int  # steps done (the data position)
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    saved: set[int] = field(default_factory=set)  # steps checkpointed
+    stopped: str | None = None  # the signal that ended it early
+    nonfinite: int | None = None  # the first step (1-based) that was not finite, with `stop`
+
+
+def run_loop(
+    run: Run,
+    state,
+    batches,
+    log: metrics.MetricsLog,
+    progress: bool,
+    start: int = 0,
+    every: int = 0,
+    save: Callable | None = None,
+    stops: _Stops | None = None,
+) -> Loop:
+    """Run steps start+1 .. cfg.train.steps, saving every `every` steps."""
+    cfg = run.cfg.train
     compiled, sharding = run.step.executable, run.engine.batch_sharding
-    losses: list[float] = []
-    times: list[float] = []
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, leave=True)
+    loop = Loop(state, start)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress)
     pending = None  # (step, metrics on device) of the step in flight
     last = time.perf_counter()
     since_log: list[float] = []
@@ -91,31 +228,142 @@ def run_loop(run: Run, state, batches, log: metrics.MetricsLog, progress: bool):
         nonlocal last
         host = jax.device_get(device_metrics)  # waits for that step only
         now = time.perf_counter()
-        times.append(now - last)
+        loop.times.append(now - last)
         since_log.append(now - last)
         last = now
-        losses.append(float(host["loss"]))
+        loss, grad_norm = float(host["loss"]), float(host["grad_norm"])
+        loop.losses.append(loss)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite and cfg.on_nonfinite == "stop" and loop.nonfinite is None:
+            loop.nonfinite = step + 1
         bar.update(1)
-        if (step + 1) % every == 0 or step + 1 == steps:
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0 or not finite:
             dt = float(np.mean(since_log))
             since_log.clear()
             row = {
                 "step": step + 1,
-                "loss": float(host["loss"]),
-                "grad_norm": float(host["grad_norm"]),
+                "loss": loss,
+                "grad_norm": grad_norm,
                 "lr": float(host["lr"]),
                 "step_time_s": dt,
                 "tokens_per_s": run.tokens_per_step / dt,
+                "skipped": int(host["skipped"]),
             }
             log.write(row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
-    for step in range(steps):
+    for step in range(start, cfg.steps):
+        if loop.nonfinite is not None or (stops and stops.asked):
+            break
         batch = jax.device_put(batches(step), sharding)
-        state, step_metrics = compiled(state, batch)
+        loop.state, step_metrics = compiled(loop.state, batch)
+        loop.end = step + 1
         if pending is not None:
             settle(*pending)
         pending = (step, step_metrics)
-    settle(*pending)
+        if every and loop.end % every == 0:
+            # this step's metrics row is written before its checkpoint exists: a resume
+            # from it then misses no row
+            settle(*pending)
+            pending = None
+            save(loop.state, loop.end)  # blocks until the state is copied off the device
+            loop.saved.add(loop.end)
+    if pending is not None:
+        settle(*pending)
     bar.close()
-    return state, losses, times
+    if loop.nonfinite is not None:  # `stop` froze the state at the last good step
+        loop.end = loop.nonfinite - 1
+    loop.stopped = stops.asked if stops and loop.end < cfg.steps else None
+    return loop
+
+
+class _Stops:
+    """SIGINT / SIGTERM during training: the first asks the loop to stop after the step
+    in flight; a second exits at once (os._exit: no cleanup that could touch the last
+    complete checkpoint, and orbax never takes a half-written one for the latest)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.asked: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.asked:
+            os._exit(128 + signum)
+        self.asked = name
+        tqdm.write(f"\n{name}: stopping after this step and saving (again to exit at once)")
+
+    def __enter__(self) -> _Stops:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _checkpoint_dir(cfg: Config, out_dir: Path | None) -> Path | None:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return out_dir / "checkpoints" if out_dir else None
+
+
+def _refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:
+    """A run directory holding another run's files, from a run that kept no checkpoints,
+    is not overwritten (one that did is resumed, from step 0 if none had completed)."""
+    found = [name for name in RUN_FILES if out_dir and (out_dir / name).exists()]
+    if found and not (ckpt_dir and ckpt_dir.exists()):
+        raise ConfigError(
+            f"--out {out_dir}: holds a run ({', '.join(found)}) with no checkpoint to "
+            "resume from; use --restart to set it aside, or another --out"
+        )
+
+
+def _set_aside(out_dir: Path | None, ckpt_dir: Path | None, say) -> None:
+    """--restart: move an earlier run's files and checkpoints into a dated folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    if out_dir and out_dir.is_dir():
+        aside = out_dir / f"set-aside-{stamp}"
+        for name in (*RUN_FILES, "checkpoints"):
+            if (out_dir / name).exists():
+                aside.mkdir(exist_ok=True)
+                os.replace(out_dir / name, aside / name)
+                moved.append(str(aside / name))
+    if ckpt_dir and ckpt_dir.exists():
+        aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
+        os.replace(ckpt_dir, aside)
+        moved.append(str(aside))
+    say(f"restart: set aside {', '.join(moved)}" if moved else "restart: nothing to set aside")
+
+
+def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: _Saver) -> str:
+    """Which step, and which parameters' gradients were not finite: recomputed from the
+    saved last good state and that step's batch (the same computation as the step)."""
+    step = loop.nonfinite
+    batch = jax.device_put(batches(step - 1), run.engine.batch_sharding)
+    grads = jax.device_get(run.engine.grads(state, batch))
+    bad = [
+        leaf_key(path)
+        for path, g in jax.tree_util.tree_leaves_with_path(grads)
+        if not np.isfinite(g).all()
+    ]
+    leaves = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    where = f"saved to {saver.where(step - 1)}" if saver.opened else "not saved (no --out)"
+    return (
+        f"step {step}: the loss or gradients are not finite "
+        f"({'gradients of ' + leaves if bad else 'the loss'}); the state before it is "
+        f"{where}. Lower train.lr, or set train.on_nonfinite=skip to step over such batches"
+    )
+
+
+def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int | None = None):
+    """The TrainState of a checkpoint directory (the latest step, or `step`) under `cfg`
+    and `mesh` (default: all devices), whatever layout it was saved from."""
+    mesh = build_mesh(cfg.parallel) if mesh is None else mesh
+    engine = build(problem, cfg, mesh)
+    return checkpoint.restore(Path(directory), cfg, problem, engine, mesh, step)

@@ -25,5 +25,5 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp offload remat"
+        "choose from strategies schedules dp offload remat checkpoint"
     )

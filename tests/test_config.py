@@ -117,6 +117,10 @@ BAD = {
         ["parallel.remat=offload", "parallel.pipeline=2", "parallel.schedule=1f1b"],
         ["parallel.remat=offload", "schedule=1f1b", "schedule=gpipe"],
     ),
+    "offload-params-pipeline": (
+        ["parallel.offload=optimizer+params", "parallel.zero=3", "parallel.pipeline=2"],
+        ["parallel.offload=optimizer+params", "parallel.pipeline=2", "offload=optimizer"],
+    ),
     "server-zero": (
         ["parallel.dp_collective=server", "parallel.zero=1"],
         ["dp_collective=server", "parallel.zero=1", "ZeRO"],

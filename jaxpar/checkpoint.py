@@ -1,0 +1,281 @@
+"""Checkpoints with orbax: asynchronous saves, exact resume, restore into any layout, export.
+
+A checkpoint is one orbax step directory with two items: `state`, the TrainState in the
+model's own layout (a pipeline's staged layer stack unstaged, in device memory), and
+`meta`, JSON with the resolved config, the mesh it was saved from and every
+parameter's shape. Orbax writes a step into a temporary directory and renames it when
+complete, so a save cut short (kill -9) is never taken for the latest.
+
+Not stored: the compute copy of an offloaded run. It is the master weights cast to the
+compute dtype, bit for bit (at init and after every host update), so a restore makes it
+again, in whatever precision the restoring run uses. Nor the data position: a batch is
+a pure function of (seed, step), and the step is in the state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from jaxpar import pipeline
+from jaxpar import state as state_lib
+from jaxpar.config import Config, to_dict
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import describe
+from jaxpar.problem import Problem
+from jaxpar.sharding import leaf_key, plan
+from jaxpar.state import TrainState
+from jaxpar.step import DTYPES, Engine
+
+STATE, META = "state", "meta"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's TrainState <-> its checkpoint (the model's own layout)."""
+
+    to_saved: Callable  # TrainState (run layout, any memory) -> saved dict
+    from_saved: Callable  # saved dict -> TrainState in the run's shardings
+    target: Any  # saved dict of ShapeDtypeStructs with this run's shardings: restore targets
+    shapes: dict[str, list[int]]  # parameter key -> shape, in the model's layout
+
+
+def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
+    """How `engine`'s state is saved and restored on `mesh`. Restore targets come from
+    the model-layout plan of this run, never from the shardings a checkpoint was saved
+    with, so any layout restores into any other."""
+    shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
+    specs = plan(problem.names, shapes, zero=cfg.parallel.zero, mesh_shape=describe(mesh))
+    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes)
+    staged = engine.layout
+    stack = set(problem.parts.stack_keys) if staged else set()
+    keys = jax.tree_util.tree_map_with_path(lambda path, _: leaf_key(path), problem.shapes)
+
+    def params_map(fn, tree_of_params_like):
+        """Apply fn(key, leaf) to the params and every params-like part of the opt state."""
+        return optax.tree_map_params(engine.tx, lambda x, k: fn(k, x), tree_of_params_like, keys)
+
+    def unstage(k, x):
+        return pipeline.from_stages(staged, x) if k in stack else x
+
+    def stage(k, x):
+        return pipeline.to_stages(staged, x) if k in stack else x
+
+    def to_saved(state: TrainState) -> dict:
+        return {
+            "step": state.step,
+            "skipped": state.skipped,
+            "params": {k: unstage(k, x) for k, x in state.params.items()}
+            if staged
+            else state.params,
+            "opt": params_map(unstage, state.opt) if staged else state.opt,
+        }
+
+    dtype = DTYPES[cfg.train.precision]
+
+    def from_saved(saved: dict) -> TrainState:
+        params = {k: stage(k, x) for k, x in saved["params"].items()} if staged else saved["params"]
+        compute = None
+        if engine.state_shardings.compute is not None:
+            compute = jax.tree.map(lambda p: p.astype(dtype), params)
+        return TrainState(
+            step=saved["step"],
+            params=params,
+            opt=params_map(stage, saved["opt"]) if staged else saved["opt"],
+            skipped=saved["skipped"],
+            compute=compute,
+        )
+
+    on_device = jax.tree.map(
+        lambda s: s.with_memory_kind("device"),
+        engine.state_shardings,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+    # Copies, never the state's own buffers: the next step donates those while orbax is
+    # still copying the saved ones off the device (jit hands back an unchanged input as
+    # the same array, so the copy is explicit).
+    save_jit = jax.jit(lambda state: jax.tree.map(jnp.copy, to_saved(state)))
+
+    def to_saved_on_device(state: TrainState) -> dict:
+        # offloaded parts live in host memory: bring them over, then unstage
+        return save_jit(jax.device_put(state, on_device))
+
+    abstract = jax.tree.map(  # shapes alone (an offloaded state's say host memory)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.eval_shape(engine.init, jax.random.key(0)),
+    )
+    saved_shapes = jax.eval_shape(to_saved, abstract)
+    saved_shardings = {
+        "step": model.step,
+        "skipped": model.skipped,
+        "params": model.params,
+        "opt": model.opt,
+    }
+    target = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        saved_shapes,
+        saved_shardings,
+    )
+    return Layout(
+        to_saved=to_saved_on_device,
+        from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
+        target=target,
+        shapes={k: list(v) for k, v in _flat(shapes).items()},
+    )
+
+
+def _flat(tree) -> dict:
+    return {
+        leaf_key(path): x
+        for path, x in jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: isinstance(x, tuple)
+        )
+    }
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (an orbax CheckpointManager)."""
+
+    def __init__(self, directory: Path, keep: int = 3, *, create: bool = True):
+        self.directory = Path(directory).absolute()
+        _check_directory(self.directory, create)
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep,
+                    enable_async_checkpointing=True,
+                    create=create,
+                    cleanup_tmp_directories=create,  # saves cut short by a kill
+                ),
+                item_handlers={
+                    STATE: ocp.StandardCheckpointHandler(),
+                    META: ocp.JsonCheckpointHandler(),
+                },
+            )
+        except Exception as e:  # orbax's many errors, reported as one line
+            raise ConfigError(
+                f"checkpoint.dir={self.directory}: cannot be opened ({_first_line(e)})"
+            ) from None
+
+    @property
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, saved: dict, meta: dict) -> None:
+        """Start saving (returns once the arrays are copied off the device; the writing
+        goes on in the background)."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{STATE: ocp.args.StandardSave(saved), META: ocp.args.JsonSave(meta)}
+            ),
+            force=True,
+        )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def meta(self, step: int) -> dict:
+        return self._restore(step, **{META: ocp.args.JsonRestore()})[META]
+
+    def restore(self, step: int, target) -> dict:
+        return self._restore(step, **{STATE: ocp.args.StandardRestore(target)})[STATE]
+
+    def _restore(self, step: int, **items):
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # a corrupt or foreign checkpoint: one line, no traceback
+            raise ConfigError(
+                f"checkpoint {self.directory / str(step)}: cannot be read ({_first_line(e)}); "
+                "move it away (or use --restart) to start fresh"
+            ) from None
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _check_directory(directory: Path, create: bool) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(
+            f"checkpoint.dir={directory}: is a file, not a directory; remove it or give "
+            "another checkpoint.dir"
+        )
+    if directory.is_dir() and not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"checkpoint.dir={directory}: cannot be read and written by this user; fix its "
+            "permissions or give another checkpoint.dir"
+        )
+    if not directory.exists() and not create:
+        raise ConfigError(f"{directory}: no such checkpoint directory")
+
+
+def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int) -> dict:
+    return {"config": to_dict(cfg), "mesh": describe(mesh), "shapes": ckpt.shapes, "step": step}
+
+
+def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
+    """A checkpoint of another model is refused, naming the first parameter that differs."""
+    saved, now = saved_meta["shapes"], ckpt.shapes
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            was = saved.get(key, "absent")
+            is_ = now.get(key, "absent")
+            raise ConfigError(
+                f"checkpoint {where}: parameter {key} is {was} there but {is_} in this run, "
+                "so it was saved from another model; use the model.* it was saved with "
+                "(its config is in the checkpoint's meta), or --restart to set it aside"
+            )
+
+
+def restore(
+    directory: Path,
+    cfg: Config,
+    problem: Problem,
+    engine: Engine,
+    mesh: Mesh,
+    step: int | None = None,
+) -> TrainState:
+    """The TrainState of checkpoint `step` (default: the latest) in `directory`, laid out
+    for `engine` on `mesh` (any layout it was saved from)."""
+    ckpts = Checkpoints(directory, create=False)
+    step = ckpts.latest if step is None else step
+    if step is None:
+        raise ConfigError(f"{ckpts.directory}: no complete checkpoint there")
+    ckpt = layout(cfg, problem, engine, mesh)
+    check_compatible(ckpts.meta(step), ckpt, ckpts.directory / str(step))
+    return ckpt.from_saved(ckpts.restore(step, ckpt.target))
+
+
+def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(the parameters of a checkpoint as host arrays by key, its meta), read without
+    knowing the model: shapes and dtypes from the checkpoint itself."""
+    ckpts = Checkpoints(directory, create=False)
+    step = ckpts.latest if step is None else step
+    if step is None:
+        raise ConfigError(f"{ckpts.directory}: no complete checkpoint there")
+    tree = ckpts.manager.item_metadata(step)[STATE].tree
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+        tree,
+        is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+    )
+    state = ckpts.restore(step, target)
+    return {k: np.asarray(v) for k, v in _flat(state["params"]).items()}, ckpts.meta(step)

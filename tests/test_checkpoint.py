@@ -1,0 +1,391 @@
+"""Checkpoints: exact resume, restore into another layout, stops, kills, NaN, bad input."""
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import jaxpar
+import models
+from jaxpar import cli, config
+from jaxpar.mesh import AXES, build_mesh, describe
+from jaxpar.step import build
+
+
+def setup(overrides):
+    cfg = config.load("gpt-tiny", list(overrides))
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
+    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+    problem, batches = models.problem(cfg, describe(mesh))
+    return cfg, mesh, problem, batches
+
+
+def train(overrides, out, batches=None, **kwargs):
+    cfg, mesh, problem, shipped = setup(overrides)
+    return jaxpar.train(
+        problem, cfg, batches or shipped, mesh=mesh, out_dir=out, quiet=True, **kwargs
+    )
+
+
+def stopping_at(step, batches):
+    """Batches that send this process SIGTERM when step `step` is asked for: the run
+    stops after that step, as a Ctrl-C or a cluster's preemption would stop it."""
+
+    def batch(i):
+        if i == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batches(i)
+
+    return batch
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_identical(a, b):
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+RESUME = {
+    "dp": ["parallel.data=8"],
+    "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
+    "3d-1f1b": [
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.zero=1",
+        "parallel.microbatches=2",
+        "parallel.schedule=1f1b",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUME)
+def test_resume_is_bit_identical(devices, tmp_path, name):
+    """10 steps straight == 6 steps, a SIGTERM, and 4 resumed: every loss, every bit of
+    the parameters, and metrics.jsonl with each step once."""
+    overrides = [*RESUME[name], "train.steps=10", "checkpoint.every=4"]
+    straight = train(overrides, tmp_path / "straight")
+    _, _, _, batches = setup(overrides)
+    first = train(overrides, tmp_path / "stopped", stopping_at(5, batches))
+    assert first.stopped == "SIGTERM" and len(first.losses) == 6
+    assert sorted(os.listdir(tmp_path / "stopped" / "checkpoints")) == ["4", "6"]
+    resumed = train(overrides, tmp_path / "stopped")
+    assert len(resumed.losses) == 4
+    rows = [
+        json.loads(x) for x in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "straight")
+    assert_identical(resumed.params, straight.params)
+
+
+LAYOUTS = {
+    "dp8-zero0 -> 3d-zero3": (
+        ["parallel.data=8", "parallel.zero=0"],
+        [
+            "parallel.data=2",
+            "parallel.pipeline=2",
+            "parallel.tensor=2",
+            "parallel.zero=3",
+            "parallel.microbatches=2",
+        ],
+    ),
+    "3d-zero3 -> dp8-zero0": (
+        [
+            "parallel.data=2",
+            "parallel.pipeline=2",
+            "parallel.tensor=2",
+            "parallel.zero=3",
+            "parallel.microbatches=2",
+        ],
+        ["parallel.data=8", "parallel.zero=0"],
+    ),
+    "tp4 -> one device": (["parallel.data=1", "parallel.tensor=4"], ["parallel.data=1"]),
+    "offloaded 1f1b -> zero3 offloaded params": (
+        [
+            "parallel.data=2",
+            "parallel.pipeline=2",
+            "parallel.tensor=2",
+            "parallel.zero=1",
+            "parallel.microbatches=2",
+            "parallel.offload=optimizer",
+        ],
+        [
+            "parallel.data=4",
+            "parallel.tensor=2",
+            "parallel.zero=3",
+            "parallel.offload=optimizer+params",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "pair", [p if p.startswith("tp4") else pytest.param(p, marks=pytest.mark.slow) for p in LAYOUTS]
+)
+def test_restore_into_another_layout(devices, tmp_path, pair):
+    saved_as, restored_as = LAYOUTS[pair]
+    steps = ["train.steps=2", "checkpoint.every=2"]
+    result = train([*saved_as, *steps], tmp_path)
+    cfg, mesh, problem, _ = setup([*restored_as, *steps])
+    state = jaxpar.restore(tmp_path / "checkpoints", problem, cfg, mesh)
+    engine = build(problem, cfg, mesh)
+    assert int(state.step) == 2
+    assert_identical(engine.export(state.params), result.params)
+    # every leaf lives where the new run's plan puts it, not where it was saved from
+    for got, want in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(engine.state_shardings.params), strict=True
+    ):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_0(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli",
+            "train",
+            "--config",
+            "gpt-tiny",
+            "--cpu-devices",
+            "2",
+            "parallel.data=2",
+            "train.steps=100000",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    (saved,) = os.listdir(out / "checkpoints")  # checkpoint.every=0: only the stop saves
+    assert (
+        f"stopped by SIGTERM after step {saved}: saved to {out / 'checkpoints' / saved}" in output
+    )
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert rows[-1]["step"] == int(saved)
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_resumes_to_the_straight_run(tmp_path):
+    """10 trials: kill -9 at a random moment (checkpoint.every=1: mostly while a save is
+    being written), then the same command again, until it finishes; every trial ends
+    with the straight run's losses, each step once."""
+    args = [
+        "--config",
+        "gpt-tiny",
+        "--cpu-devices",
+        "2",
+        "parallel.data=2",
+        "train.steps=30",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+        "data.source=synthetic",
+    ]
+
+    def command(out):
+        return [sys.executable, "-m", "jaxpar.cli", "train", *args, "--out", str(out)]
+
+    start = time.time()
+    straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr
+    total = time.time() - start
+    want = losses(tmp_path / "straight")
+    rng = random.Random(0)
+    for trial in range(10):
+        out = tmp_path / f"trial{trial}"
+        proc = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 1.0) * total)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        done = subprocess.run(command(out), capture_output=True, text=True)
+        assert done.returncode == 0, f"trial {trial}: {done.stderr}"
+        assert losses(out) == want, f"trial {trial}"
+
+
+def nan_problem():
+    """A least-squares model whose batch of step 3 (the 4th step) holds a NaN."""
+
+    def init(key):
+        return {"w": jax.random.normal(key, (8, 8)) * 0.1, "b": jnp.zeros((8,))}
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] + params["b"][None] - batch["y"]) ** 2, axis=-1)
+
+    def batches(step):
+        rng = np.random.default_rng(step)
+        x = rng.normal(size=(16, 8)).astype(np.float32)
+        if step == 3:
+            x[0, 0] = np.nan
+        return {"x": x, "y": x[:, ::-1].copy()}
+
+    return jaxpar.from_pytree(
+        init, loss, [("w", (jaxpar.EMBED, jaxpar.MLP)), ("b", (jaxpar.MLP,))]
+    ), batches
+
+
+def nan_config(mode, steps=6):
+    return jaxpar.Config(
+        parallel=jaxpar.Parallel(data=4, zero=1),
+        train=jaxpar.Train(steps=steps, batch_size=16, lr=1e-2, on_nonfinite=mode),
+        checkpoint=jaxpar.Checkpoint(every=2),
+    )
+
+
+def test_nonfinite_stop_saves_the_last_good_state(devices, tmp_path):
+    problem, batches = nan_problem()
+    mesh = jaxpar.build_mesh(jaxpar.Parallel(data=4), devices[:4])
+    with pytest.raises(jaxpar.NonFinite, match=r"step 4: .*gradients of b, w\).*checkpoints/3"):
+        jaxpar.train(problem, nan_config("stop"), batches, mesh=mesh, out_dir=tmp_path, quiet=True)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
+    good = jaxpar.train(problem, nan_config("stop", steps=3), batches, mesh=mesh, quiet=True)
+    state = jaxpar.restore(tmp_path / "checkpoints", problem, nan_config("stop"), mesh)
+    assert int(state.step) == 3 and int(state.skipped) == 0
+    assert_identical(state.params, good.params)
+
+
+def test_nonfinite_skip_leaves_the_state_and_counts(devices):
+    problem, batches = nan_problem()
+    mesh = jaxpar.build_mesh(jaxpar.Parallel(data=4), devices[:4])
+    result = jaxpar.train(problem, nan_config("skip"), batches, mesh=mesh, quiet=True)
+    assert [r["skipped"] for r in result.rows] == [0, 0, 0, 1, 1, 1]
+    assert result.rows[3]["loss"] is None  # not finite: null in metrics.jsonl
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(result.rows) if i != 3)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.params))
+
+
+@pytest.mark.slow
+def test_nonfinite_stop_exits_3_from_the_command(tmp_path, capsys, devices):
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            "gpt-tiny",
+            "parallel.data=8",
+            "train.lr=1e30",
+            "train.warmup=0",
+            "train.steps=6",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (the progress bar is above)
+    assert code == 3, last
+    assert last.startswith("jaxpar: stopped: step ") and "not finite" in last
+
+
+def run_cli(*argv):
+    return cli.main(["train", "--config", "gpt-tiny", "parallel.data=8", "train.steps=2", *argv])
+
+
+def one_line_error(capsys, *needles):
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_exits_2(tmp_path, capsys, devices):
+    assert run_cli("checkpoint.every=2", "--out", str(tmp_path)) == 0
+    capsys.readouterr()
+    assert run_cli("train.steps=4", "model.embed=128", "--out", str(tmp_path)) == 2
+    one_line_error(capsys, "parameter blocks/attn/wo", "saved from another model", "--restart")
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
+    assert run_cli("checkpoint.every=2", "--out", str(tmp_path)) == 0
+    capsys.readouterr()
+    for root, _, files in os.walk(tmp_path / "checkpoints" / "2" / "state"):
+        for name in files:
+            (tmp_path / root / name).write_bytes(b"\x00garbage" * 7)
+    assert run_cli("train.steps=4", "--out", str(tmp_path)) == 2
+    one_line_error(capsys, "checkpoints/2: cannot be read")
+
+
+def test_checkpoint_dir_that_is_a_file_exits_2(tmp_path, capsys, devices):
+    (tmp_path / "ckpt").write_text("not a directory")
+    assert run_cli(f"checkpoint.dir={tmp_path / 'ckpt'}", "--out", str(tmp_path / "run")) == 2
+    one_line_error(capsys, "is a file, not a directory")
+
+
+def test_unreadable_checkpoint_dir_exits_2(tmp_path, capsys, devices, monkeypatch):
+    # (these tests run as root, whom permissions do not stop: ask the check itself)
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path / "ckpt"))
+    assert run_cli(f"checkpoint.dir={tmp_path / 'ckpt'}", "--out", str(tmp_path / "run")) == 2
+    one_line_error(capsys, "cannot be read and written")
+
+
+@pytest.mark.slow
+def test_a_run_directory_without_checkpoints_is_not_overwritten(tmp_path, capsys, devices):
+    assert run_cli("--out", str(tmp_path)) == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert run_cli("--out", str(tmp_path)) == 2
+    one_line_error(capsys, "holds a run", "--restart")
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert run_cli("--restart", "--out", str(tmp_path)) == 0
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("set-aside-")]
+    assert (aside / "metrics.jsonl").read_text() == before
+    assert "restart: set aside" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_export_writes_safetensors_in_the_model_layout(tmp_path, capsys, devices):
+    overrides = [
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.microbatches=2",
+        "train.steps=2",
+        "checkpoint.every=2",
+    ]
+    result = train(overrides, tmp_path / "run")
+    assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "m.safetensors")]) == 0
+    assert "of step 2" in capsys.readouterr().out
+    exported = load_file(str(tmp_path / "m.safetensors"))  # safetensors alone, no jaxpar
+    assert set(exported) == set(result.params)
+    for key, value in exported.items():
+        np.testing.assert_array_equal(value, np.asarray(result.params[key]))
+    cfg, _, problem, batches = setup(overrides)
+    model = jaxpar.to_nnx(
+        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs),
+        jaxpar.load_exported(tmp_path / "m.safetensors"),
+    )
+    np.testing.assert_array_equal(model.head[...], exported["head"])
+    per_token = models.next_token_loss(model, batches(0))
+    assert per_token.shape == (16, 64) and bool(jnp.isfinite(per_token).all())
+
+
+def test_export_without_checkpoints_exits_2(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--to", str(tmp_path / "m.safetensors")]) == 2
+    one_line_error(capsys, "no complete checkpoint")
