@@ -221,6 +221,11 @@ CHECKPOINT_COLUMNS = {
     ),
     "on disk": lambda r: metrics.human_bytes(r["disk_bytes"]),
     "ledger state x devices": _bytes(lambda rep: rep.state_bytes.actual * rep.devices),
+    "disk / ledger": lambda r: (
+        "-"
+        if r["disk_bytes"] is None
+        else f"{r['disk_bytes'] / (r['report'].state_bytes.actual * r['report'].devices):.3f}"
+    ),
 }
 REMAT_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
