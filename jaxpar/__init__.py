@@ -1,6 +1,7 @@
 """jaxpar: data (server, ring, XLA), tensor, pipeline (GPipe, 1F1B, interleaved) and
 ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh."""
 
+from jaxpar import distributed, mesh
 from jaxpar.config import Checkpoint, Config, Data, Model, Parallel, Train, load
 from jaxpar.errors import ConfigError, NonFinite
 from jaxpar.export import load as load_exported
@@ -48,10 +49,12 @@ __all__ = [
     "TrainState",
     "build_mesh",
     "constrain",
+    "distributed",
     "from_nnx",
     "from_pytree",
     "load",
     "load_exported",
+    "mesh",
     "param",
     "restore",
     "scan_layers",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="set aside the run and checkpoints already in --out, and start fresh",
     )
+    for flag, kind, text in (
+        ("--coordinator", str, "HOST:PORT of process 0 (many processes; default: the cluster's)"),
+        ("--num-processes", int, "processes in the job"),
+        ("--process-id", int, "this process's id, 0 .. num-processes - 1"),
+    ):
+        train.add_argument(flag, type=kind, help=text)
+    launch = sub.add_parser(
+        "launch", help="run a command as N local processes of one job (CPU collectives: gloo)"
+    )
+    launch.add_argument("--processes", type=int, required=True, metavar="N")
+    launch.add_argument("--cpu-devices-per-process", type=int, default=4, metavar="M")
+    launch.add_argument(
+        "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
+    )
     export = sub.add_parser(
         "export", help="write a run's latest parameters to one safetensors file"
     )
@@ -65,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 def _setup_devices(n: int | None) -> None:
     from jaxpar.mesh import accelerator_installed, use_cpu_devices
 
+    if n is None and os.environ.get("JAX_NUM_CPU_DEVICES"):  # set by jaxpar launch
+        n = int(os.environ["JAX_NUM_CPU_DEVICES"])
     if n is None and not accelerator_installed():
         n = DEFAULT_CPU_DEVICES
     if n is not None:
@@ -79,6 +96,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     stray = [a for a in rest if a.startswith("-") or "=" not in a or args.command != "train"]
+    if args.command == "launch":
+        args.command_args = [a for a in args.command_args if a != "--"] + rest
+        stray = []
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if rest:
@@ -89,11 +109,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
+        if args.command == "launch":
+            from jaxpar.distributed import launch
+
+            rest = args.command_args
+            out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
+            return launch(args.processes, args.cpu_devices_per_process, rest, out)
+        cfg = load(args.config, args.overrides) if args.command == "train" else None
         _setup_devices(args.cpu_devices)
         if args.command == "train":
+            from jaxpar.distributed import initialize
             from models import train_config
 
-            cfg = load(args.config, args.overrides)
+            initialize(
+                args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s
+            )
             name = Path(args.config).stem
             out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
             result = train_config(cfg, out, restart=args.restart)

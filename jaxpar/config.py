@@ -81,12 +81,18 @@ class Checkpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Distributed:
+    timeout_s: float = 300.0  # how long processes wait for each other to arrive
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     parallel: Parallel = field(default_factory=Parallel)
     model: Model = field(default_factory=Model)
     train: Train = field(default_factory=Train)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    distributed: Distributed = field(default_factory=Distributed)
 
 
 CHOICES = {

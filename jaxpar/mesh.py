@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import ConfigError
@@ -56,7 +57,30 @@ def build_mesh(parallel: Parallel, devices: list | None = None) -> Mesh:
     devices = list(jax.devices()) if devices is None else devices
     degrees = resolve_degrees(parallel, len(devices))
     shape = tuple(degrees[a] for a in AXES)
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    types = (AxisType.Auto,) * len(AXES)
+    if len({d.process_index for d in devices}) == 1:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    # Many processes: each one's devices side by side, processes outermost on `data`,
+    # so the slow links between hosts carry data parallelism only.
+    _check_inside_process(degrees, len(devices) // len({d.process_index for d in devices}))
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(ordered).reshape(shape), AXES, axis_types=types)
+
+
+def _check_inside_process(degrees: dict[str, int], local: int) -> None:
+    inner = degrees[PIPE] * degrees[TENSOR]
+    if inner <= local and local % inner:
+        raise ConfigError(
+            f"parallel.pipeline({degrees[PIPE]}) * parallel.tensor({degrees[TENSOR]}) = "
+            f"{inner} does not divide the {local} devices of a process, so some pipeline or "
+            "tensor groups would span two processes (slow links) although they need not; "
+            f"choose degrees whose product divides {local}"
+        )
+    if inner > local and jax.process_index() == 0:
+        print(
+            f"jaxpar: note: parallel.pipeline * parallel.tensor = {inner} is more than the "
+            f"{local} devices of a process: those collectives cross processes"
+        )
 
 
 def describe(mesh: Mesh) -> dict[str, int]:

@@ -64,9 +64,10 @@ def train(
     With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless
     checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
     earlier run's files and checkpoints aside and starts fresh."""
-    say = (lambda *_: None) if quiet else tqdm.write
+    lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
+    say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
-    if restart:
+    if restart and lead:
         _set_aside(out_dir, ckpt_dir, say)
     _refuse_another_run(out_dir, ckpt_dir)
     with _Saver(cfg, ckpt_dir) as saver:
@@ -85,15 +86,15 @@ def train(
             )
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform))
-        if out_dir:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "step.hlo.txt").write_text(run.step.hlo)
-        log = metrics.MetricsLog(out_dir / "metrics.jsonl" if out_dir else None, resume_at=start)
+        files = out_dir if out_dir and lead else None
+        if files:
+            files.mkdir(parents=True, exist_ok=True)
+            (files / "step.hlo.txt").write_text(run.step.hlo)
+        log = metrics.MetricsLog(files / "metrics.jsonl" if files else None, resume_at=start)
         every = cfg.checkpoint.every if ckpt_dir else 0
+        shown = progress and not quiet and lead
         with _Stops() as stops:
-            loop = run_loop(
-                run, state, batches, log, progress and not quiet, start, every, saver.save, stops
-            )
+            loop = run_loop(run, state, batches, log, shown, start, every, saver.save, stops)
         log.close()
         state = saver.finish(loop, start)
     if loop.nonfinite is not None:
@@ -108,9 +109,9 @@ def train(
             tokens_per_s=run.tokens_per_step / step_time,
         )
         say(console.closing(report, loop.losses))
-    if out_dir:
-        metrics.write_json(out_dir / "summary.json", report.to_json())
-        metrics.plot_loss(log.rows, out_dir / "loss.png", report.strategy)
+    if files:
+        metrics.write_json(files / "summary.json", report.to_json())
+        metrics.plot_loss(log.rows, files / "loss.png", report.strategy)
     if loop.stopped:
         where = f"saved to {saver.where(loop.end)}" if saver.directory else "nothing saved"
         say(f"\nstopped by {loop.stopped} after step {loop.end}: {where}")
@@ -255,7 +256,7 @@ def run_loop(
     for step in range(start, cfg.steps):
         if loop.nonfinite is not None or (stops and stops.asked):
             break
-        batch = jax.device_put(batches(step), sharding)
+        batch = place(batches(step), sharding)
         loop.state, step_metrics = compiled(loop.state, batch)
         loop.end = step + 1
         if pending is not None:
@@ -275,6 +276,21 @@ def run_loop(
         loop.end = loop.nonfinite - 1
     loop.stopped = stops.asked if stops and loop.end < cfg.steps else None
     return loop
+
+
+def place(batch, sharding):
+    """A global batch (numpy, the same on every process) as a global array: each process
+    puts in only the rows of its own devices."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+
+    def local(x):
+        rows = [i[0] for i in sharding.addressable_devices_indices_map(x.shape).values()]
+        first = min(r.start or 0 for r in rows)
+        last = max(x.shape[0] if r.stop is None else r.stop for r in rows)
+        return jax.make_array_from_process_local_data(sharding, x[first:last], x.shape)
+
+    return jax.tree.map(local, batch)
 
 
 class _Stops:

@@ -1,0 +1,180 @@
+"""Many processes: joining them with jax.distributed, and a launcher for one machine.
+
+`initialize` takes the coordinator, the number of processes and this one's id from its
+arguments, else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
+leaves them to JAX's own cluster detection (SLURM, Open MPI, Kubernetes). Before JAX's
+coordination service (which aborts the process when one never arrives) it holds a
+rendezvous of its own on the coordinator's host, port + 1, bounded by `timeout_s`: a
+process that never arrives gives an error naming how many did and which ids are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from jaxpar.errors import ConfigError
+
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Join this process to the others of the job (call before anything touches jax's
+    devices). With one process, or outside a cluster, it does nothing."""
+    import jax
+
+    coordinator = coordinator or os.environ.get(ENV[0])
+    if num_processes is None and os.environ.get(ENV[1]):
+        num_processes = int(os.environ[ENV[1]])
+    if process_id is None and os.environ.get(ENV[2]):
+        process_id = int(os.environ[ENV[2]])
+    if jax.config.jax_platforms == "cpu" or not _accelerator():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator and num_processes and num_processes > 1:
+        if process_id is None:
+            raise ConfigError("--process-id: needed with --coordinator and --num-processes")
+        rendezvous(coordinator, num_processes, process_id, timeout_s)
+    elif not (coordinator or _in_cluster()):
+        return
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 30
+    )
+    if jax.process_index() == 0:
+        print(
+            f"jaxpar distributed: {jax.process_count()} processes, "
+            f"{jax.local_device_count()} local and {jax.device_count()} global devices",
+            flush=True,
+        )
+
+
+def _accelerator() -> bool:
+    from jaxpar.mesh import accelerator_installed
+
+    return accelerator_installed()
+
+
+def _in_cluster() -> bool:
+    return any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))
+
+
+def rendezvous(coordinator: str, n: int, me: int, timeout_s: float) -> None:
+    """Every process reports to process 0 (on the coordinator's host, port + 1) within
+    timeout_s; then process 0 answers all of them. Raises ConfigError naming the missing."""
+    host, port = coordinator.rsplit(":", 1)
+    address = (host, int(port) + 1)
+    deadline = time.monotonic() + timeout_s
+    if me == 0:
+        with socket.create_server(address, reuse_port=False) as server:
+            server.settimeout(0.2)
+            peers: dict[int, socket.socket] = {}
+            while len(peers) < n - 1 and time.monotonic() < deadline:
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(5)
+                peers[int(conn.recv(16).decode())] = conn
+            missing = sorted(set(range(1, n)) - set(peers))
+            for conn in peers.values():
+                conn.sendall(b"go" if not missing else b"no")
+                conn.close()
+        if missing:
+            raise ConfigError(
+                f"distributed: {len(peers) + 1} of {n} processes arrived within "
+                f"distributed.timeout_s={timeout_s:g}; missing process ids {missing}. Start "
+                "them all (same --coordinator and --num-processes), or raise the timeout"
+            )
+        return
+    while True:
+        try:
+            with socket.create_connection(address, timeout=2) as conn:
+                conn.sendall(str(me).encode())
+                conn.settimeout(max(deadline - time.monotonic(), 0) + 10)
+                if conn.recv(2) == b"go":
+                    return
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    raise ConfigError(
+        f"distributed: process {me} of {n}: the others did not all arrive at {coordinator} "
+        f"within distributed.timeout_s={timeout_s:g} (see process 0's message)"
+    )
+
+
+def free_port() -> int:
+    """A port free now on localhost, whose successor (the rendezvous) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+def launch(processes: int, cpu_devices: int, argv: list[str], log_dir: Path) -> int:
+    """Run ARGV as `processes` local processes of one job, `cpu_devices` simulated devices
+    each: a `jaxpar` command (`train ...`) or a Python script (`script.py ...`), told
+    where and who they are by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID. Every process's output goes to log_dir/process-<i>.log, process 0's
+    is also streamed here. The first to fail stops all, and its last lines are shown.
+    Returns the exit status (the failed process's, or 0)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    coordinator = f"127.0.0.1:{free_port()}"
+    command = (
+        [sys.executable, *argv]
+        if argv[0].endswith(".py")
+        else [sys.executable, "-m", "jaxpar.cli", *argv]
+    )
+    paths = [log_dir / f"process-{i}.log" for i in range(processes)]
+    procs = []
+    for i, path in enumerate(paths):
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(cpu_devices),
+            ENV[0]: coordinator,
+            ENV[1]: str(processes),
+            ENV[2]: str(i),
+        }
+        with path.open("w") as log:
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+    with paths[0].open() as first:
+        while True:
+            sys.stdout.write(first.read())
+            sys.stdout.flush()
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                tail = deque(paths[failed[0]].read_text().splitlines(), 12)
+                print(
+                    f"jaxpar launch: process {failed[0]} exited {codes[failed[0]]}; "
+                    "its last lines:",
+                    *tail,
+                    sep="\n",
+                    file=sys.stderr,
+                )
+                return codes[failed[0]]
+            if all(c == 0 for c in codes):
+                sys.stdout.write(first.read())
+                return 0
+            time.sleep(0.1)

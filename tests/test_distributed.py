@@ -1,0 +1,166 @@
+"""Many processes on this machine (jaxpar launch, gloo): the same training as one process."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import run
+
+from jaxpar.distributed import free_port
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+LAYOUTS = {
+    "dp": ["parallel.data=8"],
+    "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
+    "3d-1f1b": [
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.zero=1",
+        "parallel.microbatches=2",
+        "parallel.schedule=1f1b",
+    ],
+}
+
+
+def launch(out, *overrides, processes=2):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli",
+            "launch",
+            "--processes",
+            str(processes),
+            "--cpu-devices-per-process",
+            str(8 // processes),
+            "--",
+            "train",
+            "--config",
+            "gpt-tiny",
+            *overrides,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_two_processes_train_like_one(devices, tmp_path, name):
+    launch(tmp_path, *LAYOUTS[name], "train.steps=5")
+    one = run("gpt-tiny", LAYOUTS[name], steps=5)
+    np.testing.assert_allclose([r["loss"] for r in rows(tmp_path)], one.losses, rtol=1e-6)
+    # the ledger reads the same program: the same collectives, per device, per step
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["collective_counts"] == one.report.collective_counts
+    assert summary["devices"] == 8
+    assert {p.name for p in tmp_path.glob("process-*.log")} == {"process-0.log", "process-1.log"}
+
+
+def test_checkpoints_move_between_two_processes_and_one(devices, tmp_path):
+    """Saved by 2 processes, resumed by 1; saved by 1, resumed by 2: each resumed run
+    goes on as the straight run does."""
+    steps = [
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+        "train.steps=6",
+        "checkpoint.every=3",
+    ]
+    straight = [r["loss"] for r in rows_of_straight(tmp_path / "straight", steps)]
+    launch(tmp_path / "two", *steps)
+    keep_first_half(tmp_path / "two")
+    resumed = run_one(tmp_path / "two", steps)
+    np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "two")], straight, rtol=1e-6)
+    assert resumed.returncode == 0 and "resuming from step 3" in resumed.stdout
+    run_one(tmp_path / "one", steps)
+    keep_first_half(tmp_path / "one")
+    launch(tmp_path / "one", *steps)
+    np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "one")], straight, rtol=1e-6)
+
+
+def rows_of_straight(out, steps):
+    run_one(out, steps)
+    return rows(out)
+
+
+def run_one(out, steps):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli",
+            "train",
+            "--config",
+            "gpt-tiny",
+            "--cpu-devices",
+            "8",
+            *steps,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def keep_first_half(out):
+    """Make a finished 6-step run look stopped after step 3 (train.steps=3 would change
+    the learning-rate schedule): only its step-3 checkpoint stays; a resume drops the
+    rows after it itself."""
+    for step in (out / "checkpoints").iterdir():
+        if step.name != "3":
+            shutil.rmtree(step)
+
+
+def test_a_missing_process_times_out_naming_it(tmp_path):
+    start = time.time()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli",
+            "train",
+            "--config",
+            "gpt-tiny",
+            "--cpu-devices",
+            "4",
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--num-processes",
+            "3",
+            "--process-id",
+            "0",
+            "distributed.timeout_s=5",
+            "parallel.data=8",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.time() - start < 5 + 30
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "jaxpar: error: distributed: 1 of 3 processes arrived within distributed.timeout_s=5; "
+        "missing process ids [1, 2]. Start them all (same --coordinator and --num-processes), "
+        "or raise the timeout"
+    ]

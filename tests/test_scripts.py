@@ -1,0 +1,34 @@
+"""scripts/: the training scripts a user would write run, as one process."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+
+
+def run_script(name: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_train_gpt_script_runs_and_resumes(tmp_path):
+    assert run_script("train_gpt.py", "--steps", "3", "--out", str(tmp_path)).startswith("loss ")
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+    # again, with more steps: it resumes from step 3
+    assert run_script("train_gpt.py", "--steps", "5", "--out", str(tmp_path)).startswith("loss ")
+    assert (tmp_path / "checkpoints" / "5").is_dir()
+
+
+@pytest.mark.slow
+def test_train_custom_model_script_runs():
+    assert "accuracy" in run_script("train_custom_model.py", "--steps", "5")
