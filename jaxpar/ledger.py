@@ -212,8 +212,25 @@ def state_bytes(compiled, state_shapes, formula: float) -> StateBytes:
     return StateBytes(actual=actual, formula=formula, ratio=actual / formula, arguments=arguments)
 
 
-def comm(led: Ledger, minimum: dict[str, float | None]) -> Comm:
-    """Wire bytes against the textbook minimum, on the axes that have one."""
+def across_processes(led: Ledger, axis: str, process_of: list[int]) -> float:
+    """Of the wire bytes per device on `axis`, those between devices of different
+    processes: a group collective's ring hops between consecutive members (by device
+    position in the mesh, as the HLO numbers them), a permute's source-target pairs."""
+    total = 0.0
+    for c in led.collectives:
+        if axis not in c.axes or not c.groups:
+            continue
+        if c.kind == "collective-permute":
+            pairs = c.groups
+        else:
+            pairs = [(g[i], g[(i + 1) % len(g)]) for g in c.groups for i in range(len(g))]
+        total += wire_bytes(c) * sum(process_of[a] != process_of[b] for a, b in pairs) / len(pairs)
+    return total
+
+
+def comm(led: Ledger, minimum: dict[str, float | None], process_of: list[int]) -> Comm:
+    """Wire bytes against the textbook minimum, on the axes that have one; `process_of`
+    is each mesh position's process."""
     wire = {axis: led.wire_bytes({axis}) for axis in (DATA, TENSOR)}
     known = [a for a in wire if minimum[a] is not None]
     total_min = sum(minimum[a] for a in known)
@@ -221,7 +238,9 @@ def comm(led: Ledger, minimum: dict[str, float | None]) -> Comm:
         wire_bytes_per_device=led.wire_bytes(),
         minimum_bytes_per_device=total_min,
         ratio=sum(wire[a] for a in known) / total_min if total_min else None,
-        by_axis={a: AxisComm(wire=wire[a], minimum=minimum[a]) for a in wire},
+        by_axis={
+            a: AxisComm(wire[a], minimum[a], across_processes(led, a, process_of)) for a in wire
+        },
         ratio_axes=known,
         busiest_device_bytes=led.busiest_device_bytes(),
         unknown_trip_counts=led.unknown_trip_counts,

@@ -47,6 +47,7 @@ class KindTotals:
 class AxisComm:
     wire: float
     minimum: float | None  # None: no textbook figure for this axis here
+    across_processes: float = 0.0  # of `wire`, what goes between processes (ring hops)
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def describe_step(
         state_bytes=ledger.state_bytes(step.executable, step.state_shapes, formula),
         collectives=ledger.kinds(led),
         collective_counts=led.counts(),
-        comm=ledger.comm(led, minimum),
+        comm=ledger.comm(led, minimum, [d.process_index for d in mesh.devices.flat]),
     )
 
 

@@ -68,6 +68,11 @@ def test_two_processes_train_like_one(devices, tmp_path, name):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["collective_counts"] == one.report.collective_counts
     assert summary["devices"] == 8
+    data = summary["comm"]["by_axis"]["data"]
+    assert one.report.comm.by_axis["data"].across_processes == 0
+    if name == "dp":  # one ring of 8 over two processes: 2 of its 8 hops cross
+        assert data["across_processes"] == pytest.approx(data["wire"] * 2 / 8)
+    assert 0 < data["across_processes"] <= data["wire"]
     assert {p.name for p in tmp_path.glob("process-*.log")} == {"process-0.log", "process-1.log"}
 
 
