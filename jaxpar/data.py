@@ -53,16 +53,25 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
 
 
 def batch_at(
-    tokens: np.ndarray | None, *, seed: int, step: int, batch_size: int, seq_len: int, vocab: int
+    tokens: np.ndarray | None,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    vocab: int,
+    rows: slice = slice(None),
 ) -> dict[str, np.ndarray]:
-    """Global batch `step`: {"tokens": int32 [batch_size, seq_len + 1]}."""
+    """Global batch `step`, or its `rows` only (each process builds its own):
+    {"tokens": int32 [rows, seq_len + 1]}. The random draws are the global batch's
+    whichever rows are built, so the rows are the same as in the whole batch."""
     rng = np.random.default_rng([seed, step])
     if tokens is None:
         # Each row counts up from a random start by a random stride: learnable, not trivial.
-        start = rng.integers(0, vocab, size=(batch_size, 1))
-        stride = rng.integers(1, 4, size=(batch_size, 1))
-        rows = (start + stride * np.arange(seq_len + 1)) % vocab
+        start = rng.integers(0, vocab, size=(batch_size, 1))[rows]
+        stride = rng.integers(1, 4, size=(batch_size, 1))[rows]
+        out = (start + stride * np.arange(seq_len + 1)) % vocab
     else:
-        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-        rows = tokens[starts[:, None] + np.arange(seq_len + 1)]
-    return {"tokens": rows.astype(np.int32)}
+        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rows]
+        out = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    return {"tokens": out.astype(np.int32)}

@@ -30,6 +30,7 @@ class CompiledStep:
     hlo: str  # its optimized HLO text (what the ledger reads and step.hlo.txt keeps)
     seconds: float  # tracing, lowering and compiling it took
     state_shapes: Any  # TrainState of ShapeDtypeStructs, with their shardings
+    batch_shapes: Any  # the global batch's ShapeDtypeStructs
     host_activations: int  # per-device bytes of layer inputs the step sends to the host
 
 
@@ -86,6 +87,7 @@ def compile_step(engine: Engine, batch) -> CompiledStep:
         compiled.as_text(),
         time.perf_counter() - start,
         state_in,
+        batch_in,
         offload.offloaded_activation_bytes(traced.jaxpr),
     )
 

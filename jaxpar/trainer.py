@@ -7,6 +7,7 @@ saves, and returns; a second one exits at once (the last complete checkpoint sta
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import signal
@@ -256,7 +257,7 @@ def run_loop(
     for step in range(start, cfg.steps):
         if loop.nonfinite is not None or (stops and stops.asked):
             break
-        batch = place(batches(step), sharding)
+        batch = batch_for(batches, step, sharding, run.step.batch_shapes)
         loop.state, step_metrics = compiled(loop.state, batch)
         loop.end = step + 1
         if pending is not None:
@@ -278,19 +279,29 @@ def run_loop(
     return loop
 
 
-def place(batch, sharding):
-    """A global batch (numpy, the same on every process) as a global array: each process
-    puts in only the rows of its own devices."""
+def takes_rows(batches: Callable) -> bool:
+    """Whether `batches` can build a slice of the global batch: batches(step, rows=...)."""
+    return "rows" in inspect.signature(batches).parameters
+
+
+def batch_for(batches: Callable, step: int, sharding, shape_of):
+    """Global batch `step` as a global array. With many processes each puts in only the
+    rows of its own devices, and builds only those when `batches` takes `rows`."""
     if jax.process_count() == 1:
-        return jax.device_put(batch, sharding)
-
-    def local(x):
-        rows = [i[0] for i in sharding.addressable_devices_indices_map(x.shape).values()]
-        first = min(r.start or 0 for r in rows)
-        last = max(x.shape[0] if r.stop is None else r.stop for r in rows)
-        return jax.make_array_from_process_local_data(sharding, x[first:last], x.shape)
-
-    return jax.tree.map(local, batch)
+        return jax.device_put(batches(step), sharding)
+    global_rows = jax.tree.leaves(shape_of)[0].shape[0]
+    spans = [i[0] for i in sharding.addressable_devices_indices_map((global_rows,)).values()]
+    mine = slice(min(s.start or 0 for s in spans), max(s.stop or global_rows for s in spans))
+    local = (
+        batches(step, rows=mine)
+        if takes_rows(batches)
+        else jax.tree.map(lambda x: x[mine], batches(step))
+    )
+    return jax.tree.map(
+        lambda x, g: jax.make_array_from_process_local_data(sharding, x, g.shape),
+        local,
+        shape_of,
+    )
 
 
 class _Stops:

@@ -89,7 +89,7 @@ def problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[[int], dic
         shipped, tensor_elements=lambda rows: tensor_allreduce_elements(cfg.model, rows, t.seq_len)
     )
 
-    def batches(step: int) -> dict:
+    def batches(step: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(
             tokens,
             seed=t.seed,
@@ -97,6 +97,7 @@ def problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[[int], dic
             batch_size=t.batch_size,
             seq_len=t.seq_len,
             vocab=cfg.model.vocab,
+            rows=rows,
         )
 
     return shipped, batches

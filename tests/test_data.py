@@ -34,3 +34,15 @@ def test_user_text_file(tmp_path):
     rows = batch["tokens"]
     # Every row is a contiguous window of the file.
     assert all(((row[1:] - row[:-1]) % 200 == 1).all() for row in rows)
+
+
+@pytest.mark.parametrize("source", ["corpus", "synthetic"])
+def test_a_slice_of_rows_is_those_rows_of_the_batch(source):
+    """What each of many processes builds: its own rows, equal to the global batch's."""
+    cfg = config.load("gpt-tiny", [f"data.source={source}"])
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    kw = dict(seed=0, step=5, batch_size=16, seq_len=64, vocab=256)
+    whole = data.batch_at(tokens, **kw)["tokens"]
+    np.testing.assert_array_equal(
+        data.batch_at(tokens, rows=slice(8, 16), **kw)["tokens"], whole[8:]
+    )
