@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar import checkpoint, console, metrics
@@ -68,8 +69,11 @@ def train(
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
-    if restart and lead:
-        _set_aside(out_dir, ckpt_dir, say)
+    if restart:
+        if lead:
+            _set_aside(out_dir, ckpt_dir, say)
+        if jax.process_count() > 1:  # the others must not open what process 0 moves
+            multihost_utils.sync_global_devices("jaxpar restart")
     _refuse_another_run(out_dir, ckpt_dir)
     with _Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
@@ -372,7 +376,7 @@ def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: _Saver) -> s
     """Which step, and which parameters' gradients were not finite: recomputed from the
     saved last good state and that step's batch (the same computation as the step)."""
     step = loop.nonfinite
-    batch = jax.device_put(batches(step - 1), run.engine.batch_sharding)
+    batch = batch_for(batches, step - 1, run.engine.batch_sharding, run.step.batch_shapes)
     grads = jax.device_get(run.engine.grads(state, batch))
     bad = [
         leaf_key(path)
