@@ -17,6 +17,16 @@ from jaxpar.report import Report
 from jaxpar.run import Run, prepare
 from jaxpar.trainer import train
 
+# data=2 x pipeline=2 x tensor=2, ZeRO-1, 1F1B: the 3D layout several tests share
+THREE_D_1F1B = [
+    "parallel.data=2",
+    "parallel.pipeline=2",
+    "parallel.tensor=2",
+    "parallel.zero=1",
+    "parallel.microbatches=2",
+    "parallel.schedule=1f1b",
+]
+
 
 def _shipped(preset: str, overrides):
     """(cfg, mesh on as many devices as the degrees ask for, problem, batches)."""

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import THREE_D_1F1B
 from safetensors.numpy import load_file
 
 import jaxpar
@@ -63,14 +64,7 @@ def assert_identical(a, b):
 RESUME = {
     "dp": ["parallel.data=8"],
     "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
-    "3d-1f1b": [
-        "parallel.data=2",
-        "parallel.pipeline=2",
-        "parallel.tensor=2",
-        "parallel.zero=1",
-        "parallel.microbatches=2",
-        "parallel.schedule=1f1b",
-    ],
+    "3d-1f1b": THREE_D_1F1B,
 }
 
 

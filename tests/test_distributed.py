@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import run
+from helpers import THREE_D_1F1B, jaxpar_command, run
 
 from jaxpar.distributed import free_port
 
@@ -17,14 +17,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 LAYOUTS = {
     "dp": ["parallel.data=8"],
     "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
-    "3d-1f1b": [
-        "parallel.data=2",
-        "parallel.pipeline=2",
-        "parallel.tensor=2",
-        "parallel.zero=1",
-        "parallel.microbatches=2",
-        "parallel.schedule=1f1b",
-    ],
+    "3d-1f1b": THREE_D_1F1B,
 }
 
 
@@ -104,23 +97,8 @@ def rows_of_straight(out, steps):
 
 
 def run_one(out, steps):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.cli",
-            "train",
-            "--config",
-            "gpt-tiny",
-            "--cpu-devices",
-            "8",
-            *steps,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = jaxpar_command(
+        "train", "--config", "gpt-tiny", "--cpu-devices", "8", *steps, "--out", str(out)
     )
     assert done.returncode == 0, done.stderr
     return done
@@ -137,30 +115,22 @@ def keep_first_half(out):
 
 def test_a_missing_process_times_out_naming_it(tmp_path):
     start = time.time()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.cli",
-            "train",
-            "--config",
-            "gpt-tiny",
-            "--cpu-devices",
-            "4",
-            "--coordinator",
-            f"127.0.0.1:{free_port()}",
-            "--num-processes",
-            "3",
-            "--process-id",
-            "0",
-            "distributed.timeout_s=5",
-            "parallel.data=8",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = jaxpar_command(
+        "train",
+        "--config",
+        "gpt-tiny",
+        "--cpu-devices",
+        "4",
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "3",
+        "--process-id",
+        "0",
+        "distributed.timeout_s=5",
+        "parallel.data=8",
+        "--out",
+        str(tmp_path),
     )
     assert time.time() - start < 5 + 30
     assert done.returncode == 2

@@ -4,7 +4,7 @@ layer inputs kept for the backward pass in host memory (parallel.remat=offload).
 import re
 
 import pytest
-from helpers import assert_same_training, compile_only, run
+from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 
 import models
 from jaxpar import config
@@ -58,14 +58,7 @@ def test_bf16_device_parameters_are_half_of_fp32(devices):
 
 @pytest.mark.slow
 def test_offload_with_a_pipeline(devices):
-    overrides = [
-        "parallel.data=2",
-        "parallel.pipeline=2",
-        "parallel.tensor=2",
-        "parallel.zero=1",
-        "parallel.microbatches=2",
-        "parallel.schedule=1f1b",
-    ]
+    overrides = THREE_D_1F1B
     assert_same_training(
         run("gpt-tiny", [*overrides, "parallel.offload=optimizer"]), run("gpt-tiny", overrides)
     )
