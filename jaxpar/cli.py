@@ -1,4 +1,5 @@
-"""The `jaxpar` command: train with any mix of parallelism, or benchmark the strategies."""
+"""The `jaxpar` command: train with any mix of parallelism (as one process or many), export
+the parameters, or benchmark the strategies."""
 
 from __future__ import annotations
 
