@@ -110,7 +110,7 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
         # offloaded parts live in host memory: bring them over, then unstage
         return save_jit(jax.device_put(state, on_device))
 
-    abstract = jax.tree.map(  # shapes alone (an offloaded state's say host memory)
+    abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.eval_shape(engine.init, jax.random.key(0)),
     )
