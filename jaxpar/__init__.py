@@ -1,63 +1,59 @@
 """jaxpar: data (server, ring, XLA), tensor, pipeline (GPipe, 1F1B, interleaved) and
-ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh."""
+ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh.
 
-from jaxpar import distributed, mesh
-from jaxpar.config import Checkpoint, Config, Data, Model, Parallel, Train, load
-from jaxpar.errors import ConfigError, NonFinite
-from jaxpar.export import load as load_exported
-from jaxpar.export import to_nnx
-from jaxpar.layers import constrain, param, scan_layers
-from jaxpar.mesh import build_mesh
-from jaxpar.problem import Problem, Stages, from_nnx, from_pytree
-from jaxpar.sharding import (
-    BATCH,
-    EMBED,
-    HEAD_DIM,
-    HEADS,
-    LAYERS,
-    MLP,
-    QKV,
-    SEQ,
-    STAGE,
-    VOCAB,
-)
-from jaxpar.state import TrainState
-from jaxpar.trainer import Result, restore, train
+The names below are imported when first used, so that `import jaxpar` (and the `jaxpar`
+command's help and config checks) does not start jax.
+"""
 
-__all__ = [
-    "BATCH",
-    "EMBED",
-    "HEAD_DIM",
-    "HEADS",
-    "LAYERS",
-    "MLP",
-    "QKV",
-    "SEQ",
-    "STAGE",
-    "VOCAB",
-    "Checkpoint",
-    "Config",
-    "ConfigError",
-    "Data",
-    "Model",
-    "NonFinite",
-    "Parallel",
-    "Problem",
-    "Result",
-    "Stages",
-    "Train",
-    "TrainState",
-    "build_mesh",
-    "constrain",
-    "distributed",
-    "from_nnx",
-    "from_pytree",
-    "load",
-    "load_exported",
-    "mesh",
-    "param",
-    "restore",
-    "scan_layers",
-    "to_nnx",
-    "train",
-]
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("jaxpar")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+# public name -> (module, attribute there)
+_EXPORTS = {
+    **{
+        name: ("jaxpar.sharding", name)
+        for name in ("BATCH", "EMBED", "HEAD_DIM", "HEADS", "LAYERS", "MLP", "QKV", "SEQ")
+        + ("STAGE", "VOCAB")
+    },
+    **{
+        name: ("jaxpar.config", name)
+        for name in ("Checkpoint", "Config", "Data", "Model", "Parallel", "Train", "load")
+    },
+    "ConfigError": ("jaxpar.errors", "ConfigError"),
+    "NonFinite": ("jaxpar.errors", "NonFinite"),
+    "load_exported": ("jaxpar.export", "load"),
+    "to_nnx": ("jaxpar.export", "to_nnx"),
+    "constrain": ("jaxpar.layers", "constrain"),
+    "param": ("jaxpar.layers", "param"),
+    "scan_layers": ("jaxpar.layers", "scan_layers"),
+    "stack": ("jaxpar.layers", "stack"),
+    "build_mesh": ("jaxpar.mesh", "build_mesh"),
+    "Problem": ("jaxpar.problem", "Problem"),
+    "Stages": ("jaxpar.problem", "Stages"),
+    "from_nnx": ("jaxpar.problem", "from_nnx"),
+    "from_pytree": ("jaxpar.problem", "from_pytree"),
+    "TrainState": ("jaxpar.state", "TrainState"),
+    "Result": ("jaxpar.trainer", "Result"),
+    "restore": ("jaxpar.trainer", "restore"),
+    "train": ("jaxpar.trainer", "train"),
+    "distributed": ("jaxpar.distributed", None),
+    "mesh": ("jaxpar.mesh", None),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    value = import_module(module)
+    return value if attribute is None else getattr(value, attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,4 +1,6 @@
-"""`jaxpar bench`: every strategy on gpt-tiny, measured in one run.
+"""`jaxpar bench`: every strategy on one model (gpt-tiny unless a config says otherwise),
+measured in one run. A strategy that the model's dims or the devices cannot take is
+listed as skipped, with the reason.
 
 Per strategy: compile time, bare step time and tokens/s, model-state bytes against the
 ZeRO formula, wire bytes against the textbook minimum, the trainer's step time over
@@ -11,6 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -22,7 +25,7 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.run import prepare
 from jaxpar.trainer import run_loop
 
-PRESET = "gpt-tiny"
+PRESET = "gpt-tiny"  # the model measured unless --config names another
 STRATEGIES = {
     "dp8-zero0": ("parallel.data=8", "parallel.zero=0"),
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
@@ -83,13 +86,28 @@ WARMUP = 3
 REPEATS = 3
 
 
-def measure(overrides: tuple[str, ...], steps: int) -> dict:
+@dataclass(frozen=True)
+class Base:
+    """The model and batch measured: a preset or YAML file, and overrides on top (each
+    strategy's own keys go on top of these)."""
+
+    preset: str = PRESET
+    overrides: tuple[str, ...] = ()
+    force: bool = False  # run even where the step looks too big for memory
+
+    def __str__(self) -> str:
+        return " ".join([self.preset, *self.overrides])
+
+
+def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict:
     """Compile and time one configuration: {compile_s, step_s, tokens_per_s,
     trainer_over_bare, host_s, report}."""
-    cfg = config.load(PRESET, [*overrides, f"train.steps={steps}", "train.log_every=1"])
+    cfg = config.load(
+        base.preset, [*base.overrides, *overrides, f"train.steps={steps}", "train.log_every=1"]
+    )
     mesh = build_mesh(cfg.parallel)
     problem, batches = models.problem(cfg, describe(mesh))
-    run = prepare(cfg, problem, mesh, batches(0))
+    run = prepare(cfg, problem, mesh, batches(0), base.force)
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     state = run.engine.init(jax.random.key(0))
     on_device = [jax.device_put(batches(i), sharding) for i in range(steps)]
@@ -236,20 +254,28 @@ REMAT_COLUMNS = {
 }
 
 
-def _section(title: str, kind: str, configs: dict, columns: dict, steps: int) -> dict:
-    results = {}
+def _section(title: str, kind: str, configs: dict, columns: dict, steps: int, base: Base) -> dict:
+    results, skipped = {}, {}
     for name, overrides in configs.items():
-        results[name] = measure(overrides, steps)
-        print(f"measured {name}", flush=True)
+        try:
+            results[name] = measure(overrides, steps, base)
+        except config.ConfigError as e:
+            skipped[name] = str(e)
+        print(f"{'skipped' if name in skipped else 'measured'} {name}", flush=True)
     rows = [[name, *(cell(r) for cell in columns.values())] for name, r in results.items()]
+    rows += [[name, *("-" for _ in columns)] for name in skipped]
     print(f"\n{title}\n")
     print(metrics.table(rows, [kind, *(h.strip() for h in columns)]))
-    return results
+    for name, reason in skipped.items():
+        print(f"  skipped {name}: {reason}")
+    return {**results, **{name: {"skipped": reason} for name, reason in skipped.items()}}
 
 
-def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None = None) -> dict:
-    """Measure the `only` sections (default: all) and print their tables."""
-    where = f"{PRESET} on {jax.device_count()} {jax.devices()[0].platform} devices"
+def run_bench(
+    base: Base = Base(), steps: int = 20, out: Path | None = None, only: list[str] | None = None
+) -> dict:
+    """Measure the `only` sections (default: all) on `base`'s model and print their tables."""
+    where = f"{base} on {jax.device_count()} {jax.devices()[0].platform} devices"
     sections = {
         "strategies": (
             f"{where}; step time is the best of {REPEATS} runs of {steps} steps",
@@ -295,7 +321,7 @@ def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None =
             f"choose from {' '.join(sections)}"
         )
     results = {
-        name: _section(title, kind, configs, columns, steps)
+        name: _section(title, kind, configs, columns, steps, base)
         for name, (title, kind, configs, columns) in sections.items()
         if not only or name in only
     }
@@ -303,7 +329,10 @@ def run_bench(steps: int = 20, out: Path | None = None, only: list[str] | None =
         metrics.write_json(
             out,
             {
-                section: {name: {**r, "report": r["report"].to_json()} for name, r in rows.items()}
+                section: {
+                    name: {**r, "report": r["report"].to_json()} if "report" in r else r
+                    for name, r in rows.items()
+                }
                 for section, rows in results.items()
             },
         )

@@ -1,5 +1,8 @@
 """The `jaxpar` command: train with any mix of parallelism (as one process or many), export
-the parameters, or benchmark the strategies."""
+the parameters, or benchmark the strategies.
+
+Nothing here imports jax until the arguments, the config and --out have been checked: a
+mistake is refused in well under a second, and --help is instant."""
 
 from __future__ import annotations
 
@@ -9,16 +12,51 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.config import load, preset_names
+from jaxpar import __version__
+from jaxpar.config import keys_help, load, preset_names
 from jaxpar.errors import ConfigError, NonFinite
 
 DEFAULT_CPU_DEVICES = 8
+MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
+DESCRIPTION = """\
+Train JAX/Flax models with data, tensor and pipeline parallelism, ZeRO 1-3 and
+ZeRO-Offload, on one device mesh; on a CPU alone it simulates the devices.
+
+  jaxpar train --config gpt-tiny parallel.data=4 parallel.tensor=2 train.steps=50
+  jaxpar train --help          every config key, with its default and meaning
+"""
+TRAIN_EPILOG = f"""\
+Config keys (KEY=VALUE overrides, in any order with the flags; numbers as 1e-3, 1_000):
+{keys_help()}
+
+Presets are in jaxpar/configs/; a YAML file has the same sections, e.g.
+  train: {{steps: 200, lr: 1e-3}}
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one `jaxpar: error:` line (exit 2), like every other mistake."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model with the configured parallelism")
+    parser = _Parser(
+        prog="jaxpar",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"jaxpar {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train a model with the configured parallelism",
+        description="Train a model with the configured parallelism; writes a run directory "
+        "(metrics.jsonl, summary.json, loss.png, step.hlo.txt, checkpoints).",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument(
         "--config", default="default", help=f"preset ({', '.join(preset_names())}) or a YAML file"
     )
@@ -26,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
-        help="dotted overrides, e.g. parallel.tensor=2 train.steps=20",
+        help="dotted overrides, e.g. parallel.tensor=2 train.steps=20 (keys below)",
     )
     train.add_argument(
         "--out",
@@ -57,7 +95,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     export.add_argument("--to", type=Path, required=True, metavar="FILE")
-    bench = sub.add_parser("bench", help="compare strategies on gpt-tiny: time, memory, comm")
+    bench = sub.add_parser(
+        "bench",
+        help="compare strategies on a model: time, memory, communication",
+        description="Measure every strategy on one model (default gpt-tiny) in one run. "
+        "--config and KEY=VALUE overrides set the model and batch; each strategy then sets "
+        "its own parallel.* keys on top.",
+    )
+    bench.add_argument(
+        "--config", default="gpt-tiny", help="preset or YAML file of the model to measure"
+    )
+    bench.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.embed=128 train.seq_len=256"
+    )
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
     bench.add_argument(
@@ -67,13 +117,19 @@ def _parser() -> argparse.ArgumentParser:
         help="measure only these sections: strategies schedules dp offload remat checkpoint "
         "(default: all)",
     )
+    for p in (train, bench):
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="run even where the compiled step's memory looks larger than this machine's",
+        )
     for p in (train, bench, export):
         p.add_argument(
             "--cpu-devices",
             type=int,
             metavar="N",
-            help=f"simulate N devices on the CPU (default {DEFAULT_CPU_DEVICES} when "
-            "no GPU/TPU plugin is installed)",
+            help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default "
+            f"{DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is installed)",
         )
     return parser
 
@@ -86,8 +142,11 @@ def _setup_devices(n: int | None) -> None:
     if n is None and not accelerator_installed():
         n = DEFAULT_CPU_DEVICES
     if n is not None:
-        if n < 1:
-            raise ConfigError(f"--cpu-devices {n}: must be 1 or more")
+        if not 1 <= n <= MAX_CPU_DEVICES:
+            raise ConfigError(
+                f"--cpu-devices {n}: simulate 1 to {MAX_CPU_DEVICES} devices (each one is a "
+                "thread pool and buffers on this host; more take minutes to create)"
+            )
         use_cpu_devices(n)
 
 
@@ -96,56 +155,67 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     the first flag, so the ones after it come back unparsed and join them here."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    stray = [a for a in rest if a.startswith("-") or "=" not in a or args.command != "train"]
+    takes_overrides = args.command in ("train", "bench")
+    stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
     if args.command == "launch":
         args.command_args = [a for a in args.command_args if a != "--"] + rest
         stray = []
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        raise ConfigError(
+            f"unrecognized arguments: {' '.join(stray)} (see `jaxpar {args.command} --help`)"
+        )
     if rest:
         args.overrides = [*args.overrides, *rest]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
     try:
-        if args.command == "launch":
-            from jaxpar.distributed import launch
-
-            rest = args.command_args
-            out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
-            return launch(args.processes, args.cpu_devices_per_process, rest, out)
-        cfg = load(args.config, args.overrides) if args.command == "train" else None
-        _setup_devices(args.cpu_devices)
-        if args.command == "train":
-            from jaxpar.distributed import initialize
-            from models import train_config
-
-            initialize(
-                args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s
-            )
-            name = Path(args.config).stem
-            out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
-            result = train_config(cfg, out, restart=args.restart)
-            print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
-            if result.checkpoints:
-                print(f"checkpoints:   {result.checkpoints}")
-        elif args.command == "export":
-            from jaxpar.export import export
-
-            step, tensors = export(args.run_dir, args.to)
-            print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
-        else:
-            from jaxpar.bench import run_bench
-
-            run_bench(steps=args.steps, out=args.out, only=args.only)
+        return _run(_parse(argv))
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
     except NonFinite as e:
         print(f"jaxpar: stopped: {e}", file=sys.stderr)
         return 3
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "launch":
+        from jaxpar.distributed import launch
+
+        rest = args.command_args
+        out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
+        return launch(args.processes, args.cpu_devices_per_process, rest, out)
+    cfg = load(args.config, args.overrides) if args.command in ("train", "bench") else None
+    if args.command == "train":
+        from jaxpar import rundir
+
+        name = Path(args.config).stem
+        out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+        rundir.check_writable(out)
+        if cfg.checkpoint.dir:
+            rundir.check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    _setup_devices(args.cpu_devices)
+    if args.command == "train":
+        from jaxpar.distributed import initialize
+        from models import train_config
+
+        initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
+        result = train_config(cfg, out, restart=args.restart, force=args.force)
+        print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
+        if result.checkpoints:
+            print(f"checkpoints:   {result.checkpoints}")
+    elif args.command == "export":
+        from jaxpar.export import export
+
+        step, tensors = export(args.run_dir, args.to)
+        print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
+    else:
+        from jaxpar.bench import Base, run_bench
+
+        base = Base(args.config, tuple(args.overrides), args.force)
+        run_bench(base, steps=args.steps, out=args.out, only=args.only)
     return 0
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from jaxpar.mesh import DATA
+from jaxpar.axes import DATA
 
 
 def blockwise(fn, xs, specs):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import math
 import re
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -16,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DATA, PIPE, TENSOR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,14 +109,56 @@ CHOICES = {
     "data.source": ("corpus", "file", "synthetic"),
     "train.on_nonfinite": ("stop", "skip"),
 }
-# Keys that may be 0 (the rest of the numbers must be positive, degrees may also be -1).
-MAY_BE_ZERO = {
-    "parallel.zero",
-    "train.weight_decay",
-    "train.clip_norm",
-    "train.seed",
-    "train.warmup",
-    "checkpoint.every",
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key takes: low <= value <= high (low < value if open)."""
+
+    low: float
+    high: float
+    why: str  # the reason for the bounds, shown when they are broken
+    open_low: bool = False
+
+    def admits(self, value) -> bool:
+        return (value > self.low if self.open_low else value >= self.low) and value <= self.high
+
+    def text(self) -> str:
+        def num(x) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        return f"{'>' if self.open_low else '>='} {num(self.low)} and <= {num(self.high)}"
+
+
+_DEVICES = Range(1, 65536, "a degree is a count of devices; -1 takes the rest")
+_COUNT = Range(1, 10**9, "a count of steps")
+# Every numeric key, with the range it enforces. Sizes are bounded so that no product of
+# them overflows and no absurd model reaches the compiler; memory is checked separately.
+RANGES = {
+    "parallel.data": _DEVICES,
+    "parallel.pipeline": _DEVICES,
+    "parallel.tensor": _DEVICES,
+    "parallel.microbatches": Range(1, 65536, "micro-batches per data shard"),
+    "parallel.virtual_stages": Range(1, 1024, "layer chunks per pipeline device"),
+    "parallel.bucket_mb": Range(0, 65536, "a gradient bucket in MiB, at most 64 GiB", True),
+    "model.layers": Range(1, 10_000, "blocks in the stack"),
+    "model.embed": Range(1, 2**20, "the residual width; the largest models use ~25k"),
+    "model.heads": Range(1, 2**14, "attention heads"),
+    "model.mlp": Range(1, 2**22, "the feed-forward width"),
+    "model.vocab": Range(1, 2**24, "output classes"),
+    "train.steps": _COUNT,
+    "train.batch_size": Range(1, 2**24, "sequences per optimizer step"),
+    "train.seq_len": Range(1, 2**20, "tokens per sequence"),
+    "train.lr": Range(0, 10, "an AdamW learning rate; usual ones are 1e-5 to 1e-2", True),
+    "train.warmup": Range(0, 10**9, "warm-up steps"),
+    "train.weight_decay": Range(0, 10, "the AdamW decay per unit of learning rate"),
+    "train.seed": Range(0, 2**32 - 1, "seeds are 32-bit unsigned integers"),
+    "train.grad_accum": Range(1, 65536, "micro-batches accumulated per step"),
+    "train.clip_norm": Range(0, 1e9, "a gradient norm; 0 disables clipping"),
+    "train.log_every": _COUNT,
+    "checkpoint.every": Range(0, 10**9, "steps between checkpoints; 0 = off"),
+    "checkpoint.keep": Range(1, 10_000, "checkpoints kept"),
+    "distributed.timeout_s": Range(0, 7 * 86400, "seconds, at most a week", True),
 }
 DEGREES = {"parallel.data", "parallel.pipeline", "parallel.tensor"}
 
@@ -125,60 +170,109 @@ def preset_names() -> list[str]:
     )
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _yaml(text: str, source: str):
+    """YAML text -> Python values; a parse error is one line naming line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or e
+        raise ConfigError(f"{source}: not valid YAML{where}: {_one_line(problem)}") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ConfigError(f"{source}: {_one_line(e)}") from None
+
+
 def _read_preset(name_or_path: str) -> dict:
     path = Path(name_or_path)
+    source = f"--config {name_or_path}"
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(
-                f"--config {name_or_path}: no such file; give a YAML file or one "
-                f"of the presets {preset_names()}"
+                f"{source}: no such file; give a YAML file or one of the presets {preset_names()}"
             )
-        text = path.read_text()
+        try:
+            raw = path.read_bytes()
+            text = raw.decode("utf-8")
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{source}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                "a config is a YAML file of sections, e.g. `train: {steps: 20}`"
+            ) from None
     else:
         if name_or_path not in preset_names():
             raise ConfigError(
-                f"--config {name_or_path}: no such preset; choose one of "
-                f"{preset_names()} or give a path to a YAML file"
+                f"{source}: no such preset; choose one of {preset_names()} or give a path "
+                "to a YAML file"
             )
         text = (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text()
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {name_or_path}: not valid YAML ({e})") from None
+    tree = _yaml(text, source) or {}
     if not isinstance(tree, dict):
-        raise ConfigError(f"--config {name_or_path}: expected a mapping of sections, got {tree!r}")
+        raise ConfigError(
+            f"{source}: expected a mapping of sections (parallel, model, train, ...), got "
+            f"{_shown(tree)}"
+        )
     return tree
 
 
 _NUMBER = re.compile(r"[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_NOT_FINITE = re.compile(r"[+-]?\.?(nan|inf|infinity)", re.IGNORECASE)
+
+
+def _shown(value) -> str:
+    """A value for a message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _number(key: str, text: str, kind):
+    """A number as people write it (YAML 1.1 leaves 1e-3, 3E-4 as strings)."""
+    digits = text.strip().replace("_", "")
+    if kind is int and digits.lstrip("+-").isdigit():
+        if len(digits) > 30:
+            raise ConfigError(f"{key}={_shown(text)}: out of range; {_range_text(key)}")
+        return int(digits)
+    number = float(digits)
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}={_shown(text)}: out of range; {_range_text(key)}")
+    return int(number) if kind is int and number.is_integer() else number
+
+
+def _range_text(key: str) -> str:
+    r = RANGES[key]
+    extra = " (or -1)" if key in DEGREES else ""
+    return f"it must be {r.text()}{extra} ({r.why})"
 
 
 def _coerce(key: str, value, kind):
-    if kind in (int, float) and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        # numbers as people write them, which YAML 1.1 leaves as strings: 1e-3, 3E-4, 1_000
-        number = float(value.strip().replace("_", ""))
-        value = int(number) if kind is int and number.is_integer() else number
+    if kind in (int, float) and isinstance(value, str):
+        if _NOT_FINITE.fullmatch(value.strip()):
+            raise ConfigError(f"{key}={value}: not a finite number; {_range_text(key)}")
+        if _NUMBER.fullmatch(value.strip()):
+            value = _number(key, value, kind)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)
     if type(value) is not kind:
-        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{key}={value!r}: choose one of {list(CHOICES[key])}")
-    if kind in (int, float) and key not in CHOICES:
-        low_ok = -1 if key in DEGREES else 0
-        if (
-            value < low_ok
-            or (value == 0 and key not in MAY_BE_ZERO)
-            or (key in DEGREES and value == 0)
-        ):
-            allowed = (
-                "-1 (the rest) or a positive degree"
-                if key in DEGREES
-                else ("0 or more" if key in MAY_BE_ZERO else "a positive number")
-            )
-            raise ConfigError(f"{key}={value}: must be {allowed}")
+        raise ConfigError(
+            f"{key}={_shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
+        )
+    if key in CHOICES:
+        if value not in CHOICES[key]:
+            raise ConfigError(f"{key}={_shown(value)}: choose one of {list(CHOICES[key])}")
+    elif kind in (int, float):
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{key}={value}: not a finite number; {_range_text(key)}")
+        if not (RANGES[key].admits(value) or (key in DEGREES and value == -1)):
+            shown = f"{value:.4g}" if isinstance(value, float) else _shown(value)
+            raise ConfigError(f"{key}={shown}: out of range; {_range_text(key)}")
     return value
 
 
@@ -189,11 +283,16 @@ def _section(cls, key: str, values: dict):
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in values.items():
-        full = f"{key}.{name}" if key else name
+        full = f"{key}.{name}" if key else str(name)
         if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=1)
-            hint = f"; did you mean {key}.{close[0]}?" if close else f"; known: {sorted(fields)}"
-            raise ConfigError(f"{full}: unknown key{hint}")
+            what = "key" if key else "section"
+            close = difflib.get_close_matches(str(name), fields, n=1)
+            hint = (
+                f"did you mean {key + '.' if key else ''}{close[0]}?"
+                if close
+                else f"the {what}s are {', '.join(sorted(fields))}"
+            )
+            raise ConfigError(f"{_shown(full)[1:-1]}: unknown {what}; {hint}")
         kind = hints[name]
         kwargs[name] = (
             _section(kind, full, value)
@@ -217,13 +316,14 @@ def parse_overrides(items: list[str]) -> dict:
     tree: dict = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key or "." not in key:
+        if not sep or "." not in key or not all(key.split(".")):
             raise ConfigError(
-                f"{item!r}: overrides are KEY=VALUE with a dotted key, e.g. parallel.tensor=2"
+                f"{_shown(item)}: overrides are SECTION.KEY=VALUE, e.g. parallel.tensor=2"
+                + (f"; the key {key!r} has an empty part" if sep and "." in key else "")
             )
         try:
             value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # not YAML, or an integer of 4300+ digits
             value = raw
         _set_dotted(tree, key, value)
     return tree
@@ -308,6 +408,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "schedule=gpipe or interleaved with remat=offload, or remat=none with 1f1b"
         )
     interleaved = parallel.schedule == "interleaved"
+    if (parallel.virtual_stages > 1 or interleaved) and not pipelined:
+        raise ConfigError(
+            f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
+            f"{parallel.virtual_stages} needs parallel.pipeline > 1 (it is "
+            f"{mesh_shape[PIPE]}): virtual stages are chunks of a pipeline's layers; set "
+            "parallel.pipeline, or drop the schedule and virtual stages"
+        )
     if (parallel.virtual_stages > 1) != interleaved and pipelined:
         raise ConfigError(
             f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
@@ -341,3 +448,34 @@ def check_model(model: Model, mesh_shape: dict) -> None:
                 f"Megatron splits it over tensor: choose a tensor degree "
                 f"dividing {size}, or change {key}"
             )
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Each field's comment in this file (the one place its meaning is written): the
+    comment after it on its line, or the comment lines just above it."""
+    comments, above = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        code, _, comment = line.strip().partition("#")
+        name = code.split(":")[0].strip()
+        if not code:
+            above.append(comment.strip())
+        elif name.isidentifier():
+            comments[name] = " ".join(filter(None, [*above, comment.strip()]))
+            above = []
+    return comments
+
+
+def keys_help() -> str:
+    """Every config key with its default and meaning (for `jaxpar train --help`)."""
+    lines = []
+    for section, cls in typing.get_type_hints(Config).items():
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}={getattr(cls(), f.name)}"
+            lines += textwrap.wrap(
+                comments[f.name],
+                width=100,
+                initial_indent=f"  {key:<28} ",
+                subsequent_indent=" " * 31,
+            )
+    return "\n".join(lines)

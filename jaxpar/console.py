@@ -10,13 +10,26 @@ def _ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.3f}"
 
 
-def startup(report: Report, params: int, platform: str) -> str:
+def count(n: int) -> str:
+    """1536 -> '1,536'; 12_345_678 -> '12.3 M'."""
+    for size, unit in ((1e9, "B"), (1e6, "M")):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:,}"
+
+
+def _comm(comm, minimum: str) -> str:
+    return f"{_ratio(comm.ratio)} x {minimum} ({' + '.join(comm.ratio_axes)})"
+
+
+def startup(report: Report, params: int, platform: str, source: str) -> str:
     mem, comm, host = report.memory_per_device, report.comm, report.host_memory_per_device
+    devices = f"{report.devices} {platform} device{'s' if report.devices > 1 else ''}"
     lines = [
         f"jaxpar  {report.strategy}",
-        f"  mesh      {' x '.join(f'{a}={n}' for a, n in report.mesh.items())} "
-        f"({report.devices} devices: {platform})",
-        f"  model     {params / 1e6:.2f} M parameters",
+        f"  mesh      {' x '.join(f'{a}={n}' for a, n in report.mesh.items())} ({devices})",
+        f"  model     {count(params)} parameters",
+        f"  data      {source}",
         "  memory    per device: "
         + ", ".join(
             f"{k} {human_bytes(v)}"
@@ -29,7 +42,7 @@ def startup(report: Report, params: int, platform: str) -> str:
         ),
         f"  state     {report.state_bytes.ratio:.3f} x the ZeRO formula",
         f"  comm      {human_bytes(comm.wire_bytes_per_device)} per device per "
-        f"step; {_ratio(comm.ratio)} x the textbook minimum ({' + '.join(comm.ratio_axes)})",
+        f"step; {_comm(comm, 'the textbook minimum')}",
         f"  compiled  in {report.compile_s:.1f} s",
     ]
     if any((host.params, host.opt_state, host.activations, host.temp)):
@@ -52,9 +65,10 @@ def startup(report: Report, params: int, platform: str) -> str:
             f"(formula {pipe.bubble_formula:.3f})"
         )
     if report.zero_unsplit_leaves:
+        first = report.zero_unsplit_leaves[0]
         lines.append(
             f"  note      ZeRO left {len(report.zero_unsplit_leaves)} small leaf(s) "
-            "replicated (no dim divisible by data); see summary.json"
+            f"replicated, e.g. {first['path']} {first['shape']}: {first['why']}; see summary.json"
         )
     return "\n".join(lines)
 
@@ -71,8 +85,7 @@ def closing(report: Report, losses: list[float]) -> str:
         ],
         [
             "comm / device",
-            f"{human_bytes(report.comm.wire_bytes_per_device)} "
-            f"({_ratio(report.comm.ratio)} x minimum)",
+            f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report.comm, 'minimum')})",
         ],
     ]
     return "\n" + table(rows, ["done", report.strategy])

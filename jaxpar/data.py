@@ -23,6 +23,11 @@ def corpus_bytes() -> bytes:
 
 def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
     """The token stream (None for synthetic data), checked against the config."""
+    if data.path and data.source != "file":
+        raise ConfigError(
+            f"data.path={data.path!r} with data.source={data.source}: the path is read "
+            "only with data.source=file; add data.source=file, or drop data.path"
+        )
     if data.source == "synthetic":
         return None
     if model.vocab < BYTE_VOCAB:
@@ -50,6 +55,16 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
             f"{need}; use a longer text or a smaller train.seq_len"
         )
     return tokens
+
+
+def describe(data: Data, train: Train) -> str:
+    """The data source in words, for the start-up summary."""
+    what = {
+        "corpus": "corpus: the pydoc topics CPython ships, as bytes",
+        "file": f"file: {data.path}, as bytes",
+        "synthetic": "synthetic: counting sequences with a random start and stride",
+    }[data.source]
+    return f"{what}; {train.batch_size} x {train.seq_len} tokens a step"
 
 
 def batch_at(

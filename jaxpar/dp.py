@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import collectives
-from jaxpar.mesh import DATA
+from jaxpar.axes import DATA
 
 SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
 

@@ -2,13 +2,14 @@
 
 - `param(rngs, init, shape, names)`: a parameter with one logical name per dim.
 - `constrain(x, names)`: pin an activation's dims to the rules (no-op outside a step).
+- `stack(make_layer, n, rngs)`: n layers stacked on a leading `layers` dim.
 - `scan_layers(stack, carry, fn)`: run a stacked NNX module layer by layer. Inside a
   jaxpar step it makes each layer's parameters ready just before use (the ZeRO-3
   gather, the offload fetch; again in the backward pass instead of keeping them), and
   applies `parallel.remat`: `full` keeps each layer's input and recomputes the rest;
   `offload` keeps that input in host memory.
 
-All three read the running step's `jaxpar.context.Context`, and nothing else.
+`constrain` and `scan_layers` read the running step's `jaxpar.context.Context`, and nothing else.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import context
-from jaxpar.mesh import DATA
+from jaxpar.axes import DATA
 from jaxpar.offload import HOST, LAYER_INPUT
 from jaxpar.sharding import LAYERS, compute_spec
 
@@ -33,6 +34,18 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) 
     return nnx.Param(
         init(rngs.params(), shape, jnp.float32), out_sharding=tuple(names), eager_sharding=False
     )
+
+
+def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """n layers, each make_layer(rngs) with its own random draws, stacked on a leading dim
+    named `layers` (what scan_layers and the pipeline stages slice)."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(rngs):
+        return make_layer(rngs)
+
+    return build(rngs)
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:

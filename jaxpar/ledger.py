@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import schedules
+from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.hlo import Collective, collectives, loop_trip_counts
-from jaxpar.mesh import DATA, PIPE, TENSOR
 from jaxpar.pipeline import Layout
 from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
 from jaxpar.sharding import LeafSpecs

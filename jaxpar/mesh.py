@@ -9,15 +9,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar.axes import AXES, PIPE, TENSOR
 from jaxpar.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxpar.config import Parallel
-
-# The mesh axes, outermost to innermost (`tensor` gets neighbouring devices, the fastest
-# links). Declared here only: every other module imports these names.
-DATA, PIPE, TENSOR = "data", "pipeline", "tensor"
-AXES = (DATA, PIPE, TENSOR)
 
 
 def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
@@ -103,9 +99,10 @@ def use_cpu_devices(n: int) -> None:
         have = jax.device_count()
         if have != n or jax.devices()[0].platform != "cpu":
             raise ConfigError(
-                f"--cpu-devices {n}: jax already started with {have} "
-                f"{jax.devices()[0].platform} devices in this process; pass "
-                "--cpu-devices before anything touches jax"
+                f"{n} simulated CPU devices asked for, but jax already started in this "
+                f"process with {have} {jax.devices()[0].platform} device(s): call "
+                f"jaxpar.mesh.use_cpu_devices({n}) before anything touches jax (jax.devices(), "
+                "an array, a jit), or pass --cpu-devices to the jaxpar command"
             )
         return
     jax.config.update("jax_platforms", "cpu")

@@ -87,6 +87,19 @@ def from_nnx(
                 "with nnx.Param(value, out_sharding=(names...), eager_sharding="
                 "False) using jaxpar.sharding's names"
             )
+        if len(spec) != len(var.shape):
+            stacked = len(spec) < len(var.shape)
+            raise ConfigError(
+                f"parameter {key} {var.shape}: {len(spec)} logical names {tuple(spec)} for "
+                f"{len(var.shape)} dims"
+                + (
+                    "; a layer stack needs `layers` on its leading dim: build it with "
+                    "jaxpar.stack(make_layer, n, rngs), or give nnx.vmap "
+                    "transform_metadata={nnx.PARTITION_NAME: jaxpar.LAYERS}"
+                    if stacked
+                    else "; give one name per dim"
+                )
+            )
         names[key] = tuple(spec)
 
     def init(key):

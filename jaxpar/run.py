@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import ledger, offload
+from jaxpar import ledger, offload, preflight
+from jaxpar.axes import DATA, PIPE
 from jaxpar.config import Config, batch_split
-from jaxpar.mesh import DATA, PIPE, describe
+from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, Report
 from jaxpar.sharding import unsplit_leaves
@@ -45,12 +46,22 @@ class Run:
     tokens_per_step: int  # loss elements per global batch
 
 
-def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch) -> Run:
+def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
     """Check the config against the mesh, build the engine, compile the step for
-    `batch`'s shapes (one global batch), and describe it."""
-    config_lib.check_train(cfg, describe(mesh))
+    `batch`'s shapes (one global batch), and describe it. A step that would not fit in
+    memory is refused before and after compiling, unless `force`."""
+    mesh_shape = describe(mesh)
+    config_lib.check_train(cfg, mesh_shape)
     engine = build(problem, cfg, mesh)
+    preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)
+
+    def need_of(changed: Config) -> int:  # the step's bytes under another config
+        rows = changed.train.batch_size
+        smaller = jax.tree.map(lambda x: x[:rows], batch)
+        return preflight.step_bytes(compile_step(build(problem, changed, mesh), smaller).executable)
+
+    preflight.check_compiled(cfg, step.executable, mesh_shape, force, need_of, step.seconds)
     return Run(
         cfg=cfg,
         mesh=mesh,
@@ -121,14 +132,15 @@ def describe_step(
         ledger.grad_bytes(engine.specs, trained.shapes, mesh_shape),
         step.host_activations,
     )
-    unsplit = unsplit_leaves(engine.specs, shapes) if par.zero and mesh_shape[DATA] > 1 else []
+    n = mesh_shape[DATA]
+    unsplit = unsplit_leaves(engine.specs, shapes, n) if par.zero and n > 1 else []
     return Report(
         config=config_lib.to_dict(cfg),
         mesh=mesh_shape,
         devices=int(mesh.size),
         strategy=strategy_name(cfg, mesh_shape),
         compile_s=round(step.seconds, 3),
-        zero_unsplit_leaves=[{"path": p, "shape": list(s)} for p, s, _ in unsplit],
+        zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
         pipeline=_pipeline(cfg, problem, engine, step.hlo, led, batch, split.micro, compute_bytes),
         memory_per_device=device,
         host_memory_per_device=host,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import collectives
-from jaxpar.mesh import PIPE
+from jaxpar.axes import PIPE
 from jaxpar.pipeline import Layout
 from jaxpar.problem import Problem
 

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DATA, PIPE, TENSOR
 
 # Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
 BATCH = "batch"
@@ -158,19 +158,17 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
         )
 
     specs = jax.tree_util.tree_map_with_path(one, names_tree, shapes_tree, is_leaf=_is_names)
-    unsplit = (
-        unsplit_leaves(specs, shapes_tree) if zero and mesh_shape.get(ZERO_AXIS, 1) > 1 else []
-    )
+    n = mesh_shape.get(ZERO_AXIS, 1)
+    unsplit = unsplit_leaves(specs, shapes_tree, n) if zero and n > 1 else []
     total = sum(math.prod(s) for s in jax.tree.leaves(shapes_tree, is_leaf=_is_shape))
-    left = sum(size for _, _, size in unsplit)
+    left = sum(size for _, _, size, _ in unsplit)
     if left > ZERO_UNSPLIT_LIMIT * total:
-        worst = "; ".join(f"{p} {shape}" for p, shape, _ in unsplit[:5])
-        n = mesh_shape[ZERO_AXIS]
+        worst = "; ".join(f"{p} {list(shape)}: {why}" for p, shape, _, why in unsplit[:3])
         raise ConfigError(
             f"parallel.zero={zero}: {len(unsplit)} parameter leaves ({left} of {total} "
-            f"parameters, over {ZERO_UNSPLIT_LIMIT:.0%}) have no dim divisible by data={n} and "
-            f"would stay replicated on every device (largest: {worst}). Choose parallel.data "
-            f"dividing their sizes, or parallel.zero=0"
+            f"parameters, over {ZERO_UNSPLIT_LIMIT:.0%}) have no dim free for ZeRO to split "
+            f"over data={n} and would stay replicated on every device (largest: {worst}). "
+            f"Choose parallel.data dividing their free dims, or parallel.zero=0"
         )
     return specs
 
@@ -187,18 +185,31 @@ def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
 
 
-def unsplit_leaves(specs, shapes_tree) -> list[tuple[str, tuple, int]]:
-    """(path, shape, size) of leaves ZeRO could not split, largest first."""
+def unsplit_leaves(specs, shapes_tree, n: int) -> list[tuple[str, tuple, int, str]]:
+    """(path, shape, size, why) of leaves ZeRO could not split over data=n, largest first."""
     rows = []
 
     def visit(path, s: LeafSpecs, shape):
         if s.dim is None and math.prod(shape) > 1:
-            rows.append((leaf_key(path), tuple(shape), math.prod(shape)))
+            rows.append((leaf_key(path), tuple(shape), math.prod(shape), _why(s, shape, n)))
 
     jax.tree_util.tree_map_with_path(
         visit, specs, shapes_tree, is_leaf=lambda x: isinstance(x, LeafSpecs)
     )
     return sorted(rows, key=lambda r: -r[2])
+
+
+def _why(s: LeafSpecs, shape, n: int) -> str:
+    """Why no dim of a leaf is free for ZeRO: each dim's reason."""
+    reasons = []
+    for dim, size in enumerate(shape):
+        if s.compute[dim] is not None:
+            reasons.append(f"dim {dim} is split by {s.compute[dim]}")
+        elif size % n:
+            reasons.append(f"dim {dim} ({size}) is not divisible by data={n}")
+        else:
+            reasons.append(f"dim {dim} is the layer stack, sliced per layer")
+    return "; ".join(reasons)
 
 
 def _is_names(x) -> bool:

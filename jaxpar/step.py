@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import context, offload, optim, pipeline, schedules
 from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
+from jaxpar.axes import DATA, PIPE
 from jaxpar.config import Config, batch_split
-from jaxpar.mesh import DATA, PIPE
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import RULES, LeafSpecs, named, only_axes, pick, plan
 from jaxpar.state import TrainState

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxpar import checkpoint, console, metrics
+from jaxpar import checkpoint, console, metrics, rundir
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError, NonFinite
 from jaxpar.mesh import build_mesh
@@ -31,8 +31,6 @@ from jaxpar.report import Report
 from jaxpar.run import Run, prepare
 from jaxpar.sharding import leaf_key
 from jaxpar.step import build
-
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt")
 
 
 @dataclass
@@ -60,27 +58,41 @@ def train(
     progress: bool = True,
     quiet: bool = False,
     restart: bool = False,
+    force: bool = False,
+    source: str = "your batches(step)",
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
     With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless
     checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
-    earlier run's files and checkpoints aside and starts fresh."""
+    earlier run's files and checkpoints aside and starts fresh. A step that would not
+    fit in memory is refused (ConfigError) unless `force`. `source` names the data in
+    the start-up summary."""
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
+    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
+        if where and lead:
+            rundir.check_writable(where, flag)
     if restart:
         if lead:
-            _set_aside(out_dir, ckpt_dir, say)
+            moved = rundir.set_aside(out_dir, ckpt_dir)
+            say(
+                f"restart: set aside {', '.join(moved)}"
+                if moved
+                else "restart: nothing to set aside"
+            )
         if jax.process_count() > 1:  # the others must not open what process 0 moves
             multihost_utils.sync_global_devices("jaxpar restart")
-    _refuse_another_run(out_dir, ckpt_dir)
+    rundir.refuse_another_run(out_dir, ckpt_dir)
     with _Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
         if start:
             say(f"resuming from step {start}: {saver.directory / str(start)}")
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-        run = prepare(cfg, problem, mesh, batches(0))
+        first = batches(0)
+        check_first_batch(first, cfg)
+        run = prepare(cfg, problem, mesh, first, force)
         saver.bind(problem, run.engine, mesh)
         state = saver.restore(start) if start else run.engine.init(jax.random.key(cfg.train.seed))
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
@@ -90,7 +102,7 @@ def train(
                 "(raise train.steps to go on, or --restart to start again)"
             )
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
-        say(console.startup(run.report, n_params, jax.devices()[0].platform))
+        say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
         files = out_dir if out_dir and lead else None
         if files:
             files.mkdir(parents=True, exist_ok=True)
@@ -283,6 +295,47 @@ def run_loop(
     return loop
 
 
+def _leaves(batch) -> list[tuple[str, object]]:
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(batch)]
+
+
+def check_first_batch(batch, cfg: Config) -> None:
+    """batches(0) is the whole global batch: arrays of train.batch_size rows each."""
+    want = cfg.train.batch_size
+    for path, x in _leaves(batch):
+        shape = getattr(x, "shape", None)
+        if shape is None or not shape:
+            raise ConfigError(
+                f"batches(0){path} is {type(x).__name__} {shape or ''}: a batch is a pytree "
+                f"of arrays with a leading dim of train.batch_size={want} rows"
+            )
+        if shape[0] != want:
+            raise ConfigError(
+                f"batches(0){path} has {shape[0]} rows (shape {tuple(shape)}) but "
+                f"train.batch_size={want}: batches(step) returns the whole global batch of "
+                f"every data shard; return {want} rows, or set train.batch_size={shape[0]}"
+            )
+
+
+def _check_batch(batch, shapes, step: int, rows: int | None = None) -> None:
+    """Every batch like the first (the compiled step's shapes): cheap, and it names the
+    leaf and both shapes instead of failing inside the step."""
+    got, want = _leaves(batch), _leaves(shapes)
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise ConfigError(
+            f"batches({step}) has leaves {[p for p, _ in got]}, but batches(0) had "
+            f"{[p for p, _ in want]}: every batch must have the same structure"
+        )
+    for (path, x), (_, w) in zip(got, want, strict=True):
+        expected = (w.shape[0] if rows is None else rows, *w.shape[1:])
+        if tuple(np.shape(x)) != expected or np.dtype(x.dtype) != np.dtype(w.dtype):
+            raise ConfigError(
+                f"batches({step}){path} is {np.dtype(x.dtype).name}{list(np.shape(x))}, but the "
+                f"step was compiled for {np.dtype(w.dtype).name}{list(expected)} (batches(0)'s, "
+                f"train.batch_size={w.shape[0]}): every batch must have the same shapes"
+            )
+
+
 def takes_rows(batches: Callable) -> bool:
     """Whether `batches` can build a slice of the global batch: batches(step, rows=...)."""
     return "rows" in inspect.signature(batches).parameters
@@ -292,7 +345,9 @@ def batch_for(batches: Callable, step: int, sharding, shape_of):
     """Global batch `step` as a global array. With many processes each puts in only the
     rows of its own devices, and builds only those when `batches` takes `rows`."""
     if jax.process_count() == 1:
-        return jax.device_put(batches(step), sharding)
+        batch = batches(step)
+        _check_batch(batch, shape_of, step)
+        return jax.device_put(batch, sharding)
     global_rows = jax.tree.leaves(shape_of)[0].shape[0]
     spans = [i[0] for i in sharding.addressable_devices_indices_map((global_rows,)).values()]
     mine = slice(min(s.start or 0 for s in spans), max(s.stop or global_rows for s in spans))
@@ -301,6 +356,7 @@ def batch_for(batches: Callable, step: int, sharding, shape_of):
         if takes_rows(batches)
         else jax.tree.map(lambda x: x[mine], batches(step))
     )
+    _check_batch(local, shape_of, step, rows=mine.stop - mine.start)
     return jax.tree.map(
         lambda x, g: jax.make_array_from_process_local_data(sharding, x, g.shape),
         local,
@@ -341,35 +397,6 @@ def _checkpoint_dir(cfg: Config, out_dir: Path | None) -> Path | None:
     if cfg.checkpoint.dir:
         return Path(cfg.checkpoint.dir)
     return out_dir / "checkpoints" if out_dir else None
-
-
-def _refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:
-    """A run directory holding another run's files, from a run that kept no checkpoints,
-    is not overwritten (one that did is resumed, from step 0 if none had completed)."""
-    found = [name for name in RUN_FILES if out_dir and (out_dir / name).exists()]
-    if found and not (ckpt_dir and ckpt_dir.exists()):
-        raise ConfigError(
-            f"--out {out_dir}: holds a run ({', '.join(found)}) with no checkpoint to "
-            "resume from; use --restart to set it aside, or another --out"
-        )
-
-
-def _set_aside(out_dir: Path | None, ckpt_dir: Path | None, say) -> None:
-    """--restart: move an earlier run's files and checkpoints into a dated folder."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = []
-    if out_dir and out_dir.is_dir():
-        aside = out_dir / f"set-aside-{stamp}"
-        for name in (*RUN_FILES, "checkpoints"):
-            if (out_dir / name).exists():
-                aside.mkdir(exist_ok=True)
-                os.replace(out_dir / name, aside / name)
-                moved.append(str(aside / name))
-    if ckpt_dir and ckpt_dir.exists():
-        aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
-        os.replace(ckpt_dir, aside)
-        moved.append(str(aside))
-    say(f"restart: set aside {', '.join(moved)}" if moved else "restart: nothing to set aside")
 
 
 def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: _Saver) -> str:

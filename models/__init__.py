@@ -107,4 +107,5 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
     """Train a shipped model as the config says (what `jaxpar train` runs)."""
     mesh = build_mesh(cfg.parallel)
     shipped, batches = problem(cfg, describe(mesh))
-    return train(shipped, cfg, batches, out_dir=out_dir, mesh=mesh, **kwargs)
+    source = data.describe(cfg.data, cfg.train)
+    return train(shipped, cfg, batches, out_dir=out_dir, mesh=mesh, source=source, **kwargs)

@@ -51,17 +51,6 @@ def _last(vector: nnx.Param, like: jax.Array) -> jax.Array:
     return vector[...].astype(like.dtype).reshape((1,) * (like.ndim - 1) + (-1,))
 
 
-def stack(make, layers: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`layers` copies of make(rngs) stacked on a leading `layers` dim (for scan_layers)."""
-
-    @nnx.split_rngs(splits=layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def build(rngs):
-        return make(rngs)
-
-    return build(rngs)
-
-
 def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Array:
     """Token lookup as one-hot @ table: with the table split over vocab this is Megatron's
     vocab-parallel embedding (each shard looks up its rows, one all-reduce sums them)."""

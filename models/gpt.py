@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import Model
-from jaxpar.layers import constrain, param, scan_layers
+from jaxpar.layers import constrain, param, scan_layers, stack
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal, stack
+from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal
 
 
 class Attention(nnx.Module):

@@ -6,9 +6,9 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxpar.config import Model
-from jaxpar.layers import constrain, param, scan_layers
+from jaxpar.layers import constrain, param, scan_layers, stack
 from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal, stack
+from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal
 
 
 class Residual(nnx.Module):

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 import jaxpar
-from jaxpar import BATCH, EMBED, LAYERS, MLP, VOCAB
+from jaxpar import BATCH, EMBED, MLP, VOCAB
 
 FEATURES, WIDTH, CLASSES, DEPTH = 32, 128, 16, 4
 
@@ -35,12 +35,7 @@ class Classifier(nnx.Module):
         init = nnx.initializers.normal(0.05)
         self.inp = jaxpar.param(rngs, init, (FEATURES, WIDTH), (VOCAB, EMBED))
 
-        @nnx.split_rngs(splits=DEPTH)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-        def blocks(rngs):
-            return Block(rngs)
-
-        self.blocks = blocks(rngs)
+        self.blocks = jaxpar.stack(Block, DEPTH, rngs)  # a leading `layers` dim
         self.out = jaxpar.param(rngs, init, (WIDTH, CLASSES), (EMBED, VOCAB))
 
     def __call__(self, x):

@@ -12,7 +12,8 @@ import numpy as np
 
 import models
 from jaxpar import config
-from jaxpar.mesh import AXES, build_mesh, describe
+from jaxpar.axes import AXES
+from jaxpar.mesh import build_mesh, describe
 from jaxpar.report import Report
 from jaxpar.run import Run, prepare
 from jaxpar.trainer import train

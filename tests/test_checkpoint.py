@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 import jaxpar
 import models
 from jaxpar import cli, config
-from jaxpar.mesh import AXES, build_mesh, describe
+from jaxpar.axes import AXES
+from jaxpar.mesh import build_mesh, describe
 from jaxpar.step import build
 
 

@@ -59,10 +59,10 @@ BAD = {
     "batch": (["parallel.data=8", "train.batch_size=12"], ["train.batch_size=12", "data(8)"]),
     "accum": (["parallel.data=8", "train.grad_accum=3"], ["train.grad_accum(3)", "24"]),
     "unknown-key": (["train.stepz=3"], ["train.stepz", "did you mean train.steps"]),
-    "unknown-section": (["trainer.steps=3"], ["trainer", "unknown key"]),
+    "unknown-section": (["trainer.steps=3"], ["trainer: unknown section", "did you mean train?"]),
     "type": (["train.steps=abc"], ["train.steps='abc'", "expected int"]),
-    "negative": (["train.lr=-1"], ["train.lr=-1", "positive"]),
-    "zero-steps": (["train.steps=0"], ["train.steps=0", "positive"]),
+    "negative": (["train.lr=-1"], ["train.lr=-1", "out of range", "> 0"]),
+    "zero-steps": (["train.steps=0"], ["train.steps=0", ">= 1"]),
     "choice": (["parallel.zero=4"], ["parallel.zero=4", "[0, 1, 2, 3]"]),
     "missing-file": (
         ["data.source=file", "data.path=/no/such.txt"],
@@ -107,7 +107,7 @@ BAD = {
     "schedule-name": (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe"]),
     "microbatches-no-pipe": (["parallel.microbatches=2"], ["needs parallel.pipeline > 1"]),
     "dp-mode": (["parallel.dp_collective=tree"], ["parallel.dp_collective='tree'", "ring"]),
-    "bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0", "positive"]),
+    "bucket": (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0", "> 0"]),
     "offload": (["parallel.offload=disk"], ["parallel.offload='disk'", "optimizer"]),
     "offload-params": (
         ["parallel.offload=optimizer+params", "parallel.zero=1"],
@@ -125,12 +125,22 @@ BAD = {
         ["parallel.dp_collective=server", "parallel.zero=1"],
         ["dp_collective=server", "parallel.zero=1", "ZeRO"],
     ),
-    "zero-degree": (["parallel.tensor=0"], ["parallel.tensor=0", "-1 (the rest)"]),
+    "zero-degree": (["parallel.tensor=0"], ["parallel.tensor=0", "(or -1)"]),
+    "virtual-no-pipeline": (
+        ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+        ["parallel.virtual_stages=2", "needs parallel.pipeline > 1"],
+    ),
+    "path-without-file-source": (
+        ["data.path=notes.txt"],
+        ["data.path='notes.txt'", "data.source=corpus", "add data.source=file"],
+    ),
+    "empty-key": ([".=1"], ["'.=1'", "empty part"]),
+    "stray-dot": (["paralel.tensor=2"], ["paralel: unknown section; did you mean parallel?"]),
 }
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_bad_input_exits_2_with_one_message(case, capsys, devices):
+def test_bad_input_exits_2_with_one_message(case, capsys, devices, tmp_path):
     overrides, needles = BAD[case]
     code = cli.main(
         [
@@ -141,7 +151,7 @@ def test_bad_input_exits_2_with_one_message(case, capsys, devices):
             "8",
             *overrides,
             "--out",
-            "/nonexistent/never-written",
+            str(tmp_path / "never-written"),
         ]
     )
     err = capsys.readouterr().err
@@ -149,6 +159,7 @@ def test_bad_input_exits_2_with_one_message(case, capsys, devices):
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, err
+    assert not (tmp_path / "never-written").exists()
 
 
 def test_short_corpus_file(tmp_path, capsys, devices):

@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import dp
-from jaxpar.mesh import AXES, DATA
+from jaxpar.axes import AXES, DATA
 from jaxpar.sharding import LeafSpecs
 
 MESHES = {"dp8": ("parallel.data=8",), "dp4-tp2": ("parallel.data=4", "parallel.tensor=2")}

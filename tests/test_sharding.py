@@ -4,7 +4,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.sharding import EMBED, HEADS, LAYERS, MLP, RULES, VOCAB, leaf_specs, plan
+from jaxpar.sharding import (
+    EMBED,
+    HEADS,
+    LAYERS,
+    MLP,
+    RULES,
+    VOCAB,
+    leaf_specs,
+    plan,
+    unsplit_leaves,
+)
 
 MESH = {"data": 4, "pipeline": 1, "tensor": 2}
 
@@ -43,8 +53,19 @@ def test_unknown_logical_name_is_an_error():
 def test_zero_refuses_to_leave_much_replicated():
     names = {"big": (EMBED, MLP), "small": (MLP,)}
     shapes = {"big": (6, 6), "small": (2,)}  # nothing divisible by data=4
-    with pytest.raises(ConfigError, match=r"2 parameter leaves .*largest: big \(6, 6\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"2 parameter leaves .*largest: big \[6, 6\]: dim 0 \(6\) is not divisible by data=4",
+    ):
         plan(names, shapes, zero=1, mesh_shape={**MESH, "tensor": 1})
     # A tiny unsplit leaf among large split ones is allowed (and reported by the trainer).
     shapes = {"big": (64, 64), "small": (2,)}
     assert plan(names, shapes, zero=1, mesh_shape={**MESH, "tensor": 1})["small"].opt == P(None)
+
+
+def test_zero_says_why_a_leaf_stays_replicated():
+    """A bias that tensor already splits is not 'indivisible by data': its dim is taken."""
+    names = {"w": (EMBED, MLP), "b": (MLP,)}
+    shapes = {"w": (256, 256), "b": (64,)}
+    leaf_specs = plan(names, shapes, zero=1, mesh_shape=MESH)
+    assert unsplit_leaves(leaf_specs, shapes, 4) == [("b", (64,), 64, "dim 0 is split by tensor")]

@@ -1,0 +1,66 @@
+"""The run directory (--out / out_dir): checked before anything starts, never mixed
+between two runs, and set aside on --restart. Needs no jax: the command line checks it
+before jax starts."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from jaxpar.errors import ConfigError
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt")
+
+
+def check_writable(path: Path, flag: str = "--out") -> None:
+    """`path` is, or can be made, a directory we can write in: found out by making (and
+    removing) a folder in it or in its nearest existing parent."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a file, not a directory; give a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"{flag} {path}: {parent} is a file, so no directory can be made under it; "
+            "give another path"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".jaxpar-probe-"))
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path}: cannot write in {parent} ({e.strerror}); give a directory "
+            "you can write to"
+        ) from None
+
+
+def refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:
+    """A run directory holding another run's files, from a run that kept no checkpoints,
+    is not overwritten (one that did is resumed, from step 0 if none had completed)."""
+    found = [name for name in RUN_FILES if out_dir and (out_dir / name).exists()]
+    if found and not (ckpt_dir and ckpt_dir.exists()):
+        raise ConfigError(
+            f"--out {out_dir}: holds a run ({', '.join(found)}) with no checkpoint to "
+            "resume from; use --restart to set it aside, or another --out"
+        )
+
+
+def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
+    """--restart: move an earlier run's files and checkpoints into a dated folder; what
+    was moved, and where to."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    if out_dir and out_dir.is_dir():
+        aside = out_dir / f"set-aside-{stamp}"
+        for name in (*RUN_FILES, "checkpoints"):
+            if (out_dir / name).exists():
+                aside.mkdir(exist_ok=True)
+                os.replace(out_dir / name, aside / name)
+                moved.append(str(aside / name))
+    if ckpt_dir and ckpt_dir.exists():
+        aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
+        os.replace(ckpt_dir, aside)
+        moved.append(str(aside))
+    return moved
