@@ -181,7 +181,10 @@ def _yaml(text: str, source: str):
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or e
+        problem = getattr(e, "problem", None) or e
+        if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow
+            where = f" at character {e.position}"
+            problem = f"{e.reason} (#x{e.character:04x})"
         raise ConfigError(f"{source}: not valid YAML{where}: {_one_line(problem)}") from None
     except ValueError as e:  # an integer of more than 4300 digits
         raise ConfigError(f"{source}: {_one_line(e)}") from None
@@ -228,7 +231,7 @@ _NOT_FINITE = re.compile(r"[+-]?\.?(nan|inf|infinity)", re.IGNORECASE)
 def _shown(value) -> str:
     """A value for a message: its repr, cut short."""
     text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+    return text if len(text) <= 40 else f"{text[:16]}... ({len(str(value))} characters)"
 
 
 def _number(key: str, text: str, kind):
@@ -261,6 +264,10 @@ def _coerce(key: str, value, kind):
     if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)
     if type(value) is not kind:
+        if isinstance(value, dict):
+            raise ConfigError(f"{key}: is a key, not a section; write {key}=VALUE")
+        if key in CHOICES:
+            raise ConfigError(f"{key}={_shown(value)}: choose one of {list(CHOICES[key])}")
         raise ConfigError(
             f"{key}={_shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
         )

@@ -18,8 +18,11 @@ def count(n: int) -> str:
     return f"{n:,}"
 
 
-def _comm(comm, minimum: str) -> str:
-    return f"{_ratio(comm.ratio)} x {minimum} ({' + '.join(comm.ratio_axes)})"
+def _comm(report: Report, minimum: str) -> str:
+    """'1.002 x the minimum (data + tensor)': the axes whose traffic the ratio is of."""
+    comm = report.comm
+    axes = [a for a in comm.ratio_axes if report.mesh[a] > 1] or comm.ratio_axes
+    return f"{_ratio(comm.ratio)} x {minimum} ({' + '.join(axes)})"
 
 
 def startup(report: Report, params: int, platform: str, source: str) -> str:
@@ -42,7 +45,7 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
         ),
         f"  state     {report.state_bytes.ratio:.3f} x the ZeRO formula",
         f"  comm      {human_bytes(comm.wire_bytes_per_device)} per device per "
-        f"step; {_comm(comm, 'the textbook minimum')}",
+        f"step; {_comm(report, 'the textbook minimum')}",
         f"  compiled  in {report.compile_s:.1f} s",
     ]
     if any((host.params, host.opt_state, host.activations, host.temp)):
@@ -85,7 +88,7 @@ def closing(report: Report, losses: list[float]) -> str:
         ],
         [
             "comm / device",
-            f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report.comm, 'minimum')})",
+            f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report, 'minimum')})",
         ],
     ]
     return "\n" + table(rows, ["done", report.strategy])

@@ -21,12 +21,7 @@ class Classifier(nnx.Module):
         init = nnx.initializers.normal(0.1)
         self.inp = jaxpar.param(rngs, init, (FEATURES, HIDDEN), (VOCAB, EMBED))
 
-        @nnx.split_rngs(splits=3)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-        def blocks(rngs):
-            return Block(rngs)
-
-        self.blocks = blocks(rngs)
+        self.blocks = jaxpar.stack(Block, 3, rngs)
         self.out = jaxpar.param(rngs, init, (HIDDEN, CLASSES), (EMBED, MLP))
 
     def __call__(self, x):
@@ -106,3 +101,101 @@ def test_unmatched_leaf_names_the_path():
         assert "['b']" in str(e) and "no rule matches" in str(e)
     else:
         raise AssertionError("an unmatched leaf must be an error")
+
+
+def test_stack_is_the_hand_written_vmap_stack():
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def by_hand(rngs):
+        return Block(rngs)
+
+    ours, theirs = nnx.state(jaxpar.stack(Block, 3, nnx.Rngs(5))), nnx.state(by_hand(nnx.Rngs(5)))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(ours), nnx.to_flat_state(theirs), strict=True):
+        assert a.get_metadata()["out_sharding"] == b.get_metadata()["out_sharding"], path
+        np.testing.assert_array_equal(a.get_value(), b.get_value())
+
+
+def test_a_stack_without_the_layers_name_says_how_to_fix_it():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs):
+                return Block(rngs)
+
+            self.blocks = blocks(rngs)
+
+    with pytest.raises(jaxpar.ConfigError) as e:
+        jaxpar.from_nnx(Plain, nnx_loss)
+    assert "parameter blocks/v (2, 128, 64): 2 logical names" in str(e.value)
+    assert "jaxpar.stack(make_layer, n, rngs)" in str(e.value)
+    assert "nnx.PARTITION_NAME: jaxpar.LAYERS" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "rows, batch_size, accum, needle",
+    [
+        (12, 16, 4, "batches(0)['x'] has 12 rows (shape (12, 16)) but train.batch_size=16"),
+        (64, 32, 1, "batches(0)['x'] has 64 rows (shape (64, 16)) but train.batch_size=32"),
+    ],
+)
+def test_a_batch_of_the_wrong_size_is_refused_by_name(devices, rows, batch_size, accum, needle):
+    cfg = jaxpar.Config(
+        parallel=jaxpar.Parallel(data=8),
+        train=jaxpar.Train(batch_size=batch_size, grad_accum=accum),
+    )
+    wrong = lambda step: {k: v[:rows] for k, v in tiled(step).items()}  # noqa: E731
+    with pytest.raises(jaxpar.ConfigError) as e:
+        jaxpar.train(jaxpar.from_nnx(Classifier, nnx_loss), cfg, wrong, quiet=True)
+    assert needle in str(e.value)
+
+
+def tiled(step: int) -> dict:
+    return {k: np.concatenate([v, v]) for k, v in batches(step).items()}  # 64 rows
+
+
+def test_a_later_batch_unlike_the_first_is_refused(devices):
+    cfg = jaxpar.Config(
+        parallel=jaxpar.Parallel(data=1), train=jaxpar.Train(steps=3, batch_size=32)
+    )
+
+    def changing(step):  # from step 1 on, labels get a trailing dim
+        batch = batches(step)
+        return batch if step < 1 else {**batch, "y": batch["y"][:, None]}
+
+    with pytest.raises(
+        jaxpar.ConfigError,
+        match=r"batches\(1\)\['y'\] is int32\[32, 1\], but the step was compiled for int32\[32\]",
+    ):
+        jaxpar.train(
+            jaxpar.from_nnx(Classifier, nnx_loss),
+            cfg,
+            changing,
+            mesh=jaxpar.build_mesh(cfg.parallel, devices[:1]),
+            quiet=True,
+        )
+
+
+def test_step_one_is_logged_whatever_log_every(devices):
+    cfg = jaxpar.Config(
+        parallel=jaxpar.Parallel(data=1), train=jaxpar.Train(steps=6, batch_size=32, log_every=5)
+    )
+    mesh = jaxpar.build_mesh(cfg.parallel, devices[:1])
+    result = jaxpar.train(
+        jaxpar.from_nnx(Classifier, nnx_loss), cfg, batches, mesh=mesh, quiet=True
+    )
+    assert [row["step"] for row in result.rows] == [1, 5, 6]
+
+
+def test_the_names_the_readme_uses_are_exported():
+    from jaxpar import layers, problem
+
+    assert jaxpar.Stages is problem.Stages and jaxpar.stack is layers.stack
+    assert {"Stages", "stack", "to_nnx", "Result", "train", "from_nnx"} <= set(dir(jaxpar))
+
+
+def test_use_cpu_devices_after_jax_started_names_the_function(devices):
+    with pytest.raises(jaxpar.ConfigError) as e:
+        jaxpar.mesh.use_cpu_devices(4)
+    assert "jaxpar.mesh.use_cpu_devices(4) before anything touches jax" in str(e.value)
+    jaxpar.mesh.use_cpu_devices(8)  # what it already has: fine

@@ -3,7 +3,7 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar.bench import run_bench
+from jaxpar.bench import Base, run_bench
 
 
 @pytest.mark.slow
@@ -27,3 +27,14 @@ def test_unknown_section_exits_2():
         "jaxpar: error: jaxpar bench --only warp: no such section; "
         "choose from strategies schedules dp offload remat checkpoint"
     )
+
+
+@pytest.mark.slow
+def test_bench_takes_a_config_and_skips_what_it_cannot_split(devices, capsys):
+    base = Base("gpt-tiny", ("model.heads=2", "model.embed=32"))
+    rows = run_bench(base, steps=1, only=["strategies"])["strategies"]
+    assert rows["dp8-zero0"]["report"].config["model"]["embed"] == 32
+    assert "model.heads=2 is not divisible by parallel.tensor=8" in rows["tp8"]["skipped"]
+    out = capsys.readouterr().out
+    assert "gpt-tiny model.heads=2 model.embed=32 on 8 cpu devices" in out
+    assert "skipped tp8: model.heads=2" in out

@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from helpers import jaxpar_command
+from helpers import compile_only, jaxpar_command
 
-from jaxpar import cli
+import jaxpar
+from jaxpar import cli, config, console
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
@@ -73,3 +74,26 @@ def test_a_stray_argument_is_refused(capsys):
         err.startswith("jaxpar: error: unrecognized arguments: --warp 9") and err.count("\n") == 1
     )
     assert "jaxpar train --help" in err
+
+
+def test_help_lists_every_config_key_and_version():
+    top = jaxpar_command("--help")
+    assert top.returncode == 0 and "jaxpar train --help" in top.stdout
+    assert "dispatch" not in top.stdout  # no developer notes
+    helped = jaxpar_command("train", "--help").stdout
+    for key in config.RANGES | config.CHOICES:
+        assert f"  {key}=" in helped, key
+    assert "--force" in helped and "numbers as 1e-3" in helped
+    assert jaxpar_command("--version").stdout.strip() == f"jaxpar {jaxpar.__version__}"
+
+
+def test_console_counts_and_qualifiers(devices):
+    report = compile_only("gpt-tiny", ("parallel.data=1",))
+    header = console.startup(report, 1536, "cpu", "synthetic")
+    assert "1,536 parameters" in header and "(1 cpu device)" in header
+    assert console.count(12_345_678) == "12.3 M" and console.count(999) == "999"
+    report = compile_only("gpt-tiny", ("parallel.data=8",))
+    done = report.trained(tokens_per_step=1024, final_loss=1.0, step_time_s=0.1, tokens_per_s=1e4)
+    closing = console.closing(done, [2.0, 1.0])
+    assert "x minimum (data))" in closing  # the axes the minimum is over, as in the header
+    assert "x the textbook minimum (data)" in console.startup(report, 1, "cpu", "corpus")
