@@ -53,7 +53,7 @@ def train(
     cfg: Config,
     batches: Callable[[int], dict],
     *,
-    out_dir: Path | None = None,
+    out_dir: str | Path | None = None,
     mesh=None,
     progress: bool = True,
     quiet: bool = False,
@@ -68,6 +68,7 @@ def train(
     earlier run's files and checkpoints aside and starts fresh. A step that would not
     fit in memory is refused (ConfigError) unless `force`. `source` names the data in
     the start-up summary."""
+    out_dir = None if out_dir is None else Path(out_dir)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
