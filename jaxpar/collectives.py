@@ -37,12 +37,41 @@ def blockwise(fn, xs, specs):
     )(xs)
 
 
-def gather(x, dim: int, spec: PartitionSpec, axis: str = DATA, ring: bool = False):
-    """All-gather a ZeRO-split leaf over `axis` along `dim` (spec: its compute spec); with
-    `ring`, by ring_all_gather (whose gradient is then a ring reduce-scatter)."""
+def gather(
+    x,
+    dim: int,
+    spec: PartitionSpec,
+    axis: str = DATA,
+    ring: bool = False,
+    dtype=None,
+    reduce_dtype=None,
+):
+    """All-gather a ZeRO-split leaf over `axis` along `dim` (spec: its compute spec), cast
+    to `dtype` (default: its own) first. The values move as raw bits (an unsigned integer
+    of their width), so no backend widens a bf16 gather to f32: what moves is exactly
+    the compute-dtype values. The gradient is reduce-scattered in `reduce_dtype`
+    (default: `dtype`) and arrives in x's dtype. With `ring`, both go round a ring of
+    ppermutes instead of XLA's collectives."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    reduce_dtype = jnp.dtype(reduce_dtype or dtype)
+    bits, in_dtype = jnp.dtype(f"uint{8 * dtype.itemsize}"), x.dtype
     if ring:
-        return blockwise(partial(ring_all_gather, axis=axis, dim=dim), x, spec)
-    return blockwise(partial(jax.lax.all_gather, axis_name=axis, axis=dim, tiled=True), x, spec)
+        move = partial(ring_all_gather, axis=axis, dim=dim)
+        scatter = partial(ring_reduce_scatter, axis=axis, dim=dim)
+    else:
+        move = partial(jax.lax.all_gather, axis_name=axis, axis=dim, tiled=True)
+        scatter = partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True)
+
+    @jax.custom_vjp
+    def gathered(x):
+        raw = jax.lax.bitcast_convert_type(x.astype(dtype), bits)
+        return jax.lax.bitcast_convert_type(blockwise(move, raw, spec), dtype)
+
+    def backward(_, g):
+        return (blockwise(scatter, g.astype(reduce_dtype), spec).astype(in_dtype),)
+
+    gathered.defvjp(lambda x: (gathered(x), None), backward)
+    return gathered(x)
 
 
 def reduce(x, spec: PartitionSpec, axis: str = DATA):

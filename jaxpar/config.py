@@ -63,6 +63,9 @@ class Train:
     seed: int = 0  # seeds parameters and data
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)
+    # the dtype gradients are summed over `data` in: fp32 | compute (train.precision's:
+    # half the bytes in bf16, at bf16's rounding of each device's gradient and the sum)
+    grad_reduce_dtype: str = "fp32"
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables it
     log_every: int = 1  # write a metrics row every N steps
     # a step whose loss or gradients are not finite: stop (save the last good state,
@@ -106,6 +109,7 @@ CHOICES = {
     "parallel.offload": ("none", "optimizer", "optimizer+params"),
     "model.name": ("gpt", "mlp"),
     "train.precision": ("fp32", "bf16"),
+    "train.grad_reduce_dtype": ("fp32", "compute"),
     "data.source": ("corpus", "file", "synthetic"),
     "train.on_nonfinite": ("stop", "skip"),
 }

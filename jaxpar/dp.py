@@ -18,14 +18,28 @@ from jaxpar.axes import DATA
 SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
 
 
-def reduce(grads, specs, todo, mode: str, bucket_bytes: float):
+def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None):
     """Reduce each gradient leaf over `data` as `todo` says (SUM, SCATTER along its ZeRO
-    dim, or None: leave it); `specs` are the leaves' LeafSpecs."""
-    leaves, treedef = jax.tree.flatten(grads)
-    leaf_specs = treedef.flatten_up_to(specs)
+    dim, or None: leave it), summed in `dtype` (default: its own) and returned in its
+    own; `specs` are the leaves' LeafSpecs."""
+    original, treedef = jax.tree.flatten(grads)
+    todo_list = treedef.flatten_up_to(todo)
+    reduced = _reduce(
+        [
+            g if t is None or dtype is None else g.astype(dtype)
+            for g, t in zip(original, todo_list, strict=True)
+        ],
+        treedef.flatten_up_to(specs),
+        todo_list,
+        mode,
+        bucket_bytes,
+    )
+    return treedef.unflatten([r.astype(g.dtype) for r, g in zip(reduced, original, strict=True)])
+
+
+def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float) -> list:
     spec_list = [s.compute for s in leaf_specs]
     dim_list = [s.dim for s in leaf_specs]
-    todo_list = treedef.flatten_up_to(todo)
     if mode == "xla":
         out = [
             g
@@ -35,7 +49,7 @@ def reduce(grads, specs, todo, mode: str, bucket_bytes: float):
             else collectives.reduce_scatter(g, d, s)
             for g, s, t, d in zip(leaves, spec_list, todo_list, dim_list, strict=True)
         ]
-        return treedef.unflatten(out)
+        return out
     chosen = [i for i, t in enumerate(todo_list) if t is not None]
 
     def run(blocks):
@@ -54,8 +68,7 @@ def reduce(grads, specs, todo, mode: str, bucket_bytes: float):
                     out[i] = r
         return out
 
-    reduced = collectives.blockwise(run, leaves, spec_list)
-    return treedef.unflatten(reduced)
+    return collectives.blockwise(run, leaves, spec_list)
 
 
 def buckets(sizes_bytes: list[int], bucket_bytes: float) -> list[list[int]]:

@@ -106,33 +106,56 @@ def minimum_bytes(
     compute_bytes: int,
     accum: int,
     tensor_elements: int | None,
+    reduce_bytes: int = 4,
+    gathers=None,
 ) -> dict[str, float | None]:
-    """Textbook wire bytes per device per step, by axis.
+    """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
 
-    data: ZeRO-0 ring all-reduce 2(N-1)/N of the fp32 gradient; ZeRO-1/2 reduce-scatter
-    of the gradient (ZeRO-2: every micro-batch) + all-gather of the updated fp32
-    parameters, (N-1)/N each; ZeRO-3 per micro-batch: gather for forward, again for
-    backward, reduce-scatter of the gradient, (N-1)/N each in the compute dtype.
-    Leaves ZeRO cannot split pay the all-reduce. tensor: Megatron's all-reduces of
-    activations, 2(T-1)/T of `tensor_elements` (per micro-batch) each.
+    data: ZeRO-0 ring all-reduce 2(N-1)/N of the gradient; ZeRO-1/2 reduce-scatter of
+    the gradient (ZeRO-2: every micro-batch) + all-gather of the updated fp32
+    parameters, (N-1)/N each; ZeRO-3 per micro-batch: each leaf gathered `gathers` times
+    in the compute dtype (a layer stack's leaves twice, for forward and again for
+    backward, one layer whole at a time; a leaf outside the stack once, kept whole until
+    its backward), and its gradient reduce-scattered, (N-1)/N each. Gradients are summed
+    in `reduce_bytes` per element (train.grad_reduce_dtype). Leaves ZeRO cannot split pay
+    the all-reduce. tensor: Megatron's all-reduces of activations, 2(T-1)/T of
+    `tensor_elements` (per micro-batch) each, in the compute dtype.
     """
     n, t = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1)
     ring, share = 2 * (n - 1) / n, (n - 1) / n
     data = 0.0
-    for s, shape in _pairs(specs, shapes):
+    counts = [2] * len(_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
+    for (s, shape), times in zip(_pairs(specs, shapes), counts, strict=True):
         local = _local_elems(shape, s.compute, mesh_shape)
         if zero == 0 or s.dim is None:
-            data += ring * 4 * local
+            data += ring * reduce_bytes * local
         elif zero in (1, 2):
-            data += share * 4 * local * ((accum if zero == 2 else 1) + 1)
+            data += share * local * (reduce_bytes * (accum if zero == 2 else 1) + 4)
         else:
-            data += share * compute_bytes * local * 3 * accum
+            data += share * local * (times * compute_bytes + reduce_bytes) * accum
     tensor = (
         None
         if tensor_elements is None
         else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
     )
     return {DATA: data, TENSOR: tensor}
+
+
+def assumes(zero: int, compute: str, reduce: str) -> str:
+    """What the minimum counts, with the dtypes, in words (summary.json's comm.assumes)."""
+    grads = f"gradients summed in {reduce}"
+    if zero == 0:
+        return f"ZeRO-0: one all-reduce of the {grads}"
+    if zero in (1, 2):
+        return (
+            f"ZeRO-{zero}: reduce-scatter of the {grads}"
+            + (" every micro-batch" if zero == 2 else "")
+            + ", all-gather of the updated fp32 parameters"
+        )
+    return (
+        f"ZeRO-3: parameters gathered in {compute}, a layer stack's twice (forward, "
+        f"backward) and other leaves once per micro-batch; {grads}, reduce-scattered"
+    )
 
 
 def _pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
@@ -228,9 +251,11 @@ def across_processes(led: Ledger, axis: str, process_of: list[int]) -> float:
     return total
 
 
-def comm(led: Ledger, minimum: dict[str, float | None], process_of: list[int]) -> Comm:
+def comm(
+    led: Ledger, minimum: dict[str, float | None], process_of: list[int], assumed: str = ""
+) -> Comm:
     """Wire bytes against the textbook minimum, on the axes that have one; `process_of`
-    is each mesh position's process."""
+    is each mesh position's process; `assumed` says what the minimum counts."""
     wire = {axis: led.wire_bytes({axis}) for axis in (DATA, TENSOR)}
     known = [a for a in wire if minimum[a] is not None]
     total_min = sum(minimum[a] for a in known)
@@ -242,6 +267,7 @@ def comm(led: Ledger, minimum: dict[str, float | None], process_of: list[int]) -
             a: AxisComm(wire[a], minimum[a], across_processes(led, a, process_of)) for a in wire
         },
         ratio_axes=known,
+        assumes=assumed,
         busiest_device_bytes=led.busiest_device_bytes(),
         unknown_trip_counts=led.unknown_trip_counts,
     )

@@ -57,6 +57,9 @@ class Problem:
     # rows of one micro-batch -> activation elements the model all-reduces over `tensor`
     # per micro-batch (Megatron's count, for the ledger's minimum); None: not known
     tensor_elements: Callable[[int], int] | None = None
+    # whether a layer stack's leaves are read a layer at a time (scan_layers: from_nnx)
+    # or whole (from_pytree): what ZeRO-3 gathers, and how often
+    scans_layers: bool = True
 
 
 def loss_elements(problem: Problem, batch) -> int:
@@ -186,4 +189,5 @@ def from_pytree(
         shapes=shapes,
         names=names,
         loss=lambda params, batch: loss(whole(params), batch),
+        scans_layers=False,
     )

@@ -59,6 +59,7 @@ class Comm:
     ratio_axes: list[str]
     busiest_device_bytes: float  # sent plus received by the busiest device
     unknown_trip_counts: int  # loops whose collectives were counted once
+    assumes: str = ""  # what the minimum counts, and in which dtypes
 
 
 @dataclass(frozen=True)

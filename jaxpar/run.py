@@ -23,6 +23,7 @@ from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, Report
 from jaxpar.sharding import unsplit_leaves
 from jaxpar.step import DTYPES, Engine, build
+from jaxpar.zero import stack_dims
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def describe_step(
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
     tensor = problem.tensor_elements
+    reduce_bytes = compute_bytes if cfg.train.grad_reduce_dtype == "compute" else 4
     minimum = ledger.minimum_bytes(
         engine.specs,
         trained.shapes,
@@ -123,6 +125,12 @@ def describe_step(
         compute_bytes=compute_bytes,
         accum=cfg.train.grad_accum,
         tensor_elements=tensor(split.accum) if tensor and mesh_shape[PIPE] == 1 else None,
+        reduce_bytes=reduce_bytes,
+        gathers=jax.tree.map(
+            lambda names: 2 if trained.scans_layers and stack_dims(names) else 1,
+            trained.names,
+            is_leaf=lambda x: isinstance(x, tuple),
+        ),
     )
     psi = ledger.params_per_device(engine.specs, trained.shapes, mesh_shape)
     formula = ledger.state_formula(par.zero, psi, mesh_shape[DATA], par.offload != "none")
@@ -147,7 +155,14 @@ def describe_step(
         state_bytes=ledger.state_bytes(step.executable, step.state_shapes, formula),
         collectives=ledger.kinds(led),
         collective_counts=led.counts(),
-        comm=ledger.comm(led, minimum, [d.process_index for d in mesh.devices.flat]),
+        comm=ledger.comm(
+            led,
+            minimum,
+            [d.process_index for d in mesh.devices.flat],
+            ledger.assumes(
+                par.zero, cfg.train.precision, "fp32" if reduce_bytes == 4 else cfg.train.precision
+            ),
+        ),
     )
 
 

@@ -73,6 +73,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         specs=specs,
         names=trained.names,
         dtype=dtype,
+        reduce_dtype=dtype if cfg.train.grad_reduce_dtype == "compute" else jnp.float32,
         dp_mode=par.dp_collective,
         bucket_bytes=par.bucket_mb * 2**20,
         fetch=par.offload == "optimizer+params",

@@ -1,12 +1,14 @@
 """The ZeRO policy: what every parameter leaf needs over `data` at each point of a step.
 
 Built from the plan (each leaf's LeafSpecs, with the dim ZeRO splits) and the stage:
-- for compute: stage 3 all-gathers a split leaf just before use (a layer stack one
-  layer at a time, inside jaxpar.scan_layers); with parameter offload every stored
-  shard is first fetched from host memory;
+- for compute: stage 3 all-gathers a split leaf just before use, in the compute dtype
+  (a layer stack one layer at a time, inside jaxpar.scan_layers, and again in the
+  backward pass; any other leaf once per micro-batch, kept whole until its backward);
+  with parameter offload every stored shard is first fetched from host memory;
 - per micro-batch: stage 2 reduce-scatters the gradients into a sliced accumulator;
 - per step: stage 0 (and any leaf ZeRO cannot split) all-reduces, stage 1
   reduce-scatters; stage 3 gradients arrive reduce-scattered, as the gather's transpose.
+Gradients are summed over `data` in `reduce_dtype` (train.grad_reduce_dtype).
 All of it runs inside the step's shard_map, manual over `data`.
 """
 
@@ -41,6 +43,7 @@ class ZeroPolicy:
     specs: Any  # params pytree of LeafSpecs
     names: Any  # params pytree of logical-name tuples
     dtype: Any  # compute dtype
+    reduce_dtype: Any = jnp.float32  # what gradients are summed over `data` in
     dp_mode: str = "xla"  # parallel.dp_collective: how the reductions (and gathers) run
     bucket_bytes: float = 25 * 2**20  # ring/server bucket size
     fetch: bool = False  # stored parameter shards live in host memory
@@ -58,23 +61,35 @@ class ZeroPolicy:
 
     # --- forward: stored leaf -> what the model computes with ---------------------------
 
+    def _gathered(self, s: LeafSpecs) -> bool:
+        return self.stage >= 3 and s.dim is not None
+
     def _materialize(self, s: LeafSpecs, lead: int, x):
-        """Fetch a stored shard and gather it, `lead` stacking dims already sliced off."""
+        """Fetch a stored shard and gather it (cast to the compute dtype as it goes),
+        `lead` stacking dims already sliced off."""
         if self.fetch:
             x = jax.device_put(x, jax.memory.Space.Device)
-        if self.stage < 3 or s.dim is None:
+        if not self._gathered(s):
             return x
         spec = PartitionSpec(*s.compute[lead:])
-        return collectives.gather(x, s.dim - lead, spec, ring=self.dp_mode == "ring")
+        ring = self.dp_mode == "ring"
+        return collectives.gather(
+            x, s.dim - lead, spec, ring=ring, dtype=self.dtype, reduce_dtype=self.reduce_dtype
+        )
 
     def compute_view(self, params):
         """Stored parameters (any sub-dict of them) -> what the forward pass reads: the
-        compute dtype, ZeRO-3 leaves gathered. Layer stacks are only cast: `layer`
-        gathers them a layer at a time (or `whole`, for a model that does not scan)."""
+        compute dtype, ZeRO-3 leaves gathered. Layer stacks are not gathered here: `layer`
+        gathers them a layer at a time (or `whole`, for a model that does not scan). A
+        leaf to gather stays fp32 until its gather casts it, so that its gradient comes
+        back summed in `reduce_dtype`, not rounded to the compute dtype before (with
+        parameter offload it is cast before the fetch: half the host-device bytes)."""
 
         def one(path, x):
             s, lead = self._by_key[leaf_key(path)]
-            x = x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            cast_now = not self._gathered(s) or self.fetch
+            if cast_now and jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(self.dtype)
             return x if lead else self._materialize(s, 0, x)
 
         return jax.tree_util.tree_map_with_path(one, params)
@@ -129,4 +144,6 @@ class ZeroPolicy:
         return self._reduce(grads, todo)
 
     def _reduce(self, grads, todo):
-        return dp.reduce(grads, self.specs, todo, self.dp_mode, self.bucket_bytes)
+        return dp.reduce(
+            grads, self.specs, todo, self.dp_mode, self.bucket_bytes, self.reduce_dtype
+        )

@@ -44,10 +44,31 @@ def test_state_shrinks_stage_by_stage(devices):
 def test_comm_at_textbook_minimum(devices, overrides):
     comm = summary(*overrides).comm
     assert comm.unknown_trip_counts == 0
-    assert comm.ratio <= 1.05
-    zero3 = "parallel.zero=3" in overrides
-    # Non-layer leaves are gathered once, not twice: ZeRO-3 may beat its textbook figure.
-    assert comm.ratio >= (0.9 if zero3 else 0.99)
+    assert comm.ratio <= 1.02
+    # ZeRO-3: the backward pass does not gather b_out again (a bias added after a matmul:
+    # nothing recomputed needs its value), 4 layers x 64 x 4 B x 7/8 = 896 B under the
+    # minimum's 2 gathers of every layer leaf, 0.04% of it.
+    assert comm.ratio >= 0.9995
+
+
+@pytest.mark.parametrize(
+    "zero, offload",
+    [(z, o) for z in (1, 2, 3) for o in ("none", "optimizer")] + [(3, "optimizer+params")],
+)
+def test_bf16_zero_moves_the_compute_dtype(devices, zero, offload):
+    """ZeRO-3 gathers bf16 values (moved as 16-bit words, which no backend widens);
+    gradients are reduced in fp32 (train.grad_reduce_dtype's default), as the minimum
+    says; ZeRO-1/2 gather the updated fp32 master weights."""
+    report = summary(
+        "parallel.data=8",
+        f"parallel.zero={zero}",
+        "train.precision=bf16",
+        f"parallel.offload={offload}",
+    )
+    assert 0.9995 <= report.comm.ratio <= 1.02, report.comm.assumes
+    assert "gradients summed in fp32" in report.comm.assumes
+    if zero == 3:
+        assert "gathered in bf16" in report.comm.assumes
 
 
 @pytest.mark.parametrize("zero", [1, 2])
