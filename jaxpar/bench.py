@@ -82,6 +82,20 @@ CHECKPOINTS = {
     "off": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=0"),
     "every=1 (async)": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=1"),
 }
+# Compile time against depth: each layout at these layer counts (the layer stack is
+# scanned, so compiling should not grow with it).
+COMPILE_LAYOUTS = {
+    "dp8": ("parallel.data=8",),
+    "dp8-zero3": ("parallel.data=8", "parallel.zero=3"),
+    "dp2-tp4": ("parallel.data=2", "parallel.tensor=4"),
+    "dp2-pp2-tp2-1f1b": (
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.microbatches=2",
+    ),
+}
+COMPILE_DEPTHS = (4, 8, 16, 32)
 WARMUP = 3
 REPEATS = 3
 
@@ -271,6 +285,28 @@ def _section(title: str, kind: str, configs: dict, columns: dict, steps: int, ba
     return {**results, **{name: {"skipped": reason} for name, reason in skipped.items()}}
 
 
+def compile_seconds(base: Base) -> dict:
+    """Seconds to trace, lower and compile each layout's step at each depth; printed as
+    a table with compile(deepest) / compile(shallowest)."""
+    results = {}
+    for name, overrides in COMPILE_LAYOUTS.items():
+        results[name] = {}
+        for layers in COMPILE_DEPTHS:
+            cfg = config.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
+            mesh = build_mesh(cfg.parallel)
+            problem, batches = models.problem(cfg, describe(mesh))
+            results[name][layers] = prepare(cfg, problem, mesh, batches(0), base.force).step.seconds
+        print(f"compiled {name}", flush=True)
+    first, last = COMPILE_DEPTHS[0], COMPILE_DEPTHS[-1]
+    rows = [
+        [name, *(f"{t[n]:.2f}" for n in COMPILE_DEPTHS), f"{t[last] / t[first]:.2f}"]
+        for name, t in results.items()
+    ]
+    print(f"\ncompile seconds by depth, {base} on {jax.device_count()} devices\n")
+    print(metrics.table(rows, ["layout", *map(str, COMPILE_DEPTHS), f"{last} / {first}"]))
+    return results
+
+
 def run_bench(
     base: Base = Base(), steps: int = 20, out: Path | None = None, only: list[str] | None = None
 ) -> dict:
@@ -314,17 +350,19 @@ def run_bench(
             CHECKPOINT_COLUMNS,
         ),
     }
-    unknown = sorted(set(only or ()) - set(sections))
+    unknown = sorted(set(only or ()) - set(sections) - {"compile"})
     if unknown:
         raise config.ConfigError(
             f"jaxpar bench --only {' '.join(unknown)}: no such section; "
-            f"choose from {' '.join(sections)}"
+            f"choose from {' '.join(sections)} compile"
         )
     results = {
         name: _section(title, kind, configs, columns, steps, base)
         for name, (title, kind, configs, columns) in sections.items()
         if not only or name in only
     }
+    if not only or "compile" in only:
+        results["compile"] = compile_seconds(base)
     if out:
         metrics.write_json(
             out,

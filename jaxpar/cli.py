@@ -115,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp offload remat checkpoint "
+        "compile "
         "(default: all)",
     )
     for p in (train, bench):

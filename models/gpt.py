@@ -37,12 +37,13 @@ class Attention(nnx.Module):
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        scale = q_BxSxHxD.shape[-1] ** -0.5
+        q_BxSxHxD = q_BxSxHxD * q_BxSxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
         att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
         seq = x_BxSxE.shape[1]
-        causal_SxS = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        att_BxHxSxS = jnp.where(causal_SxS, att_BxHxSxS * scale, -1e30)
-        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS, axis=-1).astype(dt)
+        # causal: an additive mask, a constant [S, S] (no [B, H, S, S] select to undo in
+        # the backward pass)
+        mask_SxS = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), 0.0, -1e30)
+        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS + mask_SxS[None, None], axis=-1).astype(dt)
         out_BxSxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))

@@ -38,6 +38,9 @@ def jaxpar_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
         overrides = [
             f"parallel.data={ranks}",
+            "parallel.pipeline=1",
+            "parallel.tensor=1",
+            "train.log_every=1",
             "data.source=synthetic",
             f"model.vocab={VOCAB}",
             f"train.steps={steps}",
@@ -48,9 +51,12 @@ def jaxpar_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
             *(f"model.{k}={shape[k]}" for k in ("layers", "embed", "heads", "mlp")),
             *(f"train.{k}={shape[k]}" for k in ("seq_len", "batch_size")),
         ]
-        cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--cpu-devices", str(ranks)]
-        subprocess.run([*cmd, *overrides, "--out", out], check=True, capture_output=True)
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().split()]
+        cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny"]
+        cmd += ["--cpu-devices", str(ranks), *overrides, "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"jaxpar train failed: {done.stderr.strip().splitlines()[-1]}")
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     tokens = shape["batch_size"] * shape["seq_len"]
     return tokens / statistics.median(r["step_time_s"] for r in rows[len(rows) // 4 :])
 

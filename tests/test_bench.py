@@ -3,6 +3,7 @@
 import pytest
 from helpers import jaxpar_command
 
+from jaxpar import bench
 from jaxpar.bench import Base, run_bench
 
 
@@ -25,7 +26,7 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp offload remat checkpoint"
+        "choose from strategies schedules dp offload remat checkpoint compile"
     )
 
 
@@ -38,3 +39,14 @@ def test_bench_takes_a_config_and_skips_what_it_cannot_split(devices, capsys):
     out = capsys.readouterr().out
     assert "gpt-tiny model.heads=2 model.embed=32 on 8 cpu devices" in out
     assert "skipped tp8: model.heads=2" in out
+
+
+@pytest.mark.slow
+def test_compile_time_does_not_grow_with_depth(devices, monkeypatch, capsys):
+    """The layer stack is scanned: 32 layers compile about as fast as 4 (the target is
+    at most 1.3x; compile times are wall-clock, so the bound is loose)."""
+    monkeypatch.setattr(bench, "COMPILE_LAYOUTS", {"dp8-zero3": bench.COMPILE_LAYOUTS["dp8-zero3"]})
+    monkeypatch.setattr(bench, "COMPILE_DEPTHS", (4, 32))
+    seconds = run_bench(only=["compile"])["compile"]["dp8-zero3"]
+    assert seconds[32] < 1.3 * seconds[4] + 0.5
+    assert "32 / 4" in capsys.readouterr().out
