@@ -1,8 +1,28 @@
-"""8 simulated CPU devices before jax starts; strict numerics."""
+"""8 simulated CPU devices before jax starts; strict numerics; one compilation cache.
+
+The tests compile the same steps many times: references that several tests train, and
+the fresh processes of the command-line, kill -9, script and multi-process tests. A
+persistent compilation cache for the session (also for the processes it starts, by
+the environment) compiles each program once; what runs is the same executable."""
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
+CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-compiled-")
+atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+)
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
