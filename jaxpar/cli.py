@@ -90,6 +90,19 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
     )
+    inspect = sub.add_parser(
+        "inspect",
+        help="compile a step (no run): every leaf's shardings and bytes, the ledger, a picture",
+        description="Compile the configured step without running it; print every parameter "
+        "leaf's shape, logical names, storage / compute / gradient / optimizer-state "
+        "PartitionSpecs and bytes per device, then the ledger's summary; write "
+        "layout.png (the largest leaves and the batch over the mesh) to --out.",
+    )
+    inspect.add_argument("--config", default="default", help="preset or YAML file")
+    inspect.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    inspect.add_argument(
+        "--out", type=Path, default=Path("."), help="where layout.png goes (default: here)"
+    )
     export = sub.add_parser(
         "export", help="write a run's latest parameters to one safetensors file"
     )
@@ -124,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run even where the compiled step's memory looks larger than this machine's",
         )
-    for p in (train, bench, export):
+    for p in (train, bench, inspect, export):
         p.add_argument(
             "--cpu-devices",
             type=int,
@@ -156,7 +169,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     the first flag, so the ones after it come back unparsed and join them here."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "bench")
+    takes_overrides = args.command in ("train", "bench", "inspect")
     stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
     if args.command == "launch":
         args.command_args = [a for a in args.command_args if a != "--"] + rest
@@ -188,8 +201,10 @@ def _run(args: argparse.Namespace) -> int:
         rest = args.command_args
         out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
         return launch(args.processes, args.cpu_devices_per_process, rest, out)
-    cfg = load(args.config, args.overrides) if args.command in ("train", "bench") else None
-    if args.command == "train":
+    cfg = (
+        load(args.config, args.overrides) if args.command in ("train", "bench", "inspect") else None
+    )
+    if args.command in ("train", "inspect"):
         from jaxpar import rundir
 
         name = Path(args.config).stem
@@ -207,6 +222,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
         if result.checkpoints:
             print(f"checkpoints:   {result.checkpoints}")
+    elif args.command == "inspect":
+        from models import inspect_config
+
+        print(inspect_config(cfg, out / "layout.png"))
     elif args.command == "export":
         from jaxpar.export import export
 

@@ -4,9 +4,11 @@ a jaxpar Problem on the configured data (what `jaxpar train` and `jaxpar bench` 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -109,3 +111,26 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
     shipped, batches = problem(cfg, describe(mesh))
     source = data.describe(cfg.data, cfg.train)
     return train(shipped, cfg, batches, out_dir=out_dir, mesh=mesh, source=source, **kwargs)
+
+
+def inspect_config(cfg: Config, picture: Path) -> str:
+    """A shipped model's step as the config says, compiled and not run (`jaxpar
+    inspect`): the leaf table and the ledger's summary; the layout drawn to `picture`."""
+    from jaxpar import console, inspect
+    from jaxpar.run import prepare
+
+    mesh = build_mesh(cfg.parallel)
+    shipped, batches = problem(cfg, describe(mesh))
+    run = prepare(cfg, shipped, mesh, batches(0), force=True)
+    rows = inspect.leaves(run)
+    inspect.draw(run, rows, picture)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shipped.shapes))
+    source = data.describe(cfg.data, cfg.train)
+    return "\n".join(
+        [
+            inspect.leaf_table(rows),
+            "",
+            console.startup(run.report, n_params, mesh.devices.flat[0].platform, source),
+            f"\nlayout picture: {picture}",
+        ]
+    )

@@ -1,0 +1,124 @@
+"""`jaxpar inspect`: a compiled (never run) step, leaf by leaf.
+
+Every parameter leaf with its shape, logical names, its storage / compute / gradient /
+optimizer-state PartitionSpecs and its stored bytes per device; then the ledger's
+summary; and a picture of how the largest leaves and the batch lie over the mesh: one
+panel each, a cell per device, cells holding the same block in the same colour.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.metrics import human_bytes, table
+from jaxpar.run import Run
+from jaxpar.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
+
+PANELS = 3  # largest leaves drawn, besides the batch
+
+
+def _spec(spec: PartitionSpec) -> str:
+    return "(" + ", ".join("-" if a is None else str(a) for a in spec) + ")"
+
+
+def leaves(run: Run) -> list[dict]:
+    """One row per parameter leaf of the trained layout (a pipeline's staged stack)."""
+    trained, mesh = run.engine.problem, run.mesh
+    rows = []
+
+    def visit(path, specs: LeafSpecs, names, shape):
+        stored = NamedSharding(mesh, specs.storage).shard_shape(shape.shape)
+        rows.append(
+            {
+                "path": leaf_key(path),
+                "shape": tuple(shape.shape),
+                "names": tuple(names),
+                **{field: getattr(specs, field) for field in SPEC_FIELDS},
+                "bytes": math.prod(stored) * shape.dtype.itemsize,
+            }
+        )
+
+    jax.tree_util.tree_map_with_path(
+        visit,
+        run.engine.specs,
+        trained.names,
+        trained.shapes,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+    return rows
+
+
+def leaf_table(rows: list[dict]) -> str:
+    header = ["leaf", "shape", "logical names", *SPEC_FIELDS, "bytes/device"]
+    cells = [
+        [
+            r["path"],
+            "x".join(map(str, r["shape"])),
+            " ".join(r["names"]),
+            *(_spec(r[f]) for f in SPEC_FIELDS),
+            human_bytes(r["bytes"]),
+        ]
+        for r in rows
+    ]
+    return table(cells, header)
+
+
+def draw(run: Run, rows: list[dict], path: Path) -> None:
+    """The largest leaves' storage and the batch over the mesh, one panel each."""
+    import matplotlib  # here: only inspect pays the import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mesh = run.mesh
+    largest = sorted(rows, key=lambda r: -math.prod(r["shape"]))[:PANELS]
+    batch = jax.tree.leaves(run.step.batch_shapes)[0]
+    panels = [
+        (f"{r['path']} {list(r['shape'])}\nstorage {_spec(r['storage'])}", r["shape"], r["storage"])
+        for r in largest
+    ] + [(f"batch {list(batch.shape)}", batch.shape, run.engine.batch_sharding.spec)]
+    grid = mesh.devices.reshape(mesh.devices.shape[0], -1)  # data x (pipeline, tensor)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), dpi=110)
+    for ax, (title, shape, spec) in zip(np.atleast_1d(axes), panels, strict=True):
+        blocks = NamedSharding(mesh, spec).devices_indices_map(tuple(shape))
+        names = {}
+        for index in blocks.values():
+            names.setdefault(_slices(index, shape), len(names))
+        colours = plt.get_cmap("tab20", max(len(names), 1))
+        for (i, j), device in np.ndenumerate(grid):
+            label = _slices(blocks[device], shape)
+            ax.add_patch(plt.Rectangle((j, -i - 1), 1, 1, color=colours(names[label]), alpha=0.85))
+            ax.text(
+                j + 0.5, -i - 0.5, f"d{device.id}\n{label}", ha="center", va="center", fontsize=6
+            )
+        ax.set_xlim(0, grid.shape[1])
+        ax.set_ylim(-grid.shape[0], 0)
+        ax.set_xticks([k + 0.5 for k in range(grid.shape[1])])
+        ax.set_xticklabels(
+            [
+                f"p{k // mesh.shape['tensor']} t{k % mesh.shape['tensor']}"
+                for k in range(grid.shape[1])
+            ],
+            fontsize=7,
+        )
+        ax.set_yticks([-k - 0.5 for k in range(grid.shape[0])])
+        ax.set_yticklabels([f"data {k}" for k in range(grid.shape[0])], fontsize=7)
+        ax.set_title(f"{title}\n{len(names)} distinct block(s)", fontsize=8)
+    fig.suptitle(f"{run.report.strategy}: same colour = same block", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _slices(index: tuple, shape) -> str:
+    """A block's index ranges, ':' for a whole dim."""
+    parts = []
+    for s, n in zip(index, shape, strict=False):
+        start, stop = s.start or 0, n if s.stop is None else s.stop
+        parts.append(":" if (start, stop) == (0, n) else f"{start}:{stop}")
+    return "[" + ",".join(parts) + "]"

@@ -1,0 +1,23 @@
+"""`jaxpar inspect`: every leaf's shardings and bytes, from a compiled step never run."""
+
+from helpers import THREE_D_1F1B, prepared
+
+from jaxpar import cli, inspect
+
+
+def test_leaf_bytes_add_up_to_the_compiled_state(devices):
+    run = prepared("gpt-tiny", (*THREE_D_1F1B[:3], "parallel.zero=3", *THREE_D_1F1B[4:]))
+    rows = inspect.leaves(run)
+    assert sum(r["bytes"] for r in rows) == run.report.memory_per_device.params
+    wqkv = next(r for r in rows if r["path"] == "blocks/attn/wqkv")
+    assert wqkv["names"][:2] == ("stage", "layers")  # the pipeline's staged stack
+    assert tuple(wqkv["storage"])[0] == "pipeline" and "data" in tuple(wqkv["storage"])
+
+
+def test_the_command_prints_leaves_and_the_ledger_and_draws(tmp_path, capsys, devices):
+    argv = ["inspect", "--config", "gpt-tiny", "parallel.data=4", "parallel.tensor=2"]
+    assert cli.main([*argv, "parallel.zero=3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "blocks/mlp/w_in" in out and "(-, data, tensor)" in out  # storage: ZeRO + Megatron
+    assert "x the textbook minimum" in out
+    assert (tmp_path / "layout.png").read_bytes()[:4] == b"\x89PNG"
