@@ -90,6 +90,26 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
     )
+    plan = sub.add_parser(
+        "plan",
+        help="rank every parallel layout of a model on N devices, predicted from shapes",
+        description="Enumerate every valid (data, pipeline, tensor, zero, offload, "
+        "microbatches, remat, grad_accum) for the model and global batch of --config and "
+        "the overrides, predict each one's memory, traffic and step time from shapes alone "
+        "(nothing is allocated or compiled), and rank those that fit.",
+    )
+    plan.add_argument("--config", default="default", help="preset or YAML file")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.layers=32")
+    plan.add_argument("--devices", type=int, required=True, metavar="N")
+    plan.add_argument("--hosts", type=int, default=1, metavar="H")
+    plan.add_argument("--device-memory", required=True, metavar="SIZE", help="e.g. 80GB")
+    plan.add_argument("--host-memory", default="1TB", metavar="SIZE", help="per host")
+    plan.add_argument("--peak-tflops", type=float, default=989.0, help="per device (H100 bf16)")
+    plan.add_argument("--mfu", type=float, default=0.4, help="share of the peak reached")
+    plan.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s inside a host")
+    plan.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s between hosts")
+    plan.add_argument("--top", type=int, default=10)
+    plan.add_argument("--out", type=Path, help="write the winning config here (YAML)")
     inspect = sub.add_parser(
         "inspect",
         help="compile a step (no run): every leaf's shardings and bytes, the ledger, a picture",
@@ -169,7 +189,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     the first flag, so the ones after it come back unparsed and join them here."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "bench", "inspect")
+    takes_overrides = args.command in ("train", "bench", "inspect", "plan")
     stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
     if args.command == "launch":
         args.command_args = [a for a in args.command_args if a != "--"] + rest
@@ -194,6 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def _plan(cfg, args: argparse.Namespace) -> int:
+    from jaxpar import planner
+    from models import plan_config
+
+    if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
+        raise ConfigError(
+            f"--devices {args.devices} --hosts {args.hosts}: the devices must split evenly "
+            "over the hosts; give a multiple of --hosts"
+        )
+    machine = planner.Machine(
+        devices=args.devices,
+        hosts=args.hosts,
+        device_memory=planner.parse_bytes(args.device_memory, "--device-memory"),
+        host_memory=planner.parse_bytes(args.host_memory, "--host-memory"),
+        peak_flops=args.peak_tflops * 1e12,
+        mfu=args.mfu,
+        intra_bytes_s=args.intra_gbps * 1e9,
+        inter_bytes_s=args.inter_gbps * 1e9,
+    )
+    print(plan_config(cfg, machine, args.top, args.out))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "launch":
         from jaxpar.distributed import launch
@@ -202,7 +245,9 @@ def _run(args: argparse.Namespace) -> int:
         out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
         return launch(args.processes, args.cpu_devices_per_process, rest, out)
     cfg = (
-        load(args.config, args.overrides) if args.command in ("train", "bench", "inspect") else None
+        load(args.config, args.overrides)
+        if args.command in ("train", "bench", "inspect", "plan")
+        else None
     )
     if args.command in ("train", "inspect"):
         from jaxpar import rundir
@@ -212,6 +257,8 @@ def _run(args: argparse.Namespace) -> int:
         rundir.check_writable(out)
         if cfg.checkpoint.dir:
             rundir.check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    if args.command == "plan":
+        return _plan(cfg, args)
     _setup_devices(args.cpu_devices)
     if args.command == "train":
         from jaxpar.distributed import initialize

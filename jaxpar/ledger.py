@@ -92,7 +92,7 @@ def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
     return Ledger(*collectives(hlo_text, mesh_shape))
 
 
-def _local_elems(shape, spec, mesh_shape) -> float:
+def local_elems(shape, spec, mesh_shape) -> float:
     split = math.prod(mesh_shape[a] for a in spec if a is not None)
     return math.prod(shape) / split
 
@@ -126,7 +126,7 @@ def minimum_bytes(
     data = 0.0
     counts = [2] * len(_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
     for (s, shape), times in zip(_pairs(specs, shapes), counts, strict=True):
-        local = _local_elems(shape, s.compute, mesh_shape)
+        local = local_elems(shape, s.compute, mesh_shape)
         if zero == 0 or s.dim is None:
             data += ring * reduce_bytes * local
         elif zero in (1, 2):
@@ -171,13 +171,13 @@ def _pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
 
 def params_per_device(specs, shapes, mesh_shape: dict) -> float:
     """Parameters one device computes with (split by the rules, not by ZeRO): ZeRO's Psi."""
-    return sum(_local_elems(shape, s.compute, mesh_shape) for s, shape in _pairs(specs, shapes))
+    return sum(local_elems(shape, s.compute, mesh_shape) for s, shape in _pairs(specs, shapes))
 
 
 def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
     """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
     return int(
-        sum(4 * _local_elems(shape, s.grad, mesh_shape) for s, shape in _pairs(specs, shapes))
+        sum(4 * local_elems(shape, s.grad, mesh_shape) for s, shape in _pairs(specs, shapes))
     )
 
 

@@ -134,3 +134,38 @@ def inspect_config(cfg: Config, picture: Path) -> str:
             f"\nlayout picture: {picture}",
         ]
     )
+
+
+def plan_config(cfg: Config, machine, top: int, out: Path | None) -> str:
+    """`jaxpar plan` for a shipped model: every layout ranked, from shapes alone; the
+    winner's config written to `out`."""
+    import yaml
+
+    from jaxpar import planner
+    from jaxpar.errors import ConfigError
+    from jaxpar.metrics import human_bytes
+
+    shapes = from_nnx(
+        lambda rngs: build(cfg.model, cfg.train.seq_len, rngs),
+        next_token_loss,
+        stages(cfg.model, cfg.train.seq_len),
+    )
+    plan = planner.make_plan(cfg, shapes, machine)
+    if not plan.ranked:
+        c = plan.closest
+        hint = (
+            f"the smallest, {c.label()}, needs {human_bytes(c.device)} per device"
+            if c
+            else "no layout splits this model and batch over these devices"
+        )
+        raise ConfigError(
+            f"no layout of {plan.considered} fits in --device-memory "
+            f"{human_bytes(machine.device_memory)}: {hint}; give more devices or memory, "
+            "a smaller train.batch_size, or a smaller model"
+        )
+    text = planner.report(plan, machine, top)
+    if out:
+        winner = config_lib.to_dict(plan.ranked[0].cfg)
+        out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
+        text += f"\nwritten: {out}"
+    return text

@@ -1,0 +1,379 @@
+"""`jaxpar plan`: every parallel layout of a model on N devices, predicted from shapes.
+
+Nothing is allocated or compiled: the model's parameters come from `jax.eval_shape`,
+each candidate's state from the real placement plan (`jaxpar.sharding.plan`) of that
+model, its traffic from the ledger's minimum, its compute from the model FLOPs at a
+stated share of the device peak, and its activations from Korthikanti et al.'s count
+for a transformer layer. Candidates that do not fit are dropped and counted; the rest
+are ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+import jax
+
+from jaxpar import ledger, pipeline
+from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.config import Config, batch_split, check_model, check_train
+from jaxpar.errors import ConfigError
+from jaxpar.metrics import human_bytes, table
+from jaxpar.sharding import plan as placement
+from jaxpar.zero import stack_dims
+
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'80GB', '80 GiB', '1TB' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise ConfigError(
+            f"{flag} {text}: give a size with a unit, e.g. 80GB or 80GiB (units: "
+            f"{', '.join(sorted({u.replace('IB', 'iB') for u in UNITS}))})"
+        )
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class Machine:
+    devices: int
+    hosts: int
+    device_memory: int
+    host_memory: int  # per host
+    peak_flops: float  # per device, in the compute dtype
+    mfu: float  # the share of peak the model FLOPs reach
+    intra_bytes_s: float  # link bandwidth inside a host, per device
+    inter_bytes_s: float  # between hosts, per device
+    host_bytes_s: float = 25e9  # between a device and its host's memory (offload)
+
+    @property
+    def per_host(self) -> int:
+        return self.devices // self.hosts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cfg: Config
+    mesh: dict
+    state: float  # master params + grads + optimizer state on the device, bytes
+    model_state: float  # fp32 master params and Adam state, device and host (the ZeRO formula's)
+    paper_state: float  # the ZeRO paper's mixed-precision accounting of the same
+    activations: float
+    gather_temp: float  # ZeRO-3's gathered layer (two in flight)
+    device: float  # all of it
+    host: float  # offloaded state, per host
+    comm: dict  # wire bytes per axis per step
+    comm_s: float
+    compute_s: float
+    bubble: float
+    step_s: float
+
+    def label(self) -> str:
+        p, t = self.cfg.parallel, self.cfg.train
+        parts = [f"dp{self.mesh[DATA]}", f"pp{self.mesh[PIPE]}", f"tp{self.mesh[TENSOR]}"]
+        parts += [f"zero{p.zero}"]
+        if p.offload != "none":
+            parts.append(f"offload={p.offload}")
+        if self.mesh[PIPE] > 1:
+            parts.append(f"m{p.microbatches}")
+        if p.remat != "none":
+            parts.append(f"remat={p.remat}")
+        if t.grad_accum > 1:
+            parts.append(f"accum{t.grad_accum}")
+        return " ".join(parts)
+
+
+def model_flops(cfg: Config) -> float:
+    """FLOPs of one step's forward and backward: 6 per matmul parameter per token (the
+    one-hot embedding and the head count as matmuls), plus the attention scores, a
+    third more when layers are recomputed."""
+    m, t = cfg.model, cfg.train
+    tokens = t.batch_size * t.seq_len
+    layer = (4 * m.embed**2 if m.name == "gpt" else 0) + 2 * m.embed * m.mlp
+    flops = 6 * tokens * (m.layers * layer + 2 * m.vocab * m.embed)
+    if m.name == "gpt":
+        flops += 12 * m.layers * t.batch_size * t.seq_len**2 * m.embed
+    return flops * (4 / 3 if cfg.parallel.remat != "none" else 1)
+
+
+def activation_bytes(cfg: Config, rows: int, tensor: int, layers: int, alive: int) -> float:
+    """Activations kept for the backward pass on one device: `layers` layers of `rows`
+    sequences, `alive` micro-batches at once (Korthikanti et al.: 34 s b h + 5 a s^2 b
+    bytes per layer in 16-bit, the split ones divided by the tensor degree)."""
+    m, s = cfg.model, cfg.train.seq_len
+    width = 2 if cfg.train.precision == "bf16" else 4
+    if cfg.parallel.remat != "none":
+        return alive * layers * rows * s * m.embed * width  # each layer's input
+    if m.name == "gpt":
+        per_layer = rows * s * m.embed * (10 + 24 / tensor) + 5 * m.heads * s * s * rows / tensor
+    else:
+        per_layer = rows * (m.embed * 4 + 3 * m.mlp / tensor)
+    return alive * layers * per_layer * width / 2
+
+
+def paper_state(zero: int, psi: float, n: int) -> float:
+    """ZeRO paper, mixed precision: 2 psi (fp16 params) + 2 psi (fp16 grads) + 12 psi."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}.get(
+        zero, 16 * psi / n
+    )
+
+
+def candidates(base: Config, machine: Machine):
+    """Every valid layout of base's model and batch (parallel.* and train.grad_accum)."""
+    n = machine.devices
+    m = base.model
+    for t in (x for x in range(1, machine.per_host + 1) if machine.per_host % x == 0):
+        for p in (x for x in range(1, min(m.layers, n // t) + 1) if (n // t) % x == 0):
+            d = n // (t * p)
+            zeros = (0, 1, 2, 3) if d > 1 else (0,)
+            for zero, offload, micro, remat, accum in itertools.product(
+                zeros,
+                ("none", "optimizer", "optimizer+params"),
+                (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
+                ("none", "full"),
+                (1, 2, 4, 8),
+            ):
+                if (
+                    (offload == "optimizer" and zero == 0)
+                    or (offload == "optimizer+params" and (zero != 3 or p > 1))
+                    # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
+                    # is not modelled here (6.6x the per-micro-batch gathers measured on
+                    # gpt-tiny dp4 pp2): left out rather than ranked wrongly
+                    or (zero == 3 and p > 1)
+                ):
+                    continue
+                par = dataclasses.replace(
+                    base.parallel,
+                    data=d,
+                    pipeline=p,
+                    tensor=t,
+                    zero=zero,
+                    offload=offload,
+                    microbatches=micro,
+                    remat=remat,
+                    schedule="1f1b",
+                    virtual_stages=1,
+                )
+                cfg = dataclasses.replace(
+                    base, parallel=par, train=dataclasses.replace(base.train, grad_accum=accum)
+                )
+                mesh = {DATA: d, PIPE: p, TENSOR: t}
+                try:
+                    check_model(cfg.model, mesh)
+                    check_train(cfg, mesh)
+                except ConfigError:
+                    continue
+                yield cfg, mesh
+
+
+def predict(cfg: Config, mesh: dict, problem, machine: Machine, staged: dict) -> Candidate:
+    """One layout's memory, traffic and step time, per device."""
+    par, train = cfg.parallel, cfg.train
+    d, p, t = mesh[DATA], mesh[PIPE], mesh[TENSOR]
+    trained = staged[p]
+    shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
+    specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
+    pairs = ledger._pairs(specs, trained.shapes)
+    local = {
+        f: sum(ledger.local_elems(shape, getattr(s, f), mesh) for s, shape in pairs)
+        for f in ("storage", "grad", "opt", "compute")
+    }
+    master, adam, grads = 4 * local["storage"], 8 * local["opt"], 4 * local["grad"]
+    compute_bytes = 2 if train.precision == "bf16" else 4
+    model_state = master + adam if par.offload == "none" else 12 * local["opt"]
+    on_host = 0.0
+    if par.offload != "none":  # fp32 master weights and Adam state on the host
+        on_host = 4 * local["opt"] + adam
+        master, adam = compute_bytes * local["storage"], 0  # the compute copy stays
+        if par.offload == "optimizer+params":
+            on_host, master = on_host + master, 0
+    split = batch_split(train, par, d)
+    alive = min(par.microbatches, p) if p > 1 else 1
+    layers = math.ceil(cfg.model.layers / p)
+    acts = activation_bytes(cfg, split.micro, t, layers, alive)
+    names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
+    one_layer = sum(
+        ledger.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
+        for (s, shape), n in zip(pairs, names, strict=True)
+        if stack_dims(n)
+    )
+    # ZeRO-3 gathers a layer whole before it runs: this one and the next in flight
+    gather = 2 * one_layer * compute_bytes if par.zero == 3 and d > 1 else 0.0
+    state = master + grads + adam
+    device = state + acts + gather
+    tensor_elements = (
+        (4 * layers + 2) * split.micro * train.seq_len * cfg.model.embed
+        if cfg.model.name == "gpt"
+        else (2 * layers + 2) * split.micro * cfg.model.embed
+    ) * par.microbatches
+    minimum = ledger.minimum_bytes(
+        specs,
+        trained.shapes,
+        zero=par.zero,
+        mesh_shape=mesh,
+        compute_bytes=compute_bytes,
+        accum=train.grad_accum,
+        tensor_elements=tensor_elements if t > 1 else 0,
+        reduce_bytes=compute_bytes if train.grad_reduce_dtype == "compute" else 4,
+        gathers=jax.tree.map(
+            lambda names: 2 if stack_dims(names) else 1,
+            trained.names,
+            is_leaf=lambda x: isinstance(x, tuple),
+        ),
+    )
+    # a device hands one activation (forward) or its gradient (backward) per micro-batch
+    hand_over = split.micro * train.seq_len * cfg.model.embed * compute_bytes
+    comm = {
+        DATA: minimum[DATA],
+        TENSOR: minimum[TENSOR] or 0.0,
+        PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
+    }
+    inside = machine.per_host
+    spans = {TENSOR: t > inside, PIPE: p * t > inside, DATA: machine.hosts > 1}
+    comm_s = sum(
+        b / (machine.inter_bytes_s if spans[a] else machine.intra_bytes_s) for a, b in comm.items()
+    )
+    if par.offload != "none":  # fp32 gradients to the host, compute-dtype parameters back
+        moved = (4 + compute_bytes) * local["opt"] * train.grad_accum ** (par.zero == 3)
+        comm["host"] = moved
+        comm_s += moved / machine.host_bytes_s
+    bubble = (p - 1) / (par.microbatches + p - 1) if p > 1 else 0.0
+    compute_s = model_flops(cfg) / machine.devices / (machine.peak_flops * machine.mfu)
+    psi = ledger.params_per_device(specs, trained.shapes, mesh)
+    return Candidate(
+        cfg=cfg,
+        mesh=mesh,
+        state=state,
+        model_state=model_state,
+        paper_state=paper_state(par.zero, psi, d),
+        activations=acts,
+        gather_temp=gather,
+        device=device,
+        host=on_host * inside,
+        comm=comm,
+        comm_s=comm_s,
+        compute_s=compute_s,
+        bubble=bubble,
+        step_s=compute_s / (1 - bubble) + comm_s,
+    )
+
+
+RULES = (  # (test on the winner and the machine, the rule it follows), most specific first
+    (
+        lambda c, m: c.mesh[PIPE] > 1 and m.hosts > 1,
+        "many hosts with slow links between them: pipeline parallel across hosts, data "
+        "parallel outermost",
+    ),
+    (
+        lambda c, m: c.mesh[PIPE] > 1,
+        "the hand-overs between stages move less than the data-parallel reduction would: "
+        "pipeline parallel, data parallel outermost",
+    ),
+    (
+        lambda c, m: c.mesh[TENSOR] > 1,
+        "a layer does not fit, or the fast links are inside a host: tensor parallel inside "
+        "the host",
+    ),
+    (
+        lambda c, m: c.cfg.parallel.offload != "none",
+        "the parameters and optimizer state do not fit on few devices: offload them to the host",
+    ),
+    (lambda c, m: c.cfg.parallel.zero == 3, "the parameters do not fit: ZeRO-3"),
+    (lambda c, m: c.cfg.parallel.zero in (1, 2), "the optimizer state does not fit: ZeRO-1/2"),
+    (lambda c, m: True, "it fits on one device: data parallel"),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    ranked: list[Candidate]  # those that fit, fastest first
+    considered: int
+    dropped: int  # did not fit
+    closest: Candidate | None  # the smallest of those that did not fit
+
+    def rule(self, machine: Machine) -> str:
+        return next(text for test, text in RULES if test(self.ranked[0], machine))
+
+
+def make_plan(base: Config, problem, machine: Machine) -> Plan:
+    """Every candidate predicted; those that fit ranked by step time."""
+    staged = {}
+    fit, dropped, closest, considered = [], 0, None, 0
+    for cfg, mesh in candidates(base, machine):
+        p = mesh[PIPE]
+        if p not in staged:
+            layout = pipeline.layout_for(problem, p, 1)
+            staged[p] = pipeline.staged(problem, layout) if layout else problem
+        c = predict(cfg, mesh, problem, machine, staged)
+        considered += 1
+        if c.device <= machine.device_memory and c.host <= machine.host_memory:
+            fit.append(c)
+        else:
+            dropped += 1
+            if closest is None or c.device < closest.device:
+                closest = c
+    # equal times: the simpler layout first (no offload, lower ZeRO, no recompute)
+    fit.sort(
+        key=lambda c: (
+            round(c.step_s, 9),
+            c.cfg.parallel.offload != "none",
+            c.cfg.parallel.zero,
+            c.cfg.parallel.remat != "none",
+            c.cfg.train.grad_accum,
+            c.device,
+        )
+    )
+    return Plan(fit, considered, dropped, closest)
+
+
+def report(plan: Plan, machine: Machine, top: int = 10) -> str:
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    rows = [
+        [
+            str(i + 1),
+            c.label(),
+            gib(c.device),
+            gib(c.state),
+            gib(c.paper_state),
+            gib(c.activations),
+            gib(c.host),
+            human_bytes(sum(c.comm.values())),
+            f"{c.comm_s * 1e3:,.1f}",
+            f"{c.compute_s * 1e3:,.1f}",
+            f"{c.bubble:.2f}",
+            f"{c.step_s * 1e3:,.1f}",
+        ]
+        for i, c in enumerate(plan.ranked[:top])
+    ]
+    header = [
+        "#",
+        "layout",
+        "device GiB",
+        "state",
+        "paper state",
+        "activations",
+        "host GiB",
+        "comm/step",
+        "comm ms",
+        "compute ms",
+        "bubble",
+        "step ms",
+    ]
+    return "\n".join(
+        [
+            f"{plan.considered} layouts considered, {plan.dropped} do not fit in "
+            f"{machine.device_memory / 1e9:.0f} GB per device; the {min(top, len(plan.ranked))} "
+            "fastest predicted:",
+            "",
+            table(rows, header),
+            "",
+            f"recommended: {plan.ranked[0].label()} ({plan.rule(machine)})",
+        ]
+    )
