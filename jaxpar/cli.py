@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s between hosts")
     plan.add_argument("--top", type=int, default=10)
     plan.add_argument("--out", type=Path, help="write the winning config here (YAML)")
+    plan.add_argument(
+        "--validate",
+        action="store_true",
+        help="compile the top layouts that fit on this host's (simulated) devices, at "
+        "gpt-tiny's dims, and print predicted against compiled figures",
+    )
     inspect = sub.add_parser(
         "inspect",
         help="compile a step (no run): every leaf's shardings and bytes, the ledger, a picture",
@@ -157,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run even where the compiled step's memory looks larger than this machine's",
         )
-    for p in (train, bench, inspect, export):
+    for p in (train, bench, inspect, plan, export):
         p.add_argument(
             "--cpu-devices",
             type=int,
@@ -233,7 +239,9 @@ def _plan(cfg, args: argparse.Namespace) -> int:
         intra_bytes_s=args.intra_gbps * 1e9,
         inter_bytes_s=args.inter_gbps * 1e9,
     )
-    print(plan_config(cfg, machine, args.top, args.out))
+    if args.validate:
+        _setup_devices(args.cpu_devices)
+    print(plan_config(cfg, machine, args.top, args.out, args.validate))
     return 0
 
 

@@ -136,21 +136,84 @@ def inspect_config(cfg: Config, picture: Path) -> str:
     )
 
 
-def plan_config(cfg: Config, machine, top: int, out: Path | None) -> str:
+def abstract(cfg: Config) -> Problem:
+    """The shipped model as a Problem of shapes only (nothing allocated)."""
+    return from_nnx(
+        lambda rngs: build(cfg.model, cfg.train.seq_len, rngs),
+        next_token_loss,
+        stages(cfg.model, cfg.train.seq_len),
+    )
+
+
+def validate(plan, machine, top: int, scale: str = "gpt-tiny") -> str:
+    """`jaxpar plan --validate`: the top layouts that fit on this host's devices, with the
+    model and batch scaled down to `scale`'s, predicted and compiled (not run)."""
+    from jaxpar import pipeline, planner
+    from jaxpar.metrics import human_bytes, table
+    from jaxpar.run import prepare
+
+    small = config_lib.load(scale)
+    rows, local = [], jax.device_count()
+    for c in plan.ranked[:top]:
+        if math.prod(c.mesh.values()) > local:
+            continue
+        cfg = dataclasses.replace(
+            c.cfg,
+            model=small.model,
+            train=dataclasses.replace(
+                small.train, grad_accum=c.cfg.train.grad_accum, precision=c.cfg.train.precision
+            ),
+        )
+        try:
+            config_lib.check_model(cfg.model, c.mesh)
+            config_lib.check_train(cfg, c.mesh)
+        except config_lib.ConfigError as e:
+            rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
+            continue
+        shapes = abstract(cfg)
+        p = c.mesh["pipeline"]
+        staged = {
+            p: pipeline.staged(shapes, pipeline.layout_for(shapes, p, 1)) if p > 1 else shapes
+        }
+        guess = planner.predict(cfg, c.mesh, shapes, machine, staged)
+        mesh = build_mesh(cfg.parallel, jax.devices()[: math.prod(c.mesh.values())])
+        shipped, batches = problem(cfg, describe(mesh))
+        report = prepare(cfg, shipped, mesh, batches(0), force=True).report
+        axes = ["data"] if p > 1 else ["data", "tensor"]
+        wire = sum(report.comm.by_axis[a].wire for a in axes)
+        predicted_wire = sum(guess.comm[a] for a in axes)
+        temp = report.memory_per_device.temp
+        rows.append(
+            [
+                c.label(),
+                human_bytes(guess.model_state),
+                f"{guess.model_state / report.state_bytes.actual:.3f}",
+                human_bytes(guess.activations + guess.gather_temp),
+                f"{(guess.activations + guess.gather_temp) / temp:.2f}",
+                human_bytes(predicted_wire),
+                f"{predicted_wire / wire:.3f}" if wire else "-",
+                "" if abs(predicted_wire / max(wire, 1) - 1) <= 0.1 or not wire else "!",
+            ]
+        )
+    header = ["layout", "state", "/ compiled", "activations", "/ compiled temp", "comm",
+              "/ compiled", ""]  # fmt: skip
+    return (
+        f"\nvalidated at {scale}'s dims on {local} local devices (predicted, and predicted "
+        "over compiled; temp: the compiled step's temporaries, which the activation count "
+        "only estimates):\n\n" + table(rows, header)
+    )
+
+
+def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
     """`jaxpar plan` for a shipped model: every layout ranked, from shapes alone; the
-    winner's config written to `out`."""
+    winner's config written to `out`; with `check`, the top ones validated."""
     import yaml
 
     from jaxpar import planner
     from jaxpar.errors import ConfigError
     from jaxpar.metrics import human_bytes
 
-    shapes = from_nnx(
-        lambda rngs: build(cfg.model, cfg.train.seq_len, rngs),
-        next_token_loss,
-        stages(cfg.model, cfg.train.seq_len),
-    )
-    plan = planner.make_plan(cfg, shapes, machine)
+    plan = planner.make_plan(cfg, abstract(cfg), machine)
     if not plan.ranked:
         c = plan.closest
         hint = (
@@ -164,6 +227,8 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None) -> str:
             "a smaller train.batch_size, or a smaller model"
         )
     text = planner.report(plan, machine, top)
+    if check:
+        text += "\n" + validate(plan, machine, top)
     if out:
         winner = config_lib.to_dict(plan.ranked[0].cfg)
         out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
