@@ -229,6 +229,15 @@ def _plan(cfg, args: argparse.Namespace) -> int:
             f"--devices {args.devices} --hosts {args.hosts}: the devices must split evenly "
             "over the hosts; give a multiple of --hosts"
         )
+    for flag, value, low, high in (
+        ("--mfu", args.mfu, 0, 1),
+        ("--peak-tflops", args.peak_tflops, 0, 1e7),
+        ("--intra-gbps", args.intra_gbps, 0, 1e6),
+        ("--inter-gbps", args.inter_gbps, 0, 1e6),
+        ("--top", args.top, 0, 10**6),
+    ):
+        if not low < value <= high:  # (NaN fails too)
+            raise ConfigError(f"{flag} {value}: give a number > {low} and <= {high:g}")
     machine = planner.Machine(
         devices=args.devices,
         hosts=args.hosts,

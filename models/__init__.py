@@ -214,17 +214,25 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.metrics import human_bytes
 
     plan = planner.make_plan(cfg, abstract(cfg), machine)
+    if not plan.considered:
+        counts = [
+            n
+            for n in range(1, 2 * machine.devices + 1)
+            if any(planner.candidates(cfg, dataclasses.replace(machine, devices=n, hosts=1)))
+        ]
+        raise ConfigError(
+            f"--devices {machine.devices}: no layout splits this model and batch over "
+            f"{machine.devices} devices (the heads, mlp, vocab, layers and "
+            f"train.batch_size must divide by the degrees); device counts that would, up "
+            f"to {2 * machine.devices}: {counts}"
+        )
     if not plan.ranked:
         c = plan.closest
-        hint = (
-            f"the smallest, {c.label()}, needs {human_bytes(c.device)} per device"
-            if c
-            else "no layout splits this model and batch over these devices"
-        )
         raise ConfigError(
             f"no layout of {plan.considered} fits in --device-memory "
-            f"{human_bytes(machine.device_memory)}: {hint}; give more devices or memory, "
-            "a smaller train.batch_size, or a smaller model"
+            f"{human_bytes(machine.device_memory)}: the smallest, {c.label()}, needs "
+            f"{human_bytes(c.device)} per device; give more devices or memory, a smaller "
+            "train.batch_size, or a smaller model"
         )
     text = planner.report(plan, machine, top)
     if check:

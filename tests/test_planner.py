@@ -98,7 +98,13 @@ def test_a_70b_gpt_on_64_devices_is_planned_quickly_without_allocating(tmp_path)
     [
         (["--devices", "8", "--device-memory", "1KB"], ["no layout of", "fits in", "the smallest"]),
         (["--devices", "8", "--hosts", "3", "--device-memory", "80GB"], ["--hosts 3", "multiple"]),
+        (
+            ["--devices", "7", "--device-memory", "80GB"],
+            ["--devices 7: no layout splits", "[1, 2, 4, 8]"],
+        ),
         (["--devices", "8", "--device-memory", "80GQ"], ["--device-memory 80GQ", "unit"]),
+        (["--devices", "8", "--device-memory", "80GB", "--mfu", "0"], ["--mfu 0.0", "> 0"]),
+        (["--devices", "8", "--device-memory", "80GB", "--peak-tflops", "nan"], ["--peak-tflops"]),
     ],
 )
 def test_bad_plans_exit_2_with_one_line(argv, needles, capsys):
