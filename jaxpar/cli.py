@@ -41,6 +41,16 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
+def _config_arguments(parser: argparse.ArgumentParser, default: str, example: str) -> None:
+    """--config and the KEY=VALUE overrides, as every command that reads a config has them."""
+    parser.add_argument(
+        "--config", default=default, help=f"preset ({', '.join(preset_names())}) or a YAML file"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help=f"dotted overrides, e.g. {example}"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="jaxpar",
@@ -57,15 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument(
-        "--config", default="default", help=f"preset ({', '.join(preset_names())}) or a YAML file"
-    )
-    train.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="dotted overrides, e.g. parallel.tensor=2 train.steps=20 (keys below)",
-    )
+    _config_arguments(train, "default", "parallel.tensor=2 train.steps=20 (keys below)")
     train.add_argument(
         "--out",
         type=Path,
@@ -98,8 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         "the overrides, predict each one's memory, traffic and step time from shapes alone "
         "(nothing is allocated or compiled), and rank those that fit.",
     )
-    plan.add_argument("--config", default="default", help="preset or YAML file")
-    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.layers=32")
+    _config_arguments(plan, "default", "model.layers=32 train.batch_size=512")
     plan.add_argument("--devices", type=int, required=True, metavar="N")
     plan.add_argument("--hosts", type=int, default=1, metavar="H")
     plan.add_argument("--device-memory", required=True, metavar="SIZE", help="e.g. 80GB")
@@ -124,8 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "PartitionSpecs and bytes per device, then the ledger's summary; write "
         "layout.png (the largest leaves and the batch over the mesh) to --out.",
     )
-    inspect.add_argument("--config", default="default", help="preset or YAML file")
-    inspect.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    _config_arguments(inspect, "default", "parallel.data=4 parallel.zero=3")
     inspect.add_argument(
         "--out", type=Path, default=Path("."), help="where layout.png goes (default: here)"
     )
@@ -141,12 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config and KEY=VALUE overrides set the model and batch; each strategy then sets "
         "its own parallel.* keys on top.",
     )
-    bench.add_argument(
-        "--config", default="gpt-tiny", help="preset or YAML file of the model to measure"
-    )
-    bench.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.embed=128 train.seq_len=256"
-    )
+    _config_arguments(bench, "gpt-tiny", "model.embed=128 train.seq_len=256")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
     bench.add_argument(
