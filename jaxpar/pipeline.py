@@ -100,6 +100,12 @@ def from_stages(layout: Layout, y: jax.Array) -> jax.Array:
     return flat[np.array([where[layer] for layer in sorted(where)])]
 
 
+def in_stages(problem: Problem, stages: int, virtual: int = 1) -> Problem:
+    """The problem as a `stages`-device pipeline trains it (itself for one stage)."""
+    layout = layout_for(problem, stages, virtual)
+    return staged(problem, layout) if layout else problem
+
+
 def staged(problem: Problem, layout: Layout) -> Problem:
     """The problem with its layer stack in pipeline layout."""
     keys = set(problem.parts.stack_keys)

@@ -173,11 +173,11 @@ def candidates(base: Config, machine: Machine):
                 yield cfg, mesh
 
 
-def predict(cfg: Config, mesh: dict, problem, machine: Machine, staged: dict) -> Candidate:
-    """One layout's memory, traffic and step time, per device."""
+def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
+    """One layout's memory, traffic and step time, per device; `trained` is the problem
+    in the layout of its pipeline (pipeline.in_stages)."""
     par, train = cfg.parallel, cfg.train
     d, p, t = mesh[DATA], mesh[PIPE], mesh[TENSOR]
-    trained = staged[p]
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
     pairs = ledger._pairs(specs, trained.shapes)
@@ -208,11 +208,12 @@ def predict(cfg: Config, mesh: dict, problem, machine: Machine, staged: dict) ->
     gather = 2 * one_layer * compute_bytes if par.zero == 3 and d > 1 else 0.0
     state = master + grads + adam
     device = state + acts + gather
+    # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
     tensor_elements = (
-        (4 * layers + 2) * split.micro * train.seq_len * cfg.model.embed
-        if cfg.model.name == "gpt"
-        else (2 * layers + 2) * split.micro * cfg.model.embed
-    ) * par.microbatches
+        trained.tensor_elements(split.micro) * par.microbatches / p
+        if trained.tensor_elements
+        else None
+    )
     minimum = ledger.minimum_bytes(
         specs,
         trained.shapes,
@@ -309,9 +310,8 @@ def make_plan(base: Config, problem, machine: Machine) -> Plan:
     for cfg, mesh in candidates(base, machine):
         p = mesh[PIPE]
         if p not in staged:
-            layout = pipeline.layout_for(problem, p, 1)
-            staged[p] = pipeline.staged(problem, layout) if layout else problem
-        c = predict(cfg, mesh, problem, machine, staged)
+            staged[p] = pipeline.in_stages(problem, p)
+        c = predict(cfg, mesh, machine, staged[p])
         considered += 1
         if c.device <= machine.device_memory and c.host <= machine.host_memory:
             fit.append(c)

@@ -82,14 +82,7 @@ def problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[[int], dic
     config_lib.check_train(cfg, mesh_shape)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     t = cfg.train
-    shipped = from_nnx(
-        lambda rngs: build(cfg.model, t.seq_len, rngs),
-        next_token_loss,
-        stages(cfg.model, t.seq_len),
-    )
-    shipped = dataclasses.replace(
-        shipped, tensor_elements=lambda rows: tensor_allreduce_elements(cfg.model, rows, t.seq_len)
-    )
+    shipped = abstract(cfg)
 
     def batches(step: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(
@@ -137,11 +130,16 @@ def inspect_config(cfg: Config, picture: Path) -> str:
 
 
 def abstract(cfg: Config) -> Problem:
-    """The shipped model as a Problem of shapes only (nothing allocated)."""
-    return from_nnx(
-        lambda rngs: build(cfg.model, cfg.train.seq_len, rngs),
+    """The shipped model as a Problem (shapes only until its init runs: nothing is
+    allocated), with its pipeline stages and Megatron's count of tensor all-reduces."""
+    seq_len = cfg.train.seq_len
+    shipped = from_nnx(
+        lambda rngs: build(cfg.model, seq_len, rngs),
         next_token_loss,
-        stages(cfg.model, cfg.train.seq_len),
+        stages(cfg.model, seq_len),
+    )
+    return dataclasses.replace(
+        shipped, tensor_elements=lambda rows: tensor_allreduce_elements(cfg.model, rows, seq_len)
     )
 
 
@@ -172,10 +170,7 @@ def validate(plan, machine, top: int, scale: str = "gpt-tiny") -> str:
             continue
         shapes = abstract(cfg)
         p = c.mesh["pipeline"]
-        staged = {
-            p: pipeline.staged(shapes, pipeline.layout_for(shapes, p, 1)) if p > 1 else shapes
-        }
-        guess = planner.predict(cfg, c.mesh, shapes, machine, staged)
+        guess = planner.predict(cfg, c.mesh, machine, pipeline.in_stages(shapes, p))
         mesh = build_mesh(cfg.parallel, jax.devices()[: math.prod(c.mesh.values())])
         shipped, batches = problem(cfg, describe(mesh))
         report = prepare(cfg, shipped, mesh, batches(0), force=True).report

@@ -29,14 +29,8 @@ LAYOUTS = [
 def predicted(overrides):
     cfg = config.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    problem = models.from_nnx(
-        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs),
-        models.next_token_loss,
-        models.stages(cfg.model, cfg.train.seq_len),
-    )
-    p = mesh[PIPE]
-    staged = {p: pipeline.staged(problem, pipeline.layout_for(problem, p, 1)) if p > 1 else problem}
-    return planner.predict(cfg, mesh, problem, MACHINE, staged)
+    problem = models.abstract(cfg)
+    return planner.predict(cfg, mesh, MACHINE, pipeline.in_stages(problem, mesh[PIPE]))
 
 
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
