@@ -22,9 +22,16 @@ _EXPORTS = {
     },
     **{
         name: ("jaxpar.config", name)
-        for name in ("Checkpoint", "Config", "Data", "Model", "Parallel", "Train", "load")
+        for name in ("Checkpoint", "Config", "Data", "Distributed", "Model", "Parallel", "Train")
+        + ("load",)
     },
-    "ConfigError": ("jaxpar.errors", "ConfigError"),
+    **{
+        name: ("jaxpar.errors", name)
+        for name in ("CheckpointError", "ConfigError", "ParamsError", "RendezvousError")
+        + ("UserError",)
+    },
+    "ModelSpec": ("jaxpar.registry", "ModelSpec"),
+    "register_model": ("jaxpar.registry", "register"),
     "NonFinite": ("jaxpar.errors", "NonFinite"),
     "load_exported": ("jaxpar.export", "load"),
     "to_nnx": ("jaxpar.export", "to_nnx"),

@@ -13,19 +13,17 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
 
-import models
-from jaxpar import checkpoint, config, metrics
-from jaxpar.mesh import build_mesh, describe
+from jaxpar import checkpoint, config, metrics, registry
+from jaxpar.commands import setup
 from jaxpar.run import prepare
 from jaxpar.trainer import run_loop
 
-PRESET = "gpt-tiny"  # the model measured unless --config names another
 STRATEGIES = {
     "dp8-zero0": ("parallel.data=8", "parallel.zero=0"),
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
@@ -105,7 +103,8 @@ class Base:
     """The model and batch measured: a preset or YAML file, and overrides on top (each
     strategy's own keys go on top of these)."""
 
-    preset: str = PRESET
+    # the default model's tiny preset unless --config names another
+    preset: str = field(default_factory=lambda: registry.tiny_preset(registry.default_name()))
     overrides: tuple[str, ...] = ()
     force: bool = False  # run even where the step looks too big for memory
 
@@ -119,16 +118,16 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
     cfg = config.load(
         base.preset, [*base.overrides, *overrides, f"train.steps={steps}", "train.log_every=1"]
     )
-    mesh = build_mesh(cfg.parallel)
-    problem, batches = models.problem(cfg, describe(mesh))
-    run = prepare(cfg, problem, mesh, batches(0), base.force)
+    s = setup(cfg)
+    batches = s.batches
+    run = prepare(cfg, s.problem, s.mesh, batches(0), base.force)
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     state = run.engine.init(jax.random.key(0))
     on_device = [jax.device_put(batches(i), sharding) for i in range(steps)]
     for batch in on_device[:WARMUP]:
         state, _ = compiled(state, batch)
     jax.block_until_ready(state)
-    bare, loop, saves = [], [], _Saves(cfg, problem, run, mesh)
+    bare, loop, saves = [], [], _Saves(cfg, s.problem, run, s.mesh)
     for _ in range(REPEATS):  # alternate, keep each one's best: CPU timings are noisy
         start = time.perf_counter()
         previous = None
@@ -293,9 +292,10 @@ def compile_seconds(base: Base) -> dict:
         results[name] = {}
         for layers in COMPILE_DEPTHS:
             cfg = config.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
-            mesh = build_mesh(cfg.parallel)
-            problem, batches = models.problem(cfg, describe(mesh))
-            results[name][layers] = prepare(cfg, problem, mesh, batches(0), base.force).step.seconds
+            s = setup(cfg)
+            results[name][layers] = prepare(
+                cfg, s.problem, s.mesh, s.batches(0), base.force
+            ).step.seconds
         print(f"compiled {name}", flush=True)
     first, last = COMPILE_DEPTHS[0], COMPILE_DEPTHS[-1]
     rows = [

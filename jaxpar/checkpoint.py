@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxpar import pipeline
 from jaxpar import state as state_lib
 from jaxpar.config import Config, to_dict
-from jaxpar.errors import ConfigError
+from jaxpar.errors import CheckpointError
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem
 from jaxpar.sharding import leaf_key, plan
@@ -164,7 +164,7 @@ class Checkpoints:
                 },
             )
         except Exception as e:  # orbax's many errors, reported as one line
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint.dir={self.directory}: cannot be opened ({_first_line(e)})"
             ) from None
 
@@ -196,7 +196,7 @@ class Checkpoints:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # a corrupt or foreign checkpoint: one line, no traceback
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint {self.directory / str(step)}: cannot be read ({_first_line(e)}); "
                 "move it away (or use --restart) to start fresh"
             ) from None
@@ -213,17 +213,17 @@ def _first_line(e: Exception) -> str:
 
 def _check_directory(directory: Path, create: bool) -> None:
     if directory.exists() and not directory.is_dir():
-        raise ConfigError(
+        raise CheckpointError(
             f"checkpoint.dir={directory}: is a file, not a directory; remove it or give "
             "another checkpoint.dir"
         )
     if directory.is_dir() and not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise ConfigError(
+        raise CheckpointError(
             f"checkpoint.dir={directory}: cannot be read and written by this user; fix its "
             "permissions or give another checkpoint.dir"
         )
     if not directory.exists() and not create:
-        raise ConfigError(f"{directory}: no such checkpoint directory")
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
 
 
 def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int) -> dict:
@@ -237,7 +237,7 @@ def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
         if saved.get(key) != now.get(key):
             was = saved.get(key, "absent")
             is_ = now.get(key, "absent")
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint {where}: parameter {key} is {was} there but {is_} in this run, "
                 "so it was saved from another model; use the model.* it was saved with "
                 "(its config is in the checkpoint's meta), or --restart to set it aside"
@@ -257,7 +257,7 @@ def restore(
     ckpts = Checkpoints(directory, create=False)
     step = ckpts.latest if step is None else step
     if step is None:
-        raise ConfigError(f"{ckpts.directory}: no complete checkpoint there")
+        raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
     ckpt = layout(cfg, problem, engine, mesh)
     check_compatible(ckpts.meta(step), ckpt, ckpts.directory / str(step))
     return ckpt.from_saved(ckpts.restore(step, ckpt.target))
@@ -269,7 +269,7 @@ def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np
     ckpts = Checkpoints(directory, create=False)
     step = ckpts.latest if step is None else step
     if step is None:
-        raise ConfigError(f"{ckpts.directory}: no complete checkpoint there")
+        raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
     tree = ckpts.manager.item_metadata(step)[STATE].tree
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar import __version__
+from jaxpar import __version__, rundir
 from jaxpar.config import keys_help, load, preset_names
-from jaxpar.errors import ConfigError, NonFinite
+from jaxpar.errors import ConfigError, NonFinite, UserError
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
@@ -41,10 +41,13 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
-def _config_arguments(parser: argparse.ArgumentParser, default: str, example: str) -> None:
+def _config_arguments(parser: argparse.ArgumentParser, default: str | None, example: str) -> None:
     """--config and the KEY=VALUE overrides, as every command that reads a config has them."""
     parser.add_argument(
-        "--config", default=default, help=f"preset ({', '.join(preset_names())}) or a YAML file"
+        "--config",
+        default=default,
+        help=f"preset ({', '.join(preset_names())}) or a YAML file"
+        + ("" if default else " (default: the default model's tiny preset)"),
     )
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help=f"dotted overrides, e.g. {example}"
@@ -63,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "train",
         help="train a model with the configured parallelism",
         description="Train a model with the configured parallelism; writes a run directory "
-        "(metrics.jsonl, summary.json, loss.png, step.hlo.txt, checkpoints).",
+        "(metrics.jsonl, summary.json, loss.png, step.hlo.txt, checkpoints/).",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -141,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config and KEY=VALUE overrides set the model and batch; each strategy then sets "
         "its own parallel.* keys on top.",
     )
-    _config_arguments(bench, "gpt-tiny", "model.embed=128 train.seq_len=256")
+    _config_arguments(bench, None, "model.embed=128 train.seq_len=256")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
     bench.add_argument("--out", type=Path, help="also write the table as JSON here")
     bench.add_argument(
@@ -169,6 +172,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_cpu_devices(n: int | None, flag: str = "--cpu-devices") -> None:
+    if n is not None and not 1 <= n <= MAX_CPU_DEVICES:
+        raise ConfigError(
+            f"{flag} {n}: simulate 1 to {MAX_CPU_DEVICES} devices (each one is a "
+            "thread pool and buffers on this host; more take minutes to create)"
+        )
+
+
 def _setup_devices(n: int | None) -> None:
     from jaxpar.mesh import accelerator_installed, use_cpu_devices
 
@@ -177,12 +188,48 @@ def _setup_devices(n: int | None) -> None:
     if n is None and not accelerator_installed():
         n = DEFAULT_CPU_DEVICES
     if n is not None:
-        if not 1 <= n <= MAX_CPU_DEVICES:
-            raise ConfigError(
-                f"--cpu-devices {n}: simulate 1 to {MAX_CPU_DEVICES} devices (each one is a "
-                "thread pool and buffers on this host; more take minutes to create)"
-            )
+        _check_cpu_devices(n)
         use_cpu_devices(n)
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Each subcommand's paths and numbers, before jax starts or a process does."""
+
+    _check_cpu_devices(getattr(args, "cpu_devices", None))
+    if args.command == "launch":
+        if not 1 <= args.processes <= MAX_CPU_DEVICES:
+            raise ConfigError(
+                f"--processes {args.processes}: give 1 to {MAX_CPU_DEVICES} local processes"
+            )
+        _check_cpu_devices(args.cpu_devices_per_process, "--cpu-devices-per-process")
+        if not args.command_args:
+            raise ConfigError(
+                "launch: no command to run; e.g. jaxpar launch --processes 2 -- train "
+                "--config gpt-tiny"
+            )
+        first = args.command_args[0]
+        if first.endswith(".py") and not Path(first).is_file():
+            raise ConfigError(f"launch: {first}: no such script")
+        if not first.endswith(".py"):
+            if first not in ("train", "bench", "inspect"):
+                raise ConfigError(
+                    f"launch: {first!r} is neither a jaxpar command (train, bench, inspect) "
+                    "nor a Python script (SCRIPT.py)"
+                )
+            inner = _parse(args.command_args)  # the workers' command, checked once here
+            _check_arguments(inner)
+            _check_config(inner)
+    elif args.command == "bench":
+        if not 1 <= args.steps <= 10**6:
+            raise ConfigError(f"--steps {args.steps}: give 1 to 1000000 timed steps")
+        if args.out:
+            rundir.check_file_target(args.out, "--out")
+    elif args.command == "plan" and args.out:
+        rundir.check_file_target(args.out, "--out")
+    elif args.command == "export":
+        if not args.run_dir.is_dir():
+            raise ConfigError(f"export: {args.run_dir}: no such run directory")
+        rundir.check_file_target(args.to, "--to")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -206,8 +253,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _run(_parse(argv))
-    except ConfigError as e:
+        args = _parse(argv)
+        _check_arguments(args)
+        return _run(args)
+    except UserError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
     except NonFinite as e:
@@ -217,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(cfg, args: argparse.Namespace) -> int:
     from jaxpar import planner
-    from models import plan_config
+    from jaxpar.commands import plan_config
 
     if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
         raise ConfigError(
@@ -249,40 +298,54 @@ def _plan(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "launch":
-        from jaxpar.distributed import launch
+def _check_config(args: argparse.Namespace):
+    """(the resolved config or None, the run directory or None), both checked."""
 
-        rest = args.command_args
-        out = Path(rest[rest.index("--out") + 1]) if "--out" in rest[:-1] else Path(".")
-        return launch(args.processes, args.cpu_devices_per_process, rest, out)
-    cfg = (
-        load(args.config, args.overrides)
-        if args.command in ("train", "bench", "inspect", "plan")
-        else None
-    )
+    if args.command not in ("train", "bench", "inspect", "plan"):
+        return None, None
+    if args.config is None:  # bench: the default model's tiny preset
+        from jaxpar import registry
+
+        args.config = registry.tiny_preset(registry.default_name())
+    cfg, out = load(args.config, args.overrides), None
     if args.command in ("train", "inspect"):
-        from jaxpar import rundir
-
         name = Path(args.config).stem
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
         rundir.check_writable(out)
         if cfg.checkpoint.dir:
             rundir.check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    return cfg, out
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "launch":
+        from jaxpar.distributed import launch
+
+        rest, out, ckpt = args.command_args, Path("."), None
+        if not rest[0].endswith(".py"):
+            inner = _parse(rest)
+            cfg, run_dir = _check_config(inner)
+            if run_dir is not None:  # one run directory for all workers
+                out, rest = run_dir, rest if inner.out else [*rest, "--out", str(run_dir)]
+                ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+            elif getattr(inner, "out", None):
+                out = inner.out.parent
+        return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
+    cfg, out = _check_config(args)
     if args.command == "plan":
         return _plan(cfg, args)
     _setup_devices(args.cpu_devices)
     if args.command == "train":
+        from jaxpar.commands import train_config
         from jaxpar.distributed import initialize
-        from models import train_config
 
         initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
         result = train_config(cfg, out, restart=args.restart, force=args.force)
-        print(f"\nrun directory: {out}  (metrics.jsonl, summary.json, loss.png, step.hlo.txt)")
+        print(f"\nrun directory: {out}  ({', '.join(rundir.RUN_FILES)})")
         if result.checkpoints:
             print(f"checkpoints:   {result.checkpoints}")
     elif args.command == "inspect":
-        from models import inspect_config
+        from jaxpar.commands import inspect_config
 
         print(inspect_config(cfg, out / "layout.png"))
     elif args.command == "export":

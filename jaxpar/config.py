@@ -1,13 +1,19 @@
 """Frozen, keyword-only configuration: presets in YAML, dotted KEY=VALUE overrides.
 
-Every option and its default is visible here. Unknown keys and wrong types raise
-ConfigError, which the command line turns into exit status 2 and one message.
+Every option is declared once, on its field: its type (a number, a choice as an enum
+or a Literal), its range (`Annotated[..., Range(...)]`), its default and, in the comment
+beside it, its meaning. Each object checks its own fields when it is constructed, in
+Python as from YAML or the command line, and raises ConfigError with one line naming
+the key, the value and the fix; the loader, `--help` and the generated bad-input tests
+read the same declarations (`keys()`). Checks across fields and against the mesh
+(`check_train`) run before a step is compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import inspect
 import math
 import re
@@ -16,79 +22,215 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, ClassVar, Literal
 
 import yaml
 
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, PIPE
 from jaxpar.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key takes: low <= value <= high (low < value if open)."""
+
+    low: float
+    high: float
+    why: str  # the reason for the bounds, shown when they are broken
+    open_low: bool = False
+    rest: bool = False  # -1 is allowed too: "all devices left over"
+
+    def admits(self, value) -> bool:
+        if self.rest and value == -1:
+            return True
+        return (value > self.low if self.open_low else value >= self.low) and value <= self.high
+
+    def text(self) -> str:
+        def num(x) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        low = f"{'>' if self.open_low else '>='} {num(self.low)} and <= {num(self.high)}"
+        return f"it must be {low}{' (or -1)' if self.rest else ''} ({self.why})"
+
+
+class Schedule(enum.StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Remat(enum.StrEnum):
+    NONE = "none"
+    FULL = "full"
+    OFFLOAD = "offload"
+
+
+class DpCollective(enum.StrEnum):
+    XLA = "xla"
+    RING = "ring"
+    SERVER = "server"
+
+
+class Offload(enum.StrEnum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    OPTIMIZER_PARAMS = "optimizer+params"
+
+
+class Precision(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class ReduceDtype(enum.StrEnum):
+    FP32 = "fp32"
+    COMPUTE = "compute"
+
+
+class Source(enum.StrEnum):
+    CORPUS = "corpus"
+    FILE = "file"
+    SYNTHETIC = "synthetic"
+
+
+class OnNonfinite(enum.StrEnum):
+    STOP = "stop"
+    SKIP = "skip"
+
+
+Degree = Annotated[
+    int, Range(1, 65536, "a degree is a count of devices; -1 takes the rest", rest=True)
+]
+Steps = Annotated[int, Range(1, 10**9, "a count of steps")]
+
+
+class _Section:
+    """Checks and normalises every field on construction (the declarations' one reader)."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self), include_extras=True)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            checked = check_value(f"{self.SECTION}.{f.name}", value, hints[f.name])
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Parallel:
-    data: int = -1  # degree of the `data` axis; -1 = all devices left over
-    pipeline: int = 1  # degree of the `pipeline` axis: stages of the layer stack
-    tensor: int = 1  # degree of the `tensor` axis (Megatron column/row splits)
-    zero: int = 0  # ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters
-    microbatches: int = 1  # pipeline micro-batches each data shard's batch is split into
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
-    virtual_stages: int = 1  # chunks of layers per device (schedule=interleaved)
+class Parallel(_Section):
+    SECTION: ClassVar[str] = "parallel"
+    data: Degree = -1  # degree of the `data` axis; -1 = all devices left over
+    pipeline: Degree = 1  # degree of the `pipeline` axis: stages of the layer stack
+    tensor: Degree = 1  # degree of the `tensor` axis (Megatron column/row splits)
+    # ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters
+    zero: Literal[0, 1, 2, 3] = 0
+    # pipeline micro-batches each data shard's batch is split into
+    microbatches: Annotated[int, Range(1, 65536, "micro-batches per data shard")] = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule: gpipe | 1f1b | interleaved
+    # chunks of layers per device (schedule=interleaved)
+    virtual_stages: Annotated[int, Range(1, 1024, "layer chunks per pipeline device")] = 1
     # activation checkpointing of each layer: none | full (keep its input, recompute the
     # rest) | offload (full, with the kept inputs in host memory)
-    remat: str = "none"
-    dp_collective: str = "xla"  # how gradients are reduced over data: xla | ring | server
-    bucket_mb: float = 25.0  # ring/server: fuse gradient leaves into buckets of this size
+    remat: Remat = Remat.NONE
+    # how gradients are reduced over data: xla | ring | server
+    dp_collective: DpCollective = DpCollective.XLA
+    # ring/server: fuse gradient leaves into buckets of this size
+    bucket_mb: Annotated[float, Range(0, 65536, "a bucket in MiB, at most 64 GiB", True)] = 25.0
     # none | optimizer (Adam state + fp32 master weights on the host, update there) |
     # optimizer+params (ZeRO-3 only: also the stored parameter shards, fetched per layer)
-    offload: str = "none"
+    offload: Offload = Offload.NONE
 
 
 @dataclass(frozen=True, kw_only=True)
-class Model:
-    name: str = "gpt"  # a model in models/: gpt | mlp
-    layers: int = 4  # number of scanned blocks
-    embed: int = 64  # width of the residual stream
-    heads: int = 8  # attention heads (gpt)
-    mlp: int = 256  # hidden width of the feed-forward layer
-    vocab: int = 256  # output classes; byte-level text needs 256
+class Model(_Section):
+    """The shipped models' dims; a model with keys of its own declares a subclass and
+    names it in its registry entry (jaxpar.registry)."""
+
+    SECTION: ClassVar[str] = "model"
+    # a registered model (jaxpar.registry): gpt | mlp | one of yours
+    name: str = field(default_factory=lambda: _registry().default_name())
+    # number of scanned blocks
+    layers: Annotated[int, Range(1, 10_000, "blocks in the stack")] = 4
+    # width of the residual stream
+    embed: Annotated[int, Range(1, 2**20, "the residual width; the largest models use ~25k")] = 64
+    heads: Annotated[int, Range(1, 2**14, "attention heads")] = 8  # attention heads (gpt)
+    # hidden width of the feed-forward layer
+    mlp: Annotated[int, Range(1, 2**22, "the feed-forward width")] = 256
+    # output classes; byte-level text needs 256
+    vocab: Annotated[int, Range(1, 2**24, "output classes")] = 256
+
+    def __post_init__(self):
+        registry = _registry()
+        if self.name not in registry.names():
+            raise ConfigError(
+                f"model.name={_shown(self.name)}: no such model; choose one of "
+                f"{registry.names()}{_near(self.name, registry.names())}, or register yours "
+                "(jaxpar.register_model)"
+            )
+        wanted = registry.config_class(self.name)
+        if not isinstance(self, wanted):
+            raise ConfigError(
+                f"model.name={self.name}: its keys are declared by {wanted.__qualname__}; "
+                f"build the model section as {wanted.__qualname__}(...), not "
+                f"{type(self).__qualname__}(...)"
+            )
+        super().__post_init__()
 
 
 @dataclass(frozen=True, kw_only=True)
-class Train:
-    steps: int = 10  # optimizer steps
-    batch_size: int = 16  # global sequences per optimizer step (all shards, all micro-batches)
-    seq_len: int = 64  # tokens per sequence
-    lr: float = 3e-3  # peak learning rate of the warm-up + cosine schedule
-    warmup: int = 2  # warm-up steps (linear from 0 to lr)
-    weight_decay: float = 0.1  # AdamW decay, applied to matrices only
-    seed: int = 0  # seeds parameters and data
-    grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    precision: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)
+class Train(_Section):
+    SECTION: ClassVar[str] = "train"
+    steps: Steps = 10  # optimizer steps
+    # global sequences per optimizer step (all shards, all micro-batches)
+    batch_size: Annotated[int, Range(1, 2**24, "sequences per optimizer step")] = 16
+    seq_len: Annotated[int, Range(1, 2**20, "tokens per sequence")] = 64  # tokens per sequence
+    # peak learning rate of the warm-up + cosine schedule
+    lr: Annotated[float, Range(0, 10, "usual AdamW rates are 1e-5 to 1e-2", True)] = 3e-3
+    # warm-up steps (linear from 0 to lr)
+    warmup: Annotated[int, Range(0, 10**9, "warm-up steps")] = 2
+    # AdamW decay, applied to matrices only
+    weight_decay: Annotated[float, Range(0, 10, "the AdamW decay per unit of learning rate")] = 0.1
+    # seeds parameters and data
+    seed: Annotated[int, Range(0, 2**32 - 1, "seeds are 32-bit unsigned integers")] = 0
+    # micro-batches accumulated per optimizer step
+    grad_accum: Annotated[int, Range(1, 65536, "micro-batches accumulated per step")] = 1
+    # fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)
+    precision: Precision = Precision.FP32
     # the dtype gradients are summed over `data` in: fp32 | compute (train.precision's:
     # half the bytes in bf16, at bf16's rounding of each device's gradient and the sum)
-    grad_reduce_dtype: str = "fp32"
-    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables it
-    log_every: int = 1  # write a metrics row every N steps
+    grad_reduce_dtype: ReduceDtype = ReduceDtype.FP32
+    # global gradient-norm clip; 0 disables it
+    clip_norm: Annotated[float, Range(0, 1e9, "a gradient norm; 0 disables clipping")] = 1.0
+    log_every: Steps = 1  # write a metrics row every N steps
     # a step whose loss or gradients are not finite: stop (save the last good state,
     # exit 3) | skip (leave the state as it was, count it in the metrics' `skipped`)
-    on_nonfinite: str = "stop"
+    on_nonfinite: OnNonfinite = OnNonfinite.STOP
 
 
 @dataclass(frozen=True, kw_only=True)
-class Data:
-    source: str = "corpus"  # corpus (embedded stdlib text) | file | synthetic
+class Data(_Section):
+    SECTION: ClassVar[str] = "data"
+    source: Source = Source.CORPUS  # corpus (embedded stdlib text) | file | synthetic
     path: str = ""  # text file for source=file
 
 
 @dataclass(frozen=True, kw_only=True)
-class Checkpoint:
-    every: int = 0  # save every N steps (asynchronously), and at the end; 0 = off
-    keep: int = 3  # how many of the newest checkpoints to keep
+class Checkpoint(_Section):
+    SECTION: ClassVar[str] = "checkpoint"
+    # save every N steps (asynchronously), and at the end; 0 = off
+    every: Annotated[int, Range(0, 10**9, "steps between checkpoints; 0 = off")] = 0
+    # how many of the newest checkpoints to keep
+    keep: Annotated[int, Range(1, 10_000, "checkpoints kept")] = 3
     dir: str = ""  # where; empty = <run directory>/checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
-class Distributed:
-    timeout_s: float = 300.0  # how long processes wait for each other to arrive
+class Distributed(_Section):
+    SECTION: ClassVar[str] = "distributed"
+    # how long processes wait for each other to arrive
+    timeout_s: Annotated[float, Range(0, 7 * 86400, "seconds, at most a week", True)] = 300.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,71 +242,117 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     distributed: Distributed = field(default_factory=Distributed)
 
+    def __post_init__(self):
+        for section, cls in typing.get_type_hints(Config).items():
+            if not isinstance(getattr(self, section), cls):
+                raise ConfigError(
+                    f"{section}: expected a jaxpar.{cls.__name__}(...), got "
+                    f"{type(getattr(self, section)).__name__}"
+                )
 
-CHOICES = {
-    "parallel.zero": (0, 1, 2, 3),
-    "parallel.remat": ("none", "full", "offload"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
-    "parallel.dp_collective": ("xla", "ring", "server"),
-    "parallel.offload": ("none", "optimizer", "optimizer+params"),
-    "model.name": ("gpt", "mlp"),
-    "train.precision": ("fp32", "bf16"),
-    "train.grad_reduce_dtype": ("fp32", "compute"),
-    "data.source": ("corpus", "file", "synthetic"),
-    "train.on_nonfinite": ("stop", "skip"),
-}
+
+def _registry():
+    """jaxpar.registry (imported late: it imports this module)."""
+    from jaxpar import registry
+
+    return registry
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass(frozen=True)
-class Range:
-    """The values a numeric key takes: low <= value <= high (low < value if open)."""
+class Key:
+    """One declared key: what its field says."""
 
-    low: float
-    high: float
-    why: str  # the reason for the bounds, shown when they are broken
-    open_low: bool = False
-
-    def admits(self, value) -> bool:
-        return (value > self.low if self.open_low else value >= self.low) and value <= self.high
-
-    def text(self) -> str:
-        def num(x) -> str:
-            return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-        return f"{'>' if self.open_low else '>='} {num(self.low)} and <= {num(self.high)}"
+    kind: type  # int | float | str | bool, or the enum of a choice
+    choices: tuple | None  # the values a choice takes
+    range: Range | None  # the range of a number
+    default: object
 
 
-_DEVICES = Range(1, 65536, "a degree is a count of devices; -1 takes the rest")
-_COUNT = Range(1, 10**9, "a count of steps")
-# Every numeric key, with the range it enforces. Sizes are bounded so that no product of
-# them overflows and no absurd model reaches the compiler; memory is checked separately.
-RANGES = {
-    "parallel.data": _DEVICES,
-    "parallel.pipeline": _DEVICES,
-    "parallel.tensor": _DEVICES,
-    "parallel.microbatches": Range(1, 65536, "micro-batches per data shard"),
-    "parallel.virtual_stages": Range(1, 1024, "layer chunks per pipeline device"),
-    "parallel.bucket_mb": Range(0, 65536, "a gradient bucket in MiB, at most 64 GiB", True),
-    "model.layers": Range(1, 10_000, "blocks in the stack"),
-    "model.embed": Range(1, 2**20, "the residual width; the largest models use ~25k"),
-    "model.heads": Range(1, 2**14, "attention heads"),
-    "model.mlp": Range(1, 2**22, "the feed-forward width"),
-    "model.vocab": Range(1, 2**24, "output classes"),
-    "train.steps": _COUNT,
-    "train.batch_size": Range(1, 2**24, "sequences per optimizer step"),
-    "train.seq_len": Range(1, 2**20, "tokens per sequence"),
-    "train.lr": Range(0, 10, "an AdamW learning rate; usual ones are 1e-5 to 1e-2", True),
-    "train.warmup": Range(0, 10**9, "warm-up steps"),
-    "train.weight_decay": Range(0, 10, "the AdamW decay per unit of learning rate"),
-    "train.seed": Range(0, 2**32 - 1, "seeds are 32-bit unsigned integers"),
-    "train.grad_accum": Range(1, 65536, "micro-batches accumulated per step"),
-    "train.clip_norm": Range(0, 1e9, "a gradient norm; 0 disables clipping"),
-    "train.log_every": _COUNT,
-    "checkpoint.every": Range(0, 10**9, "steps between checkpoints; 0 = off"),
-    "checkpoint.keep": Range(1, 10_000, "checkpoints kept"),
-    "distributed.timeout_s": Range(0, 7 * 86400, "seconds, at most a week", True),
-}
-DEGREES = {"parallel.data", "parallel.pipeline", "parallel.tensor"}
+def _declaration(hint) -> Key:
+    """A field's type hint -> (kind, choices, range)."""
+    rng = None
+    if typing.get_origin(hint) is Annotated:
+        hint, *extras = typing.get_args(hint)
+        rng = next(x for x in extras if isinstance(x, Range))
+    if typing.get_origin(hint) is Literal:
+        args = typing.get_args(hint)
+        return Key(type(args[0]), args, None, None)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return Key(hint, tuple(m.value for m in hint), None, None)
+    return Key(hint, None, rng, None)
+
+
+def section_classes() -> dict[str, list[type]]:
+    """Each section's classes: one, or for `model` the base and each model's own."""
+    from jaxpar import registry
+
+    out = {name: [cls] for name, cls in typing.get_type_hints(Config).items()}
+    out["model"] += [c for c in registry.config_classes() if c is not Model]
+    return out
+
+
+def keys() -> dict[str, Key]:
+    """Every declared key ('train.lr', ...) with its kind, choices, range and default."""
+    out = {}
+    for section, classes in section_classes().items():
+        for cls in classes:
+            hints = typing.get_type_hints(cls, include_extras=True)
+            for f in dataclasses.fields(cls):
+                default = _default(f)
+                key = dataclasses.replace(_declaration(hints[f.name]), default=default)
+                out.setdefault(f"{section}.{f.name}", key)
+    return out
+
+
+def _near(value, choices) -> str:
+    """'; did you mean X?' for a near miss (case and small typos), else ''."""
+    names = [str(c) for c in choices]
+    lower = {n.lower(): n for n in names}
+    close = [lower[str(value).lower()]] if str(value).lower() in lower else []
+    close = close or difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def check_value(key: str, value, hint):
+    """`value` for the field `key` declared as `hint`, normalised (numbers as people
+    write them, a choice as its enum); else ConfigError naming key, value and fix."""
+    decl = _declaration(hint)
+    kind = decl.kind
+    if isinstance(value, str) and kind in (int, float):
+        if _NOT_FINITE.fullmatch(value.strip()):
+            raise ConfigError(f"{key}={value}: not a finite number; {decl.range.text()}")
+        if _NUMBER.fullmatch(value.strip()):
+            value = _number(key, value, kind, decl)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if decl.choices is not None:
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            if isinstance(value, str) and value in decl.choices:
+                return value if type(value) is kind else kind(value)
+        elif type(value) is kind and value in decl.choices:
+            return value
+        raise ConfigError(
+            f"{key}={_shown(value)}: choose one of {list(decl.choices)}{_near(value, decl.choices)}"
+        )
+    if type(value) is not kind:
+        if isinstance(value, dict):
+            raise ConfigError(f"{key}: is a key, not a section; write {key}=VALUE")
+        raise ConfigError(
+            f"{key}={_shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
+        )
+    if decl.range is not None:
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{key}={value}: not a finite number; {decl.range.text()}")
+        if not decl.range.admits(value):
+            shown = f"{value:.4g}" if isinstance(value, float) else _shown(value)
+            raise ConfigError(f"{key}={shown}: out of range; {decl.range.text()}")
+    return value
 
 
 def preset_names() -> list[str]:
@@ -233,63 +421,33 @@ _NOT_FINITE = re.compile(r"[+-]?\.?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def _shown(value) -> str:
-    """A value for a message: its repr, cut short."""
-    text = repr(value)
+    """A value for a message: its repr (a choice's as its text), cut short."""
+    text = repr(str(value) if isinstance(value, enum.Enum) else value)
     return text if len(text) <= 40 else f"{text[:16]}... ({len(str(value))} characters)"
 
 
-def _number(key: str, text: str, kind):
+def _number(key: str, text: str, kind, decl: Key):
     """A number as people write it (YAML 1.1 leaves 1e-3, 3E-4 as strings)."""
     digits = text.strip().replace("_", "")
     if kind is int and digits.lstrip("+-").isdigit():
         if len(digits) > 30:
-            raise ConfigError(f"{key}={_shown(text)}: out of range; {_range_text(key)}")
+            raise ConfigError(f"{key}={_shown(text)}: out of range; {decl.range.text()}")
         return int(digits)
     number = float(digits)
     if not math.isfinite(number):
-        raise ConfigError(f"{key}={_shown(text)}: out of range; {_range_text(key)}")
+        raise ConfigError(f"{key}={_shown(text)}: out of range; {decl.range.text()}")
     return int(number) if kind is int and number.is_integer() else number
-
-
-def _range_text(key: str) -> str:
-    r = RANGES[key]
-    extra = " (or -1)" if key in DEGREES else ""
-    return f"it must be {r.text()}{extra} ({r.why})"
-
-
-def _coerce(key: str, value, kind):
-    if kind in (int, float) and isinstance(value, str):
-        if _NOT_FINITE.fullmatch(value.strip()):
-            raise ConfigError(f"{key}={value}: not a finite number; {_range_text(key)}")
-        if _NUMBER.fullmatch(value.strip()):
-            value = _number(key, value, kind)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
-        value = str(value)
-    if type(value) is not kind:
-        if isinstance(value, dict):
-            raise ConfigError(f"{key}: is a key, not a section; write {key}=VALUE")
-        if key in CHOICES:
-            raise ConfigError(f"{key}={_shown(value)}: choose one of {list(CHOICES[key])}")
-        raise ConfigError(
-            f"{key}={_shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
-        )
-    if key in CHOICES:
-        if value not in CHOICES[key]:
-            raise ConfigError(f"{key}={_shown(value)}: choose one of {list(CHOICES[key])}")
-    elif kind in (int, float):
-        if kind is float and not math.isfinite(value):
-            raise ConfigError(f"{key}={value}: not a finite number; {_range_text(key)}")
-        if not (RANGES[key].admits(value) or (key in DEGREES and value == -1)):
-            shown = f"{value:.4g}" if isinstance(value, float) else _shown(value)
-            raise ConfigError(f"{key}={shown}: out of range; {_range_text(key)}")
-    return value
 
 
 def _section(cls, key: str, values: dict):
     if not isinstance(values, dict):
         raise ConfigError(f"{key or 'config'}: expected a mapping of keys, got {values!r}")
+    if cls is Model:  # the model's own class, by its name
+        from jaxpar import registry
+
+        name = values.get("name", registry.default_name())
+        if isinstance(name, str) and name in registry.names():
+            cls = registry.config_class(name)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -305,11 +463,12 @@ def _section(cls, key: str, values: dict):
             )
             raise ConfigError(f"{_shown(full)[1:-1]}: unknown {what}; {hint}")
         kind = hints[name]
-        kwargs[name] = (
-            _section(kind, full, value)
-            if dataclasses.is_dataclass(kind)
-            else _coerce(full, value, kind)
-        )
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = _section(kind, full, value)
+        elif isinstance(value, dict):
+            raise ConfigError(f"{full}: is a key, not a section; write {full}=VALUE")
+        else:
+            kwargs[name] = value  # checked by the section's own __post_init__
     return cls(**kwargs)
 
 
@@ -354,7 +513,13 @@ def load(name_or_path: str = "default", overrides: list[str] = ()) -> Config:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain values (a choice as its text), for YAML, JSON and summary.json."""
+    return dataclasses.asdict(
+        cfg,
+        dict_factory=lambda items: {
+            k: v.value if isinstance(v, enum.Enum) else v for k, v in items
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -384,14 +549,14 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
     parallel = cfg.parallel
     batch_split(cfg.train, parallel, mesh_shape[DATA])
-    if parallel.dp_collective == "server" and parallel.zero:
+    if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
         raise ConfigError(
             f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
             "server sums everything on one device, which is what ZeRO avoids (it splits the "
             "optimizer state and the reduction over all devices); use parallel.zero=0 with "
             "server, or dp_collective=ring or xla with ZeRO"
         )
-    if parallel.offload == "optimizer+params" and parallel.zero != 3:
+    if parallel.offload is Offload.OPTIMIZER_PARAMS and parallel.zero != 3:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.zero={parallel.zero}: only "
             "ZeRO-3 stores parameter shards that a layer can fetch when it runs; below "
@@ -399,7 +564,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
-    if pipelined and parallel.offload == "optimizer+params":
+    if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
             "not supported; JAX refuses the gradient of host-resident stage parameters "
@@ -411,14 +576,14 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
             "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
         )
-    if pipelined and parallel.schedule == "1f1b" and parallel.remat == "offload":
+    if pipelined and parallel.schedule is Schedule.ONE_F_ONE_B and parallel.remat is Remat.OFFLOAD:
         raise ConfigError(
             "parallel.remat=offload with parallel.schedule=1f1b: 1F1B already keeps only "
             "each stage's input per micro-batch and recomputes the layers in the backward "
             "pass, so there are no saved layer inputs to send to the host; use "
             "schedule=gpipe or interleaved with remat=offload, or remat=none with 1f1b"
         )
-    interleaved = parallel.schedule == "interleaved"
+    interleaved = parallel.schedule is Schedule.INTERLEAVED
     if (parallel.virtual_stages > 1 or interleaved) and not pipelined:
         raise ConfigError(
             f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
@@ -441,26 +606,6 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
 
 
-def check_model(model: Model, mesh_shape: dict) -> None:
-    """The shipped models' dims against the tensor degree (named by key, before any leaf)."""
-    tensor = mesh_shape[TENSOR]
-    if model.name == "gpt" and model.embed % model.heads:
-        raise ConfigError(
-            f"model.embed={model.embed} is not divisible by model.heads="
-            f"{model.heads}; each head needs embed/heads dims"
-        )
-    dims = {"model.mlp": model.mlp, "model.vocab": model.vocab}
-    if model.name == "gpt":
-        dims["model.heads"] = model.heads
-    for key, size in dims.items():
-        if size % tensor:
-            raise ConfigError(
-                f"{key}={size} is not divisible by parallel.tensor={tensor}; "
-                f"Megatron splits it over tensor: choose a tensor degree "
-                f"dividing {size}, or change {key}"
-            )
-
-
 def _field_comments(cls) -> dict[str, str]:
     """Each field's comment in this file (the one place its meaning is written): the
     comment after it on its line, or the comment lines just above it."""
@@ -477,16 +622,22 @@ def _field_comments(cls) -> dict[str, str]:
 
 
 def keys_help() -> str:
-    """Every config key with its default and meaning (for `jaxpar train --help`)."""
+    """Every config key with its default and meaning (for `jaxpar train --help`); a
+    model's own keys say which model declares them."""
     lines = []
-    for section, cls in typing.get_type_hints(Config).items():
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{section}.{f.name}={getattr(cls(), f.name)}"
-            lines += textwrap.wrap(
-                comments[f.name],
-                width=100,
-                initial_indent=f"  {key:<28} ",
-                subsequent_indent=" " * 31,
-            )
+    for section, classes in section_classes().items():
+        base = set()
+        for cls in classes:
+            comments = _field_comments(cls)
+            for f in dataclasses.fields(cls):
+                if f.name in base:
+                    continue
+                whose = "" if cls is classes[0] else f" ({cls.__name__})"
+                lines += textwrap.wrap(
+                    comments.get(f.name, "") + whose,
+                    width=100,
+                    initial_indent=f"  {f'{section}.{f.name}={_default(f)}':<28} ",
+                    subsequent_indent=" " * 31,
+                )
+            base |= {f.name for f in dataclasses.fields(cls)}
     return "\n".join(lines)

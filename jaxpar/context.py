@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 
 
+class Keep(enum.Enum):
+    """What scan_layers keeps of each layer for the backward pass (from parallel.remat
+    and the ZeRO stage)."""
+
+    EVERYTHING = "everything"  # remat=none
+    INPUT = "input"  # remat=full: recompute the rest
+    INPUT_ON_HOST = "input on host"  # remat=offload
+    MATMULS = "matmuls"  # ZeRO-3 without remat: the matmul outputs, not gathered weights
+
+
 @dataclass(frozen=True)
 class Context:
     rules: tuple  # logical name -> mesh axis (jaxpar.sharding.RULES)
     mesh_shape: dict[str, int]
-    # what scan_layers keeps of each layer for the backward pass: none (everything) |
-    # full (its input) | offload (its input, in host memory) | regather (the matmul
-    # outputs, not the ZeRO-3 gathered weights)
-    remat: str
+    keep: Keep  # what scan_layers keeps of each layer for the backward pass
     # (leaf key, one layer's stored slice of a stacked leaf) -> what the layer computes
     # with: the offload fetch and the ZeRO-3 gather of that layer alone
     layer: Callable[[str, jax.Array], jax.Array]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError, Data, Model, Train
+from jaxpar.config import ConfigError, Data, Model, Source, Train
 
 BYTE_VOCAB = 256
 
@@ -23,12 +23,12 @@ def corpus_bytes() -> bytes:
 
 def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
     """The token stream (None for synthetic data), checked against the config."""
-    if data.path and data.source != "file":
+    if data.path and data.source is not Source.FILE:
         raise ConfigError(
             f"data.path={data.path!r} with data.source={data.source}: the path is read "
             "only with data.source=file; add data.source=file, or drop data.path"
         )
-    if data.source == "synthetic":
+    if data.source is Source.SYNTHETIC:
         return None
     if model.vocab < BYTE_VOCAB:
         raise ConfigError(
@@ -36,7 +36,7 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
             f"symbols; set model.vocab={BYTE_VOCAB} (or more), or "
             "data.source=synthetic"
         )
-    if data.source == "file":
+    if data.source is Source.FILE:
         path = Path(data.path)
         if not data.path or not path.is_file():
             raise ConfigError(
@@ -49,7 +49,7 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
     tokens = np.frombuffer(raw, dtype=np.uint8)
     need = train.seq_len + 2
     if len(tokens) < need:
-        where = f"data.path={data.path}" if data.source == "file" else "the corpus"
+        where = f"data.path={data.path}" if data.source is Source.FILE else "the corpus"
         raise ConfigError(
             f"{where} has {len(tokens)} bytes, fewer than train.seq_len+2 = "
             f"{need}; use a longer text or a smaller train.seq_len"

@@ -11,6 +11,7 @@ process that never arrives gives an error naming how many did and which ids are 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, RendezvousError
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -89,7 +90,7 @@ def rendezvous(coordinator: str, n: int, me: int, timeout_s: float) -> None:
                 conn.sendall(b"go" if not missing else b"no")
                 conn.close()
         if missing:
-            raise ConfigError(
+            raise RendezvousError(
                 f"distributed: {len(peers) + 1} of {n} processes arrived within "
                 f"distributed.timeout_s={timeout_s:g}; missing process ids {missing}. Start "
                 "them all (same --coordinator and --num-processes), or raise the timeout"
@@ -107,7 +108,7 @@ def rendezvous(coordinator: str, n: int, me: int, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    raise ConfigError(
+    raise RendezvousError(
         f"distributed: process {me} of {n}: the others did not all arrive at {coordinator} "
         f"within distributed.timeout_s={timeout_s:g} (see process 0's message)"
     )
@@ -127,13 +128,46 @@ def free_port() -> int:
             continue
 
 
-def launch(processes: int, cpu_devices: int, argv: list[str], log_dir: Path) -> int:
+GRACE_S = 300  # after a stop is forwarded, how long the workers get to save and exit
+
+
+def _how(code: int) -> str:
+    """An exit status in words: `exited with status 1`, `was killed by SIGKILL`."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _status(code: int) -> int:
+    """A child's Popen return code as a shell reports it (a signal: 128 + its number)."""
+    return 128 - code if code < 0 else code
+
+
+def latest_checkpoint(ckpt_dir: Path | None) -> str:
+    """Where a stopped job resumes from, in words (the newest complete step's folder)."""
+    steps = sorted(
+        int(p.name)
+        for p in (ckpt_dir.iterdir() if ckpt_dir and ckpt_dir.is_dir() else ())
+        if p.name.isdigit()
+    )
+    if not steps:
+        return "no checkpoint to resume from (set checkpoint.every to keep them)"
+    return f"resume from step {steps[-1]} in {ckpt_dir} by running the same command again"
+
+
+def launch(
+    processes: int, cpu_devices: int, argv: list[str], log_dir: Path, ckpt_dir: Path | None = None
+) -> int:
     """Run ARGV as `processes` local processes of one job, `cpu_devices` simulated devices
     each: a `jaxpar` command (`train ...`) or a Python script (`script.py ...`), told
     where and who they are by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
     JAX_PROCESS_ID. Every process's output goes to log_dir/process-<i>.log, process 0's
-    is also streamed here. The first to fail stops all, and its last lines are shown.
-    Returns the exit status (the failed process's, or 0)."""
+    is also streamed here.
+
+    SIGTERM or SIGINT to the launcher goes to every worker, once: they finish the step in
+    flight, save and exit; the launcher waits for them and returns their status (0).
+    The first worker to fail stops the others; the launcher names it, how it ended, its
+    last lines and the checkpoint to resume from, and returns its status."""
     log_dir.mkdir(parents=True, exist_ok=True)
     coordinator = f"127.0.0.1:{free_port()}"
     command = (
@@ -154,27 +188,80 @@ def launch(processes: int, cpu_devices: int, argv: list[str], log_dir: Path) -> 
             ENV[2]: str(i),
         }
         with path.open("w") as log:
-            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+            # a session of its own: a Ctrl-C at the terminal reaches the launcher alone,
+            # which forwards it once (a second would make the workers exit unsaved)
+            procs.append(
+                subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
+    stopping: list[int] = []
+
+    def forward(signum, frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _watch(procs, paths, stopping, ckpt_dir)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None) -> int:
     with paths[0].open() as first:
         while True:
             sys.stdout.write(first.read())
             sys.stdout.flush()
             codes = [p.poll() for p in procs]
+            if stopping:
+                return _wait_stopped(procs, first, signal.Signals(stopping[0]).name, ckpt_dir)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                tail = deque(paths[failed[0]].read_text().splitlines(), 12)
+                i = failed[0]
+                running = [p for p in procs if p.poll() is None]
+                for p in running:
+                    p.kill()
+                for p in running:
+                    p.wait()
+                tail = deque(paths[i].read_text().splitlines(), 12)
                 print(
-                    f"jaxpar launch: process {failed[0]} exited {codes[failed[0]]}; "
-                    "its last lines:",
+                    f"jaxpar launch: process {i} of {len(procs)} {_how(codes[i])}; stopped the "
+                    f"other {len(running)}; {latest_checkpoint(ckpt_dir)}. Its log is "
+                    f"{paths[i]}; its last lines:",
                     *tail,
                     sep="\n",
                     file=sys.stderr,
                 )
-                return codes[failed[0]]
+                return _status(codes[i])
             if all(c == 0 for c in codes):
                 sys.stdout.write(first.read())
                 return 0
             time.sleep(0.1)
+
+
+def _wait_stopped(procs, first, name: str, ckpt_dir: Path | None) -> int:
+    """After a forwarded stop: the workers' exit, within GRACE_S (then they are killed)."""
+    print(f"\njaxpar launch: {name} sent to {len(procs)} processes; waiting for them to save")
+    deadline = time.monotonic() + GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        sys.stdout.write(first.read())
+        time.sleep(0.1)
+    sys.stdout.write(first.read())
+    codes = [p.poll() for p in procs]
+    bad = [(i, c) for i, c in enumerate(codes) if c != 0]
+    if not bad:
+        print(f"jaxpar launch: all {len(procs)} processes saved and exited; "
+              f"{latest_checkpoint(ckpt_dir)}")  # fmt: skip
+        return 0
+    i, code = bad[0]
+    how = f"did not exit within {GRACE_S} s" if code is None else _how(code)
+    print(f"jaxpar launch: after {name}, process {i} {how}", file=sys.stderr)
+    return 1 if code is None else _status(code)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxpar import collectives
 from jaxpar.axes import DATA
+from jaxpar.config import DpCollective
 
 SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
 
@@ -40,7 +41,7 @@ def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None):
 def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float) -> list:
     spec_list = [s.compute for s in leaf_specs]
     dim_list = [s.dim for s in leaf_specs]
-    if mode == "xla":
+    if mode is DpCollective.XLA:
         out = [
             g
             if t is None
@@ -86,7 +87,7 @@ def buckets(sizes_bytes: list[int], bucket_bytes: float) -> list[list[int]]:
 
 def _sum_bucket(parts, mode: str):
     flat = jnp.concatenate([p.reshape(-1) for p in parts])
-    fn = collectives.ring_all_reduce if mode == "ring" else collectives.server_all_reduce
+    fn = collectives.ring_all_reduce if mode is DpCollective.RING else collectives.server_all_reduce
     total = fn(flat, DATA)
     ends = [sum(p.size for p in parts[: k + 1]) for k in range(len(parts) - 1)]
     pieces = jnp.split(total, ends)

@@ -1,8 +1,25 @@
-"""The one error type for user mistakes (turned into exit status 2 by the command line)."""
+"""The errors a user can fix, each turned by the command line into exit status 2 and its
+one-line message; and the non-finite stop (exit status 3)."""
 
 
-class ConfigError(ValueError):
-    """A configuration mistake: the message names the key, the numbers and the fix."""
+class UserError(ValueError):
+    """A mistake the user can fix: the message names what, the numbers and the fix."""
+
+
+class ConfigError(UserError):
+    """A configuration mistake: a key, a combination of keys, a path or a flag."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be opened, read or resumed from."""
+
+
+class RendezvousError(UserError):
+    """The processes of a job did not all arrive."""
+
+
+class ParamsError(UserError):
+    """Parameters that do not fit the model they are loaded into (export, to_nnx)."""
 
 
 class NonFinite(RuntimeError):

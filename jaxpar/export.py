@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxpar import checkpoint
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.problem import Problem
 from jaxpar.sharding import leaf_key
 
@@ -57,7 +57,7 @@ def load(path: Path, problem: Problem | None = None):
     wanted = jax.tree_util.tree_map_with_path(lambda p, _: leaf_key(p), problem.shapes)
     missing = [k for k in jax.tree.leaves(wanted) if k not in params]
     if missing:
-        raise ConfigError(f"{path}: has no parameter {missing[0]} ({len(missing)} missing)")
+        raise ParamsError(f"{path}: has no parameter {missing[0]} ({len(missing)} missing)")
     return jax.tree.map(lambda k: params[k], wanted)
 
 
@@ -69,10 +69,10 @@ def to_nnx(make: Callable[[nnx.Rngs], nnx.Module], params: dict) -> nnx.Module:
     for path, var in nnx.to_flat_state(state):
         key = "/".join(map(str, path))
         if key not in params:
-            raise ConfigError(f"to_nnx: no value for parameter {key} {var.shape}")
+            raise ParamsError(f"to_nnx: no value for parameter {key} {var.shape}")
         value = jnp.asarray(np.asarray(params[key]))
         if value.shape != var.shape:
-            raise ConfigError(
+            raise ParamsError(
                 f"to_nnx: parameter {key} is {value.shape}, the model has {var.shape}"
             )
         entries.append((path, var.replace(value)))

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import context
 from jaxpar.axes import DATA
+from jaxpar.context import Keep
 from jaxpar.offload import HOST, LAYER_INPUT
 from jaxpar.sharding import LAYERS, compute_spec
 
@@ -58,10 +59,10 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _checkpointed(body, remat: str):
-    if remat == "full":
+def _checkpointed(body, keep: Keep):
+    if keep is Keep.INPUT:
         return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    if remat == "offload":
+    if keep is Keep.INPUT_ON_HOST:
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
             names_which_can_be_offloaded=[LAYER_INPUT],
@@ -69,7 +70,7 @@ def _checkpointed(body, remat: str):
             offload_dst=HOST,
         )
         return jax.checkpoint(body, policy=policy)
-    if remat == "regather":
+    if keep is Keep.MATMULS:
         # Keep the big matmul outputs, recompute the rest: above all the ZeRO-3 gathered
         # weights, gathered again for the backward pass instead of being stored whole. (A
         # policy refusing to save only the all-gathers still left the whole gathered
@@ -101,7 +102,7 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
         return var if ctx is None or key is None else var.replace(ctx.layer(key, var.get_value()))
 
     def body(carry, layer_state):
-        if ctx and ctx.remat == "offload":
+        if ctx and ctx.keep is Keep.INPUT_ON_HOST:
             # the only value kept for the backward pass, sent to host memory there
             carry = checkpoint_name(carry, LAYER_INPUT)
         layer_state = jax.tree.map(
@@ -110,7 +111,7 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
         return fn(nnx.merge(graphdef, layer_state), carry)
 
     if ctx:
-        body = _checkpointed(body, ctx.remat)
+        body = _checkpointed(body, ctx.keep)
     if active is None:
         carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
     else:

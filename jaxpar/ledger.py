@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxpar import schedules
+from jaxpar import cost, schedules
 from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.hlo import Collective, collectives, loop_trip_counts
 from jaxpar.pipeline import Layout
 from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
-from jaxpar.sharding import LeafSpecs
 
 
 def wire_bytes(c: Collective) -> float:
@@ -92,55 +91,6 @@ def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
     return Ledger(*collectives(hlo_text, mesh_shape))
 
 
-def local_elems(shape, spec, mesh_shape) -> float:
-    split = math.prod(mesh_shape[a] for a in spec if a is not None)
-    return math.prod(shape) / split
-
-
-def minimum_bytes(
-    specs,
-    shapes,
-    *,
-    zero: int,
-    mesh_shape: dict,
-    compute_bytes: int,
-    accum: int,
-    tensor_elements: int | None,
-    reduce_bytes: int = 4,
-    gathers=None,
-) -> dict[str, float | None]:
-    """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
-
-    data: ZeRO-0 ring all-reduce 2(N-1)/N of the gradient; ZeRO-1/2 reduce-scatter of
-    the gradient (ZeRO-2: every micro-batch) + all-gather of the updated fp32
-    parameters, (N-1)/N each; ZeRO-3 per micro-batch: each leaf gathered `gathers` times
-    in the compute dtype (a layer stack's leaves twice, for forward and again for
-    backward, one layer whole at a time; a leaf outside the stack once, kept whole until
-    its backward), and its gradient reduce-scattered, (N-1)/N each. Gradients are summed
-    in `reduce_bytes` per element (train.grad_reduce_dtype). Leaves ZeRO cannot split pay
-    the all-reduce. tensor: Megatron's all-reduces of activations, 2(T-1)/T of
-    `tensor_elements` (per micro-batch) each, in the compute dtype.
-    """
-    n, t = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1)
-    ring, share = 2 * (n - 1) / n, (n - 1) / n
-    data = 0.0
-    counts = [2] * len(_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
-    for (s, shape), times in zip(_pairs(specs, shapes), counts, strict=True):
-        local = local_elems(shape, s.compute, mesh_shape)
-        if zero == 0 or s.dim is None:
-            data += ring * reduce_bytes * local
-        elif zero in (1, 2):
-            data += share * local * (reduce_bytes * (accum if zero == 2 else 1) + 4)
-        else:
-            data += share * local * (times * compute_bytes + reduce_bytes) * accum
-    tensor = (
-        None
-        if tensor_elements is None
-        else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
-    )
-    return {DATA: data, TENSOR: tensor}
-
-
 def assumes(zero: int, compute: str, reduce: str) -> str:
     """What the minimum counts, with the dtypes, in words (summary.json's comm.assumes)."""
     grads = f"gradients summed in {reduce}"
@@ -156,39 +106,6 @@ def assumes(zero: int, compute: str, reduce: str) -> str:
         f"ZeRO-3: parameters gathered in {compute}, a layer stack's twice (forward, "
         f"backward) and other leaves once per micro-batch; {grads}, reduce-scattered"
     )
-
-
-def _pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
-    out = []
-    jax.tree.map(
-        lambda s, x: out.append((s, tuple(x.shape))),
-        specs,
-        shapes,
-        is_leaf=lambda x: isinstance(x, LeafSpecs),
-    )
-    return out
-
-
-def params_per_device(specs, shapes, mesh_shape: dict) -> float:
-    """Parameters one device computes with (split by the rules, not by ZeRO): ZeRO's Psi."""
-    return sum(local_elems(shape, s.compute, mesh_shape) for s, shape in _pairs(specs, shapes))
-
-
-def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
-    """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
-    return int(
-        sum(4 * local_elems(shape, s.grad, mesh_shape) for s, shape in _pairs(specs, shapes))
-    )
-
-
-def state_formula(zero: int, params_per_device: float, n: int, offload: bool = False) -> float:
-    """ZeRO paper's model-state bytes per device for fp32 AdamW (K=8: m and v; 4 for the
-    fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N. Offloaded, the
-    fp32 master parameters are split like the optimizer state: 12Psi/N from stage 1."""
-    psi = params_per_device
-    if offload and zero:
-        return 12 * psi / n
-    return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
 
 
 def _state_totals(compiled, state_shapes) -> dict[tuple[str, bool], int]:
@@ -306,7 +223,7 @@ def pipeline_report(
         virtual_stages=v,
         ticks=loop,
         bubble=schedules.idle_share(table) if loop == len(table) else None,
-        bubble_formula=schedules.bubble_formula(p, m, v),
+        bubble_formula=cost.bubble(p, m, v),
         permute_bytes_per_device=permutes,
         permute_minimum_per_device=minimum,
         permute_ratio=permutes / minimum,

@@ -92,4 +92,5 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -15,6 +15,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 
+from jaxpar.config import Offload
 from jaxpar.optim import keep_if
 from jaxpar.state import TrainState
 
@@ -39,7 +40,7 @@ def layout(mode: str, device: TrainState, opt_params: object) -> TrainState:
     return device.replace(
         params=on_host(opt_params),
         opt=on_host(device.opt),
-        compute=device.params if mode == "optimizer" else on_host(device.params),
+        compute=device.params if mode is Offload.OPTIMIZER else on_host(device.params),
     )
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config import Train
+from jaxpar.config import OnNonfinite, Train
 from jaxpar.sharding import LAYERS, STAGE
 
 
@@ -43,12 +43,12 @@ def clip(grads, clip_norm: float):
     return grads, grad_norm
 
 
-def verdict(loss, grad_norm, skipped, on_nonfinite: str):
+def verdict(loss, grad_norm, skipped, on_nonfinite: OnNonfinite):
     """(apply the update?, is the step finite?): a step whose loss or gradient norm is
     not finite is never applied; with `stop`, neither is any after it (the loop saves
     the last good state and exits)."""
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    return (finite if on_nonfinite == "skip" else finite & (skipped == 0)), finite
+    return (finite if on_nonfinite is OnNonfinite.SKIP else finite & (skipped == 0)), finite
 
 
 def keep_if(apply, new, old):

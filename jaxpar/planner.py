@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxpar import ledger, pipeline
+from jaxpar import cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, TENSOR
-from jaxpar.config import Config, batch_split, check_model, check_train
+from jaxpar.config import Config, Offload, Remat, batch_split, check_train
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes, table
 from jaxpar.sharding import plan as placement
@@ -64,7 +64,9 @@ class Candidate:
     mesh: dict
     state: float  # master params + grads + optimizer state on the device, bytes
     model_state: float  # fp32 master params and Adam state, device and host (the ZeRO formula's)
+    formula_state: float  # the ZeRO formula's (the ledger's `state_bytes.formula`)
     paper_state: float  # the ZeRO paper's mixed-precision accounting of the same
+    minimum: dict  # the textbook minimum by axis (the ledger's `comm.by_axis.*.minimum`)
     activations: float
     gather_temp: float  # ZeRO-3's gathered layer (two in flight)
     device: float  # all of it
@@ -79,11 +81,11 @@ class Candidate:
         p, t = self.cfg.parallel, self.cfg.train
         parts = [f"dp{self.mesh[DATA]}", f"pp{self.mesh[PIPE]}", f"tp{self.mesh[TENSOR]}"]
         parts += [f"zero{p.zero}"]
-        if p.offload != "none":
+        if p.offload is not Offload.NONE:
             parts.append(f"offload={p.offload}")
         if self.mesh[PIPE] > 1:
             parts.append(f"m{p.microbatches}")
-        if p.remat != "none":
+        if p.remat is not Remat.NONE:
             parts.append(f"remat={p.remat}")
         if t.grad_accum > 1:
             parts.append(f"accum{t.grad_accum}")
@@ -91,58 +93,44 @@ class Candidate:
 
 
 def model_flops(cfg: Config) -> float:
-    """FLOPs of one step's forward and backward: 6 per matmul parameter per token (the
-    one-hot embedding and the head count as matmuls), plus the attention scores, a
+    """FLOPs of one step's forward and backward, by the model's own count per token; a
     third more when layers are recomputed."""
     m, t = cfg.model, cfg.train
-    tokens = t.batch_size * t.seq_len
-    layer = (4 * m.embed**2 if m.name == "gpt" else 0) + 2 * m.embed * m.mlp
-    flops = 6 * tokens * (m.layers * layer + 2 * m.vocab * m.embed)
-    if m.name == "gpt":
-        flops += 12 * m.layers * t.batch_size * t.seq_len**2 * m.embed
-    return flops * (4 / 3 if cfg.parallel.remat != "none" else 1)
+    flops = registry.get(m.name).flops_per_token(m, t.seq_len) * t.batch_size * t.seq_len
+    return flops * (4 / 3 if cfg.parallel.remat is not Remat.NONE else 1)
 
 
 def activation_bytes(cfg: Config, rows: int, tensor: int, layers: int, alive: int) -> float:
     """Activations kept for the backward pass on one device: `layers` layers of `rows`
-    sequences, `alive` micro-batches at once (Korthikanti et al.: 34 s b h + 5 a s^2 b
-    bytes per layer in 16-bit, the split ones divided by the tensor degree)."""
+    sequences, `alive` micro-batches at once, by the model's own count per layer."""
     m, s = cfg.model, cfg.train.seq_len
-    width = 2 if cfg.train.precision == "bf16" else 4
-    if cfg.parallel.remat != "none":
+    width = cost.dtype_bytes(cfg.train.precision)
+    if cfg.parallel.remat is not Remat.NONE:
         return alive * layers * rows * s * m.embed * width  # each layer's input
-    if m.name == "gpt":
-        per_layer = rows * s * m.embed * (10 + 24 / tensor) + 5 * m.heads * s * s * rows / tensor
-    else:
-        per_layer = rows * (m.embed * 4 + 3 * m.mlp / tensor)
+    per_layer = rows * registry.get(m.name).activation_bytes(m, s, tensor)
     return alive * layers * per_layer * width / 2
 
 
-def paper_state(zero: int, psi: float, n: int) -> float:
-    """ZeRO paper, mixed precision: 2 psi (fp16 params) + 2 psi (fp16 grads) + 12 psi."""
-    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}.get(
-        zero, 16 * psi / n
-    )
-
-
-def candidates(base: Config, machine: Machine):
-    """Every valid layout of base's model and batch (parallel.* and train.grad_accum)."""
+def candidates(base: Config, machine: Machine, pipelines: bool = True):
+    """Every valid layout of base's model and batch (parallel.* and train.grad_accum);
+    pipelines only for a model that can be cut into stages."""
     n = machine.devices
     m = base.model
     for t in (x for x in range(1, machine.per_host + 1) if machine.per_host % x == 0):
-        for p in (x for x in range(1, min(m.layers, n // t) + 1) if (n // t) % x == 0):
+        deepest = min(m.layers, n // t) if pipelines else 1
+        for p in (x for x in range(1, deepest + 1) if (n // t) % x == 0):
             d = n // (t * p)
             zeros = (0, 1, 2, 3) if d > 1 else (0,)
             for zero, offload, micro, remat, accum in itertools.product(
                 zeros,
-                ("none", "optimizer", "optimizer+params"),
+                tuple(Offload),
                 (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
-                ("none", "full"),
+                (Remat.NONE, Remat.FULL),
                 (1, 2, 4, 8),
             ):
                 if (
-                    (offload == "optimizer" and zero == 0)
-                    or (offload == "optimizer+params" and (zero != 3 or p > 1))
+                    (offload is Offload.OPTIMIZER and zero == 0)
+                    or (offload is Offload.OPTIMIZER_PARAMS and (zero != 3 or p > 1))
                     # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
                     # is not modelled here (6.6x the per-micro-batch gathers measured on
                     # gpt-tiny dp4 pp2): left out rather than ranked wrongly
@@ -166,7 +154,7 @@ def candidates(base: Config, machine: Machine):
                 )
                 mesh = {DATA: d, PIPE: p, TENSOR: t}
                 try:
-                    check_model(cfg.model, mesh)
+                    registry.check_model(cfg.model, mesh)
                     check_train(cfg, mesh)
                 except ConfigError:
                     continue
@@ -180,19 +168,19 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
     d, p, t = mesh[DATA], mesh[PIPE], mesh[TENSOR]
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
-    pairs = ledger._pairs(specs, trained.shapes)
+    pairs = cost.leaf_pairs(specs, trained.shapes)
     local = {
-        f: sum(ledger.local_elems(shape, getattr(s, f), mesh) for s, shape in pairs)
+        f: sum(cost.local_elems(shape, getattr(s, f), mesh) for s, shape in pairs)
         for f in ("storage", "grad", "opt", "compute")
     }
     master, adam, grads = 4 * local["storage"], 8 * local["opt"], 4 * local["grad"]
-    compute_bytes = 2 if train.precision == "bf16" else 4
-    model_state = master + adam if par.offload == "none" else 12 * local["opt"]
+    compute_bytes = cost.dtype_bytes(train.precision)
+    model_state = master + adam if par.offload is Offload.NONE else 12 * local["opt"]
     on_host = 0.0
-    if par.offload != "none":  # fp32 master weights and Adam state on the host
+    if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
         on_host = 4 * local["opt"] + adam
         master, adam = compute_bytes * local["storage"], 0  # the compute copy stays
-        if par.offload == "optimizer+params":
+        if par.offload is Offload.OPTIMIZER_PARAMS:
             on_host, master = on_host + master, 0
     split = batch_split(train, par, d)
     alive = min(par.microbatches, p) if p > 1 else 1
@@ -200,7 +188,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
     acts = activation_bytes(cfg, split.micro, t, layers, alive)
     names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
     one_layer = sum(
-        ledger.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
+        cost.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
         for (s, shape), n in zip(pairs, names, strict=True)
         if stack_dims(n)
     )
@@ -214,21 +202,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
         if trained.tensor_elements
         else None
     )
-    minimum = ledger.minimum_bytes(
-        specs,
-        trained.shapes,
-        zero=par.zero,
-        mesh_shape=mesh,
-        compute_bytes=compute_bytes,
-        accum=train.grad_accum,
-        tensor_elements=tensor_elements if t > 1 else 0,
-        reduce_bytes=compute_bytes if train.grad_reduce_dtype == "compute" else 4,
-        gathers=jax.tree.map(
-            lambda names: 2 if stack_dims(names) else 1,
-            trained.names,
-            is_leaf=lambda x: isinstance(x, tuple),
-        ),
-    )
+    minimum = cost.minimum(cfg, specs, trained, mesh, tensor_elements if t > 1 else 0)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
     hand_over = split.micro * train.seq_len * cfg.model.embed * compute_bytes
     comm = {
@@ -241,19 +215,21 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
     comm_s = sum(
         b / (machine.inter_bytes_s if spans[a] else machine.intra_bytes_s) for a, b in comm.items()
     )
-    if par.offload != "none":  # fp32 gradients to the host, compute-dtype parameters back
+    if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
         moved = (4 + compute_bytes) * local["opt"] * train.grad_accum ** (par.zero == 3)
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
-    bubble = (p - 1) / (par.microbatches + p - 1) if p > 1 else 0.0
+    bubble = cost.bubble(p, par.microbatches)
     compute_s = model_flops(cfg) / machine.devices / (machine.peak_flops * machine.mfu)
-    psi = ledger.params_per_device(specs, trained.shapes, mesh)
+    psi = cost.params_per_device(specs, trained.shapes, mesh)
     return Candidate(
         cfg=cfg,
         mesh=mesh,
         state=state,
         model_state=model_state,
-        paper_state=paper_state(par.zero, psi, d),
+        formula_state=cost.model_state(cfg, specs, trained.shapes, mesh),
+        paper_state=cost.paper_state(par.zero, psi, d),
+        minimum=minimum,
         activations=acts,
         gather_temp=gather,
         device=device,
@@ -283,7 +259,7 @@ RULES = (  # (test on the winner and the machine, the rule it follows), most spe
         "the host",
     ),
     (
-        lambda c, m: c.cfg.parallel.offload != "none",
+        lambda c, m: c.cfg.parallel.offload is not Offload.NONE,
         "the parameters and optimizer state do not fit on few devices: offload them to the host",
     ),
     (lambda c, m: c.cfg.parallel.zero == 3, "the parameters do not fit: ZeRO-3"),
@@ -307,7 +283,7 @@ def make_plan(base: Config, problem, machine: Machine) -> Plan:
     """Every candidate predicted; those that fit ranked by step time."""
     staged = {}
     fit, dropped, closest, considered = [], 0, None, 0
-    for cfg, mesh in candidates(base, machine):
+    for cfg, mesh in candidates(base, machine, pipelines=problem.parts is not None):
         p = mesh[PIPE]
         if p not in staged:
             staged[p] = pipeline.in_stages(problem, p)
@@ -323,9 +299,9 @@ def make_plan(base: Config, problem, machine: Machine) -> Plan:
     fit.sort(
         key=lambda c: (
             round(c.step_s, 9),
-            c.cfg.parallel.offload != "none",
+            c.cfg.parallel.offload is not Offload.NONE,
             c.cfg.parallel.zero,
-            c.cfg.parallel.remat != "none",
+            c.cfg.parallel.remat is not Remat.NONE,
             c.cfg.train.grad_accum,
             c.device,
         )

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import jax
 
-from jaxpar import ledger
+from jaxpar import cost
 from jaxpar.axes import DATA
-from jaxpar.config import Config, batch_split
+from jaxpar.config import Config, Offload, Remat, batch_split
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes
 
@@ -58,10 +58,11 @@ def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
     have = budget()
     if force or have is None:
         return
-    psi = ledger.params_per_device(engine.specs, engine.problem.shapes, mesh_shape)
-    par = cfg.parallel
-    state = 0 if par.offload != "none" else ledger.state_formula(par.zero, psi, mesh_shape[DATA])
-    need = state + ledger.grad_bytes(engine.specs, engine.problem.shapes, mesh_shape)
+    specs, shapes = engine.specs, engine.problem.shapes
+    psi = cost.params_per_device(specs, shapes, mesh_shape)
+    offloaded = cfg.parallel.offload is not Offload.NONE
+    state = 0 if offloaded else cost.model_state(cfg, specs, shapes, mesh_shape)
+    need = state + cost.grad_bytes(specs, shapes, mesh_shape)
     if need > have.bytes_per_device:
         raise ConfigError(
             f"memory: the parameters, gradients and Adam state alone need "
@@ -150,7 +151,7 @@ def _alternatives(cfg: Config, mesh_shape: dict) -> list[tuple[str, Config]]:
         changed = dataclasses.replace(train, batch_size=train.batch_size // factor)
         if changed.batch_size and _splits(changed, par, data):
             out.append((f"train.batch_size={changed.batch_size}", changed, par))
-    if par.remat == "none":
+    if par.remat is Remat.NONE:
         out.append(("parallel.remat=full", train, dataclasses.replace(par, remat="full")))
     if par.zero < 3 and data > 1:
         out.append(("parallel.zero=3", train, dataclasses.replace(par, zero=3)))

@@ -11,19 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import ledger, offload, preflight
+from jaxpar import cost, ledger, offload, preflight
 from jaxpar.axes import DATA, PIPE
-from jaxpar.config import Config, batch_split
+from jaxpar.config import Config, Precision, ReduceDtype, batch_split
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, Report
 from jaxpar.sharding import unsplit_leaves
-from jaxpar.step import DTYPES, Engine, build
-from jaxpar.zero import stack_dims
+from jaxpar.step import Engine, build
 
 
 @dataclass(frozen=True)
@@ -111,33 +109,18 @@ def describe_step(
     par, trained = cfg.parallel, engine.problem
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     led = ledger.read(step.hlo, mesh_shape)
-    compute_bytes = jnp.dtype(DTYPES[cfg.train.precision]).itemsize
+    compute_bytes = cost.dtype_bytes(cfg.train.precision)
     split = batch_split(cfg.train, par, mesh_shape[DATA])
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
     tensor = problem.tensor_elements
-    reduce_bytes = compute_bytes if cfg.train.grad_reduce_dtype == "compute" else 4
-    minimum = ledger.minimum_bytes(
-        engine.specs,
-        trained.shapes,
-        zero=par.zero,
-        mesh_shape=mesh_shape,
-        compute_bytes=compute_bytes,
-        accum=cfg.train.grad_accum,
-        tensor_elements=tensor(split.accum) if tensor and mesh_shape[PIPE] == 1 else None,
-        reduce_bytes=reduce_bytes,
-        gathers=jax.tree.map(
-            lambda names: 2 if trained.scans_layers and stack_dims(names) else 1,
-            trained.names,
-            is_leaf=lambda x: isinstance(x, tuple),
-        ),
-    )
-    psi = ledger.params_per_device(engine.specs, trained.shapes, mesh_shape)
-    formula = ledger.state_formula(par.zero, psi, mesh_shape[DATA], par.offload != "none")
+    tensor_elements = tensor(split.accum) if tensor and mesh_shape[PIPE] == 1 else None
+    minimum = cost.minimum(cfg, engine.specs, trained, mesh_shape, tensor_elements)
+    formula = cost.model_state(cfg, engine.specs, trained.shapes, mesh_shape)
     device, host = ledger.memory(
         step.executable,
         step.state_shapes,
-        ledger.grad_bytes(engine.specs, trained.shapes, mesh_shape),
+        cost.grad_bytes(engine.specs, trained.shapes, mesh_shape),
         step.host_activations,
     )
     n = mesh_shape[DATA]
@@ -160,7 +143,11 @@ def describe_step(
             minimum,
             [d.process_index for d in mesh.devices.flat],
             ledger.assumes(
-                par.zero, cfg.train.precision, "fp32" if reduce_bytes == 4 else cfg.train.precision
+                par.zero,
+                cfg.train.precision,
+                cfg.train.precision
+                if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE
+                else Precision.FP32,
             ),
         ),
     )

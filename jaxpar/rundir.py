@@ -11,7 +11,8 @@ from pathlib import Path
 
 from jaxpar.errors import ConfigError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt")
+METRICS, SUMMARY, LOSS_PLOT, HLO = "metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt"
+RUN_FILES = (METRICS, SUMMARY, LOSS_PLOT, HLO)  # what a run writes, besides checkpoints
 
 
 def check_writable(path: Path, flag: str = "--out") -> None:
@@ -34,6 +35,14 @@ def check_writable(path: Path, flag: str = "--out") -> None:
             f"{flag} {path}: cannot write in {parent} ({e.strerror}); give a directory "
             "you can write to"
         ) from None
+
+
+def check_file_target(path: Path, flag: str) -> None:
+    """`path` is a file we can write: not a directory, under a folder that is, or can
+    be made, writable (made when the command writes it)."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name in it")
+    check_writable(path.parent, f"{flag} {path}: its folder")
 
 
 def refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:

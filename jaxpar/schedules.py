@@ -18,6 +18,7 @@ bubble. Executors run inside the step's shard_map (manual over `data` and `pipel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 
 from jaxpar import collectives
 from jaxpar.axes import PIPE
+from jaxpar.config import Schedule
 from jaxpar.pipeline import Layout
 from jaxpar.problem import Problem
 
@@ -93,18 +95,14 @@ def circular(p: int, m: int, v: int) -> np.ndarray:
     return np.array(rows, dtype=np.int32)
 
 
-def tick_table(schedule: str, p: int, m: int, v: int) -> np.ndarray:
+def tick_table(schedule: Schedule, p: int, m: int, v: int) -> np.ndarray:
     """[ticks, p, 3] of (action, micro-batch, chunk k) for each device on each tick:
     the forward loop for gpipe / interleaved (autodiff mirrors it), the whole step for
     1f1b (where a tick holds a forward or a backward)."""
-    if schedule == "1f1b":
+    if schedule is Schedule.ONE_F_ONE_B:
         table, _ = one_f_one_b(p, m)
         return np.concatenate([table, np.zeros_like(table[..., :1])], axis=-1)
     return circular(p, m, v)
-
-
-def bubble_formula(p: int, m: int, v: int) -> float:
-    return (p - 1) / (v * m + p - 1)
 
 
 def idle_share(table: np.ndarray) -> float:
@@ -112,10 +110,10 @@ def idle_share(table: np.ndarray) -> float:
     return float((table[..., 0] == IDLE).mean())
 
 
-def handover_share(schedule: str, p: int, m: int) -> float:
+def handover_share(schedule: Schedule, p: int, m: int) -> float:
     """Share of the tick loop's hand-overs that really happen: 1f1b skips the ticks on
     which no stage sends that way (the ledger, reading the HLO, counts every tick)."""
-    if schedule != "1f1b":
+    if schedule is not Schedule.ONE_F_ONE_B:
         return 1.0
     table, _ = one_f_one_b(p, m)
     fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + (table[:, 1:, 0] == BWD).any(axis=1).sum()
@@ -133,7 +131,7 @@ class Pipe:
 
     problem: Problem  # in pipeline layout
     layout: Layout
-    schedule: str
+    schedule: Schedule
     microbatches: int
 
     @property
@@ -149,7 +147,7 @@ def value_and_grad(pipe: Pipe, prepare):
     """(stored params, micro-batch, count) -> (this device's summed loss / count, local
     gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
     what the forward pass reads (jaxpar.zero.ZeroPolicy.compute_view)."""
-    if pipe.schedule == "1f1b":
+    if pipe.schedule is Schedule.ONE_F_ONE_B:
         return lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)
     return jax.value_and_grad(
         lambda params, batch, count: _circular_loss(pipe, prepare(params), batch, count)
@@ -210,6 +208,16 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
     return loss / count
 
 
+class _Slots(NamedTuple):
+    """What a 1F1B device carries from tick to tick."""
+
+    acts: jax.Array  # [slots, *activation]: stage inputs kept for their backward
+    gins: jax.Array  # [slots, *activation]: output gradients handed back, not yet used
+    g_stack: dict  # gradient of this device's layers so far (fp32)
+    g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
+    loss: jax.Array  # this device's summed loss so far
+
+
 def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     """1f1b: (this device's summed loss / count, gradients of all local parameters)."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
@@ -234,11 +242,10 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     def post_loss(r, y, mb):
         return jnp.sum(parts.post(whole(r), y, mb).astype(jnp.float32)) / count
 
-    def forward(state, i):
-        acts, gins, g_stack, g_rest, loss = state
+    def forward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
-        x = jax.lax.cond(stage == 0, lambda: parts.pre(whole(rest), mb), lambda: acts[slot])
-        acts = acts.at[slot].set(x)
+        x = jax.lax.cond(stage == 0, lambda: parts.pre(whole(rest), mb), lambda: state.acts[slot])
+        acts = state.acts.at[slot].set(x)
         y = run_chunk(stack, x)
 
         def last(args):
@@ -249,23 +256,22 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
             return gins.at[slot].set(d_y.astype(gins.dtype)), g_rest, loss + value
 
         gins, g_rest, loss = jax.lax.cond(
-            stage == p - 1, last, lambda args: args, (gins, g_rest, loss)
+            stage == p - 1, last, lambda args: args, (state.gins, state.g_rest, state.loss)
         )
-        return (acts, gins, g_stack, g_rest, loss), y, zeros_h
+        return state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss), y, zeros_h
 
-    def backward(state, i):
-        acts, gins, g_stack, g_rest, loss = state
+    def backward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
-        _, vjp = jax.vjp(run_chunk, stack, acts[slot])
-        d_stack, d_x = vjp(gins[slot])
-        g_stack = jax.tree.map(jnp.add, g_stack, d_stack)
+        _, vjp = jax.vjp(run_chunk, stack, state.acts[slot])
+        d_stack, d_x = vjp(state.gins[slot])
+        g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
 
         def first(g_rest):
             _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
             return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
 
-        g_rest = jax.lax.cond(stage == 0, first, lambda g: g, g_rest)
-        return (acts, gins, g_stack, g_rest, loss), zeros_h, d_x
+        g_rest = jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
+        return state._replace(g_stack=g_stack, g_rest=g_rest), zeros_h, d_x
 
     def idle(state, i):
         return state, zeros_h, zeros_h
@@ -285,7 +291,7 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
             lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
             lambda: zeros_h,
         )
-        acts, gins, g_stack, g_rest, loss = state
+        acts, gins = state.acts, state.gins
         # File what the neighbours handed over, by the table's record of what they ran.
         prev_kind, prev_i = table_j[t, stage - 1, 0], table_j[t, stage - 1, 1]
         slot = prev_i % slots_n
@@ -294,21 +300,21 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
         next_kind, next_i = table_j[t, nxt, 0], table_j[t, nxt, 1]
         slot = next_i % slots_n
         gins = gins.at[slot].set(jnp.where((stage < p - 1) & (next_kind == BWD), got_b, gins[slot]))
-        return (acts, gins, g_stack, g_rest, loss), None
+        return state._replace(acts=acts, gins=gins), None
 
     buffers = jnp.zeros((slots_n, *h_shape.shape), h_shape.dtype)
-    state = (
-        buffers,
-        buffers,
-        jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
-        jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
-        jnp.zeros((), jnp.float32),
+    state = _Slots(
+        acts=buffers,
+        gins=buffers,
+        g_stack=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
+        g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
+        loss=jnp.zeros((), jnp.float32),
     )
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(len(table)))
-    _, _, g_stack, g_rest, loss = state
-    (g_rest_storage,) = rest_vjp(jax.tree.map(lambda g, r: g.astype(r.dtype), g_rest, rest))
-    return loss, {**g_stack, **g_rest_storage}
+    grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
+    (g_rest_storage,) = rest_vjp(grads)
+    return state.loss, {**state.g_stack, **g_rest_storage}
 
 
 def reduce_shared(pipe: Pipe, grads: dict, specs: dict) -> dict:

@@ -10,6 +10,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.config import OnNonfinite
 from jaxpar.sharding import named, pick
 
 
@@ -30,7 +31,7 @@ class TrainState:
     def advanced(self, applied: jax.Array, finite: jax.Array, on_nonfinite: str) -> TrainState:
         """The counters after a step. `skip` consumes the batch either way; `stop` halts
         at the first step it could not apply, so the state stays the last good one."""
-        taken = 1 if on_nonfinite == "skip" else applied.astype(jnp.int32)
+        taken = 1 if on_nonfinite is OnNonfinite.SKIP else applied.astype(jnp.int32)
         return self.replace(
             step=self.step + taken, skipped=self.skipped + (~finite).astype(jnp.int32)
         )

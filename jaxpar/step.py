@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +26,22 @@ from jaxpar import context, offload, optim, pipeline, schedules
 from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
 from jaxpar.axes import DATA, PIPE
-from jaxpar.config import Config, batch_split
+from jaxpar.config import Config, Offload, Precision, ReduceDtype, batch_split
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import RULES, LeafSpecs, named, only_axes, pick, plan
 from jaxpar.state import TrainState
 from jaxpar.zero import ZeroPolicy
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, on the device (read on the host a step later)."""
+
+    loss: jax.Array
+    lr: jax.Array
+    grad_norm: jax.Array
+    skipped: jax.Array  # steps skipped as not finite so far
 
 
 @dataclass(frozen=True)
@@ -73,10 +82,10 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         specs=specs,
         names=trained.names,
         dtype=dtype,
-        reduce_dtype=dtype if cfg.train.grad_reduce_dtype == "compute" else jnp.float32,
+        reduce_dtype=dtype if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE else jnp.float32,
         dp_mode=par.dp_collective,
         bucket_bytes=par.bucket_mb * 2**20,
-        fetch=par.offload == "optimizer+params",
+        fetch=par.offload is Offload.OPTIMIZER_PARAMS,
     )
     tx, schedule = optim.optimizer(cfg.train, trained.names)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -84,7 +93,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     device = state_lib.shardings(mesh, specs, tx, trained.shapes)
     clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
     verdict = functools.partial(optim.verdict, on_nonfinite=cfg.train.on_nonfinite)
-    if par.offload == "none":
+    if par.offload is Offload.NONE:
         shardings, update = device, _device_update(tx, clip, verdict, device, opt_params)
     else:
         shardings = offload.layout(par.offload, device, opt_params)
@@ -93,7 +102,9 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
 
     def init(key):
         params = trained.init(key)
-        compute = None if par.offload == "none" else jax.tree.map(lambda p: p.astype(dtype), params)
+        compute = (
+            None if par.offload is Offload.NONE else jax.tree.map(lambda p: p.astype(dtype), params)
+        )
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, tx.init(params), zero, compute)
 
@@ -102,8 +113,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         loss, grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
-        metrics = {"loss": loss, "lr": schedule(state.step), "grad_norm": grad_norm}
-        return new, {**metrics, "skipped": new.skipped}
+        return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped)
 
     batch_sharding = NamedSharding(mesh, PartitionSpec(DATA))
     return Engine(
@@ -157,7 +167,7 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, 
     ctx = context.Context(
         rules=RULES,
         mesh_shape=dict(mesh.shape),
-        remat=policy.remat(cfg.parallel.remat),
+        keep=policy.keep(cfg.parallel.remat),
         layer=policy.layer,
         whole=policy.whole,
     )

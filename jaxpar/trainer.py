@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar import checkpoint, console, metrics, rundir
-from jaxpar.config import Config
+from jaxpar.config import Config, OnNonfinite
 from jaxpar.errors import ConfigError, NonFinite
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
@@ -72,20 +72,7 @@ def train(
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
-    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
-        if where and lead:
-            rundir.check_writable(where, flag)
-    if restart:
-        if lead:
-            moved = rundir.set_aside(out_dir, ckpt_dir)
-            say(
-                f"restart: set aside {', '.join(moved)}"
-                if moved
-                else "restart: nothing to set aside"
-            )
-        if jax.process_count() > 1:  # the others must not open what process 0 moves
-            multihost_utils.sync_global_devices("jaxpar restart")
-    rundir.refuse_another_run(out_dir, ckpt_dir)
+    _open(out_dir, ckpt_dir, restart, lead, say)
     with _Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
         if start:
@@ -107,8 +94,8 @@ def train(
         files = out_dir if out_dir and lead else None
         if files:
             files.mkdir(parents=True, exist_ok=True)
-            (files / "step.hlo.txt").write_text(run.step.hlo)
-        log = metrics.MetricsLog(files / "metrics.jsonl" if files else None, resume_at=start)
+            (files / rundir.HLO).write_text(run.step.hlo)
+        log = metrics.MetricsLog(files / rundir.METRICS if files else None, resume_at=start)
         every = cfg.checkpoint.every if ckpt_dir else 0
         shown = progress and not quiet and lead
         with _Stops() as stops:
@@ -117,6 +104,39 @@ def train(
         state = saver.finish(loop, start)
     if loop.nonfinite is not None:
         raise NonFinite(_nonfinite_message(run, state, batches, loop, saver))
+    report = _finish(run, loop, log.rows, files, saver, say)
+    return Result(
+        losses=loop.losses,
+        params=run.engine.export(state.params),
+        report=report,
+        rows=log.rows,
+        checkpoints=saver.directory if saver.opened else None,
+        stopped=loop.stopped,
+    )
+
+
+def _open(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: bool, say) -> None:
+    """The run directory and checkpoints: checked, set aside on `restart`, never mixed
+    with another run's."""
+    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
+        if where and lead:
+            rundir.check_writable(where, flag)
+    if restart:
+        if lead:
+            moved = rundir.set_aside(out_dir, ckpt_dir)
+            say(
+                f"restart: set aside {', '.join(moved)}"
+                if moved
+                else "restart: nothing to set aside"
+            )
+        if jax.process_count() > 1:  # the others must not open what process 0 moves
+            multihost_utils.sync_global_devices("jaxpar restart")
+    rundir.refuse_another_run(out_dir, ckpt_dir)
+
+
+def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
+    """The report with the run's figures, the closing table, summary.json and loss.png,
+    and where a stopped run resumes from."""
     report = run.report
     if loop.losses:  # (a stop before the first step leaves none)
         step_time = float(np.median(loop.times))
@@ -128,20 +148,13 @@ def train(
         )
         say(console.closing(report, loop.losses))
     if files:
-        metrics.write_json(files / "summary.json", report.to_json())
-        metrics.plot_loss(log.rows, files / "loss.png", report.strategy)
+        metrics.write_json(files / rundir.SUMMARY, report.to_json())
+        metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
     if loop.stopped:
         where = f"saved to {saver.where(loop.end)}" if saver.directory else "nothing saved"
         say(f"\nstopped by {loop.stopped} after step {loop.end}: {where}")
         say("run the same command to resume")
-    return Result(
-        losses=loop.losses,
-        params=run.engine.export(state.params),
-        report=report,
-        rows=log.rows,
-        checkpoints=saver.directory if saver.opened else None,
-        stopped=loop.stopped,
-    )
+    return report
 
 
 class _Saver:
@@ -174,7 +187,7 @@ class _Saver:
     def restore(self, step: int):
         checkpoint.check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
         state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
-        if self.cfg.train.on_nonfinite == "stop":  # a save that raced a halt
+        if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
             state = state.replace(skipped=state.skipped * 0)
         return state
 
@@ -250,10 +263,10 @@ def run_loop(
         loop.times.append(now - last)
         since_log.append(now - last)
         last = now
-        loss, grad_norm = float(host["loss"]), float(host["grad_norm"])
+        loss, grad_norm = float(host.loss), float(host.grad_norm)
         loop.losses.append(loss)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite and cfg.on_nonfinite == "stop" and loop.nonfinite is None:
+        if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
             loop.nonfinite = step + 1
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0 or not finite:
@@ -263,10 +276,10 @@ def run_loop(
                 "step": step + 1,
                 "loss": loss,
                 "grad_norm": grad_norm,
-                "lr": float(host["lr"]),
+                "lr": float(host.lr),
                 "step_time_s": dt,
                 "tokens_per_s": run.tokens_per_step / dt,
-                "skipped": int(host["skipped"]),
+                "skipped": int(host.skipped),
             }
             log.write(row)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar import collectives, dp
+from jaxpar.config import DpCollective, Remat
+from jaxpar.context import Keep
 from jaxpar.sharding import NOT_ZERO, LeafSpecs, leaf_key
 
 
@@ -72,7 +74,7 @@ class ZeroPolicy:
         if not self._gathered(s):
             return x
         spec = PartitionSpec(*s.compute[lead:])
-        ring = self.dp_mode == "ring"
+        ring = self.dp_mode is DpCollective.RING
         return collectives.gather(
             x, s.dim - lead, spec, ring=ring, dtype=self.dtype, reduce_dtype=self.reduce_dtype
         )
@@ -94,11 +96,13 @@ class ZeroPolicy:
 
         return jax.tree_util.tree_map_with_path(one, params)
 
-    def remat(self, requested: str) -> str:
-        """What scan_layers keeps for the backward pass (jaxpar.context.Context.remat):
+    def keep(self, remat: Remat) -> Keep:
+        """What scan_layers keeps for the backward pass (jaxpar.context.Context.keep):
         with no remat asked for, ZeRO-3 still re-gathers each layer's weights there
         instead of keeping them whole."""
-        return "regather" if requested == "none" and self.stage >= 3 else requested
+        if remat is Remat.NONE:
+            return Keep.MATMULS if self.stage >= 3 else Keep.EVERYTHING
+        return {Remat.FULL: Keep.INPUT, Remat.OFFLOAD: Keep.INPUT_ON_HOST}[remat]
 
     def layer(self, key: str, x):
         """One layer's slice of a stacked leaf (cast by compute_view) -> ready to use."""

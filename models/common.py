@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from jaxpar.layers import constrain, param
+from jaxpar.config import Model
+from jaxpar.layers import constrain, param, scan_layers
+from jaxpar.problem import Stages
 from jaxpar.sharding import BATCH, EMBED, MLP, SEQ
 
 
@@ -62,3 +65,33 @@ def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Arra
 def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array) -> jax.Array:
     """One layer of a stack, for jaxpar.scan_layers."""
     return layer(x_BxSxE)
+
+
+def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
+    """The pipeline's first piece: tokens[:, :-1] -> residual stream."""
+    return model.embed(batch["tokens"][:, :-1])
+
+
+def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
+    """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:]."""
+    logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["tokens"][:, 1:])
+
+
+def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:
+    """Per-token cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+    x_BxSxE = scan_layers(model.blocks, embed_inputs(model, batch), apply_layer)
+    return token_losses(model, x_BxSxE, batch)
+
+
+def language_model_stages(model: Model, block_flops: float) -> Stages:
+    """A model with `embed`, `blocks` and `logits` cut into pipeline stages, with forward
+    FLOPs per token of the embedding, one block and the output head (for balancing)."""
+    head = 2 * model.vocab * model.embed
+    return Stages(
+        pre=embed_inputs,
+        stack="blocks",
+        layer=apply_layer,
+        post=token_losses,
+        costs=(head, block_flops, head),
+    )

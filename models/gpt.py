@@ -9,9 +9,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import Model
+from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
+from jaxpar.registry import ModelSpec, divisible_by_tensor
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal
+
+from .common import (
+    FeedForward,
+    LayerNorm,
+    apply_layer,
+    embed_tokens,
+    language_model_stages,
+    next_token_loss,
+    normal,
+)
 
 
 class Attention(nnx.Module):
@@ -81,3 +92,46 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxS):
         x_BxSxE = scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer)
         return self.logits(x_BxSxE)
+
+
+def check(model: Model, mesh_shape: dict) -> None:
+    if model.embed % model.heads:
+        raise ConfigError(
+            f"model.embed={model.embed} is not divisible by model.heads="
+            f"{model.heads}; each head needs embed/heads dims"
+        )
+    divisible_by_tensor(
+        {"model.mlp": model.mlp, "model.vocab": model.vocab, "model.heads": model.heads},
+        mesh_shape,
+    )
+
+
+def flops_per_token(m: Model, seq_len: int) -> float:
+    """6 per matmul parameter (the one-hot embedding and the head count as matmuls),
+    plus the attention scores and their product with V: 12 L S E."""
+    matmuls = m.layers * (4 * m.embed**2 + 2 * m.embed * m.mlp) + 2 * m.vocab * m.embed
+    return 6 * matmuls + 12 * m.layers * seq_len * m.embed
+
+
+def activation_bytes(m: Model, seq_len: int, tensor: int) -> float:
+    """Korthikanti et al.: 34 s h + 5 a s^2 bytes per layer and sequence in 16-bit, the
+    tensor-split parts divided by the degree."""
+    s = seq_len
+    return s * m.embed * (10 + 24 / tensor) + 5 * m.heads * s * s / tensor
+
+
+SPEC = ModelSpec(
+    name="gpt",
+    build=lambda model, seq_len, rngs: GPT(model, seq_len, rngs),
+    loss=next_token_loss,
+    stages=lambda m, seq_len: language_model_stages(
+        m, 8 * m.embed**2 + 4 * m.embed * m.mlp + 4 * seq_len * m.embed
+    ),
+    flops_per_token=flops_per_token,
+    activation_bytes=activation_bytes,
+    # attention and MLP: 2 each way per block, plus the vocab-split embedding (forward)
+    # and output projection (backward)
+    tensor_allreduces=lambda m: 4 * m.layers + 2,
+    check=check,
+    tiny="gpt-tiny",
+)

@@ -7,8 +7,18 @@ from flax import nnx
 
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers, stack
+from jaxpar.registry import ModelSpec, divisible_by_tensor
 from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
-from models.common import FeedForward, LayerNorm, apply_layer, embed_tokens, normal
+
+from .common import (
+    FeedForward,
+    LayerNorm,
+    apply_layer,
+    embed_tokens,
+    language_model_stages,
+    next_token_loss,
+    normal,
+)
 
 
 class Residual(nnx.Module):
@@ -35,3 +45,20 @@ class MLP(nnx.Module):
 
     def __call__(self, tokens_BxS):
         return self.logits(scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer))
+
+
+SPEC = ModelSpec(
+    name="mlp",
+    build=lambda model, seq_len, rngs: MLP(model, seq_len, rngs),
+    loss=next_token_loss,
+    stages=lambda m, seq_len: language_model_stages(m, 4 * m.embed * m.mlp),
+    flops_per_token=lambda m, seq_len: 6 * (m.layers * 2 * m.embed * m.mlp + 2 * m.vocab * m.embed),
+    # per position: the layer's input, LayerNorm's output and the hidden activation
+    activation_bytes=lambda m, seq_len, tensor: seq_len * (4 * m.embed + 3 * m.mlp / tensor),
+    # one feed-forward per block, 1 each way, plus the embedding and the head
+    tensor_allreduces=lambda m: 2 * m.layers + 2,
+    check=lambda m, mesh_shape: divisible_by_tensor(
+        {"model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape
+    ),
+    tiny="mlp-tiny",
+)

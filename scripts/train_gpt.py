@@ -31,7 +31,7 @@ def main() -> None:
         jaxpar.mesh.use_cpu_devices(args.cpu_devices)
     jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
-    import models  # the GPT shipped with jaxpar
+    from jaxpar.models import gpt  # the GPT shipped with jaxpar
 
     seq_len = 64
     cfg = jaxpar.Config(
@@ -48,9 +48,9 @@ def main() -> None:
         return {"tokens": tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)}
 
     problem = jaxpar.from_nnx(
-        lambda rngs: models.build(cfg.model, seq_len, rngs),
-        models.next_token_loss,
-        models.stages(cfg.model, seq_len),
+        lambda rngs: gpt.GPT(cfg.model, seq_len, rngs),
+        gpt.SPEC.loss,
+        gpt.SPEC.stages(cfg.model, seq_len),
     )
     result = jaxpar.train(problem, cfg, batches, out_dir=args.out)
     if result.losses:

@@ -10,10 +10,9 @@ import sys
 import jax
 import numpy as np
 
-import models
 from jaxpar import config
 from jaxpar.axes import AXES
-from jaxpar.mesh import build_mesh, describe
+from jaxpar.commands import setup
 from jaxpar.report import Report
 from jaxpar.run import Run, prepare
 from jaxpar.trainer import train
@@ -33,9 +32,8 @@ def _shipped(preset: str, overrides):
     """(cfg, mesh on as many devices as the degrees ask for, problem, batches)."""
     cfg = config.load(preset, list(overrides))
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
-    problem, batches = models.problem(cfg, describe(mesh))
-    return cfg, mesh, problem, batches
+    s = setup(cfg, jax.devices()[:n])
+    return cfg, s.mesh, s.problem, s.batches
 
 
 def run(preset: str, overrides: list[str], steps: int = 10):

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, restore into another layout, stops, kills, NaN, bad input."""
 
+import dataclasses
 import json
 import math
 import os
@@ -17,19 +18,17 @@ from helpers import THREE_D_1F1B
 from safetensors.numpy import load_file
 
 import jaxpar
-import models
-from jaxpar import cli, config
+from jaxpar import cli, config, registry
 from jaxpar.axes import AXES
-from jaxpar.mesh import build_mesh, describe
+from jaxpar.commands import setup as model_setup
 from jaxpar.step import build
 
 
 def setup(overrides):
     cfg = config.load("gpt-tiny", list(overrides))
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
-    problem, batches = models.problem(cfg, describe(mesh))
-    return cfg, mesh, problem, batches
+    s = model_setup(cfg, jax.devices()[:n])
+    return cfg, s.mesh, s.problem, s.batches
 
 
 def train(overrides, out, batches=None, **kwargs):
@@ -279,8 +278,9 @@ def test_nonfinite_skip_leaves_the_state_and_counts(devices):
 @pytest.mark.slow
 def test_nonfinite_stop_exits_3_from_the_command(tmp_path, capsys, devices, monkeypatch):
     # no learning rate in train.lr's range diverges within a few steps: an infinite loss
-    finite = models.next_token_loss
-    monkeypatch.setattr(models, "next_token_loss", lambda m, b: finite(m, b) * jnp.inf)
+    gpt = registry.get("gpt")
+    infinite = dataclasses.replace(gpt, loss=lambda m, b: gpt.loss(m, b) * jnp.inf)
+    monkeypatch.setitem(registry._SPECS, "gpt", infinite)
     code = cli.main(
         [
             "train",
@@ -374,11 +374,11 @@ def test_export_writes_safetensors_in_the_model_layout(tmp_path, capsys, devices
         np.testing.assert_array_equal(value, np.asarray(result.params[key]))
     cfg, _, problem, batches = setup(overrides)
     model = jaxpar.to_nnx(
-        lambda rngs: models.build(cfg.model, cfg.train.seq_len, rngs),
+        lambda rngs: registry.get("gpt").build(cfg.model, cfg.train.seq_len, rngs),
         jaxpar.load_exported(tmp_path / "m.safetensors"),
     )
     np.testing.assert_array_equal(model.head[...], exported["head"])
-    per_token = models.next_token_loss(model, batches(0))
+    per_token = registry.get("gpt").loss(model, batches(0))
     assert per_token.shape == (16, 64) and bool(jnp.isfinite(per_token).all())
 
 

@@ -1,10 +1,13 @@
 """Many processes on this machine (jaxpar launch, gloo): the same training as one process."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +142,60 @@ def test_a_missing_process_times_out_naming_it(tmp_path):
         "missing process ids [1, 2]. Start them all (same --coordinator and --num-processes), "
         "or raise the timeout"
     ]
+
+
+def _workers(out) -> dict[int, int]:
+    """JAX_PROCESS_ID -> pid of the live `jaxpar train` workers writing to `out`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train" in cmdline and str(out).encode() in cmdline and b"launch" not in cmdline:
+            ids = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"JAX_PROCESS_ID=")]
+            if ids:
+                found[int(ids[0])] = int(proc.name)
+    return found
+
+
+def _started(out, *overrides) -> subprocess.Popen:
+    """`jaxpar launch` of 2 workers training for long, once both have logged 2 steps."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
+         "--cpu-devices-per-process", "4", "--", "train", "--config", "gpt-tiny",
+         "parallel.data=8", "train.steps=500", "checkpoint.every=2", *overrides,
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and len(rows(out)) >= 3):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.2)
+    return launcher
+
+
+def test_sigterm_to_launch_saves_stops_every_worker_and_exits_0(tmp_path):
+    launcher = _started(tmp_path)
+    assert len(_workers(tmp_path)) == 2
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, out + err
+    assert "SIGTERM sent to 2 processes" in out and "saved and exited" in out
+    assert _workers(tmp_path) == {}  # none left behind
+    last = rows(tmp_path)[-1]["step"]
+    assert last < 500 and (tmp_path / "checkpoints" / str(last)).is_dir()
+
+
+def test_a_dead_worker_is_named_with_its_signal_and_the_checkpoint(tmp_path):
+    launcher = _started(tmp_path)
+    os.kill(_workers(tmp_path)[1], signal.SIGKILL)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGKILL, out + err
+    said = err.splitlines()[0]
+    assert said.startswith(
+        "jaxpar launch: process 1 of 2 was killed by SIGKILL; stopped the other 1"
+    )
+    assert "resume from step" in said and str(tmp_path / "checkpoints") in said
+    assert _workers(tmp_path) == {}

@@ -3,21 +3,17 @@
 import pytest
 from helpers import assert_same_training, run
 
+from jaxpar import bench
+
+# the bench's strategies (one list), and ZeRO-3 with recomputed layers
 STRATEGIES = {
-    "dp8-zero0": ["parallel.data=8", "parallel.zero=0"],
-    "dp8-zero1": ["parallel.data=8", "parallel.zero=1"],
-    "dp8-zero2": ["parallel.data=8", "parallel.zero=2"],
-    "dp8-zero3": ["parallel.data=8", "parallel.zero=3"],
-    "dp4-tp2-zero0": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=0"],
-    "dp4-tp2-zero3": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
-    "dp2-tp4-zero2": ["parallel.data=2", "parallel.tensor=4", "parallel.zero=2"],
-    "tp8": ["parallel.data=1", "parallel.tensor=8"],
-    "dp4-tp2-zero3-remat": [
+    **bench.STRATEGIES,
+    "dp4-tp2-zero3-remat": (
         "parallel.data=4",
         "parallel.tensor=2",
         "parallel.zero=3",
         "parallel.remat=full",
-    ],
+    ),
 }
 SINGLE = ["parallel.data=1", "parallel.tensor=1"]
 

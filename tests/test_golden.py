@@ -11,8 +11,7 @@ import jax
 import pytest
 from helpers import compile_only
 
-import models
-from jaxpar import config
+from jaxpar import commands, config
 from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
 from jaxpar.sharding import SPEC_FIELDS, plan
@@ -24,7 +23,7 @@ MODELS = ("gpt-tiny", "mlp-tiny")
 def _specs(preset: str, overrides) -> dict:
     cfg = config.load(preset, list(overrides))
     mesh_shape = resolve_degrees(cfg.parallel, 8)
-    problem, _ = models.problem(cfg, mesh_shape)
+    problem, _ = commands.model_problem(cfg, mesh_shape)
     specs = plan(
         problem.names,
         jax.tree.map(lambda s: s.shape, problem.shapes),
@@ -56,6 +55,7 @@ def test_partition_specs(update_golden):
     _check("partition_specs.json", actual, update_golden)
 
 
+@pytest.mark.slow  # compiles every strategy of both models
 def test_collective_counts(devices, update_golden):
     actual = {
         name: compile_only("gpt-tiny", overrides).collective_counts

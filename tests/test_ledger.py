@@ -10,8 +10,14 @@ def summary(*overrides: str) -> dict:
     return compile_only("gpt-tiny", overrides)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("mesh", [("parallel.data=8",), ("parallel.data=4", "parallel.tensor=2")])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, 2, 3])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        pytest.param(("parallel.data=8",), marks=pytest.mark.slow),
+        ("parallel.data=4", "parallel.tensor=2"),
+    ],
+)
 def test_state_bytes_match_zero_formula(devices, mesh, zero):
     s = summary(*mesh, f"parallel.zero={zero}")
     mem, formula = s.memory_per_device, s.state_bytes.formula
@@ -53,7 +59,12 @@ def test_comm_at_textbook_minimum(devices, overrides):
 
 @pytest.mark.parametrize(
     "zero, offload",
-    [(z, o) for z in (1, 2, 3) for o in ("none", "optimizer")] + [(3, "optimizer+params")],
+    [
+        pytest.param(z, o, marks=() if (z, o) == (3, "none") else pytest.mark.slow)
+        for z in (1, 2, 3)
+        for o in ("none", "optimizer")
+    ]
+    + [(3, "optimizer+params")],
 )
 def test_bf16_zero_moves_the_compute_dtype(devices, zero, offload):
     """ZeRO-3 gathers bf16 values (moved as 16-bit words, which no backend widens);

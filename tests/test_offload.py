@@ -6,9 +6,8 @@ import re
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 
-import models
 from jaxpar import config
-from jaxpar.mesh import build_mesh, describe
+from jaxpar.commands import setup
 from jaxpar.run import step_inputs
 from jaxpar.step import build
 
@@ -41,6 +40,7 @@ def test_optimizer_state_lives_on_the_host(devices, mesh):
     assert abs(off.state_bytes.ratio - 1) <= 0.02
 
 
+@pytest.mark.slow  # two compiles
 def test_bf16_device_parameters_are_half_of_fp32(devices):
     def device_params(precision):
         return compile_only(
@@ -101,6 +101,7 @@ def test_remat_offload_sends_each_layer_input_to_the_host(devices):
     assert bf16.host_memory_per_device.activations == 4 * layer_input // 2
 
 
+@pytest.mark.slow  # a pipeline with activation offload: the costliest compile here
 def test_remat_offload_in_a_pipeline_keeps_every_tick(devices):
     # gpipe on 2 stages with 2 micro-batches runs 3 ticks; each tick every stage runs its
     # 2 layers on a micro-batch of 16 / (2 data * 2 micro-batches) = 4 rows
@@ -121,10 +122,9 @@ def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
 
 def lowered_placements(*overrides: str) -> dict[str, list[str]]:
     cfg = config.load("gpt-tiny", ["parallel.data=8", *overrides])
-    mesh = build_mesh(cfg.parallel)
-    problem, batches = models.problem(cfg, describe(mesh))
-    engine = build(problem, cfg, mesh)
-    lowered = engine.step.trace(*step_inputs(engine, batches(0))).lower(
+    s = setup(cfg)
+    engine = build(s.problem, cfg, s.mesh)
+    lowered = engine.step.trace(*step_inputs(engine, s.batches(0))).lower(
         lowering_platforms=("cuda",)
     )
     found = {}

@@ -6,9 +6,9 @@ import sys
 import pytest
 from helpers import THREE_D_1F1B, compile_only
 
-import models
-from jaxpar import cli, config, pipeline, planner
+from jaxpar import cli, commands, config, cost, pipeline, planner
 from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
 
 MACHINE = planner.Machine(8, 1, 80 * 10**9, 10**12, 1e15, 0.4, 4.5e11, 5e10)
@@ -29,7 +29,7 @@ LAYOUTS = [
 def predicted(overrides):
     cfg = config.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    problem = models.abstract(cfg)
+    problem = commands.abstract(cfg)
     return planner.predict(cfg, mesh, MACHINE, pipeline.in_stages(problem, mesh[PIPE]))
 
 
@@ -50,11 +50,11 @@ def test_prediction_matches_the_compiled_step(devices, overrides):
         )
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_paper_accounting_is_the_formula(zero):
-    psi, n = 1000.0, 8
-    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
-    assert planner.paper_state(zero, psi, n) == expected[zero]
+@pytest.mark.parametrize("zero,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_paper_accounting_gives_the_papers_figure_1(zero, gb):
+    """ZeRO (Rajbhandari et al., 2020), Figure 1: a 7.5B-parameter model on 64 devices
+    with mixed-precision Adam needs 120, 31.4, 16.6 and 1.9 GB per device."""
+    assert cost.paper_state(zero, 7.5e9, 64) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
 def test_a_70b_gpt_on_64_devices_is_planned_quickly_without_allocating(tmp_path):
@@ -109,3 +109,31 @@ def test_bad_plans_exit_2_with_one_line(argv, needles, capsys):
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, err
+
+
+AGREEMENT = {**STRATEGIES, "3d-1f1b": tuple(THREE_D_1F1B), "zero1-bf16-compute": (
+    "parallel.data=8", "parallel.zero=1", "train.precision=bf16", "train.grad_reduce_dtype=compute"
+)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in ("dp4-tp2-zero3", "3d-1f1b") else pytest.mark.slow)
+        for n in AGREEMENT
+    ],
+)
+def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
+    """For a run's own layout the planner predicts the very minimum and ZeRO state that
+    the run's ledger reports: one function computes both (jaxpar.cost)."""
+    overrides = AGREEMENT[name]
+    cfg = config.load("gpt-tiny", list(overrides))
+    mesh = resolve_degrees(cfg.parallel, 8)
+    guess = planner.predict(
+        cfg, mesh, MACHINE, pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
+    )
+    compiled = compile_only("gpt-tiny", overrides)
+    assert guess.formula_state == compiled.state_bytes.formula
+    assert guess.minimum[DATA] == compiled.comm.by_axis[DATA].minimum
+    if mesh[PIPE] == 1:  # with a pipeline the run has no single Megatron figure per device
+        assert guess.minimum[TENSOR] == compiled.comm.by_axis[TENSOR].minimum

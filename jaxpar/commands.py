@@ -1,0 +1,205 @@
+"""What the `jaxpar` subcommands run, over one `setup(cfg, devices)`: a registered model
+(`model.name`) as a Problem on the configured data and mesh. Trained, compiled for
+inspection, or planned from its shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from jaxpar import config as config_lib
+from jaxpar import data, registry
+from jaxpar.config import Config
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.problem import Problem, from_nnx
+from jaxpar.trainer import Result, train
+
+
+@dataclass(frozen=True)
+class Setup:
+    mesh: Mesh
+    problem: Problem  # the registered model, shapes only until its init runs
+    batches: Callable[..., dict]  # (step, rows=slice(None)) -> one global batch
+    source: str  # the data, in words
+
+
+def setup(cfg: Config, devices=None) -> Setup:
+    """The mesh over `devices` (default: all), the model as a Problem and its batches:
+    the config checked against the mesh first."""
+    mesh = build_mesh(cfg.parallel, devices)
+    problem, batches = model_problem(cfg, describe(mesh))
+    return Setup(mesh, problem, batches, data.describe(cfg.data, cfg.train))
+
+
+def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[..., dict]]:
+    """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
+    registry.check_model(cfg.model, mesh_shape)
+    config_lib.check_train(cfg, mesh_shape)
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    t = cfg.train
+    shipped = abstract(cfg)
+
+    def batches(step: int, rows: slice = slice(None)) -> dict:
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=step,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+            rows=rows,
+        )
+
+    return shipped, batches
+
+
+def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
+    """Train the registered model as the config says (what `jaxpar train` runs)."""
+    s = setup(cfg)
+    return train(s.problem, cfg, s.batches, out_dir=out_dir, mesh=s.mesh, source=s.source, **kwargs)
+
+
+def inspect_config(cfg: Config, picture: Path) -> str:
+    """A shipped model's step as the config says, compiled and not run (`jaxpar
+    inspect`): the leaf table and the ledger's summary; the layout drawn to `picture`."""
+    from jaxpar import console, inspect
+    from jaxpar.run import prepare
+
+    s = setup(cfg)
+    run = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True)
+    rows = inspect.leaves(run)
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    inspect.draw(run, rows, picture)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.problem.shapes))
+    return "\n".join(
+        [
+            inspect.leaf_table(rows),
+            "",
+            console.startup(run.report, n_params, s.mesh.devices.flat[0].platform, s.source),
+            f"\nlayout picture: {picture}",
+        ]
+    )
+
+
+def abstract(cfg: Config) -> Problem:
+    """The registered model as a Problem (shapes only until its init runs: nothing is
+    allocated), with its pipeline stages and Megatron's count of tensor all-reduces."""
+    spec, model, seq_len = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
+    problem = from_nnx(
+        lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
+    )
+    # elements all-reduced over `tensor` for one micro-batch of `rows` sequences
+    per_row = spec.tensor_allreduces(model) * seq_len * model.embed
+    return dataclasses.replace(problem, tensor_elements=lambda rows: per_row * rows)
+
+
+def validate(plan, machine, top: int, scale: str) -> str:
+    """`jaxpar plan --validate`: the top layouts that fit on this host's devices, with the
+    model and batch scaled down to `scale`'s, predicted and compiled (not run)."""
+    from jaxpar import pipeline, planner
+    from jaxpar.metrics import human_bytes, table
+    from jaxpar.run import prepare
+
+    small = config_lib.load(scale)
+    rows, local = [], jax.device_count()
+    for c in plan.ranked[:top]:
+        if math.prod(c.mesh.values()) > local:
+            continue
+        cfg = dataclasses.replace(
+            c.cfg,
+            model=small.model,
+            train=dataclasses.replace(
+                small.train, grad_accum=c.cfg.train.grad_accum, precision=c.cfg.train.precision
+            ),
+        )
+        try:
+            registry.check_model(cfg.model, c.mesh)
+            config_lib.check_train(cfg, c.mesh)
+        except config_lib.ConfigError as e:
+            rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
+            continue
+        shapes = abstract(cfg)
+        p = c.mesh["pipeline"]
+        guess = planner.predict(cfg, c.mesh, machine, pipeline.in_stages(shapes, p))
+        s = setup(cfg, jax.devices()[: math.prod(c.mesh.values())])
+        report = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True).report
+        axes = ["data"] if p > 1 else ["data", "tensor"]
+        wire = sum(report.comm.by_axis[a].wire for a in axes)
+        predicted_wire = sum(guess.comm[a] for a in axes)
+        temp = report.memory_per_device.temp
+        rows.append(
+            [
+                c.label(),
+                human_bytes(guess.model_state),
+                f"{guess.model_state / report.state_bytes.actual:.3f}",
+                human_bytes(guess.activations + guess.gather_temp),
+                f"{(guess.activations + guess.gather_temp) / temp:.2f}",
+                human_bytes(predicted_wire),
+                f"{predicted_wire / wire:.3f}" if wire else "-",
+                "" if abs(predicted_wire / max(wire, 1) - 1) <= 0.1 or not wire else "!",
+            ]
+        )
+    header = ["layout", "state", "/ compiled", "activations", "/ compiled temp", "comm",
+              "/ compiled", ""]  # fmt: skip
+    return (
+        f"\nvalidated at {scale}'s dims on {local} local devices (predicted, and predicted "
+        "over compiled; temp: the compiled step's temporaries, which the activation count "
+        "only estimates):\n\n" + table(rows, header)
+    )
+
+
+def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
+    """`jaxpar plan` for a registered model: every layout ranked, from shapes alone; the
+    winner's config written to `out`; with `check`, the top ones validated."""
+    import yaml
+
+    from jaxpar import planner
+    from jaxpar.errors import ConfigError
+    from jaxpar.metrics import human_bytes
+
+    problem = abstract(cfg)
+    plan = planner.make_plan(cfg, problem, machine)
+    if not plan.considered:
+        staged = problem.parts is not None
+        counts = [
+            n
+            for n in range(1, 2 * machine.devices + 1)
+            if any(
+                planner.candidates(cfg, dataclasses.replace(machine, devices=n, hosts=1), staged)
+            )
+        ]
+        raise ConfigError(
+            f"--devices {machine.devices}: no layout splits this model and batch over "
+            f"{machine.devices} devices (the heads, mlp, vocab, layers and "
+            f"train.batch_size must divide by the degrees); device counts that would, up "
+            f"to {2 * machine.devices}: {counts}"
+        )
+    if not plan.ranked:
+        c = plan.closest
+        raise ConfigError(
+            f"no layout of {plan.considered} fits in --device-memory "
+            f"{human_bytes(machine.device_memory)}: the smallest, {c.label()}, needs "
+            f"{human_bytes(c.device)} per device; give more devices or memory, a smaller "
+            "train.batch_size, or a smaller model"
+        )
+    text = planner.report(plan, machine, top)
+    if check:
+        scale = registry.tiny_preset(cfg.model.name)
+        if scale is None:
+            raise ConfigError(
+                f"--validate: model.name={cfg.model.name} declares no tiny preset to compile "
+                "its layouts at (ModelSpec.tiny)"
+            )
+        text += "\n" + validate(plan, machine, top, scale)
+    if out:
+        winner = config_lib.to_dict(plan.ranked[0].cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
+        text += f"\nwritten: {out}"
+    return text

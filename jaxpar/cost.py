@@ -1,0 +1,158 @@
+"""The cost model's formulas, in one place: dtype bytes, how often ZeRO-3 gathers a
+leaf, the pipeline bubble, the ZeRO model-state bytes and the textbook minimum of
+communication. The ledger (what a compiled step did, against the minimum), the planner
+(what a layout would do) and the memory preflight all call these, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar.axes import DATA, TENSOR
+from jaxpar.config import Config, Offload, Precision, ReduceDtype, Train
+from jaxpar.sharding import LeafSpecs
+from jaxpar.zero import stack_dims
+
+COMPUTE_BYTES = {Precision.FP32: 4, Precision.BF16: 2}
+
+
+def dtype_bytes(precision: Precision) -> int:
+    """Bytes of one element in the compute dtype of train.precision."""
+    return COMPUTE_BYTES[precision]
+
+
+def reduce_bytes(train: Train) -> int:
+    """Bytes of one gradient element as it is summed over `data` (train.grad_reduce_dtype)."""
+    return dtype_bytes(train.precision) if train.grad_reduce_dtype is ReduceDtype.COMPUTE else 4
+
+
+def gathers(names, scans_layers: bool = True):
+    """Per leaf (a tree like `names`), how often ZeRO-3 gathers it per micro-batch: a
+    scanned layer stack's leaves twice (forward, and again for backward, one layer at a
+    time), any other leaf once (kept whole until its backward)."""
+    return jax.tree.map(
+        lambda n: 2 if scans_layers and stack_dims(n) else 1,
+        names,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def bubble(p: int, m: int, v: int = 1) -> float:
+    """The pipeline bubble, (p - 1) / (v m + p - 1): idle share of p stages running m
+    micro-batches through v chunks each."""
+    return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
+
+
+def paper_state(zero: int, psi: float, n: int) -> float:
+    """ZeRO paper, mixed precision: 2 psi (fp16 params) + 2 psi (fp16 grads) + 12 psi."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}.get(
+        zero, 16 * psi / n
+    )
+
+
+def local_elems(shape, spec, mesh_shape) -> float:
+    split = math.prod(mesh_shape[a] for a in spec if a is not None)
+    return math.prod(shape) / split
+
+
+def minimum_bytes(
+    specs,
+    shapes,
+    *,
+    zero: int,
+    mesh_shape: dict,
+    compute_bytes: int,
+    accum: int,
+    tensor_elements: int | None,
+    reduce_bytes: int = 4,
+    gathers=None,
+) -> dict[str, float | None]:
+    """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
+
+    data: ZeRO-0 ring all-reduce 2(N-1)/N of the gradient; ZeRO-1/2 reduce-scatter of
+    the gradient (ZeRO-2: every micro-batch) + all-gather of the updated fp32
+    parameters, (N-1)/N each; ZeRO-3 per micro-batch: each leaf gathered `gathers` times
+    in the compute dtype (a layer stack's leaves twice, for forward and again for
+    backward, one layer whole at a time; a leaf outside the stack once, kept whole until
+    its backward), and its gradient reduce-scattered, (N-1)/N each. Gradients are summed
+    in `reduce_bytes` per element (train.grad_reduce_dtype). Leaves ZeRO cannot split pay
+    the all-reduce. tensor: Megatron's all-reduces of activations, 2(T-1)/T of
+    `tensor_elements` (per micro-batch) each, in the compute dtype.
+    """
+    n, t = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1)
+    ring, share = 2 * (n - 1) / n, (n - 1) / n
+    data = 0.0
+    counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
+    for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
+        local = local_elems(shape, s.compute, mesh_shape)
+        if zero == 0 or s.dim is None:
+            data += ring * reduce_bytes * local
+        elif zero in (1, 2):
+            data += share * local * (reduce_bytes * (accum if zero == 2 else 1) + 4)
+        else:
+            data += share * local * (times * compute_bytes + reduce_bytes) * accum
+    tensor = (
+        None
+        if tensor_elements is None
+        else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
+    )
+    return {DATA: data, TENSOR: tensor}
+
+
+def leaf_pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
+    out = []
+    jax.tree.map(
+        lambda s, x: out.append((s, tuple(x.shape))),
+        specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+    return out
+
+
+def params_per_device(specs, shapes, mesh_shape: dict) -> float:
+    """Parameters one device computes with (split by the rules, not by ZeRO): ZeRO's Psi."""
+    return sum(local_elems(shape, s.compute, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+
+
+def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
+    """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
+    return int(
+        sum(4 * local_elems(shape, s.grad, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    )
+
+
+def state_formula(zero: int, params_per_device: float, n: int, offload: bool = False) -> float:
+    """ZeRO paper's model-state bytes per device for fp32 AdamW (K=8: m and v; 4 for the
+    fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N. Offloaded, the
+    fp32 master parameters are split like the optimizer state: 12Psi/N from stage 1."""
+    psi = params_per_device
+    if offload and zero:
+        return 12 * psi / n
+    return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
+
+
+def minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
+    """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
+    engine lays it out: pipeline-staged where there is a pipeline): what the ledger
+    reports for a run and the planner predicts for a candidate."""
+    return minimum_bytes(
+        specs,
+        trained.shapes,
+        zero=cfg.parallel.zero,
+        mesh_shape=mesh_shape,
+        compute_bytes=dtype_bytes(cfg.train.precision),
+        accum=cfg.train.grad_accum,
+        tensor_elements=tensor_elements,
+        reduce_bytes=reduce_bytes(cfg.train),
+        gathers=gathers(trained.names, trained.scans_layers),
+    )
+
+
+def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:
+    """The ZeRO formula's model-state bytes per device for `cfg`'s layout."""
+    psi = params_per_device(specs, shapes, mesh_shape)
+    offloaded = cfg.parallel.offload is not Offload.NONE
+    return state_formula(cfg.parallel.zero, psi, mesh_shape[DATA], offloaded)

@@ -1,0 +1,137 @@
+"""Models by name: what jaxpar needs to know of each (a ModelSpec), registered once.
+
+The shipped models (`jaxpar.models`) register themselves by module, so that naming one
+imports no jax until it is built; a model of yours registers its spec directly
+(`jaxpar.register_model`). Nothing else in jaxpar names a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxpar.axes import TENSOR
+from jaxpar.config import Model
+from jaxpar.errors import ConfigError
+
+
+def _no_check(model: Model, mesh_shape: dict) -> None:
+    del model, mesh_shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model as jaxpar sees it. The parameter count is not declared: it is read from
+    the abstract shapes of `build`, so it cannot disagree with the model."""
+
+    name: str  # model.name
+    # (model config, seq_len, nnx.Rngs) -> the module; its parameters carry logical names
+    build: Callable
+    loss: Callable  # (module, batch) -> per-element losses (their mean is minimised)
+    stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
+    # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
+    flops_per_token: Callable[[Model, int], float]
+    # (model config, seq_len, tensor degree) -> bytes one layer keeps for its backward
+    # pass per sequence, in a 16-bit compute dtype (planner)
+    activation_bytes: Callable[[Model, int, int], float]
+    # (model config) -> Megatron all-reduces over `tensor` of one [rows, seq, embed]
+    # activation per micro-batch, forward and backward together (ledger's minimum)
+    tensor_allreduces: Callable[[Model], int]
+    # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
+    check: Callable[[Model, dict], None] = _no_check
+    config: type[Model] = Model  # its config class: Model, or a subclass with its own keys
+    tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`
+
+
+_SPECS: dict[str, ModelSpec] = {}
+# name -> (module with SPEC, config class, tiny preset), for models imported when needed
+_MODULES: dict[str, tuple[str, type[Model], str | None]] = {}
+_DEFAULT: list[str] = []  # model.name when none is given
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make `spec` buildable as model.name=spec.name (a later one of the same name wins)."""
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"register_model: expected a jaxpar.ModelSpec, got {type(spec).__name__}")
+    if not issubclass(spec.config, Model):
+        raise ConfigError(
+            f"register_model({spec.name}): config={spec.config.__name__} must subclass jaxpar.Model"
+        )
+    _SPECS[spec.name] = spec
+    _MODULES.pop(spec.name, None)
+    return spec
+
+
+def register_module(
+    name: str,
+    module: str,
+    config: type[Model] = Model,
+    tiny: str | None = None,
+    default: bool = False,
+) -> None:
+    """A model whose spec is `module.SPEC`, imported when it is first needed; `default`:
+    the model of a config that names none."""
+    _MODULES[name] = (module, config, tiny)
+    if default:
+        _DEFAULT[:] = [name]
+
+
+def default_name() -> str:
+    _load_shipped()
+    return _DEFAULT[0]
+
+
+def tiny_preset(name: str) -> str | None:
+    _load_shipped()
+    return _MODULES[name][2] if name in _MODULES else get(name).tiny
+
+
+def _load_shipped() -> None:
+    importlib.import_module("jaxpar.models")  # registers them; imports no jax
+
+
+def names() -> list[str]:
+    _load_shipped()
+    return sorted({*_SPECS, *_MODULES})
+
+
+def get(name: str) -> ModelSpec:
+    _load_shipped()
+    if name in _MODULES:
+        module = _MODULES[name][0]
+        register(importlib.import_module(module).SPEC)
+    if name not in _SPECS:
+        raise ConfigError(f"model.name={name!r}: no such model; choose one of {names()}")
+    return _SPECS[name]
+
+
+def config_class(name: str) -> type[Model]:
+    _load_shipped()
+    return _MODULES[name][1] if name in _MODULES else _SPECS[name].config
+
+
+def config_classes() -> list[type[Model]]:
+    """The base Model, then each class a model declares, once."""
+    out = [Model]
+    for name in names():
+        cls = config_class(name)
+        if cls not in out:
+            out.append(cls)
+    return out
+
+
+def divisible_by_tensor(dims: dict[str, int], mesh_shape: dict) -> None:
+    """Each `model.KEY: size` that Megatron splits over `tensor` must divide by it."""
+    tensor = mesh_shape[TENSOR]
+    for key, size in dims.items():
+        if size % tensor:
+            raise ConfigError(
+                f"{key}={size} is not divisible by parallel.tensor={tensor}; Megatron splits "
+                f"it over tensor: choose a tensor degree dividing {size}, or change {key}"
+            )
+
+
+def check_model(model: Model, mesh_shape: dict) -> None:
+    """The model's own checks of its config against the mesh (before any leaf)."""
+    get(model.name).check(model, mesh_shape)
