@@ -40,6 +40,7 @@ _EXPORTS = {
     "scan_layers": ("jaxpar.layers", "scan_layers"),
     "stack": ("jaxpar.layers", "stack"),
     "build_mesh": ("jaxpar.mesh", "build_mesh"),
+    "plan": ("jaxpar.planner", "plan"),
     "Problem": ("jaxpar.problem", "Problem"),
     "Stages": ("jaxpar.problem", "Stages"),
     "from_nnx": ("jaxpar.problem", "from_nnx"),

@@ -268,29 +268,17 @@ def _plan(cfg, args: argparse.Namespace) -> int:
     from jaxpar import planner
     from jaxpar.commands import plan_config
 
-    if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
-        raise ConfigError(
-            f"--devices {args.devices} --hosts {args.hosts}: the devices must split evenly "
-            "over the hosts; give a multiple of --hosts"
-        )
-    for flag, value, low, high in (
-        ("--mfu", args.mfu, 0, 1),
-        ("--peak-tflops", args.peak_tflops, 0, 1e7),
-        ("--intra-gbps", args.intra_gbps, 0, 1e6),
-        ("--inter-gbps", args.inter_gbps, 0, 1e6),
-        ("--top", args.top, 0, 10**6),
-    ):
-        if not low < value <= high:  # (NaN fails too)
-            raise ConfigError(f"{flag} {value}: give a number > {low} and <= {high:g}")
-    machine = planner.Machine(
-        devices=args.devices,
+    if not 0 < args.top <= 10**6:
+        raise ConfigError(f"--top {args.top}: give a number > 0 and <= 1e+06")
+    machine = planner.machine(
+        args.devices,
+        args.device_memory,
         hosts=args.hosts,
-        device_memory=planner.parse_bytes(args.device_memory, "--device-memory"),
-        host_memory=planner.parse_bytes(args.host_memory, "--host-memory"),
-        peak_flops=args.peak_tflops * 1e12,
+        host_memory=args.host_memory,
+        peak_tflops=args.peak_tflops,
         mfu=args.mfu,
-        intra_bytes_s=args.intra_gbps * 1e9,
-        inter_bytes_s=args.inter_gbps * 1e9,
+        intra_gbps=args.intra_gbps,
+        inter_gbps=args.inter_gbps,
     )
     if args.validate:
         _setup_devices(args.cpu_devices)

@@ -126,7 +126,8 @@ def validate(plan, machine, top: int, scale: str) -> str:
             continue
         shapes = abstract(cfg)
         p = c.mesh["pipeline"]
-        guess = planner.predict(cfg, c.mesh, machine, pipeline.in_stages(shapes, p))
+        staged = pipeline.in_stages(shapes, p)
+        guess = planner.predict(cfg, c.mesh, machine, staged, planner.of_config(cfg))
         s = setup(cfg, jax.devices()[: math.prod(c.mesh.values())])
         report = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True).report
         axes = ["data"] if p > 1 else ["data", "tensor"]
@@ -163,15 +164,17 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.errors import ConfigError
     from jaxpar.metrics import human_bytes
 
-    problem = abstract(cfg)
-    plan = planner.make_plan(cfg, problem, machine)
+    problem, work = abstract(cfg), planner.of_config(cfg)
+    plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:
         staged = problem.parts is not None
         counts = [
             n
             for n in range(1, 2 * machine.devices + 1)
             if any(
-                planner.candidates(cfg, dataclasses.replace(machine, devices=n, hosts=1), staged)
+                planner.candidates(
+                    cfg, dataclasses.replace(machine, devices=n, hosts=1), work, staged
+                )
             )
         ]
         raise ConfigError(
@@ -188,7 +191,7 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
             f"{human_bytes(c.device)} per device; give more devices or memory, a smaller "
             "train.batch_size, or a smaller model"
         )
-    text = planner.report(plan, machine, top)
+    text = planner.report(plan, top)
     if check:
         scale = registry.tiny_preset(cfg.model.name)
         if scale is None:

@@ -14,15 +14,18 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 
 from jaxpar import cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, TENSOR
-from jaxpar.config import Config, Offload, Remat, batch_split, check_train
+from jaxpar.config import Config, Offload, Remat, Train, batch_split, check_train
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes, table
+from jaxpar.problem import loss_elements
+from jaxpar.sharding import LAYERS
 from jaxpar.sharding import plan as placement
 from jaxpar.zero import stack_dims
 
@@ -92,32 +95,87 @@ class Candidate:
         return " ".join(parts)
 
 
-def model_flops(cfg: Config) -> float:
-    """FLOPs of one step's forward and backward, by the model's own count per token; a
-    third more when layers are recomputed."""
-    m, t = cfg.model, cfg.train
-    flops = registry.get(m.name).flops_per_token(m, t.seq_len) * t.batch_size * t.seq_len
-    return flops * (4 / 3 if cfg.parallel.remat is not Remat.NONE else 1)
+@dataclass(frozen=True)
+class Workload:
+    """What the planner needs of a model beyond its parameters' shapes, per batch row:
+    from a registered model's own counts (`of_config`), or measured from the abstract
+    program of a model given in Python (`of_problem`)."""
+
+    layers: int  # in the stack a pipeline cuts
+    flops_per_row: float  # forward and backward, without recomputation
+    # (tensor degree) -> elements one layer keeps for its backward pass per row
+    layer_elements: Callable[[int], float]
+    boundary_elements: float  # the activation between two layers, per row
+    check: Callable[[dict], None]  # the model's dims against a mesh shape (ConfigError)
 
 
-def activation_bytes(cfg: Config, rows: int, tensor: int, layers: int, alive: int) -> float:
-    """Activations kept for the backward pass on one device: `layers` layers of `rows`
-    sequences, `alive` micro-batches at once, by the model's own count per layer."""
-    m, s = cfg.model, cfg.train.seq_len
-    width = cost.dtype_bytes(cfg.train.precision)
-    if cfg.parallel.remat is not Remat.NONE:
-        return alive * layers * rows * s * m.embed * width  # each layer's input
-    per_layer = rows * registry.get(m.name).activation_bytes(m, s, tensor)
-    return alive * layers * per_layer * width / 2
+def of_config(cfg: Config) -> Workload:
+    """A registered model's workload, from its spec's own counts."""
+    spec, m, s = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
+    return Workload(
+        layers=m.layers,
+        flops_per_row=spec.flops_per_token(m, s) * s,
+        layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor) / 2,
+        boundary_elements=s * m.embed,
+        check=lambda mesh: registry.check_model(m, mesh),
+    )
 
 
-def candidates(base: Config, machine: Machine, pipelines: bool = True):
+def of_problem(problem, batch) -> Workload:
+    """A model given in Python, measured from shapes alone: 6 FLOPs per parameter and
+    loss element; as kept activations, every value its forward pass computes (an upper
+    bound: no value is assumed recomputed or freed), shared evenly by the layers and
+    split by the tensor degree; the boundary is the layer scan's carry."""
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
+    names = jax.tree.leaves(problem.names, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(problem.shapes)
+    stacked = [s.shape[0] for s, n in zip(shapes, names, strict=True) if n[:1] == (LAYERS,)]
+    layers = max(stacked, default=1)
+    values, carry = _forward_elements(
+        jax.make_jaxpr(problem.loss)(problem.shapes, one).jaxpr, layers
+    )
+    return Workload(
+        layers=layers,
+        flops_per_row=6 * params * loss_elements(problem, one),
+        layer_elements=lambda tensor: values / layers / tensor,
+        boundary_elements=carry,
+        check=lambda mesh: None,
+    )
+
+
+def _forward_elements(jaxpr, layers: int) -> tuple[float, float]:
+    """(elements of every value `jaxpr` computes, a scan's body once per iteration and a
+    cond's largest branch; elements of the carry of a scan over `layers`)."""
+    total, carry = 0.0, 0.0
+    for eqn in jaxpr.eqns:
+        subs = [v.jaxpr if hasattr(v, "jaxpr") else v for v in eqn.params.values()]
+        subs = [j for j in subs if hasattr(j, "eqns")]
+        branches = [b.jaxpr for b in eqn.params.get("branches", ())]
+        if eqn.primitive.name == "scan":
+            body, inner_carry = _forward_elements(subs[0], layers)
+            total += body * eqn.params["length"]
+            if eqn.params["length"] == layers and not carry:
+                kept = eqn.outvars[: eqn.params["num_carry"]]
+                carry = sum(math.prod(v.aval.shape) for v in kept)
+            carry = carry or inner_carry
+        elif branches:
+            total += max(_forward_elements(b, layers)[0] for b in branches)
+        elif subs:
+            for sub in subs:
+                inner, inner_carry = _forward_elements(sub, layers)
+                total, carry = total + inner, carry or inner_carry
+        else:
+            total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+    return total, carry
+
+
+def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool = True):
     """Every valid layout of base's model and batch (parallel.* and train.grad_accum);
     pipelines only for a model that can be cut into stages."""
     n = machine.devices
-    m = base.model
     for t in (x for x in range(1, machine.per_host + 1) if machine.per_host % x == 0):
-        deepest = min(m.layers, n // t) if pipelines else 1
+        deepest = min(work.layers, n // t) if pipelines else 1
         for p in (x for x in range(1, deepest + 1) if (n // t) % x == 0):
             d = n // (t * p)
             zeros = (0, 1, 2, 3) if d > 1 else (0,)
@@ -154,14 +212,14 @@ def candidates(base: Config, machine: Machine, pipelines: bool = True):
                 )
                 mesh = {DATA: d, PIPE: p, TENSOR: t}
                 try:
-                    registry.check_model(cfg.model, mesh)
+                    work.check(mesh)
                     check_train(cfg, mesh)
                 except ConfigError:
                     continue
                 yield cfg, mesh
 
 
-def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
+def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) -> Candidate:
     """One layout's memory, traffic and step time, per device; `trained` is the problem
     in the layout of its pipeline (pipeline.in_stages)."""
     par, train = cfg.parallel, cfg.train
@@ -184,8 +242,10 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
             on_host, master = on_host + master, 0
     split = batch_split(train, par, d)
     alive = min(par.microbatches, p) if p > 1 else 1
-    layers = math.ceil(cfg.model.layers / p)
-    acts = activation_bytes(cfg, split.micro, t, layers, alive)
+    layers = math.ceil(work.layers / p)
+    # kept for the backward pass: each layer's input (recomputed) or all it computes
+    kept = work.boundary_elements if par.remat is not Remat.NONE else work.layer_elements(t)
+    acts = alive * layers * split.micro * kept * compute_bytes
     names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
     one_layer = sum(
         cost.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
@@ -204,7 +264,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
     )
     minimum = cost.minimum(cfg, specs, trained, mesh, tensor_elements if t > 1 else 0)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
-    hand_over = split.micro * train.seq_len * cfg.model.embed * compute_bytes
+    hand_over = split.micro * work.boundary_elements * compute_bytes
     comm = {
         DATA: minimum[DATA],
         TENSOR: minimum[TENSOR] or 0.0,
@@ -220,7 +280,8 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained) -> Candidate:
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
-    compute_s = model_flops(cfg) / machine.devices / (machine.peak_flops * machine.mfu)
+    flops = work.flops_per_row * train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
+    compute_s = flops / machine.devices / (machine.peak_flops * machine.mfu)
     psi = cost.params_per_device(specs, trained.shapes, mesh)
     return Candidate(
         cfg=cfg,
@@ -274,20 +335,78 @@ class Plan:
     considered: int
     dropped: int  # did not fit
     closest: Candidate | None  # the smallest of those that did not fit
+    machine: Machine
 
-    def rule(self, machine: Machine) -> str:
-        return next(text for test, text in RULES if test(self.ranked[0], machine))
+    def rule(self) -> str:
+        return next(text for test, text in RULES if test(self.ranked[0], self.machine))
+
+    def __str__(self) -> str:
+        return report(self) if self.ranked else f"none of {self.considered} layouts fits"
 
 
-def make_plan(base: Config, problem, machine: Machine) -> Plan:
+def machine(
+    devices: int,
+    device_memory: str,
+    *,
+    hosts: int = 1,
+    host_memory: str = "1TB",
+    peak_tflops: float = 989.0,
+    mfu: float = 0.4,
+    intra_gbps: float = 450.0,
+    inter_gbps: float = 50.0,
+) -> Machine:
+    """The machine to plan for (defaults: H100s, bf16 peak), each number checked."""
+    if devices < 1 or hosts < 1 or devices % hosts:
+        raise ConfigError(
+            f"--devices {devices} --hosts {hosts}: the devices must split evenly over the "
+            "hosts; give a multiple of --hosts"
+        )
+    for flag, value, low, high in (
+        ("--mfu", mfu, 0, 1),
+        ("--peak-tflops", peak_tflops, 0, 1e7),
+        ("--intra-gbps", intra_gbps, 0, 1e6),
+        ("--inter-gbps", inter_gbps, 0, 1e6),
+    ):
+        if not low < value <= high:  # (NaN fails too)
+            raise ConfigError(f"{flag} {value}: give a number > {low} and <= {high:g}")
+    return Machine(
+        devices=devices,
+        hosts=hosts,
+        device_memory=parse_bytes(device_memory, "--device-memory"),
+        host_memory=parse_bytes(host_memory, "--host-memory"),
+        peak_flops=peak_tflops * 1e12,
+        mfu=mfu,
+        intra_bytes_s=intra_gbps * 1e9,
+        inter_bytes_s=inter_gbps * 1e9,
+    )
+
+
+def plan(problem, batch, *, devices: int, device_memory: str, cfg: Config | None = None, **kw):
+    """Every layout of a model given in Python (a jaxpar.Problem) on `devices`, predicted
+    from its abstract shapes and one global batch's, as `jaxpar plan` does for a
+    registered model; `cfg` gives the training settings (default: jaxpar.Config() with
+    the batch's rows). `kw`: the rest of `machine`'s arguments. print() the result."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    cfg = cfg or Config(train=Train(batch_size=rows))
+    if cfg.train.batch_size != rows:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size}, but the batch has {rows} rows; "
+            "give the global batch of one step"
+        )
+    return make_plan(
+        cfg, problem, machine(devices, device_memory, **kw), of_problem(problem, batch)
+    )
+
+
+def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:
     """Every candidate predicted; those that fit ranked by step time."""
     staged = {}
     fit, dropped, closest, considered = [], 0, None, 0
-    for cfg, mesh in candidates(base, machine, pipelines=problem.parts is not None):
+    for cfg, mesh in candidates(base, machine, work, pipelines=problem.parts is not None):
         p = mesh[PIPE]
         if p not in staged:
             staged[p] = pipeline.in_stages(problem, p)
-        c = predict(cfg, mesh, machine, staged[p])
+        c = predict(cfg, mesh, machine, staged[p], work)
         considered += 1
         if c.device <= machine.device_memory and c.host <= machine.host_memory:
             fit.append(c)
@@ -306,10 +425,11 @@ def make_plan(base: Config, problem, machine: Machine) -> Plan:
             c.device,
         )
     )
-    return Plan(fit, considered, dropped, closest)
+    return Plan(fit, considered, dropped, closest, machine)
 
 
-def report(plan: Plan, machine: Machine, top: int = 10) -> str:
+def report(plan: Plan, top: int = 10) -> str:
+    machine = plan.machine
     gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
     rows = [
         [
@@ -350,6 +470,6 @@ def report(plan: Plan, machine: Machine, top: int = 10) -> str:
             "",
             table(rows, header),
             "",
-            f"recommended: {plan.ranked[0].label()} ({plan.rule(machine)})",
+            f"recommended: {plan.ranked[0].label()} ({plan.rule()})",
         ]
     )

@@ -11,7 +11,7 @@ from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
 
-MACHINE = planner.Machine(8, 1, 80 * 10**9, 10**12, 1e15, 0.4, 4.5e11, 5e10)
+MACHINE = planner.machine(8, "80GB", peak_tflops=1000, intra_gbps=450, inter_gbps=50)
 LAYOUTS = [
     ("parallel.data=8",),
     ("parallel.data=8", "parallel.zero=1"),
@@ -30,7 +30,8 @@ def predicted(overrides):
     cfg = config.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
     problem = commands.abstract(cfg)
-    return planner.predict(cfg, mesh, MACHINE, pipeline.in_stages(problem, mesh[PIPE]))
+    staged = pipeline.in_stages(problem, mesh[PIPE])
+    return planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
 
 
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
@@ -129,11 +130,57 @@ def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     overrides = AGREEMENT[name]
     cfg = config.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    guess = planner.predict(
-        cfg, mesh, MACHINE, pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
-    )
+    staged = pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
+    guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
     compiled = compile_only("gpt-tiny", overrides)
     assert guess.formula_state == compiled.state_bytes.formula
     assert guess.minimum[DATA] == compiled.comm.by_axis[DATA].minimum
     if mesh[PIPE] == 1:  # with a pipeline the run has no single Megatron figure per device
         assert guess.minimum[TENSOR] == compiled.comm.by_axis[TENSOR].minimum
+
+
+def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
+    """jaxpar.plan prices a user's Problem as `jaxpar plan` prices a registered model; the
+    state it predicts for its winner is what that layout compiles to."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar import EMBED, MLP, VOCAB
+    from jaxpar.run import prepare
+
+    init = nnx.initializers.normal(0.1)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.w = jaxpar.param(rngs, init, (64, 256), (EMBED, MLP))
+            self.v = jaxpar.param(rngs, init, (256, 64), (MLP, EMBED))
+
+        def __call__(self, h):
+            return h + jax.nn.relu(h @ self.w[...]) @ self.v[...]
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = jaxpar.param(rngs, init, (16, 64), (VOCAB, EMBED))
+            self.blocks = jaxpar.stack(Block, 4, rngs)
+            self.out = jaxpar.param(rngs, init, (64, 8), (EMBED, VOCAB))
+
+    def loss(model, batch):
+        h = jaxpar.scan_layers(model.blocks, batch["x"] @ model.inp[...], lambda b, h: b(h))
+        return optax.softmax_cross_entropy_with_integer_labels(h @ model.out[...], batch["y"])
+
+    batch = {"x": np.zeros((32, 16), np.float32), "y": np.zeros((32,), np.int32)}
+    problem = jaxpar.from_nnx(Model, loss)
+    plan = jaxpar.plan(problem, batch, devices=8, device_memory="300KB")
+    assert "recommended: " in str(plan) and plan.dropped > 0  # the memory bound bites
+    work = planner.of_problem(problem, batch)
+    assert work.layers == 4 and work.boundary_elements == 64  # the scan's carry, per row
+    assert work.flops_per_row == 6 * sum(x.size for x in jax.tree.leaves(problem.shapes))
+    best = plan.ranked[0]
+    mesh = jaxpar.build_mesh(best.cfg.parallel, devices)
+    compiled = prepare(best.cfg, problem, mesh, batch, force=True).report
+    assert best.model_state == pytest.approx(compiled.state_bytes.actual, rel=0.02)
+    with pytest.raises(jaxpar.ConfigError, match="train.batch_size=16, but the batch has 32"):
+        jaxpar.plan(problem, batch, devices=8, device_memory="1GB", cfg=config.load("gpt-tiny"))
