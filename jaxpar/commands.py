@@ -94,9 +94,10 @@ def abstract(cfg: Config) -> Problem:
     problem = from_nnx(
         lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
     )
-    # elements all-reduced over `tensor` for one micro-batch of `rows` sequences
-    per_row = spec.tensor_allreduces(model) * seq_len * model.embed
-    return dataclasses.replace(problem, tensor_elements=lambda rows: per_row * rows)
+    return dataclasses.replace(
+        problem,
+        tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
+    )
 
 
 def validate(plan, machine, top: int, scale: str) -> str:

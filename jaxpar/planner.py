@@ -258,7 +258,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     device = state + acts + gather
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
     tensor_elements = (
-        trained.tensor_elements(split.micro) * par.microbatches / p
+        trained.tensor_elements(split.micro, t) * par.microbatches / p
         if trained.tensor_elements
         else None
     )

@@ -54,9 +54,10 @@ class Problem:
     names: Any  # params pytree of logical-name tuples
     loss: Callable[..., jax.Array]  # (params, batch) -> per-example losses
     parts: Parts | None = None  # what pipeline parallelism needs; None: no stages
-    # rows of one micro-batch -> activation elements the model all-reduces over `tensor`
-    # per micro-batch (Megatron's count, for the ledger's minimum); None: not known
-    tensor_elements: Callable[[int], int] | None = None
+    # (rows of one micro-batch, tensor degree) -> activation elements the model
+    # all-reduces over `tensor` per micro-batch (Megatron's count, for the ledger's
+    # minimum); None: not known
+    tensor_elements: Callable[[int, int], float] | None = None
     # whether a layer stack's leaves are read a layer at a time (scan_layers: from_nnx)
     # or whole (from_pytree): what ZeRO-3 gathers, and how often
     scans_layers: bool = True

@@ -35,9 +35,9 @@ class ModelSpec:
     # (model config, seq_len, tensor degree) -> bytes one layer keeps for its backward
     # pass per sequence, in a 16-bit compute dtype (planner)
     activation_bytes: Callable[[Model, int, int], float]
-    # (model config) -> Megatron all-reduces over `tensor` of one [rows, seq, embed]
-    # activation per micro-batch, forward and backward together (ledger's minimum)
-    tensor_allreduces: Callable[[Model], int]
+    # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
+    # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)
+    tensor_elements: Callable[[Model, int, int, int], float]
     # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
     check: Callable[[Model, dict], None] = _no_check
     config: type[Model] = Model  # its config class: Model, or a subclass with its own keys

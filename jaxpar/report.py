@@ -85,6 +85,8 @@ class Report:
     strategy: str
     compile_s: float
     zero_unsplit_leaves: list[dict]
+    # dims a rule splits only where it divides, left whole here, and why (GQA's kv heads)
+    tensor_replicated: list[str]
     pipeline: Pipeline
     memory_per_device: DeviceMemory
     host_memory_per_device: HostMemory

@@ -15,12 +15,12 @@ from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
 from jaxpar import cost, ledger, offload, preflight
-from jaxpar.axes import DATA, PIPE
+from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.config import Config, Precision, ReduceDtype, batch_split
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, Report
-from jaxpar.sharding import unsplit_leaves
+from jaxpar.sharding import RULES, optional_unsplit, unsplit_leaves
 from jaxpar.step import Engine, build
 
 
@@ -114,7 +114,8 @@ def describe_step(
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
     tensor = problem.tensor_elements
-    tensor_elements = tensor(split.accum) if tensor and mesh_shape[PIPE] == 1 else None
+    t = mesh_shape[TENSOR]
+    tensor_elements = tensor(split.accum, t) if tensor and mesh_shape[PIPE] == 1 else None
     minimum = cost.minimum(cfg, engine.specs, trained, mesh_shape, tensor_elements)
     formula = cost.model_state(cfg, engine.specs, trained.shapes, mesh_shape)
     device, host = ledger.memory(
@@ -132,6 +133,7 @@ def describe_step(
         strategy=strategy_name(cfg, mesh_shape),
         compile_s=round(step.seconds, 3),
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
+        tensor_replicated=optional_unsplit(trained.names, shapes, RULES, mesh_shape),
         pipeline=_pipeline(cfg, problem, engine, step.hlo, led, batch, split.micro, compute_bytes),
         memory_per_device=device,
         host_memory_per_device=host,

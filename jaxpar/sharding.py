@@ -21,8 +21,9 @@ BATCH = "batch"
 SEQ = "seq"
 EMBED = "embed"
 HEADS = "heads"
+KV_HEADS = "kv_heads"  # grouped-query attention's key/value heads
 HEAD_DIM = "head_dim"
-QKV = "qkv"  # the query/key/value triple of a fused projection
+QKV = "qkv"  # the parts of a fused projection: query/key/value, or gate/up
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
@@ -34,6 +35,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (BATCH, DATA),
     (VOCAB, TENSOR),
     (HEADS, TENSOR),
+    (KV_HEADS, TENSOR),
     (MLP, TENSOR),
     (EMBED, None),
     (SEQ, None),
@@ -43,6 +45,10 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (STAGE, PIPE),
 )
 ZERO_AXIS = DATA
+# Names whose rule applies only where the axis divides the dim; elsewhere the dim stays
+# whole on every device of the axis, by design (`optional_unsplit` says where): GQA's
+# few key/value heads are computed on every tensor device rather than refused.
+WHERE_DIVISIBLE = (KV_HEADS,)
 # Dims ZeRO never splits: a layer stack is sliced per layer, so its per-layer
 # shard must not depend on the stack.
 NOT_ZERO = (LAYERS, STAGE)
@@ -86,6 +92,9 @@ def compute_spec(
             )
         axis = table[name]
         if axis is None or axis in used or axis in skip_axes or mesh_shape.get(axis, 1) == 1:
+            spec.append(None)
+            continue
+        if size % mesh_shape[axis] and name in WHERE_DIVISIBLE:
             spec.append(None)
             continue
         if size % mesh_shape[axis]:
@@ -183,6 +192,24 @@ def leaf_key(path) -> str:
 
 def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def optional_unsplit(names_tree, shapes_tree, rules, mesh_shape: dict) -> list[str]:
+    """Why leaves whose WHERE_DIVISIBLE dims stay whole do so, one line per name."""
+    table, notes = dict(rules), {}
+    for names, shape in zip(
+        jax.tree.leaves(names_tree, is_leaf=_is_names),
+        jax.tree.leaves(shapes_tree, is_leaf=_is_shape),
+        strict=True,
+    ):
+        for name, size in zip(names, shape, strict=True):
+            axis = table.get(name)
+            if name in WHERE_DIVISIBLE and axis and size % mesh_shape.get(axis, 1):
+                notes[name] = (
+                    f"{name} ({size}) replicated over {axis}={mesh_shape[axis]}: it does not "
+                    f"divide; every {axis} device computes all {size}"
+                )
+    return sorted(notes.values())
 
 
 def unsplit_leaves(specs, shapes_tree, n: int) -> list[tuple[str, tuple, int, str]]:

@@ -3,10 +3,52 @@
 module, so that naming one imports no jax until it is built.
 
 To add a model: write `models/NAME.py` with its module and `SPEC`, add one line below,
-and a preset in jaxpar/configs/. Nothing else in jaxpar names a model.
+and a preset in jaxpar/configs/ (a model with keys of its own declares its config
+class here too, so that --help and the config checks need no jax). Nothing else in
+jaxpar names a model.
 """
 
+import enum
+from dataclasses import dataclass
+from typing import Annotated
+
+from jaxpar.config import Model, Range
 from jaxpar.registry import register_module
+
+
+class RopeScaling(enum.StrEnum):
+    NONE = "none"
+    LLAMA3 = "llama3"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig(Model):
+    """model.* for model.name=llama (declared here, without jax, like every key)."""
+
+    name: str = "llama"  # a registered model (jaxpar.registry)
+    # key/value heads (grouped-query attention); they divide model.heads
+    kv_heads: Annotated[int, Range(1, 2**14, "key/value heads")] = 8
+    # the rotary embedding's base (Llama 2: 10000, Llama 3: 500000)
+    rope_theta: Annotated[float, Range(1, 1e12, "a rotary base")] = 10000.0
+    # rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling)
+    rope_scaling: RopeScaling = RopeScaling.NONE
+    # rope_scaling=llama3: how much the long wavelengths are stretched
+    rope_factor: Annotated[float, Range(1, 1024, "a scaling factor")] = 8.0
+    # rope_scaling=llama3: wavelengths beyond original_positions / this are scaled
+    rope_low_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = 1.0
+    # rope_scaling=llama3: wavelengths below original_positions / this are kept
+    rope_high_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = 4.0
+    # rope_scaling=llama3: the context length the model was first trained at
+    rope_original_positions: Annotated[int, Range(1, 2**24, "positions")] = 8192
+    # RMSNorm's epsilon
+    norm_eps: Annotated[float, Range(0, 1, "a small positive number", True)] = 1e-5
+    # the output head is the embedding table, transposed (no head of its own)
+    tie_embeddings: bool = False
+    # where the parameters start: empty = random; hf:DIR = a Hugging Face checkpoint
+    # directory (config.json, *.safetensors), its config.json read into model.*
+    init: str = ""
+
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
+register_module("llama", "jaxpar.models.llama", config=LlamaConfig, tiny="llama-tiny")

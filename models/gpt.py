@@ -130,8 +130,8 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     activation_bytes=activation_bytes,
     # attention and MLP: 2 each way per block, plus the vocab-split embedding (forward)
-    # and output projection (backward)
-    tensor_allreduces=lambda m: 4 * m.layers + 2,
+    # and output projection (backward), each a [rows, seq, embed] activation
+    tensor_elements=lambda m, rows, seq_len, tensor: (4 * m.layers + 2) * rows * seq_len * m.embed,
     check=check,
     tiny="gpt-tiny",
 )

@@ -56,7 +56,7 @@ SPEC = ModelSpec(
     # per position: the layer's input, LayerNorm's output and the hidden activation
     activation_bytes=lambda m, seq_len, tensor: seq_len * (4 * m.embed + 3 * m.mlp / tensor),
     # one feed-forward per block, 1 each way, plus the embedding and the head
-    tensor_allreduces=lambda m: 2 * m.layers + 2,
+    tensor_elements=lambda m, rows, seq_len, tensor: (2 * m.layers + 2) * rows * seq_len * m.embed,
     check=lambda m, mesh_shape: divisible_by_tensor(
         {"model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape
     ),

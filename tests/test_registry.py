@@ -65,7 +65,8 @@ SPEC = jaxpar.ModelSpec(
     stages=lambda m, seq_len: None,
     flops_per_token=lambda m, seq_len: 6 * (m.layers * 2 * m.embed * m.mlp + 2 * m.vocab * m.embed),
     activation_bytes=lambda m, seq_len, tensor: seq_len * (2 * m.embed + 2 * m.mlp / tensor),
-    tensor_allreduces=lambda m: 2 * m.layers + 2,  # each block 1 each way; embedding, head
+    # each block 1 each way; embedding, head
+    tensor_elements=lambda m, rows, seq_len, t: (2 * m.layers + 2) * rows * seq_len * m.embed,
     check=_check,
     config=GatedConfig,
     tiny="gpt-tiny",

@@ -1,0 +1,245 @@
+"""Llama-family decoder: token embedding, pre-norm blocks (RMSNorm; grouped-query causal
+attention with rotary position embeddings in the rotate-half layout that Hugging Face
+`transformers` uses; a SwiGLU MLP), final RMSNorm, an output head tied to the embedding
+or not. No biases. Layers are stacked and scanned.
+
+Tensor parallel as Megatron: q/k/v, gate and up column-split, o and down row-split, the
+embedding and head split over vocab; the key/value heads are split over `tensor` where
+their number divides it, and otherwise computed whole on every tensor device."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.errors import ConfigError
+from jaxpar.layers import constrain, param, stack
+from jaxpar.registry import ModelSpec, divisible_by_tensor
+from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
+
+from . import LlamaConfig, RopeScaling
+from .common import embed_tokens, language_model_stages, next_token_loss, normal
+
+
+def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """RoPE's [head_dim / 2] frequencies (float32, as transformers computes them), with
+    Llama 3's scaling of the long wavelengths when rope_scaling=llama3."""
+    d = cfg.embed // cfg.heads
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)
+    inv = inv.astype(np.float32)
+    if cfg.rope_scaling is RopeScaling.NONE:
+        return inv
+    old, low, high = (
+        cfg.rope_original_positions,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+    )
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / low, inv / cfg.rope_factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding of positions 0..S-1, rotate-half layout: the first half of each
+    head's dims pairs with the second (Meta's original checkpoints pair neighbours)."""
+    seq = x_BxSxNxD.shape[1]
+    angles_SxD = np.concatenate([np.outer(np.arange(seq, dtype=np.float32), inv_freq)] * 2, -1)
+    cos, sin = (
+        jnp.asarray(f(angles_SxD), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
+    )
+    half = x_BxSxNxD.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxSxNxD[..., half:], x_BxSxNxD[..., :half]], -1)
+    return x_BxSxNxD * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, embed: int, eps: float, rngs: nnx.Rngs):
+        self.scale = param(rngs, nnx.initializers.ones, (embed,), (EMBED,))
+        self.eps = eps
+
+    def __call__(self, x_BxSxE):
+        x = x_BxSxE.astype(jnp.float32)  # the mean square in fp32, as transformers does
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(x_BxSxE.dtype)
+        return y.astype(x_BxSxE.dtype) * scale.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        e, h, kv, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.embed // cfg.heads
+        self.wq = param(rngs, normal(0.02), (e, h, d), (EMBED, HEADS, HEAD_DIM))
+        self.wk = param(rngs, normal(0.02), (e, kv, d), (EMBED, KV_HEADS, HEAD_DIM))
+        self.wv = param(rngs, normal(0.02), (e, kv, d), (EMBED, KV_HEADS, HEAD_DIM))
+        out_std = 0.02 / (2 * cfg.layers) ** 0.5
+        self.wo = param(rngs, normal(out_std), (h, d, e), (HEADS, HEAD_DIM, EMBED))
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
+
+    def __call__(self, x_BxSxE):
+        dt, inv_freq = x_BxSxE.dtype, np.asarray(self.inv_freq, np.float32)
+        # Each key/value head serves heads/kv_heads query heads, in order: its weights
+        # are repeated to one per query head (a local slice on every tensor device), so
+        # that q, k and v come from ONE product whose input gradient is one partial sum,
+        # one all-reduce over tensor (three separate products would need three).
+        group = self.wq.shape[1] // self.wk.shape[1]
+        names, kv_names = (EMBED, HEADS, HEAD_DIM), (EMBED, KV_HEADS, HEAD_DIM)
+        wk_ExHxD, wv_ExHxD = (
+            constrain(jnp.repeat(constrain(w[...].astype(dt), kv_names), group, axis=1), names)
+            for w in (self.wk, self.wv)
+        )
+        w_Ex3xHxD = constrain(
+            jnp.stack([self.wq[...].astype(dt), wk_ExHxD, wv_ExHxD], axis=1),
+            (EMBED, QKV, HEADS, HEAD_DIM),
+        )
+        qkv_BxSx3xHxD = constrain(
+            jnp.einsum("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD), (BATCH, SEQ, QKV, HEADS, HEAD_DIM)
+        )
+        q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
+        q_BxSxHxD, k_BxSxHxD = rotate(q_BxSxHxD, inv_freq), rotate(k_BxSxHxD, inv_freq)
+        q_BxSxHxD = q_BxSxHxD * q_BxSxHxD.shape[-1] ** -0.5
+        att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
+        seq = x_BxSxE.shape[1]
+        mask_SxS = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), 0.0, -1e30)
+        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS + mask_SxS[None, None], axis=-1).astype(dt)
+        out_BxSxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
+        y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
+        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)): gate and up column-split, down row-split over `mlp`."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        e, m = cfg.embed, cfg.mlp
+        self.w_gate = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
+        self.w_up = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
+        self.w_down = param(rngs, normal(0.02 / (2 * cfg.layers) ** 0.5), (m, e), (MLP, EMBED))
+
+    def __call__(self, x_BxSxE):
+        dt = x_BxSxE.dtype
+        # gate and up as one product: one partial sum (one all-reduce) for the input
+        # gradient
+        w_Ex2xM = constrain(
+            jnp.stack([self.w_gate[...].astype(dt), self.w_up[...].astype(dt)], axis=1),
+            (EMBED, QKV, MLP),
+        )
+        gate_up_BxSx2xM = jnp.einsum("bse,etm->bstm", x_BxSxE, w_Ex2xM)
+        gate_BxSxM, up_BxSxM = gate_up_BxSx2xM[:, :, 0], gate_up_BxSx2xM[:, :, 1]
+        h_BxSxM = constrain(jax.nn.silu(gate_BxSxM) * up_BxSxM, (BATCH, SEQ, MLP))
+        return constrain(h_BxSxM @ self.w_down[...].astype(dt), (BATCH, SEQ, EMBED))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x_BxSxE):
+        x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE))
+        return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, seq_len: int, rngs: nnx.Rngs):
+        del seq_len  # positions are rotary: any length
+        self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
+        self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
+        self.norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.tied = cfg.tie_embeddings
+        if not self.tied:
+            self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
+
+    def embed(self, tokens_BxS):
+        return embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+
+    def logits(self, x_BxSxE):
+        x_BxSxE = self.norm(x_BxSxE)
+        head_ExV = self.tokens[...].T if self.tied else self.head[...]
+        return constrain(x_BxSxE @ head_ExV.astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
+
+
+def check(m: LlamaConfig, mesh_shape: dict) -> None:
+    if m.embed % m.heads or (m.embed // m.heads) % 2:
+        raise ConfigError(
+            f"model.embed={m.embed} over model.heads={m.heads}: each head needs an even "
+            "number of dims (rotary embeddings rotate pairs); choose embed = heads x an even "
+            "head size"
+        )
+    if m.heads % m.kv_heads:
+        raise ConfigError(
+            f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}: each "
+            "key/value head serves an equal group of query heads"
+        )
+    divisible_by_tensor(
+        {"model.heads": m.heads, "model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape
+    )
+
+
+def _layer_matmuls(m: LlamaConfig) -> int:
+    """Matmul parameters of one block: q and o, k and v (GQA), gate, up and down."""
+    kv = m.kv_heads * (m.embed // m.heads)
+    return 2 * m.embed * m.embed + 2 * m.embed * kv + 3 * m.embed * m.mlp
+
+
+def flops_per_token(m: LlamaConfig, seq_len: int) -> float:
+    """6 per matmul parameter (embedding and head as matmuls), plus the attention scores
+    and their product with V: 12 L S E."""
+    matmuls = m.layers * _layer_matmuls(m) + 2 * m.vocab * m.embed
+    return 6 * matmuls + 12 * m.layers * seq_len * m.embed
+
+
+def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int) -> float:
+    """What a block keeps for its backward pass per sequence, 16-bit: the input and both
+    norms' outputs, q/k/v before and after rotation, the repeated k/v, the scores and
+    probabilities, the attention output; gate, up, silu(gate) and the product."""
+    kv = m.kv_heads * (m.embed // m.heads)
+    kv_split = tensor if m.kv_heads % tensor == 0 else 1
+    per_token = 3 * m.embed + (6 * m.embed + 4 * m.mlp) / tensor + 4 * kv / kv_split
+    return 2 * seq_len * (per_token + 2 * m.heads * seq_len / tensor)
+
+
+def tensor_elements(m: LlamaConfig, rows: int, seq_len: int, tensor: int) -> float:
+    """Megatron's all-reduces per micro-batch of `rows` sequences: per block o and down
+    row-split (forward), the fused q/k/v and gate/up inputs (backward); the vocab-split
+    embedding and head; and the gradients of key/value weights left whole."""
+    return (4 * m.layers + 2) * rows * seq_len * m.embed + m.layers * _kv_grads(m, tensor)
+
+
+def _kv_grads(m: LlamaConfig, t: int) -> float:
+    """Key/value heads that `tensor` does not divide are whole on every device, each
+    using its query heads' share, so the k and v weights' gradients are summed over
+    `tensor`: where t is a multiple of kv_heads, each head's among the t / kv_heads
+    devices that hold its query heads, then gathered; else over all t. In all-reduce
+    elements (2(t-1)/t each on the wire), per block."""
+    if m.kv_heads % t == 0:
+        return 0.0
+    whole = m.embed * m.kv_heads * (m.embed // m.heads)  # one of wk, wv
+    if t % m.kv_heads:
+        return 2 * whole
+    g = t // m.kv_heads
+    wire = 2 * (g - 1) / g * whole / m.kv_heads + (m.kv_heads - 1) / m.kv_heads * whole
+    return 2 * wire / (2 * (t - 1) / t)
+
+
+SPEC = ModelSpec(
+    name="llama",
+    build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
+    loss=next_token_loss,
+    stages=lambda m, seq_len: language_model_stages(
+        m, 2 * _layer_matmuls(m) + 4 * seq_len * m.embed
+    ),
+    flops_per_token=flops_per_token,
+    activation_bytes=activation_bytes,
+    tensor_elements=tensor_elements,
+    check=check,
+    config=LlamaConfig,
+    tiny="llama-tiny",
+)
