@@ -48,6 +48,8 @@ class Layout:
     from_saved: Callable  # saved dict -> TrainState in the run's shardings
     target: Any  # saved dict of ShapeDtypeStructs with this run's shardings: restore targets
     shapes: dict[str, list[int]]  # parameter key -> shape, in the model's layout
+    # parameters (the model's layout, target["params"]'s shardings) -> a step-0 TrainState
+    fresh: Callable
 
 
 def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
@@ -126,11 +128,19 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
         saved_shapes,
         saved_shardings,
     )
+
+    def fresh(params) -> TrainState:
+        zero = jnp.zeros((), jnp.int32)
+        return from_saved(
+            {"step": zero, "skipped": zero, "params": params, "opt": engine.tx.init(params)}
+        )
+
     return Layout(
         to_saved=to_saved_on_device,
         from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
         target=target,
         shapes={k: list(v) for k, v in _flat(shapes).items()},
+        fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
     )
 
 

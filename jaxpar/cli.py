@@ -133,10 +133,19 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("."), help="where layout.png goes (default: here)"
     )
     export = sub.add_parser(
-        "export", help="write a run's latest parameters to one safetensors file"
+        "export",
+        help="write a run's latest parameters: one safetensors file, or a Hugging Face "
+        "checkpoint directory (--format hf)",
     )
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    export.add_argument("--to", type=Path, required=True, metavar="FILE")
+    export.add_argument("--to", type=Path, required=True, metavar="FILE_OR_DIR")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: one file, jaxpar's keys; hf: config.json and model.safetensors "
+        "that transformers' from_pretrained loads",
+    )
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -229,7 +238,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     elif args.command == "export":
         if not args.run_dir.is_dir():
             raise ConfigError(f"export: {args.run_dir}: no such run directory")
-        rundir.check_file_target(args.to, "--to")
+        if args.format == "hf":
+            rundir.check_writable(args.to, "--to")
+        else:
+            rundir.check_file_target(args.to, "--to")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -296,6 +308,11 @@ def _check_config(args: argparse.Namespace):
 
         args.config = registry.tiny_preset(registry.default_name())
     cfg, out = load(args.config, args.overrides), None
+    if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
+        from jaxpar import hf
+
+        given = {o.split("=", 1)[0].removeprefix("model.") for o in args.overrides}
+        cfg = hf.resolve_init(cfg, {k for k in given if "." not in k})
     if args.command in ("train", "inspect"):
         name = Path(args.config).stem
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
@@ -337,10 +354,14 @@ def _run(args: argparse.Namespace) -> int:
 
         print(inspect_config(cfg, out / "layout.png"))
     elif args.command == "export":
-        from jaxpar.export import export
+        from jaxpar.export import export, export_hf
 
-        step, tensors = export(args.run_dir, args.to)
-        print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
+        if args.format == "hf":
+            step, tensors = export_hf(args.run_dir, args.to)
+            print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
+        else:
+            step, tensors = export(args.run_dir, args.to)
+            print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
     else:
         from jaxpar.bench import Base, run_bench
 

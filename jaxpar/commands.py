@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import data, registry
+from jaxpar import data, hf, registry
 from jaxpar.config import Config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.problem import Problem, from_nnx
@@ -60,9 +60,22 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
 
 
 def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
-    """Train the registered model as the config says (what `jaxpar train` runs)."""
+    """Train the registered model as the config says (what `jaxpar train` runs), from
+    model.init's checkpoint if it names one (its config.json already read into cfg)."""
     s = setup(cfg)
-    return train(s.problem, cfg, s.batches, out_dir=out_dir, mesh=s.mesh, source=s.source, **kwargs)
+    directory = hf.directory_of(cfg.model.init)
+    fmt = registry.get(cfg.model.name).hf
+    params = hf.initial_params(fmt, cfg.model, directory, s.problem.shapes) if directory else None
+    return train(
+        s.problem,
+        cfg,
+        s.batches,
+        out_dir=out_dir,
+        mesh=s.mesh,
+        source=s.source,
+        params=params,
+        **kwargs,
+    )
 
 
 def inspect_config(cfg: Config, picture: Path) -> str:

@@ -160,6 +160,9 @@ class Model(_Section):
     mlp: Annotated[int, Range(1, 2**22, "the feed-forward width")] = 256
     # output classes; byte-level text needs 256
     vocab: Annotated[int, Range(1, 2**24, "output classes")] = 256
+    # where the parameters start: empty = random (train.seed); hf:DIR = a Hugging Face
+    # checkpoint directory (config.json, *.safetensors), its config.json read into model.*
+    init: str = ""
 
     def __post_init__(self):
         registry = _registry()

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxpar import checkpoint
+from jaxpar import checkpoint, hf
 from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.problem import Problem
 from jaxpar.sharding import leaf_key
@@ -46,6 +46,21 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
     except OSError as e:
         raise ConfigError(f"--to {to}: cannot be written ({e.strerror})") from None
     return meta["step"], len(params)
+
+
+def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
+    """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
+    model.safetensors) for the run's model; returns (step, tensors)."""
+    from jaxpar import registry
+
+    params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
+    model_keys = meta["config"]["model"]
+    model = registry.config_class(model_keys["name"])(**model_keys)
+    fmt = registry.get(model.name).hf
+    if fmt is None:
+        raise ConfigError(f"--format hf: model.name={model.name} has no Hugging Face format")
+    tensors = hf.export(fmt, model, meta["config"]["train"]["seq_len"], params, Path(to))
+    return meta["step"], tensors
 
 
 def load(path: Path, problem: Problem | None = None):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from jaxpar.axes import TENSOR
 from jaxpar.config import Model
 from jaxpar.errors import ConfigError
+from jaxpar.hf import HFFormat
 
 
 def _no_check(model: Model, mesh_shape: dict) -> None:
@@ -42,6 +43,7 @@ class ModelSpec:
     check: Callable[[Model, dict], None] = _no_check
     config: type[Model] = Model  # its config class: Model, or a subclass with its own keys
     tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`
+    hf: HFFormat | None = None  # its Hugging Face checkpoint format, if it has one
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -60,6 +60,7 @@ def train(
     restart: bool = False,
     force: bool = False,
     source: str = "your batches(step)",
+    params: Callable[[dict], dict] | None = None,
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
@@ -67,7 +68,10 @@ def train(
     checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
     earlier run's files and checkpoints aside and starts fresh. A step that would not
     fit in memory is refused (ConfigError) unless `force`. `source` names the data in
-    the start-up summary."""
+    the start-up summary. `params` (default: the problem's own init from train.seed)
+    gives the initial parameters of a fresh run: called with each leaf's
+    ShapeDtypeStruct and sharding in the model's own layout, it returns the arrays
+    (e.g. jaxpar.hf.initial_params, which reads each device's shard from the files)."""
     out_dir = None if out_dir is None else Path(out_dir)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
@@ -82,7 +86,12 @@ def train(
         check_first_batch(first, cfg)
         run = prepare(cfg, problem, mesh, first, force)
         saver.bind(problem, run.engine, mesh)
-        state = saver.restore(start) if start else run.engine.init(jax.random.key(cfg.train.seed))
+        if start:
+            state = saver.restore(start)
+        elif params is not None:  # given, e.g. read from a Hugging Face checkpoint
+            state = saver.layout.fresh(params(saver.layout.target["params"]))
+        else:
+            state = run.engine.init(jax.random.key(cfg.train.seed))
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
         if start >= cfg.train.steps:
             say(
@@ -182,7 +191,7 @@ class _Saver:
 
     def bind(self, problem: Problem, engine, mesh) -> None:
         self.mesh = mesh
-        self.layout = checkpoint.layout(self.cfg, problem, engine, mesh) if self.directory else None
+        self.layout = checkpoint.layout(self.cfg, problem, engine, mesh)
 
     def restore(self, step: int):
         checkpoint.check_compatible(self.ckpts.meta(step), self.layout, self.where(step))

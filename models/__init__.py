@@ -44,9 +44,6 @@ class LlamaConfig(Model):
     norm_eps: Annotated[float, Range(0, 1, "a small positive number", True)] = 1e-5
     # the output head is the embedding table, transposed (no head of its own)
     tie_embeddings: bool = False
-    # where the parameters start: empty = random; hf:DIR = a Hugging Face checkpoint
-    # directory (config.json, *.safetensors), its config.json read into model.*
-    init: str = ""
 
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)

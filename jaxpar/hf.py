@@ -1,0 +1,276 @@
+"""Hugging Face checkpoints in and out: `config.json` and safetensors (one file or many,
+with their index), for the models whose registry entry declares an `HFFormat`.
+
+In: `config.json` is read into `model.*` (a key the user set that disagrees is refused);
+then every parameter is built straight into its sharded place with
+`jax.make_array_from_callback`, each device's shard read lazily from its slice of the
+file (`safe_open(...).get_slice`), so no device, and no process, holds or reads more
+than its own shards. Out: the parameters of a run's checkpoint and its config, as
+`transformers`' `from_pretrained` reads them.
+
+A tensor's layout is written as dims in both conventions, e.g. `"(h d) e"` for a
+`nn.Linear` weight ([out, in]) against jaxpar's `"e h d"`: groups in parentheses are
+flattened into one dim of the file; reading a slice reads whole rows of the file's
+dims, slicing only the first dim of each group (the others are read whole).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.errors import CheckpointError, ConfigError
+
+SCHEME = "hf:"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One of our parameter leaves and the Hugging Face tensor it is."""
+
+    key: str  # our leaf, e.g. "blocks/attn/wq"
+    name: str  # the file's name for it; "{layer}" in it: one tensor per layer of a stack
+    file_dims: str  # its dims in the file, e.g. "(h d) e"
+    our_dims: str  # ours without the layer stack, e.g. "e h d"
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    architecture: str  # config.json's `architectures`, e.g. "LlamaForCausalLM"
+    config_from_hf: Callable[[dict], dict]  # config.json -> {model key: value}
+    config_to_hf: Callable[..., dict]  # (model config, seq_len) -> config.json
+    tensors: Callable[..., list[Tensor]]  # (model config) -> the leaves and their tensors
+    ignore: str = r"rotary_emb\.inv_freq$"  # tensors in a file that are not parameters
+
+
+def _groups(dims: str) -> list[list[str]]:
+    """'(h d) e' -> [['h', 'd'], ['e']]."""
+    return [g.split() for g in re.findall(r"\(([^)]*)\)|(\w+)", dims) for g in g if g]
+
+
+def _sizes(t: Tensor, shape: tuple[int, ...]) -> dict[str, int]:
+    """Each dim letter's size, from our leaf's shape (layer stack first, if any)."""
+    ours = t.our_dims.split()
+    return dict(zip(ours, shape[len(shape) - len(ours) :], strict=True))
+
+
+def file_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    sizes = _sizes(t, shape)
+    return tuple(math.prod(sizes[d] for d in g) for g in _groups(t.file_dims))
+
+
+def _block(reader: _Reader, name: str, t: Tensor, sizes: dict, region: dict) -> np.ndarray:
+    """Our dims' `region` (letter -> slice) of the file's tensor `name`: the rows of the
+    file that hold it (each group's first letter sliced, the others whole), then sliced."""
+    groups, ours = _groups(t.file_dims), t.our_dims.split()
+    index, shape, order = [], [], []
+    for g in groups:
+        first, inner = region[g[0]], math.prod(sizes[d] for d in g[1:])
+        index.append(slice(first.start * inner, first.stop * inner))
+        shape += [first.stop - first.start, *(sizes[d] for d in g[1:])]
+        order += g
+    block = reader.read(name, tuple(index)).reshape(shape)
+    block = block.transpose([order.index(d) for d in ours])
+    firsts = {g[0] for g in groups}
+    return block[tuple(slice(None) if d in firsts else region[d] for d in ours)]
+
+
+def to_file(t: Tensor, ours: np.ndarray) -> np.ndarray:
+    """One of our arrays (one layer's, for a stack) in the file's layout."""
+    groups, dims = _groups(t.file_dims), t.our_dims.split()
+    order = [d for g in groups for d in g]
+    return np.ascontiguousarray(
+        ours.transpose([dims.index(d) for d in order]).reshape(file_shape(t, ours.shape))
+    )
+
+
+class _Reader:
+    """The tensors of a Hugging Face checkpoint directory, opened lazily."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        files = sorted(directory.glob("*.safetensors"))
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif len(files) == 1:
+            weight_map = None
+        else:
+            raise CheckpointError(
+                f"model.init=hf:{directory}: {len(files)} *.safetensors files and no "
+                "model.safetensors.index.json; give the directory save_pretrained wrote"
+            )
+        self.handles = {}
+        for path in {directory / f for f in weight_map.values()} if weight_map else files:
+            try:
+                self.handles[path.name] = safe_open(str(path), framework="numpy")
+            except Exception as e:  # a truncated or foreign file: one line
+                raise CheckpointError(
+                    f"model.init=hf:{directory}: {path.name} cannot be read "
+                    f"({str(e).splitlines()[0]})"
+                ) from None
+        self.where = weight_map or {
+            name: files[0].name for name in self.handles[files[0].name].keys()
+        }
+        self.bytes_read = 0  # what this process has read from the files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        block = self.handles[self.where[name]].get_slice(name)[index]
+        self.bytes_read += block.nbytes
+        return block
+
+
+def directory_of(init: str) -> Path | None:
+    """model.init -> the checkpoint directory (None: random parameters)."""
+    if not init:
+        return None
+    if not init.startswith(SCHEME):
+        raise ConfigError(
+            f"model.init={init!r}: give hf:DIR, a Hugging Face checkpoint directory, or "
+            "leave it empty for random parameters"
+        )
+    directory = Path(init.removeprefix(SCHEME)).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"model.init={init}: {directory} is not a directory")
+    return directory
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"model.init=hf:{directory}: no config.json there; give a directory written by "
+            "transformers' save_pretrained"
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"model.init=hf:{directory}: config.json: {e}") from None
+
+
+def resolve_init(cfg, explicit: set[str] | None = None):
+    """`cfg` with model.* read from model.init's config.json (unchanged without one).
+    The keys in `explicit` (default: those not at their default) must agree with it."""
+    import dataclasses
+
+    from jaxpar import registry
+
+    directory = directory_of(cfg.model.init)
+    if directory is None:
+        return cfg
+    model = cfg.model
+    fmt = registry.get(model.name).hf
+    if fmt is None:
+        raise ConfigError(f"model.init: model.name={model.name} has no Hugging Face format")
+    if explicit is None:
+        explicit = {
+            f.name for f in dataclasses.fields(model) if getattr(model, f.name) != f.default
+        }
+    mine = {k: getattr(model, k) for k in explicit - {"name", "init"}}
+    keys = resolve(fmt, model, directory, mine)
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, **keys))
+
+
+def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:
+    """The model keys of `directory`'s config.json, for a model config whose keys in
+    `explicit` (key -> value) the user set: each of those must agree."""
+    hf = read_config(directory)
+    arch = hf.get("architectures") or [hf.get("model_type", "?")]
+    if fmt.architecture not in arch:
+        raise CheckpointError(
+            f"model.init=hf:{directory}: config.json says {arch[0]}; model.name="
+            f"{model.name} reads {fmt.architecture}"
+        )
+    keys = fmt.config_from_hf(hf)
+    for key, value in explicit.items():
+        if key in keys and keys[key] != value:
+            raise ConfigError(
+                f"model.{key}={value} disagrees with model.init=hf:{directory}, whose "
+                f"config.json gives {keys[key]}; drop model.{key}, or use another checkpoint"
+            )
+    return keys
+
+
+def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
+    """(targets -> params) for a model of parameter `shapes` (key -> ShapeDtypeStruct,
+    its own layout): the files' tensors checked now (names, shapes), before anything is
+    compiled; then, given each leaf's target with its sharding, the leaves built from
+    `directory`, each device's shard read from its own slices."""
+    import jax
+
+    reader = _Reader(directory)
+    tensors = {t.key: t for t in fmt.tensors(model)}
+    where = f"model.init=hf:{directory}"
+    names = {}  # file tensor -> (its Tensor, our leaf's shape)
+    for key, t in tensors.items():
+        shape = tuple(shapes[key].shape)
+        stacked = [t.name.format(layer=i) for i in range(shape[0])] if "{layer}" in t.name else []
+        names |= {n: (t, shape) for n in stacked or [t.name]}
+    missing = [n for n in names if n not in reader.where]
+    if missing:
+        raise CheckpointError(f"{where}: no tensor {missing[0]} ({len(missing)} missing)")
+    extra = [n for n in reader.where if n not in names and not re.search(fmt.ignore, n)]
+    if extra:
+        raise CheckpointError(
+            f"{where}: unexpected tensor {extra[0]} ({len(extra)} not in model.name="
+            f"{model.name}'s layout)"
+        )
+    for name, (t, shape) in names.items():
+        if reader.shape(name) != file_shape(t, shape):
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(reader.shape(name))}; config.json's "
+                f"dims make it {list(file_shape(t, shape))}"
+            )
+
+    def leaf(key: str, target):
+        t, shape = tensors[key], target.shape
+        sizes, ours = _sizes(t, shape), t.our_dims.split()
+
+        def shard(index) -> np.ndarray:
+            idx = [slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+            if "{layer}" not in t.name:
+                block = _block(reader, t.name, t, sizes, dict(zip(ours, idx, strict=True)))
+            else:
+                region = dict(zip(ours, idx[1:], strict=True))
+                layers = range(idx[0].start, idx[0].stop)
+                block = np.stack(
+                    [_block(reader, t.name.format(layer=i), t, sizes, region) for i in layers]
+                )
+            return block.astype(target.dtype)
+
+        return jax.make_array_from_callback(shape, target.sharding, shard)
+
+    def build(targets: dict) -> dict:
+        return {key: leaf(key, target) for key, target in targets.items()}
+
+    build.reader = reader  # bytes_read: what this process has read
+    return build
+
+
+def export(fmt: HFFormat, model, seq_len: int, params: dict, to: Path) -> int:
+    """Write `params` (host arrays in our own layout, by key) and the model's config as a
+    Hugging Face checkpoint directory; returns the number of tensors."""
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for t in fmt.tensors(model):
+        ours = np.asarray(params[t.key])
+        if "{layer}" in t.name:
+            tensors |= {t.name.format(layer=i): to_file(t, x) for i, x in enumerate(ours)}
+        else:
+            tensors[t.name] = to_file(t, ours)
+    to.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(to / "model.safetensors"), metadata={"format": "pt"})
+    (to / "config.json").write_text(json.dumps(fmt.config_to_hf(model, seq_len), indent=2) + "\n")
+    return len(tensors)

@@ -1,0 +1,136 @@
+"""Hugging Face weights in and out, proven by logits against `transformers` itself: a
+small random LlamaForCausalLM (GQA, Llama 3 rope scaling) saved with save_pretrained,
+loaded into jaxpar in four layouts, trained, exported, and loaded back."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+
+import jaxpar  # noqa: E402
+from jaxpar import cli, commands, config, hf, registry  # noqa: E402
+
+pytestmark = pytest.mark.slow  # trains, and runs transformers
+
+
+def save_tiny_llama(directory: Path, tie: bool = False) -> Path:
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}  # fmt: skip
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=tie,
+            rope_parameters=rope,
+        )  # fmt: skip
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)  # far from the init, so that a wrong mapping shows
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+def torch_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def jaxpar_logits(cfg, params: dict, tokens: np.ndarray) -> np.ndarray:
+    spec = registry.get(cfg.model.name)
+    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
+    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
+    return np.asarray(model.logits(x))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"logits: {err:.2e} of their scale"
+
+
+def loaded_config(directory: Path, *overrides: str):
+    cfg = config.load("llama-tiny", [f"model.init=hf:{directory}", *overrides])
+    return hf.resolve_init(cfg, set())
+
+
+LAYOUTS = {
+    "one-device": ("parallel.data=1",),
+    "data8": ("parallel.data=8",),
+    "data4-tensor2": ("parallel.data=4", "parallel.tensor=2"),
+    "pipeline2": ("parallel.data=4", "parallel.pipeline=2", "parallel.microbatches=2"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_loaded_weights_give_transformers_logits_in_every_layout(name, checkpoint_dir, devices):
+    """Loaded into the layout's shards (each device reading its own slices), its first
+    step's loss is transformers' cross-entropy, and the parameters it holds give
+    transformers' logits."""
+    cfg = loaded_config(checkpoint_dir, *LAYOUTS[name], "train.steps=1", "train.lr=1e-12")
+    assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.rope_scaling) == (2, 2, "llama3")
+    s = commands.setup(
+        cfg,
+        devices[
+            : math.prod(s for s in (cfg.parallel.data, cfg.parallel.pipeline, cfg.parallel.tensor))
+        ],
+    )
+    params = hf.initial_params(
+        registry.get("llama").hf, cfg.model, checkpoint_dir, s.problem.shapes
+    )
+    result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
+    tokens = s.batches(0)["tokens"]
+    want = torch_logits(checkpoint_dir, tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(
+        torch.tensor(want).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
+    ).item()
+    assert result.losses[0] == pytest.approx(loss, rel=1e-5)
+    assert_close(jaxpar_logits(cfg, result.params, tokens[:, :-1]), want)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_train_export_and_load_in_transformers(tie, tmp_path, devices):
+    """HF -> jaxpar (trained 3 steps, data=4 x tensor=2) -> `jaxpar export --format hf`
+    -> transformers' from_pretrained: the same logits."""
+    source = save_tiny_llama(tmp_path / "source", tie=tie)
+    run = tmp_path / "run"
+    # fmt: off
+    argv = ["train", "--config", "llama-tiny", f"model.init=hf:{source}", "parallel.data=4",
+            "parallel.tensor=2", "train.steps=3", "checkpoint.every=3", "--out", str(run)]
+    # fmt: on
+    assert cli.main(argv) == 0
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (
+        written["architectures"] == ["LlamaForCausalLM"] and written["tie_word_embeddings"] == tie
+    )
+    cfg = loaded_config(source)
+    params = {
+        k: np.asarray(v) for k, v in jaxpar.load_exported(_safetensors(run, tmp_path)).items()
+    }
+    tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
+    trained = jaxpar_logits(cfg, params, tokens)
+    assert np.abs(trained - torch_logits(source, tokens)).max() > 1e-3  # it did train
+    assert_close(trained, torch_logits(tmp_path / "out", tokens))
+
+
+def _safetensors(run: Path, tmp_path: Path) -> Path:
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "m.safetensors")]) == 0
+    return tmp_path / "m.safetensors"

@@ -1,0 +1,129 @@
+"""Bad Hugging Face checkpoints and keys: exit 2, one line naming the file or the key,
+nothing written to the run directory, nothing compiled. The checkpoints are written by
+jaxpar's own exporter from random parameters (no torch needed)."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxpar import cli, commands, config, hf, registry, run
+
+
+def write_checkpoint(directory: Path) -> Path:
+    cfg = config.load("llama-tiny", ["model.layers=2"])
+    shapes = commands.abstract(cfg).shapes
+    rng = np.random.default_rng(0)
+    params = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in shapes.items()}
+    hf.export(registry.get("llama").hf, cfg.model, 64, params, directory)
+    return directory
+
+
+def _edit_config(d: Path, **changes) -> None:
+    path = d / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _truncate(d: Path) -> None:
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:999])
+
+
+def _add_tensor(tensors: dict) -> dict:
+    return {**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(8, np.float32)}
+
+
+def _edit_tensors(d: Path, fn) -> None:
+    path = d / "model.safetensors"
+    save_file(fn(load_file(str(path))), str(path))
+
+
+# name -> (how to spoil a good checkpoint directory, extra overrides, needles)
+BAD = {
+    "no-config": (lambda d: (d / "config.json").unlink(), [], ["no config.json there"]),
+    "truncated": (
+        _truncate,
+        [],
+        ["model.safetensors cannot be read"],
+    ),
+    "wrong-shape": (
+        lambda d: _edit_config(d, intermediate_size=256),
+        [],
+        ["model.layers.0.mlp.gate_proj.weight has shape [128, 64]", "make it [256, 64]"],
+    ),
+    "architecture": (
+        lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
+        [],
+        ["config.json says GPT2LMHeadModel", "reads LlamaForCausalLM"],
+    ),
+    "activation": (lambda d: _edit_config(d, hidden_act="gelu"), [], ["hidden_act='gelu'"]),
+    "missing-tensor": (
+        lambda d: _edit_tensors(d, lambda t: {k: v for k, v in t.items() if "1.mlp.up" not in k}),
+        [],
+        ["no tensor model.layers.1.mlp.up_proj.weight (1 missing)"],
+    ),
+    "unexpected-tensor": (
+        lambda d: _edit_tensors(d, _add_tensor),
+        [],
+        ["unexpected tensor model.layers.0.self_attn.q_norm.weight"],
+    ),
+    "disagrees": (
+        lambda d: None,
+        ["model.layers=3"],
+        ["model.layers=3 disagrees with model.init=hf:", "gives 2; drop model.layers"],
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    def refuse(*_):
+        raise AssertionError("a compile started")
+
+    monkeypatch.setattr(run, "compile_step", refuse)
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_checkpoint_refused(case, tmp_path, capsys, devices, no_compile):
+    spoil, overrides, needles = BAD[case]
+    directory = write_checkpoint(tmp_path / "ckpt")
+    spoil(directory)
+    out = tmp_path / "run"
+    argv = ["train", "--config", "llama-tiny", f"model.init=hf:{directory}", *overrides]
+    assert cli.main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "init, needle",
+    [("hf:/no/such/dir", "/no/such/dir is not a directory"), ("weights.bin", "give hf:DIR")],
+)
+def test_bad_init_key_refused_before_jax(init, needle, capsys, tmp_path):
+    assert cli.main(["train", "--config", "llama-tiny", f"model.init={init}"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
+    """jaxpar -> HF files -> jaxpar, each device reading its own slices: the same arrays,
+    on a mesh that splits every dim the files' layout flattens."""
+    cfg = config.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
+    directory = write_checkpoint(tmp_path / "ckpt")
+    s = commands.setup(cfg)
+    want = {k: np.asarray(v) for k, v in load_file(str(directory / "model.safetensors")).items()}
+    read = hf.initial_params(registry.get("llama").hf, cfg.model, directory, s.problem.shapes)
+    sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, None, "tensor"))
+    target = jax.ShapeDtypeStruct((2, 64, 8, 8), np.float32, sharding=sharding)
+    wq = read({"blocks/attn/wq": target})["blocks/attn/wq"]
+    for layer in range(2):  # [heads x head_dim, embed] in the file
+        np.testing.assert_array_equal(
+            np.asarray(wq[layer]).reshape(64, 64).T,
+            want[f"model.layers.{layer}.self_attn.q_proj.weight"],
+        )
+    assert read.reader.bytes_read == 2 * 64 * 64 * 4 * 2  # 8 shards: each read once per data
