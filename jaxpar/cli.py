@@ -146,6 +146,18 @@ def _parser() -> argparse.ArgumentParser:
         help="safetensors: one file, jaxpar's keys; hf: config.json and model.safetensors "
         "that transformers' from_pretrained loads",
     )
+    prep = sub.add_parser(
+        "prepare-data",
+        help="tokenize text, JSONL or Parquet files into train.bin, val.bin, meta.json",
+        description="Tokenize INPUT files (text; JSONL with a `text` field per line; Parquet "
+        "with a `text` column) with a local Hugging Face tokenizer into --out: train.bin "
+        "and val.bin (token ids, uint16 or uint32) and meta.json, for `jaxpar train "
+        "data.source=tokens data.path=OUT`. Every 1/val-fraction-th document is held out.",
+    )
+    prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    prep.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    prep.add_argument("--out", type=Path, required=True, metavar="DIR")
+    prep.add_argument("--val-fraction", type=float, default=0.005, metavar="F")
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -235,6 +247,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
             rundir.check_file_target(args.out, "--out")
     elif args.command == "plan" and args.out:
         rundir.check_file_target(args.out, "--out")
+    elif args.command == "prepare-data":
+        from jaxpar.prepare import check
+
+        rundir.check_writable(args.out)
+        check(args.inputs, args.tokenizer, args.out, args.val_fraction)
     elif args.command == "export":
         if not args.run_dir.is_dir():
             raise ConfigError(f"export: {args.run_dir}: no such run directory")
@@ -336,6 +353,16 @@ def _run(args: argparse.Namespace) -> int:
             elif getattr(inner, "out", None):
                 out = inner.out.parent
         return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
+    if args.command == "prepare-data":
+        from jaxpar.prepare import prepare
+
+        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction)
+        print(
+            f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
+            f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
+            f"{meta['documents']:,} documents"
+        )
+        return 0
     cfg, out = _check_config(args)
     if args.command == "plan":
         return _plan(cfg, args)

@@ -91,6 +91,12 @@ class Source(enum.StrEnum):
     CORPUS = "corpus"
     FILE = "file"
     SYNTHETIC = "synthetic"
+    TOKENS = "tokens"
+
+
+class TokenDtype(enum.StrEnum):
+    UINT16 = "uint16"
+    UINT32 = "uint32"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -215,8 +221,13 @@ class Train(_Section):
 @dataclass(frozen=True, kw_only=True)
 class Data(_Section):
     SECTION: ClassVar[str] = "data"
-    source: Source = Source.CORPUS  # corpus (embedded stdlib text) | file | synthetic
-    path: str = ""  # text file for source=file
+    # corpus (embedded stdlib text) | file (a text file, as bytes) | synthetic | tokens
+    # (token ids on disk, memory-mapped: a `jaxpar prepare-data` folder, a flat binary
+    # file or a .npy)
+    source: Source = Source.CORPUS
+    path: str = ""  # the text file (source=file) or the tokens (source=tokens)
+    # source=tokens, a flat binary file: the dtype of its ids (nanoGPT writes uint16)
+    dtype: TokenDtype = TokenDtype.UINT16
 
 
 @dataclass(frozen=True, kw_only=True)

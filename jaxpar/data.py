@@ -1,11 +1,17 @@
 """Batches that are a pure function of (seed, step): reproducible, independent of the mesh.
 
 Sources: the embedded corpus (byte-level text of the `pydoc_data` topics that every
-CPython carries, no download), a user's text file, or synthetic sequences.
+CPython carries, no download), a user's text file, synthetic sequences, or token ids on
+disk of any size (`data.source=tokens`): memory-mapped, never read whole, each batch
+reading only its own rows' windows (each process only its rows), through a memmap made
+anew for each batch (as nanoGPT does, so that no page cache is pinned by a long-lived
+map).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,54 +27,165 @@ def corpus_bytes() -> bytes:
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
 
 
-def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | None:
+META = "meta.json"  # beside train.bin and val.bin in a prepared folder
+SCAN_ELEMENTS = 1 << 24  # ids checked per read when a file is scanned against the vocab
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """Token ids on disk, opened as a memmap per batch."""
+
+    path: Path
+    dtype: np.dtype
+    offset: int  # bytes before the first id (a .npy header)
+    count: int  # ids
+
+    def __len__(self) -> int:
+        return self.count
+
+    def open(self) -> np.ndarray:
+        return np.memmap(
+            self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.count,)
+        )
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self.open()[index]
+
+
+def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | TokenFile | None:
     """The token stream (None for synthetic data), checked against the config."""
-    if data.path and data.source is not Source.FILE:
+    if data.path and data.source not in (Source.FILE, Source.TOKENS):
         raise ConfigError(
             f"data.path={data.path!r} with data.source={data.source}: the path is read "
-            "only with data.source=file; add data.source=file, or drop data.path"
+            "only with data.source=file or tokens; add data.source=file, or drop data.path"
         )
     if data.source is Source.SYNTHETIC:
         return None
+    if data.source is Source.TOKENS:
+        tokens = token_file(data, model.vocab)
+    else:
+        tokens = np.frombuffer(_text(data, model), dtype=np.uint8)
+    need = train.seq_len + 2
+    if len(tokens) < need:
+        where = "the corpus" if data.source is Source.CORPUS else f"data.path={data.path}"
+        raise ConfigError(
+            f"{where} has {len(tokens)} tokens, fewer than train.seq_len+2 = "
+            f"{need}; use a longer text or a smaller train.seq_len"
+        )
+    return tokens
+
+
+def _text(data: Data, model: Model) -> bytes:
     if model.vocab < BYTE_VOCAB:
         raise ConfigError(
             f"model.vocab={model.vocab}: byte-level text has {BYTE_VOCAB} "
             f"symbols; set model.vocab={BYTE_VOCAB} (or more), or "
             "data.source=synthetic"
         )
-    if data.source is Source.FILE:
-        path = Path(data.path)
-        if not data.path or not path.is_file():
-            raise ConfigError(
-                f"data.path={data.path!r}: no such file; give a text file with "
-                "data.source=file, or use data.source=corpus"
-            )
-        raw = path.read_bytes()
-    else:
-        raw = corpus_bytes()
-    tokens = np.frombuffer(raw, dtype=np.uint8)
-    need = train.seq_len + 2
-    if len(tokens) < need:
-        where = f"data.path={data.path}" if data.source is Source.FILE else "the corpus"
+    if data.source is Source.CORPUS:
+        return corpus_bytes()
+    path = Path(data.path)
+    if not data.path or not path.is_file():
         raise ConfigError(
-            f"{where} has {len(tokens)} bytes, fewer than train.seq_len+2 = "
-            f"{need}; use a longer text or a smaller train.seq_len"
+            f"data.path={data.path!r}: no such file; give a text file with "
+            "data.source=file, or use data.source=corpus"
         )
+    return path.read_bytes()
+
+
+def token_file(data: Data, vocab: int, split: str = "train") -> TokenFile:
+    """data.path as token ids: a prepared folder's `split`.bin (its meta.json read), a
+    .npy file, or a flat binary of data.dtype; every id checked below `vocab`."""
+    path = Path(data.path)
+    if not data.path or not path.exists():
+        raise ConfigError(
+            f"data.path={data.path!r}: no such file or folder; give the folder `jaxpar "
+            "prepare-data` wrote, a flat binary of token ids, or a .npy file"
+        )
+    if path.is_dir():
+        meta = _meta(path)
+        if meta["vocab_size"] > vocab:
+            raise ConfigError(
+                f"model.vocab={vocab}, but {path / META} says the tokenizer has "
+                f"{meta['vocab_size']} ids; set model.vocab={meta['vocab_size']} (or more)"
+            )
+        return _flat(path / f"{split}.bin", meta["dtype"], vocab, scan=False)
+    if path.suffix == ".npy":
+        return _npy(path, vocab)
+    return _flat(path, np.dtype(str(data.dtype)), vocab, scan=True)
+
+
+def _meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / META).read_text())
+        meta = {**meta, "vocab_size": int(meta["vocab_size"]), "dtype": np.dtype(meta["dtype"])}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"data.path={folder}: {META} missing or unreadable ({e}); give a folder that "
+            "`jaxpar prepare-data` wrote"
+        ) from None
+    return meta
+
+
+def _flat(path: Path, dtype: np.dtype, vocab: int, scan: bool) -> TokenFile:
+    if not path.is_file():
+        raise ConfigError(f"data.path: {path}: no such file")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"data.path={path}: {size} bytes is not a whole number of {dtype.name} ids "
+            f"({dtype.itemsize} bytes each); set data.dtype to the dtype it was written in"
+        )
+    tokens = TokenFile(path, dtype, 0, size // dtype.itemsize)
+    if scan:
+        _check_ids(tokens, vocab)
     return tokens
+
+
+def _npy(path: Path, vocab: int) -> TokenFile:
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path={path}: not a .npy file numpy can map ({e})") from None
+    if array.ndim != 1 or array.dtype.kind not in "ui":
+        raise ConfigError(
+            f"data.path={path}: a {array.dtype} array of shape {list(array.shape)}; give a "
+            "flat (1-d) array of integer token ids"
+        )
+    tokens = TokenFile(path, array.dtype, array.offset, array.shape[0])
+    _check_ids(tokens, vocab)
+    return tokens
+
+
+def _check_ids(tokens: TokenFile, vocab: int) -> None:
+    """Every id below `vocab`, read in chunks through a buffer (neither held whole nor
+    mapped: the pages of a scan would count against the process's memory)."""
+    with tokens.path.open("rb") as f:
+        f.seek(tokens.offset)
+        for start in range(0, tokens.count, SCAN_ELEMENTS):
+            chunk = np.fromfile(f, tokens.dtype, min(SCAN_ELEMENTS, tokens.count - start))
+            bad = np.flatnonzero(chunk >= vocab)
+            if bad.size:
+                at = start + int(bad[0])
+                raise ConfigError(
+                    f"data.path={tokens.path}: token id {int(chunk[bad[0]])} at offset {at} "
+                    f"is not below model.vocab={vocab}; raise model.vocab, or check data.dtype"
+                )
 
 
 def describe(data: Data, train: Train) -> str:
     """The data source in words, for the start-up summary."""
     what = {
-        "corpus": "corpus: the pydoc topics CPython ships, as bytes",
-        "file": f"file: {data.path}, as bytes",
-        "synthetic": "synthetic: counting sequences with a random start and stride",
+        Source.CORPUS: "corpus: the pydoc topics CPython ships, as bytes",
+        Source.FILE: f"file: {data.path}, as bytes",
+        Source.SYNTHETIC: "synthetic: counting sequences with a random start and stride",
+        Source.TOKENS: f"tokens: {data.path}, memory-mapped",
     }[data.source]
     return f"{what}; {train.batch_size} x {train.seq_len} tokens a step"
 
 
 def batch_at(
-    tokens: np.ndarray | None,
+    tokens: np.ndarray | TokenFile | None,
     *,
     seed: int,
     step: int,
@@ -88,5 +205,6 @@ def batch_at(
         out = (start + stride * np.arange(seq_len + 1)) % vocab
     else:
         starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rows]
-        out = tokens[starts[:, None] + np.arange(seq_len + 1)]
+        ids = tokens.open() if isinstance(tokens, TokenFile) else tokens
+        out = ids[starts[:, None] + np.arange(seq_len + 1)]
     return {"tokens": out.astype(np.int32)}

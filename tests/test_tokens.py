@@ -1,0 +1,256 @@
+"""Tokenized data: `jaxpar prepare-data` with a tokenizer trained here on the built-in
+corpus (no download), then `data.source=tokens`, memory-mapped; bad token files refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpar import cli, config, data
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(data.corpus_bytes().decode().split("\n\n"), trainer)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _documents() -> list[str]:
+    return [d for d in data.corpus_bytes().decode().split("\n\n") if len(d) > 200]
+
+
+@pytest.fixture(scope="module")
+def prepared(tokenizer, tmp_path_factory) -> Path:
+    """The corpus as a text file, a JSONL file and a Parquet file, prepared."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs, root = _documents(), tmp_path_factory.mktemp("inputs")
+    third = len(docs) // 3
+    (root / "a.txt").write_text("\n\n".join(docs[:third]))
+    (root / "b.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs[third : 2 * third])
+    )
+    pq.write_table(pa.table({"text": docs[2 * third :]}), root / "c.parquet")
+    out = root / "prepared"
+    inputs = [str(root / n) for n in ("a.txt", "b.jsonl", "c.parquet")]
+    assert (
+        cli.main(["prepare-data", *inputs, "--tokenizer", str(tokenizer), "--out", str(out)]) == 0
+    )
+    return out
+
+
+def test_prepare_data_writes_ids_a_held_out_split_and_meta(prepared, tokenizer):
+    from tokenizers import Tokenizer
+
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16"
+    for split in ("train", "val"):
+        assert (prepared / f"{split}.bin").stat().st_size == 2 * meta[f"{split}_tokens"]
+    assert (
+        meta["val_tokens"] > 0
+        and meta["documents"] == 1 + len(_documents()) - len(_documents()) // 3
+    )
+    tok, eos = Tokenizer.from_file(str(tokenizer / "tokenizer.json")), meta["end_of_text_id"]
+    decoded = {
+        split: set(
+            tok.decode(list(part)) for part in np.split(ids, np.flatnonzero(ids == eos)[:-1] + 1)
+        )
+        for split in ("train", "val")
+        for ids in [np.fromfile(prepared / f"{split}.bin", np.uint16)]
+    }
+    held_out = {d.replace("<|endoftext|>", "") for d in decoded["val"]}
+    trained = {d.replace("<|endoftext|>", "") for d in decoded["train"]}
+    assert held_out and not held_out & trained  # never trained on
+    assert held_out <= set(_documents())
+
+
+def test_trains_on_prepared_tokens(prepared, tmp_path, devices, capsys):
+    argv = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={prepared}",
+            f"model.vocab={VOCAB}", "train.steps=3", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert f"tokens: {prepared}, memory-mapped" in capsys.readouterr().out
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_a_batch_is_the_same_from_the_map_and_from_memory(prepared):
+    cfg = config.load(
+        "gpt-tiny", ["data.source=tokens", f"data.path={prepared}", f"model.vocab={VOCAB}"]
+    )
+    mapped = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    whole = np.fromfile(prepared / "train.bin", np.uint16)
+    kw = dict(seed=3, step=7, batch_size=16, seq_len=64, vocab=VOCAB)
+    for rows in (slice(None), slice(4, 8)):
+        np.testing.assert_array_equal(
+            data.batch_at(mapped, rows=rows, **kw)["tokens"],
+            data.batch_at(whole, rows=rows, **kw)["tokens"],
+        )
+
+
+def _bad(tmp: Path, name: str, ids, dtype="<u2", raw: bytes | None = None) -> Path:
+    path = tmp / name
+    path.write_bytes(raw if raw is not None else np.asarray(ids, dtype).tobytes())
+    return path
+
+
+def _npy(tmp: Path, name: str, array: np.ndarray) -> Path:
+    np.save(tmp / name, array)
+    return tmp / name
+
+
+# name -> (make the bad path under tmp, or "prepared"; extra overrides; needles)
+BAD = {
+    "odd-size": (
+        lambda t: _bad(t, "odd.bin", None, raw=b"\x01\x00\x02"),
+        [],
+        ["3 bytes is not a whole number of uint16"],
+    ),
+    "missing": (lambda t: t / "none.bin", [], ["no such file or folder"]),
+    "id-too-big": (
+        lambda t: _bad(t, "big.bin", [1, 2, 300] * 100),
+        [],
+        ["token id 300 at offset 2", "model.vocab=256"],
+    ),
+    "npy-2d": (lambda t: _npy(t, "x.npy", np.zeros((4, 4), np.uint16)), [], ["shape [4, 4]"]),
+    "npy-too-big": (
+        lambda t: _npy(t, "y.npy", np.full(500, 999, np.uint32)),
+        [],
+        ["token id 999 at offset 0"],
+    ),
+    "vocab-mismatch": (
+        "prepared",
+        ["model.vocab=256"],
+        ["model.vocab=256, but", "meta.json says the tokenizer has 512 ids"],
+    ),
+    "short": (
+        lambda t: _bad(t, "short.bin", [1] * 10),
+        [],
+        ["has 10 tokens, fewer than train.seq_len+2"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_tokens_refused(case, prepared, tmp_path, capsys, devices):
+    make, overrides, needles = BAD[case]
+    path = prepared if make == "prepared" else make(tmp_path)
+    out = tmp_path / "run"
+    argv = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={path}", *overrides]
+    assert cli.main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["nope.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o"], "nope.txt: no such file"),
+        (["{tmp}/a.txt", "--tokenizer", "{tmp}", "--out", "{tmp}/o"], "no tokenizer.json there"),
+        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/a.txt"], "is a file"),
+        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--val-fraction", "0"],
+         "--val-fraction 0"),
+    ],
+)  # fmt: skip
+def test_bad_prepare_data_refused(argv, needle, tokenizer, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("some text\n")
+    argv = [a.format(tok=tokenizer, tmp=tmp_path) for a in argv]
+    assert cli.main(["prepare-data", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused(prepared, tokenizer, capsys):
+    argv = [
+        "prepare-data",
+        str(prepared / "meta.json"),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(prepared),
+    ]
+    assert cli.main(argv) == 2
+    assert "holds a prepared dataset already" in capsys.readouterr().err
+
+
+def _peak_train(
+    tmp_path: Path, path: Path, steps: int
+) -> tuple[subprocess.CompletedProcess, float]:
+    code = (
+        "import sys; from jaxpar import cli; rc = cli.main(sys.argv[1:]); "
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
+        "print('PEAK_MB', int(hwm.split()[1]) / 1024); sys.exit(rc)"
+    )
+    argv = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={path}",
+            f"train.steps={steps}", "parallel.data=8", "--out", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    return done, float(
+        done.stdout.split("PEAK_MB ")[1].split()[0]
+    ) if "PEAK_MB" in done.stdout else -1
+
+
+@pytest.mark.slow
+def test_a_file_larger_than_the_run_could_hold_is_only_mapped(tmp_path):
+    """A 2 GB sparse file of valid ids trains with the process's peak memory far below it."""
+    big = tmp_path / "big.bin"
+    with big.open("wb") as f:
+        f.truncate(2 * 2**30)
+    done, peak_mb = _peak_train(tmp_path, big, steps=3)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 0 < peak_mb < 1024, peak_mb  # of a 2048 MiB file
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_reads_the_same_batches(prepared, tmp_path):
+    base = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny",
+            "data.source=tokens", f"data.path={prepared}", f"model.vocab={VOCAB}",
+            "parallel.data=8", "train.steps=8", "checkpoint.every=1"]  # fmt: skip
+    straight = subprocess.run(
+        [*base, "--out", str(tmp_path / "straight")], capture_output=True, text=True
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = subprocess.Popen(
+        [*base, "--out", str(tmp_path / "killed")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        assert killed.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed = subprocess.run(
+        [*base, "--out", str(tmp_path / "killed")], capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def losses(run):
+        rows = [json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows}
+
+    assert losses("killed") == losses("straight")
