@@ -3,9 +3,10 @@ with their index), for the models whose registry entry declares an `HFFormat`.
 
 In: `config.json` is read into `model.*` (a key the user set that disagrees is refused);
 then every parameter is built straight into its sharded place with
-`jax.make_array_from_callback`, each device's shard read lazily from its slice of the
-file (`safe_open(...).get_slice`), so no device, and no process, holds or reads more
-than its own shards. Out: the parameters of a run's checkpoint and its config, as
+`jax.make_array_from_callback`, each device's shard read from just its bytes of the file
+(`os.pread` after the safetensors header; no memory map, whose resident pages would count
+against the process), so no device, and no process, holds or reads more than its own
+shards. Out: the parameters of a run's checkpoint and its config, as
 `transformers`' `from_pretrained` reads them.
 
 A tensor's layout is written as dims in both conventions, e.g. `"(h d) e"` for a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,12 +92,64 @@ def to_file(t: Tensor, ours: np.ndarray) -> np.ndarray:
     )
 
 
+DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+          "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8"}  # fmt: skip
+
+
+class _File:
+    """One safetensors file: its header parsed, its tensors read by `os.pread` of just
+    the bytes a slice needs (no memory map, whose pages would count as the process's)."""
+
+    def __init__(self, path: Path):
+        import ml_dtypes  # jax's own dependency: bfloat16 for numpy
+
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        n = int.from_bytes(os.pread(self.fd, 8, 0), "little") if size >= 8 else size
+        try:
+            header = json.loads(os.pread(self.fd, n, 8)) if 8 + n <= size else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"no safetensors header in its {size} bytes")
+        self.base = 8 + n
+        self.tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in self.tensors.values()), default=0)
+        if self.base + end > size:
+            raise ValueError(f"truncated: {size} bytes, its header promises {self.base + end}")
+        self.dtypes = {
+            k: np.dtype(getattr(ml_dtypes, DTYPES[v["dtype"]], DTYPES[v["dtype"]]))
+            for k, v in self.tensors.items()
+        }
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def read(self, name: str, index: tuple[slice, ...]) -> tuple[np.ndarray, int]:
+        """(the slice `index` of a 1-d or 2-d tensor, bytes read)."""
+        shape, dtype = self.shape(name), self.dtypes[name]
+        start = self.base + self.tensors[name]["data_offsets"][0]
+        rows = index[0]
+        if len(shape) == 1:
+            item = dtype.itemsize
+            raw = os.pread(self.fd, (rows.stop - rows.start) * item, start + rows.start * item)
+            return np.frombuffer(raw, dtype), len(raw)
+        cols, width = index[1], shape[1] * dtype.itemsize
+        if (cols.start, cols.stop) == (0, shape[1]):  # whole rows: one read
+            raw = os.pread(self.fd, (rows.stop - rows.start) * width, start + rows.start * width)
+            return np.frombuffer(raw, dtype).reshape(-1, shape[1]), len(raw)
+        out = np.empty((rows.stop - rows.start, cols.stop - cols.start), dtype)
+        item = dtype.itemsize
+        for i, row in enumerate(range(rows.start, rows.stop)):  # each row's part
+            at = start + row * width + cols.start * item
+            out[i] = np.frombuffer(os.pread(self.fd, out.shape[1] * item, at), dtype)
+        return out, out.nbytes
+
+
 class _Reader:
-    """The tensors of a Hugging Face checkpoint directory, opened lazily."""
+    """The tensors of a Hugging Face checkpoint directory: one file or many, by index."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         self.directory = directory
         index = directory / "model.safetensors.index.json"
         files = sorted(directory.glob("*.safetensors"))
@@ -108,26 +162,25 @@ class _Reader:
                 f"model.init=hf:{directory}: {len(files)} *.safetensors files and no "
                 "model.safetensors.index.json; give the directory save_pretrained wrote"
             )
-        self.handles = {}
+        self.files = {}
         for path in {directory / f for f in weight_map.values()} if weight_map else files:
             try:
-                self.handles[path.name] = safe_open(str(path), framework="numpy")
-            except Exception as e:  # a truncated or foreign file: one line
+                self.files[path.name] = _File(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # truncated, foreign
                 raise CheckpointError(
-                    f"model.init=hf:{directory}: {path.name} cannot be read "
-                    f"({str(e).splitlines()[0]})"
+                    f"model.init=hf:{directory}: {path.name} cannot be read ({e})"
                 ) from None
         self.where = weight_map or {
-            name: files[0].name for name in self.handles[files[0].name].keys()
+            name: files[0].name for name in self.files[files[0].name].tensors
         }
         self.bytes_read = 0  # what this process has read from the files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+        return self.files[self.where[name]].shape(name)
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        block = self.handles[self.where[name]].get_slice(name)[index]
-        self.bytes_read += block.nbytes
+        block, read = self.files[self.where[name]].read(name, index)
+        self.bytes_read += read
         return block
 
 
@@ -209,6 +262,7 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     `directory`, each device's shard read from its own slices."""
     import jax
 
+    directory = Path(directory)
     reader = _Reader(directory)
     tensors = {t.key: t for t in fmt.tensors(model)}
     where = f"model.init=hf:{directory}"
@@ -247,7 +301,7 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
                 block = np.stack(
                     [_block(reader, t.name.format(layer=i), t, sizes, region) for i in layers]
                 )
-            return block.astype(target.dtype)
+            return block.astype(target.dtype, copy=False)
 
         return jax.make_array_from_callback(shape, target.sharding, shard)
 

@@ -127,3 +127,107 @@ def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
             want[f"model.layers.{layer}.self_attn.q_proj.weight"],
         )
     assert read.reader.bytes_read == 2 * 64 * 64 * 4 * 2  # 8 shards: each read once per data
+
+
+WORKER = """
+import sys
+import jax
+from jaxpar import commands, config, distributed, hf, registry, mesh
+if "JAX_NUM_CPU_DEVICES" not in __import__("os").environ:
+    mesh.use_cpu_devices(8)
+distributed.initialize()
+cfg = config.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
+s = commands.setup(cfg)
+read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
+from jaxpar.checkpoint import layout
+from jaxpar.step import build
+params = read(layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"])
+jax.block_until_ready(params)
+print("BYTES", jax.process_index(), read.reader.bytes_read, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_each_process_reads_only_its_own_devices_slices(tmp_path):
+    """Two processes of 4 devices (data=2 x tensor=4, a process per data row) each read
+    their own devices' shards and nothing else (jax asks once per process for a leaf
+    every device holds whole)."""
+    import subprocess
+    import sys
+
+    directory = write_checkpoint(tmp_path / "ckpt")
+    script = tmp_path / "read_hf.py"
+    script.write_text(WORKER)
+    one = subprocess.run(
+        [sys.executable, str(script), str(directory)], capture_output=True, text=True
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    alone = int(one.stdout.split("BYTES 0 ")[1].split()[0])
+    two = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2", "--", str(script),
+         str(directory)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    logs = [(tmp_path / f"process-{i}.log").read_text() for i in range(2)]
+    each = [int(log.split(f"BYTES {i} ")[1].split()[0]) for i, log in enumerate(logs)]
+    # what every device needs whole (kv heads replicated over tensor=4, the norms) each
+    # process reads once; the split leaves, its own devices' half of what one process reads
+    whole = sum(
+        v.nbytes
+        for k, v in load_file(str(directory / "model.safetensors")).items()
+        if any(part in k for part in ("k_proj", "v_proj", "norm"))
+    )
+    assert each[0] == each[1] == (alone - whole) // 2 + whole
+
+
+IMPORT = """
+import sys, time
+from jaxpar import commands, config, hf, mesh, registry
+mesh.use_cpu_devices(8)
+import jax
+from jaxpar.checkpoint import layout
+from jaxpar.step import build
+cfg = config.load("llama-tiny", sys.argv[2:])
+s = commands.setup(cfg)
+targets = layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"]
+def hwm():
+    line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+    return int(line.split()[1]) * 1024
+before, start = hwm(), time.perf_counter()
+read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
+jax.block_until_ready(read(targets))
+print("IMPORT", before, hwm(), time.perf_counter() - start)
+"""
+BIG = ["model.layers=4", "model.embed=1024", "model.heads=16", "model.kv_heads=4",
+       "model.mlp=4096", "model.vocab=8192"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("parallel.tensor=8",), ("parallel.data=8", "parallel.zero=3")])
+def test_an_import_peaks_near_the_model_size(layout, tmp_path):
+    """Host memory (on the CPU, the devices' too) grows by about the model's own size
+    while a 330 MB checkpoint loads: no whole-file copy, no host copy before the shards."""
+    import subprocess
+    import sys
+
+    cfg = config.load("llama-tiny", BIG)
+    shapes = commands.abstract(cfg).shapes
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(v.shape, np.float32) for k, v in shapes.items()}
+    directory = tmp_path / "ckpt"
+    hf.export(registry.get("llama").hf, cfg.model, 64, params, directory)
+    size = (directory / "model.safetensors").stat().st_size
+    del params
+    script = tmp_path / "import.py"
+    script.write_text(IMPORT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(directory), *BIG, *layout],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, peak, seconds = (float(x) for x in done.stdout.split("IMPORT ")[1].split())
+    ratio = (peak - before) / size
+    print(f"import of {size / 2**20:.0f} MiB in {seconds:.1f} s: peak +{ratio:.2f} x the model")
+    assert ratio < 1.5, ratio

@@ -32,3 +32,22 @@ def test_train_gpt_script_runs_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_train_custom_model_script_runs():
     assert "accuracy" in run_script("train_custom_model.py", "--steps", "5")
+
+
+@pytest.mark.slow
+def test_finetune_llama_script_plans_trains_and_exports(tmp_path):
+    import json
+
+    import numpy as np
+    from test_hf_input import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "hf")
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16).tofile(tokens / "train.bin")
+    (tokens / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16"}))
+    out = tmp_path / "run"
+    args = ["--hf", str(source), "--data", str(tokens), "--out", str(out), "--steps", "2"]
+    assert "from_pretrained" in run_script("finetune_llama.py", *args)
+    exported = json.loads((out / "hf" / "config.json").read_text())
+    assert exported["num_hidden_layers"] == 2 and (out / "hf" / "model.safetensors").is_file()
