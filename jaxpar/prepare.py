@@ -1,13 +1,15 @@
 """`jaxpar prepare-data`: text, JSONL (a `text` field per line) or Parquet (a `text`
-column) files -> token ids on disk: `train.bin` and `val.bin` (flat uint16, or uint32 for
-a vocabulary over 65536 ids) and a small `meta.json` (vocab size, dtype, token counts,
-the tokenizer), what `data.source=tokens data.path=DIR` trains on.
+column) files -> token ids on disk: `train.bin` and `val.bin` (flat uint16, or uint32
+for a vocabulary over 65536 ids) and a small `meta.json` (vocab size, dtype, token
+counts, the tokenizer), what `data.source=tokens data.path=DIR` trains on.
 
 The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
 encoder runs on all cores. Documents are separated by the tokenizer's end-of-text token
-where it has one. Every `1 / val_fraction`-th document goes to val.bin, never trained on.
-Inputs are streamed: a text file in pieces of about a MiB at line ends, JSONL a line at a
-time, Parquet a record batch at a time; the output is written as it is encoded.
+where it has one. Every `1 / val_fraction`-th unit goes to val.bin, never trained on: a
+JSONL line, a Parquet row, or a paragraph of a text file (a text file is one document;
+its paragraphs are the units, so that one long file still has a held-out split). Inputs
+are streamed: a text file a paragraph at a time, JSONL a line at a time, Parquet a
+record batch at a time; the output is written as it is encoded.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from tqdm import tqdm
 from jaxpar.errors import ConfigError
 
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
-PIECE_BYTES = 1 << 20  # a text file is encoded in pieces of about this size
-BATCH = 256  # documents (or pieces) encoded at once
+BATCH = 256  # units encoded at once
 
 
 def check(inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float) -> None:
@@ -62,15 +63,14 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
         for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
             for text in batch.column(0).to_pylist():
                 yield text or "", True
-    else:
+    else:  # a text file is one document, held out or trained on by its paragraphs
         with path.open(encoding="utf-8", errors="replace") as f:
-            piece, size = [], 0
+            piece: list[str] = []
             for line in f:
                 piece.append(line)
-                size += len(line)
-                if size >= PIECE_BYTES:
+                if not line.strip() and len(piece) > 1:
                     yield "".join(piece), False
-                    piece, size = [], 0
+                    piece = []
             yield "".join(piece), True
 
 
@@ -92,7 +92,7 @@ def prepare(inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float 
     every = max(1, round(1 / val_fraction))
     out.mkdir(parents=True, exist_ok=True)
     counts = {"train": 0, "val": 0}
-    documents = 0
+    documents = units = 0
     total = sum(p.stat().st_size for p in inputs)
     with (
         (out / "train.bin").open("wb") as train,
@@ -112,9 +112,9 @@ def prepare(inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float 
 
         for path in inputs:
             for text, ends in _pieces(path):
-                split = "val" if documents % every == every - 1 else "train"
+                split = "val" if units % every == every - 1 else "train"
                 pending.append((text, ends, split))
-                documents += ends
+                documents, units = documents + ends, units + 1
                 if len(pending) >= BATCH:
                     flush()
         flush()
