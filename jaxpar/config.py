@@ -284,6 +284,7 @@ class Key:
     choices: tuple | None  # the values a choice takes
     range: Range | None  # the range of a number
     default: object
+    model: str | None = None  # the model.name whose own config class declares it
 
 
 def _declaration(hint) -> Key:
@@ -315,9 +316,11 @@ def keys() -> dict[str, Key]:
     for section, classes in section_classes().items():
         for cls in classes:
             hints = typing.get_type_hints(cls, include_extras=True)
+            model = _default(dataclasses.fields(cls)[0]) if cls is not classes[0] else None
             for f in dataclasses.fields(cls):
-                default = _default(f)
-                key = dataclasses.replace(_declaration(hints[f.name]), default=default)
+                key = dataclasses.replace(
+                    _declaration(hints[f.name]), default=_default(f), model=model
+                )
                 out.setdefault(f"{section}.{f.name}", key)
     return out
 

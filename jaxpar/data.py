@@ -68,8 +68,9 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | TokenFil
     need = train.seq_len + 2
     if len(tokens) < need:
         where = "the corpus" if data.source is Source.CORPUS else f"data.path={data.path}"
+        unit = "tokens" if data.source is Source.TOKENS else "bytes"
         raise ConfigError(
-            f"{where} has {len(tokens)} tokens, fewer than train.seq_len+2 = "
+            f"{where} has {len(tokens)} {unit}, fewer than train.seq_len+2 = "
             f"{need}; use a longer text or a smaller train.seq_len"
         )
     return tokens

@@ -29,7 +29,7 @@ class LlamaConfig(Model):
     # key/value heads (grouped-query attention); they divide model.heads
     kv_heads: Annotated[int, Range(1, 2**14, "key/value heads")] = 8
     # the rotary embedding's base (Llama 2: 10000, Llama 3: 500000)
-    rope_theta: Annotated[float, Range(1, 1e12, "a rotary base")] = 10000.0
+    rope_theta: Annotated[float, Range(1, 1e9, "a rotary base")] = 10000.0
     # rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling)
     rope_scaling: RopeScaling = RopeScaling.NONE
     # rope_scaling=llama3: how much the long wavelengths are stretched

@@ -25,27 +25,33 @@ def _below(key: str) -> str:
     return str(-2 if r.rest else low)
 
 
+def _on(decl) -> list[str]:
+    """A model's own key is given with that model."""
+    return [f"model.name={decl.model}"] if decl.model else []
+
+
 def _numeric_cases():
     for key, decl in KEYS.items():
         if decl.range is None:
             continue
-        yield f"{key}-type", [f"{key}=abc"], [key, "expected"]
-        yield f"{key}-nan", [f"{key}=nan"], [key, "not a finite number"]
-        yield f"{key}-inf", [f"{key}=-inf"], [key, "not a finite number"]
-        yield f"{key}-huge", [f"{key}=1e12"], [key, "out of range"]
-        yield f"{key}-5000-digits", [f"{key}={BIG}"], [key, "out of range", "5000"]
-        yield f"{key}-below", [f"{key}={_below(key)}"], [key, "out of range"]
+        on = _on(decl)
+        yield f"{key}-type", [*on, f"{key}=abc"], [key, "expected"]
+        yield f"{key}-nan", [*on, f"{key}=nan"], [key, "not a finite number"]
+        yield f"{key}-inf", [*on, f"{key}=-inf"], [key, "not a finite number"]
+        yield f"{key}-huge", [*on, f"{key}=1e12"], [key, "out of range"]
+        yield f"{key}-5000-digits", [*on, f"{key}={BIG}"], [key, "out of range", "5000"]
+        yield f"{key}-below", [*on, f"{key}={_below(key)}"], [key, "out of range"]
 
 
 def _key_cases():
     for key, decl in KEYS.items():
-        section, name = key.split(".")
-        yield f"{key}-typo", [f"{key}x=1"], [f"{key}x: unknown key", f"did you mean {key}"]
+        on = _on(decl)
+        yield f"{key}-typo", [*on, f"{key}x=1"], [f"{key}x: unknown key", f"did you mean {key}"]
         if decl.choices is not None:
-            yield f"{key}-choice", [f"{key}=nonesuch"], [key, "choose one of"]
+            yield f"{key}-choice", [*on, f"{key}=nonesuch"], [key, "choose one of"]
             if isinstance(decl.choices[0], str):  # a near miss in capitals
                 near = decl.choices[-1].upper()
-                yield f"{key}-case", [f"{key}={near}"], [f"did you mean {decl.choices[-1]}?"]
+                yield f"{key}-case", [*on, f"{key}={near}"], [f"did you mean {decl.choices[-1]}?"]
 
 
 COMBINATIONS = {  # every key is checked in Python too: test_python_twin
@@ -224,6 +230,80 @@ def test_override_refused(case, capsys, tmp_path, devices, no_compile):
         ["train", "--config", "gpt-tiny", *argv, "--out", str(tmp_path / "run")], needles, capsys
     )
     assert not (tmp_path / "run").exists()
+
+
+# Every other subcommand that reads a config refuses each single-key mistake the same
+# way, before it compiles (the combinations need a mesh: train's and inspect's).
+SUBCOMMANDS = {
+    "inspect": lambda tmp: ["inspect", "--out", str(tmp / "run")],
+    "bench": lambda tmp: ["bench", "--steps", "1", "--out", str(tmp / "run" / "b.json")],
+    "plan": lambda tmp: ["plan", "--devices", "8", "--device-memory", "1GB"],
+}
+SINGLE_KEY = {n: c for n, c in CASES.items() if not n.startswith("combination-")}
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+@pytest.mark.parametrize("case", SINGLE_KEY)
+def test_override_refused_by_every_subcommand(command, case, capsys, tmp_path, no_compile):
+    argv, needles = SINGLE_KEY[case]
+    head = SUBCOMMANDS[command](tmp_path)
+    _refused([*head, "--config", "gpt-tiny", *argv], needles, capsys)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["combination-" + n for n in COMBINATIONS])
+def test_combination_refused_by_inspect(case, capsys, tmp_path, devices, no_compile):
+    argv, needles = CASES[case]
+    _refused(
+        ["inspect", "--config", "gpt-tiny", *argv, "--out", str(tmp_path / "run")], needles, capsys
+    )
+    assert not (tmp_path / "run").exists()
+
+
+OTHER_FLAGS = {
+    "plan-out-under-a-file": (
+        lambda t: ["plan", "--devices", "8", "--device-memory", "1GB", "--out", f"{t}/f/p.yaml"],
+        ["--out", "its folder", "is a file, not a directory"],
+    ),
+    "plan-out-a-directory": (
+        lambda t: ["plan", "--devices", "8", "--device-memory", "1GB", "--out", str(t)],
+        ["--out", "is a directory; give a file name"],
+    ),
+    "bench-out-under-a-file": (
+        lambda t: ["bench", "--out", f"{t}/f/b.json"],
+        ["its folder", "is a file, not a directory"],
+    ),
+    "bench-steps": (lambda t: ["bench", "--steps", "0"], ["--steps 0: give 1 to"]),
+    "inspect-out-a-file": (
+        lambda t: ["inspect", "--out", f"{t}/f"],
+        ["is a file, not a directory"],
+    ),
+    "launch-zero": (lambda t: ["launch", "--processes", "0", "--", "train"], ["--processes 0"]),
+    "launch-nothing": (lambda t: ["launch", "--processes", "2"], ["launch: no command to run"]),
+    "launch-what": (lambda t: ["launch", "--processes", "2", "--", "fly"], ["'fly' is neither"]),
+    "launch-script": (lambda t: ["launch", "--processes", "2", "--", "no.py"], ["no.py: no such"]),
+    "launch-bad-inner": (
+        lambda t: ["launch", "--processes", "2", "--", "train", "train.lr=-1"],
+        ["train.lr=-1: out of range"],
+    ),
+    "launch-devices": (
+        lambda t: ["launch", "--processes", "2", "--cpu-devices-per-process", "0", "--", "train"],
+        ["--cpu-devices-per-process 0"],
+    ),
+    "export-no-run": (lambda t: ["export", f"{t}/none", "--to", f"{t}/m.st"], ["no such run"]),
+    "export-to-dir": (lambda t: ["export", str(t), "--to", str(t)], ["--to", "is a directory"]),
+    "prepare-no-input": (
+        lambda t: ["prepare-data", f"{t}/none.txt", "--tokenizer", str(t), "--out", f"{t}/o"],
+        ["none.txt: no such file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_FLAGS)
+def test_subcommand_paths_and_numbers_refused(case, capsys, tmp_path, no_compile):
+    (tmp_path / "f").write_text("a file")
+    make, needles = OTHER_FLAGS[case]
+    _refused(make(tmp_path), needles, capsys)
 
 
 @pytest.mark.parametrize("case", FILES)

@@ -28,6 +28,7 @@ def test_state_bytes_match_zero_formula(devices, mesh, zero):
     assert 0 < extra <= batch_bytes + 8  # the step and skipped counters
 
 
+@pytest.mark.slow  # four compiles
 def test_state_shrinks_stage_by_stage(devices):
     state = [summary("parallel.data=8", f"parallel.zero={z}").state_bytes.actual for z in range(4)]
     assert state[0] > state[1] == state[2] > state[3]
@@ -64,7 +65,7 @@ def test_comm_at_textbook_minimum(devices, overrides):
         for z in (1, 2, 3)
         for o in ("none", "optimizer")
     ]
-    + [(3, "optimizer+params")],
+    + [pytest.param(3, "optimizer+params", marks=pytest.mark.slow)],
 )
 def test_bf16_zero_moves_the_compute_dtype(devices, zero, offload):
     """ZeRO-3 gathers bf16 values (moved as 16-bit words, which no backend widens);

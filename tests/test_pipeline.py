@@ -184,7 +184,8 @@ SLOW = pytest.mark.slow  # the fast tier keeps one case of a compile-heavy table
 
 
 @pytest.mark.parametrize(
-    "schedule,v", [("gpipe", 1), pytest.param("1f1b", 1, marks=SLOW), ("interleaved", 2)]
+    "schedule,v",
+    [pytest.param("gpipe", 1, marks=SLOW), pytest.param("1f1b", 1, marks=SLOW), ("interleaved", 2)],
 )
 @pytest.mark.parametrize("m", [4, pytest.param(8, marks=SLOW)])
 def test_compiled_bubble_matches_formula(devices, schedule, v, m):
@@ -241,6 +242,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(devices):
     assert one_f_growth < 0.25 * gpipe_growth
 
 
+@pytest.mark.slow  # compiles pipelines
 def test_handover_bytes_are_reported(devices):
     pipe = compile_only(
         "gpt-tiny",

@@ -56,6 +56,7 @@ def test_state_too_big_is_refused_before_compiling(devices, monkeypatch, tmp_pat
     assert "more than the 1.0 KiB of available host memory / 8 CPU devices" in err
 
 
+@pytest.mark.slow  # compiles and runs a large step
 def test_force_runs_it_anyway(devices, monkeypatch, tmp_path, capsys):
     need = preflight.step_bytes(prepared("gpt-tiny", LAYOUT).step.executable)
     _with_budget(monkeypatch, need // 2)
