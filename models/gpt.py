@@ -4,7 +4,6 @@ and scanned, so compile time does not grow with depth."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -18,6 +17,7 @@ from .common import (
     FeedForward,
     LayerNorm,
     apply_layer,
+    causal_attention,
     embed_tokens,
     language_model_stages,
     next_token_loss,
@@ -48,14 +48,7 @@ class Attention(nnx.Module):
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        q_BxSxHxD = q_BxSxHxD * q_BxSxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
-        att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
-        seq = x_BxSxE.shape[1]
-        # causal: an additive mask, a constant [S, S] (no [B, H, S, S] select to undo in
-        # the backward pass)
-        mask_SxS = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), 0.0, -1e30)
-        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS + mask_SxS[None, None], axis=-1).astype(dt)
-        out_BxSxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
+        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD)
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
 

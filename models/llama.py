@@ -23,7 +23,7 @@ from jaxpar.registry import ModelSpec, divisible_by_tensor
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
 
 from . import LlamaConfig, RopeScaling
-from .common import embed_tokens, language_model_stages, next_token_loss, normal
+from .common import causal_attention, embed_tokens, language_model_stages, next_token_loss, normal
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -103,12 +103,7 @@ class Attention(nnx.Module):
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
         q_BxSxHxD, k_BxSxHxD = rotate(q_BxSxHxD, inv_freq), rotate(k_BxSxHxD, inv_freq)
-        q_BxSxHxD = q_BxSxHxD * q_BxSxHxD.shape[-1] ** -0.5
-        att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
-        seq = x_BxSxE.shape[1]
-        mask_SxS = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), 0.0, -1e30)
-        prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS + mask_SxS[None, None], axis=-1).astype(dt)
-        out_BxSxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
+        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD)
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
 

@@ -83,3 +83,11 @@ def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "jaxpar.cli", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def one_line_error(capsys, *needles: str) -> None:
+    """What the command printed is one `jaxpar: error:` line holding every needle."""
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import THREE_D_1F1B
+from helpers import THREE_D_1F1B, one_line_error
 from safetensors.numpy import load_file
 
 import jaxpar
@@ -299,13 +299,6 @@ def test_nonfinite_stop_exits_3_from_the_command(tmp_path, capsys, devices, monk
 
 def run_cli(*argv):
     return cli.main(["train", "--config", "gpt-tiny", "parallel.data=8", "train.steps=2", *argv])
-
-
-def one_line_error(capsys, *needles):
-    err = capsys.readouterr().err
-    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import one_line_error
 from safetensors.numpy import load_file, save_file
 
 from jaxpar import cli, commands, config, hf, registry, run
@@ -94,10 +95,7 @@ def test_bad_checkpoint_refused(case, tmp_path, capsys, devices, no_compile):
     out = tmp_path / "run"
     argv = ["train", "--config", "llama-tiny", f"model.init=hf:{directory}", *overrides]
     assert cli.main([*argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
+    one_line_error(capsys, *needles)
     assert not out.exists()
 
 

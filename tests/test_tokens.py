@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import one_line_error
 
 from jaxpar import cli, config, data
 
@@ -168,10 +169,7 @@ def test_bad_tokens_refused(case, prepared, tmp_path, capsys, devices):
     out = tmp_path / "run"
     argv = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={path}", *overrides]
     assert cli.main([*argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
+    one_line_error(capsys, *needles)
     assert not out.exists()
 
 
