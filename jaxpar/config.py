@@ -478,6 +478,9 @@ def _section(cls, key: str, values: dict):
                 if close
                 else f"the {what}s are {', '.join(sorted(fields))}"
             )
+            owner = keys().get(full) if key == "model" else None
+            if owner is not None and owner.model:  # another model's own key
+                hint = f"it is model.name={owner.model}'s; set that model, or drop the key"
             raise ConfigError(f"{_shown(full)[1:-1]}: unknown {what}; {hint}")
         kind = hints[name]
         if dataclasses.is_dataclass(kind):

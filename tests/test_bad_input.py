@@ -55,6 +55,10 @@ def _key_cases():
 
 
 COMBINATIONS = {  # every key is checked in Python too: test_python_twin
+    "other-models-key": (
+        ["model.tie_embeddings=true"],
+        ["model.tie_embeddings: unknown key", "model.name=llama's"],
+    ),
     "degrees": (["parallel.data=3"], ["parallel degrees", "!= 8 devices"]),
     "microbatches": (["parallel.microbatches=2"], ["parallel.microbatches=2", "pipeline > 1"]),
     "virtual": (["parallel.virtual_stages=2"], ["parallel.virtual_stages=2", "pipeline > 1"]),
