@@ -28,11 +28,10 @@ _EXPORTS = {
     **{
         name: ("jaxpar.errors", name)
         for name in ("CheckpointError", "ConfigError", "ParamsError", "RendezvousError")
-        + ("UserError",)
+        + ("UserError", "Stopped", "NonFinite", "ReplicasDiverged")
     },
     "ModelSpec": ("jaxpar.registry", "ModelSpec"),
     "register_model": ("jaxpar.registry", "register"),
-    "NonFinite": ("jaxpar.errors", "NonFinite"),
     "load_exported": ("jaxpar.export", "load"),
     "to_nnx": ("jaxpar.export", "to_nnx"),
     "constrain": ("jaxpar.layers", "constrain"),

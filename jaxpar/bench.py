@@ -19,9 +19,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar import checkpoint, config, metrics, registry
+from jaxpar import checkpoint, config, ledger, metrics, registry
 from jaxpar.commands import setup
-from jaxpar.run import prepare
+from jaxpar.mesh import describe
+from jaxpar.run import prepare, read_ledger
 from jaxpar.trainer import run_loop
 
 STRATEGIES = {
@@ -56,6 +57,18 @@ DP_MODES = {
     "ring-0.1MB": ("parallel.data=8", "parallel.dp_collective=ring", "parallel.bucket_mb=0.1"),
     "server": ("parallel.data=8", "parallel.dp_collective=server"),
     "server-0.1MB": ("parallel.data=8", "parallel.dp_collective=server", "parallel.bucket_mb=0.1"),
+}
+# Data parallelism across two hosts of 4 devices (simulated: the mesh's first and second
+# halves): flat ZeRO over 8, ZeRO groups of 4 replicated twice, parameter averaging.
+ACROSS_HOSTS = {
+    "flat zero1": ("parallel.data=8", "parallel.zero=1"),
+    "replica2 zero1": ("parallel.replica=2", "parallel.data=4", "parallel.zero=1"),
+    "flat zero3": ("parallel.data=8", "parallel.zero=3"),
+    "replica2 zero3": ("parallel.replica=2", "parallel.data=4", "parallel.zero=3"),
+    **{
+        f"params every {k}": ("parallel.data=8", "parallel.dp_sync=params", f"parallel.sync_every={k}")
+        for k in (1, 4, 36)  # fmt: skip
+    },
 }
 # ZeRO-Offload on data=8.
 OFFLOAD = {
@@ -151,7 +164,11 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
         jax.block_until_ready(jax.device_put(batches(i), sharding))
         jax.device_get(step_metrics)
     host = (time.perf_counter() - start) / steps
+    # bytes that would cross between two hosts holding the mesh's halves
+    led = read_ledger(cfg, run.step.hlo, describe(s.mesh))
+    halves = [2 * k // s.mesh.size for k in range(s.mesh.size)]
     return {
+        "across_2_hosts": sum(ledger.across_processes(led, a, halves) for a in s.mesh.axis_names),
         "compile_s": run.step.seconds,
         "step_s": bare,
         "tokens_per_s": run.tokens_per_step / bare,
@@ -238,6 +255,15 @@ DP_COLUMNS = {
 }
 
 
+ACROSS_HOSTS_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "replica wire": _bytes(lambda rep: rep.comm.by_axis["replica"].wire),
+    "replica min": _bytes(lambda rep: rep.comm.by_axis["replica"].minimum),
+    "data wire": _bytes(lambda rep: rep.comm.by_axis["data"].wire),
+    "data min": _bytes(lambda rep: rep.comm.by_axis["data"].minimum),
+    "across 2 hosts": lambda r: metrics.human_bytes(r["across_2_hosts"]),
+    "state": STRATEGY_COLUMNS["state"],
+}
 OFFLOAD_COLUMNS = {
     "step ms": STRATEGY_COLUMNS["step ms"],
     "device params": _bytes(lambda rep: rep.memory_per_device.params),
@@ -330,6 +356,12 @@ def run_bench(
             "dp_collective",
             DP_MODES,
             DP_COLUMNS,
+        ),
+        "hosts": (
+            f"data parallelism across 2 hosts of 4 devices, {where}; per device per step",
+            "layout",
+            ACROSS_HOSTS,
+            ACROSS_HOSTS_COLUMNS,
         ),
         "offload": (
             f"ZeRO-Offload, {where}, data=8",

@@ -50,6 +50,7 @@ class Layout:
     shapes: dict[str, list[int]]  # parameter key -> shape, in the model's layout
     # parameters (the model's layout, target["params"]'s shardings) -> a step-0 TrainState
     fresh: Callable
+    copies: int | None = None  # parallel.dp_sync=params: the devices' copies (data)
 
 
 def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
@@ -74,7 +75,7 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
         return pipeline.to_stages(staged, x) if k in stack else x
 
     def to_saved(state: TrainState) -> dict:
-        return {
+        saved = {
             "step": state.step,
             "skipped": state.skipped,
             "params": {k: unstage(k, x) for k, x in state.params.items()}
@@ -82,6 +83,9 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
             else state.params,
             "opt": params_map(unstage, state.opt) if staged else state.opt,
         }
+        if state.local is not None:  # parameter averaging: each device's copy
+            saved["local"] = state.local
+        return saved
 
     dtype = DTYPES[cfg.train.precision]
 
@@ -96,6 +100,7 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
             opt=params_map(stage, saved["opt"]) if staged else saved["opt"],
             skipped=saved["skipped"],
             compute=compute,
+            local=saved.get("local"),
         )
 
     on_device = jax.tree.map(
@@ -123,6 +128,8 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
         "params": model.params,
         "opt": model.opt,
     }
+    if engine.spread is not None:
+        saved_shardings["local"] = engine.state_shardings.local
     target = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         saved_shapes,
@@ -131,9 +138,10 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
 
     def fresh(params) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
-        return from_saved(
-            {"step": zero, "skipped": zero, "params": params, "opt": engine.tx.init(params)}
-        )
+        saved = {"step": zero, "skipped": zero, "params": params, "opt": engine.tx.init(params)}
+        if engine.spread is not None:
+            saved["local"] = engine.spread(params)
+        return from_saved(saved)
 
     return Layout(
         to_saved=to_saved_on_device,
@@ -141,6 +149,7 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
         target=target,
         shapes={k: list(v) for k, v in _flat(shapes).items()},
         fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
+        copies=describe(mesh)["data"] if engine.spread is not None else None,
     )
 
 
@@ -241,7 +250,21 @@ def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int) -> dict:
 
 
 def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
-    """A checkpoint of another model is refused, naming the first parameter that differs."""
+    """A checkpoint of another model is refused, naming the first parameter that differs;
+    so is one whose per-device copies (parameter averaging) this run cannot take."""
+    averaged = saved_meta["config"]["parallel"].get("dp_sync") == "params"
+    copies = saved_meta["mesh"]["data"] if averaged else None
+    if copies != ckpt.copies:
+
+        def what(n):
+            return "parallel.dp_sync=grads" if n is None else f"dp_sync=params over data={n}"
+
+        raise CheckpointError(
+            f"checkpoint {where}: saved with {what(copies)}, but this run has "
+            f"{what(ckpt.copies)}: each device's own copy and optimizer state cannot move to "
+            "another count of copies or to gradient sync; resume with the same parallel.dp_sync "
+            "and parallel.data, or export its parameters (jaxpar export) and start from them"
+        )
     saved, now = saved_meta["shapes"], ckpt.shapes
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key):

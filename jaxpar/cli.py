@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxpar import __version__, rundir
 from jaxpar.config import keys_help, load, preset_names
-from jaxpar.errors import ConfigError, NonFinite, UserError
+from jaxpar.errors import ConfigError, Stopped, UserError
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="rank every parallel layout of a model on N devices, predicted from shapes",
-        description="Enumerate every valid (data, pipeline, tensor, zero, offload, "
+        description="Enumerate every valid (replica, data, pipeline, tensor, zero, offload, "
         "microbatches, remat, grad_accum) for the model and global batch of --config and "
         "the overrides, predict each one's memory, traffic and step time from shapes alone "
         "(nothing is allocated or compiled), and rank those that fit.",
@@ -172,9 +172,8 @@ def _parser() -> argparse.ArgumentParser:
         "--only",
         nargs="+",
         metavar="SECTION",
-        help="measure only these sections: strategies schedules dp offload remat checkpoint "
-        "compile "
-        "(default: all)",
+        help="measure only these sections: strategies schedules dp hosts offload remat "
+        "checkpoint compile (default: all)",
     )
     for p in (train, bench):
         p.add_argument(
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
-    except NonFinite as e:
+    except Stopped as e:
         print(f"jaxpar: stopped: {e}", file=sys.stderr)
         return 3
 

@@ -26,7 +26,7 @@ from typing import Annotated, ClassVar, Literal
 
 import yaml
 
-from jaxpar.axes import DATA, PIPE
+from jaxpar.axes import DATA, PIPE, REPLICA, data_parallel
 from jaxpar.errors import ConfigError
 
 
@@ -71,6 +71,11 @@ class DpCollective(enum.StrEnum):
     SERVER = "server"
 
 
+class DpSync(enum.StrEnum):
+    GRADS = "grads"
+    PARAMS = "params"
+
+
 class Offload(enum.StrEnum):
     NONE = "none"
     OPTIMIZER = "optimizer"
@@ -97,6 +102,11 @@ class Source(enum.StrEnum):
 class TokenDtype(enum.StrEnum):
     UINT16 = "uint16"
     UINT32 = "uint32"
+
+
+class Optimizer(enum.StrEnum):
+    ADAMW = "adamw"
+    SGD = "sgd"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -127,6 +137,9 @@ class _Section:
 @dataclass(frozen=True, kw_only=True)
 class Parallel(_Section):
     SECTION: ClassVar[str] = "parallel"
+    # degree of the `replica` axis (outermost: across hosts): copies of a ZeRO group;
+    # data parallelism is replica x data, ZeRO splits state over `data` only
+    replica: Degree = 1
     data: Degree = -1  # degree of the `data` axis; -1 = all devices left over
     pipeline: Degree = 1  # degree of the `pipeline` axis: stages of the layer stack
     tensor: Degree = 1  # degree of the `tensor` axis (Megatron column/row splits)
@@ -147,6 +160,17 @@ class Parallel(_Section):
     # none | optimizer (Adam state + fp32 master weights on the host, update there) |
     # optimizer+params (ZeRO-3 only: also the stored parameter shards, fetched per layer)
     offload: Offload = Offload.NONE
+    # what data parallelism keeps in sync: grads (all-reduced every step) | params (each
+    # device takes sync_every local AdamW steps on its own rows, then the parameters
+    # are averaged over data: local SGD; with an outer optimizer, DiLoCo)
+    dp_sync: DpSync = DpSync.GRADS
+    # dp_sync=params: local steps between averages (MaxText's DiLoCo uses 36)
+    sync_every: Annotated[int, Range(1, 10**6, "local steps between averages")] = 8
+    # dp_sync=params: the outer (Nesterov SGD) learning rate on the averaged change of
+    # the parameters; 1 with no momentum is plain averaging (DiLoCo: 0.7, MaxText 0.3)
+    outer_lr: Annotated[float, Range(0, 10, "an outer rate; 1 = plain averaging", True)] = 1.0
+    # dp_sync=params: the outer Nesterov momentum; 0 = none (DiLoCo and MaxText: 0.9)
+    outer_momentum: Annotated[float, Range(0, 0.999, "a momentum below 1")] = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +219,8 @@ class Train(_Section):
     # global sequences per optimizer step (all shards, all micro-batches)
     batch_size: Annotated[int, Range(1, 2**24, "sequences per optimizer step")] = 16
     seq_len: Annotated[int, Range(1, 2**20, "tokens per sequence")] = 64  # tokens per sequence
+    # adamw (b1 0.9, b2 0.95) | sgd (plain, no momentum); both decay matrices only
+    optimizer: Optimizer = Optimizer.ADAMW
     # peak learning rate of the warm-up + cosine schedule
     lr: Annotated[float, Range(0, 10, "usual AdamW rates are 1e-5 to 1e-2", True)] = 3e-3
     # warm-up steps (linear from 0 to lr)
@@ -216,6 +242,10 @@ class Train(_Section):
     # a step whose loss or gradients are not finite: stop (save the last good state,
     # exit 3) | skip (leave the state as it was, count it in the metrics' `skipped`)
     on_nonfinite: OnNonfinite = OnNonfinite.STOP
+    # every N steps, check that every copy of each parameter leaf (over replica and
+    # data, and tensor/pipeline where not split) is bit-identical; on a difference save
+    # and stop (exit 3), naming the leaf and the devices. 0 = never
+    check_replicas_every: Annotated[int, Range(0, 10**9, "steps between checks; 0 = off")] = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,12 +581,16 @@ class BatchSplit:
     micro: int  # rows of one pipeline micro-batch
 
 
-def batch_split(train: Train, parallel: Parallel, data: int) -> BatchSplit:
-    """THE batch arithmetic: global batch -> data shards -> accumulation -> pipeline."""
+def batch_split(train: Train, parallel: Parallel, mesh_shape: dict) -> BatchSplit:
+    """THE batch arithmetic: global batch -> data shards (replica x data) -> accumulation
+    -> pipeline."""
+    data = data_parallel(mesh_shape)
     parts = data * train.grad_accum * parallel.microbatches
     if train.batch_size % parts:
+        shards = f"replica({mesh_shape[REPLICA]}) * " if mesh_shape.get(REPLICA, 1) > 1 else ""
         raise ConfigError(
-            f"train.batch_size={train.batch_size} does not split into data({data}) * "
+            f"train.batch_size={train.batch_size} does not split into {shards}"
+            f"data({mesh_shape[DATA]}) * "
             f"train.grad_accum({train.grad_accum}) * parallel.microbatches"
             f"({parallel.microbatches}) = {parts} equal parts; use a multiple of {parts}"
         )
@@ -568,7 +602,7 @@ def batch_split(train: Train, parallel: Parallel, data: int) -> BatchSplit:
 def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
     parallel = cfg.parallel
-    batch_split(cfg.train, parallel, mesh_shape[DATA])
+    batch_split(cfg.train, parallel, mesh_shape)
     if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
         raise ConfigError(
             f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
@@ -584,6 +618,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
+    _check_dp_sync(parallel, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
@@ -624,6 +659,49 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "interleaved schedule sends micro-batches round the stages in groups of "
             f"{p}; use {p * max(1, m // p)} or {p * (m // p + 1)}"
         )
+
+
+def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
+    """Parameter averaging runs a whole model and optimizer per data-parallel device."""
+    if parallel.dp_sync is DpSync.GRADS:
+        for key in ("sync_every", "outer_lr", "outer_momentum"):
+            value, default = getattr(parallel, key), _default(Parallel.__dataclass_fields__[key])
+            if value != default:
+                raise ConfigError(
+                    f"parallel.{key}={value:g} has an effect only with parallel.dp_sync=params "
+                    f"(it is grads); set parallel.dp_sync=params, or drop parallel.{key}"
+                )
+        return
+    why = {
+        "parallel.zero": (
+            parallel.zero != 0,
+            "ZeRO splits the optimizer state (and more) over data, but each device's local "
+            "steps need a whole model and optimizer state of its own; use parallel.zero=0",
+        ),
+        "parallel.pipeline": (
+            mesh_shape[PIPE] > 1,
+            "a pipeline's stages step together on one model, not as copies of it; use "
+            "parallel.pipeline=1 (tensor parallelism is fine)",
+        ),
+        "parallel.replica": (
+            mesh_shape.get(REPLICA, 1) > 1,
+            "replicas split ZeRO groups, and averaging has none: it averages over every "
+            "data-parallel device; put them all on parallel.data",
+        ),
+        "parallel.offload": (
+            parallel.offload is not Offload.NONE,
+            "each device's own optimizer state stays on the device; use parallel.offload=none",
+        ),
+        "parallel.dp_collective": (
+            parallel.dp_collective is not DpCollective.XLA,
+            "the average is one compiler-placed all-reduce; ring and server reduce "
+            "gradients; use parallel.dp_collective=xla",
+        ),
+    }
+    for key, (bad, reason) in why.items():
+        if bad:
+            value = mesh_shape.get(key.split(".")[1], getattr(parallel, key.split(".")[1]))
+            raise ConfigError(f"parallel.dp_sync=params with {key}={value}: {reason}")
 
 
 def _field_comments(cls) -> dict[str, str]:

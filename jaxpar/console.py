@@ -60,6 +60,18 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
             f"to host memory, but this backend's compiled step keeps them on the device "
             f"(host temp 0 B; XLA:CPU ignores in-step memory placement)"
         )
+    check = report.replica_check
+    if check:
+        share = (
+            ""
+            if check.share_of_step_comm is None
+            else (f", {check.share_of_step_comm:.2%} of the step's comm")
+        )
+        lines.append(
+            f"  replicas  checked every {check.every} steps: {check.leaves} copied leaves "
+            f"hashed, {human_bytes(check.wire_bytes_per_check)} per device per check in "
+            f"{check.collectives_per_check} all-reduces{share}"
+        )
     pipe = report.pipeline
     if pipe.schedule:
         lines.append(

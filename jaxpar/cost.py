@@ -10,8 +10,8 @@ import math
 
 import jax
 
-from jaxpar.axes import DATA, TENSOR
-from jaxpar.config import Config, Offload, Precision, ReduceDtype, Train
+from jaxpar.axes import DATA, REPLICA, TENSOR
+from jaxpar.config import Config, DpSync, Offload, Optimizer, Precision, ReduceDtype, Train
 from jaxpar.sharding import LeafSpecs
 from jaxpar.zero import stack_dims
 
@@ -68,6 +68,7 @@ def minimum_bytes(
     tensor_elements: int | None,
     reduce_bytes: int = 4,
     gathers=None,
+    sync_every: int | None = None,
 ) -> dict[str, float | None]:
     """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
 
@@ -79,26 +80,33 @@ def minimum_bytes(
     its backward), and its gradient reduce-scattered, (N-1)/N each. Gradients are summed
     in `reduce_bytes` per element (train.grad_reduce_dtype). Leaves ZeRO cannot split pay
     the all-reduce. tensor: Megatron's all-reduces of activations, 2(T-1)/T of
-    `tensor_elements` (per micro-batch) each, in the compute dtype.
+    `tensor_elements` (per micro-batch) each, in the compute dtype. replica: once per
+    step, a ring all-reduce 2(R-1)/R of each device's part of the gradient: a 1/N slice
+    where ZeRO splits the leaf, else the whole of it. Parameter averaging (`sync_every`):
+    data, a ring all-reduce of the fp32 parameters once every `sync_every` steps.
     """
-    n, t = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1)
+    n, t, r = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1), mesh_shape.get(REPLICA, 1)
     ring, share = 2 * (n - 1) / n, (n - 1) / n
-    data = 0.0
+    data = replica = 0.0
     counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
     for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
         local = local_elems(shape, s.compute, mesh_shape)
+        part = local if zero == 0 or s.dim is None else local / n
+        replica += 2 * (r - 1) / r * reduce_bytes * part
         if zero == 0 or s.dim is None:
             data += ring * reduce_bytes * local
         elif zero in (1, 2):
             data += share * local * (reduce_bytes * (accum if zero == 2 else 1) + 4)
         else:
             data += share * local * (times * compute_bytes + reduce_bytes) * accum
+    if sync_every:
+        data = 2 * (n - 1) / n * 4 * params_per_device(specs, shapes, mesh_shape) / sync_every
     tensor = (
         None
         if tensor_elements is None
         else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
     )
-    return {DATA: data, TENSOR: tensor}
+    return {REPLICA: replica, DATA: data, TENSOR: tensor}
 
 
 def leaf_pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
@@ -124,14 +132,23 @@ def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
     )
 
 
-def state_formula(zero: int, params_per_device: float, n: int, offload: bool = False) -> float:
-    """ZeRO paper's model-state bytes per device for fp32 AdamW (K=8: m and v; 4 for the
-    fp32 parameters): stage 0 (4+8)Psi, 1 and 2 4Psi + 8Psi/N, 3 12Psi/N. Offloaded, the
-    fp32 master parameters are split like the optimizer state: 12Psi/N from stage 1."""
+def optimizer_bytes(train: Train) -> int:
+    """Optimizer state bytes per parameter (the ZeRO paper's K): AdamW's m and v in fp32,
+    8; plain SGD, none."""
+    return 0 if train.optimizer is Optimizer.SGD else 8
+
+
+def state_formula(
+    zero: int, params_per_device: float, n: int, offload: bool = False, k: int = 8
+) -> float:
+    """ZeRO paper's model-state bytes per device for fp32 parameters (4 bytes) and an
+    optimizer of K bytes per parameter (AdamW: m and v, K=8): stage 0 (4+K)Psi, 1 and 2
+    4Psi + K Psi/N, 3 (4+K)Psi/N. Offloaded, the fp32 master parameters are split like
+    the optimizer state: (4+K)Psi/N from stage 1."""
     psi = params_per_device
-    if offload and zero:
-        return 12 * psi / n
-    return {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n}.get(zero, 12 * psi / n)
+    if offload and zero or zero == 3:
+        return (4 + k) * psi / n
+    return 4 * psi + k * psi / (n if zero else 1)
 
 
 def minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
@@ -148,11 +165,14 @@ def minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> d
         tensor_elements=tensor_elements,
         reduce_bytes=reduce_bytes(cfg.train),
         gathers=gathers(trained.names, trained.scans_layers),
+        sync_every=cfg.parallel.sync_every if cfg.parallel.dp_sync is DpSync.PARAMS else None,
     )
 
 
 def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:
     """The ZeRO formula's model-state bytes per device for `cfg`'s layout."""
     psi = params_per_device(specs, shapes, mesh_shape)
-    offloaded = cfg.parallel.offload is not Offload.NONE
-    return state_formula(cfg.parallel.zero, psi, mesh_shape[DATA], offloaded)
+    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+    if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
+        return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi
+    return state_formula(par.zero, psi, mesh_shape[DATA], par.offload is not Offload.NONE, k)

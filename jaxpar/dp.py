@@ -1,5 +1,6 @@
-"""How gradients are reduced over `data`: the compiler's collectives (`xla`), a ring of
-ppermutes (`ring`: reduce-scatter + all-gather), or a gradient server (`server`).
+"""How gradients are reduced over `data` (and then `replica`): the compiler's collectives
+(`xla`), a ring of ppermutes (`ring`: reduce-scatter + all-gather), or a gradient server
+(`server`).
 
 `ring` and `server` fuse leaves into flat buckets of about `parallel.bucket_mb`
 before communicating, as PyTorch DDP does, so a step launches about total/bucket
@@ -19,10 +20,10 @@ from jaxpar.config import DpCollective
 SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scatter
 
 
-def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None):
-    """Reduce each gradient leaf over `data` as `todo` says (SUM, SCATTER along its ZeRO
-    dim, or None: leave it), summed in `dtype` (default: its own) and returned in its
-    own; `specs` are the leaves' LeafSpecs."""
+def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None, axis: str = DATA):
+    """Reduce each gradient leaf over `axis` as `todo` says (SUM, SCATTER along its ZeRO
+    dim (over `data` only), or None: leave it), summed in `dtype` (default: its own) and
+    returned in its own; `specs` are the leaves' LeafSpecs."""
     original, treedef = jax.tree.flatten(grads)
     todo_list = treedef.flatten_up_to(todo)
     reduced = _reduce(
@@ -34,18 +35,19 @@ def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None):
         todo_list,
         mode,
         bucket_bytes,
+        axis,
     )
     return treedef.unflatten([r.astype(g.dtype) for r, g in zip(reduced, original, strict=True)])
 
 
-def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float) -> list:
+def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float, axis: str) -> list:
     spec_list = [s.compute for s in leaf_specs]
     dim_list = [s.dim for s in leaf_specs]
     if mode is DpCollective.XLA:
         out = [
             g
             if t is None
-            else collectives.reduce(g, s)
+            else collectives.reduce(g, s, axis)
             if t == SUM
             else collectives.reduce_scatter(g, d, s)
             for g, s, t, d in zip(leaves, spec_list, todo_list, dim_list, strict=True)
@@ -62,7 +64,7 @@ def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float) -> li
                 bucket = [members[k] for k in positions]
                 parts = [blocks[i] for i in bucket]
                 if kind == SUM:
-                    reduced = _sum_bucket(parts, mode)
+                    reduced = _sum_bucket(parts, mode, axis)
                 else:
                     reduced = _scatter_bucket(parts, [dim_list[i] for i in bucket])
                 for i, r in zip(bucket, reduced, strict=True):
@@ -85,10 +87,10 @@ def buckets(sizes_bytes: list[int], bucket_bytes: float) -> list[list[int]]:
     return out + ([current] if current else [])
 
 
-def _sum_bucket(parts, mode: str):
+def _sum_bucket(parts, mode: str, axis: str):
     flat = jnp.concatenate([p.reshape(-1) for p in parts])
     fn = collectives.ring_all_reduce if mode is DpCollective.RING else collectives.server_all_reduce
-    total = fn(flat, DATA)
+    total = fn(flat, axis)
     ends = [sum(p.size for p in parts[: k + 1]) for k in range(len(parts) - 1)]
     pieces = jnp.split(total, ends)
     return [piece.reshape(p.shape) for piece, p in zip(pieces, parts, strict=True)]

@@ -1,5 +1,5 @@
 """The errors a user can fix, each turned by the command line into exit status 2 and its
-one-line message; and the non-finite stop (exit status 3)."""
+one-line message; and the stops of a run gone wrong (exit status 3)."""
 
 
 class UserError(ValueError):
@@ -22,5 +22,13 @@ class ParamsError(UserError):
     """Parameters that do not fit the model they are loaded into (export, to_nnx)."""
 
 
-class NonFinite(RuntimeError):
-    """A step's loss or gradients were not finite (train.on_nonfinite=stop): exit status 3."""
+class Stopped(RuntimeError):
+    """Training stopped because the run went wrong, not the input: exit status 3."""
+
+
+class NonFinite(Stopped):
+    """A step's loss or gradients were not finite (train.on_nonfinite=stop)."""
+
+
+class ReplicasDiverged(Stopped):
+    """Copies of a parameter leaf that must be identical differ (train.check_replicas_every)."""

@@ -50,7 +50,7 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes the groups span
     group: int  # devices per group
     buffer_bytes: int  # result bytes (reduce-scatter: its input)
-    executions: int  # times per step (loop trip counts multiplied)
+    executions: float  # times per step (loop trip counts multiplied; scopes' rates too)
     senders: float = 1.0  # collective-permute: share of devices that send
     groups: list = field(default_factory=list)  # device groups (permutes: (source, target))
 
@@ -183,9 +183,13 @@ def loop_trip_counts(hlo_text: str, scope: str) -> list[int]:
     ]
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> tuple[list[Collective], int]:
+def collectives(
+    hlo_text: str, mesh_shape: dict[str, int], rates: dict[str, float] | None = None
+) -> tuple[list[Collective], int]:
     """(every collective of the module, per device; loops whose trip count is unknown and
-    whose collectives were therefore counted once)."""
+    whose collectives were therefore counted once). `rates`: named scopes whose
+    collectives run only on some steps (a conditional), and the share of steps they run
+    on (parameter averaging's every sync_every-th)."""
     lines = hlo_text.splitlines()
     mult, owner, unknown = _multipliers(lines)
     found = []
@@ -205,7 +209,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> tuple[list[Collect
                 axes=_axes(groups, mesh_shape),
                 group=size,
                 buffer_bytes=buffer,
-                executions=mult.get(owner.get(i), 0),
+                executions=mult.get(owner.get(i), 0) * _rate(line, rates or {}),
                 senders=len(groups) / math.prod(mesh_shape.values())
                 if kind == "collective-permute" and groups
                 else 1.0,
@@ -213,3 +217,9 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> tuple[list[Collect
             )
         )
     return found, unknown
+
+
+def _rate(line: str, rates: dict[str, float]) -> float:
+    name = re.search(r'op_name="([^"]*)"', line)
+    scopes = name.group(1).split("/") if name else []
+    return next((rate for scope, rate in rates.items() if scope in scopes), 1.0)

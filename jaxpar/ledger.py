@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import cost, schedules
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.hlo import Collective, collectives, loop_trip_counts
 from jaxpar.pipeline import Layout
 from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
@@ -86,13 +86,20 @@ class Ledger:
         return dict(sorted(out.items()))
 
 
-def read(hlo_text: str, mesh_shape: dict[str, int]) -> Ledger:
-    """The collectives of an optimized HLO module, per device, per step."""
-    return Ledger(*collectives(hlo_text, mesh_shape))
+def read(
+    hlo_text: str, mesh_shape: dict[str, int], rates: dict[str, float] | None = None
+) -> Ledger:
+    """The collectives of an optimized HLO module, per device, per step (`rates`: see
+    jaxpar.hlo.collectives)."""
+    return Ledger(*collectives(hlo_text, mesh_shape, rates))
 
 
-def assumes(zero: int, compute: str, reduce: str) -> str:
+def assumes(zero: int, compute: str, reduce: str, sync_every: int | None = None) -> str:
     """What the minimum counts, with the dtypes, in words (summary.json's comm.assumes)."""
+    if sync_every:
+        return (
+            f"parameter averaging: one all-reduce of the fp32 parameters every {sync_every} steps"
+        )
     grads = f"gradients summed in {reduce}"
     if zero == 0:
         return f"ZeRO-0: one all-reduce of the {grads}"
@@ -113,12 +120,18 @@ def _state_totals(compiled, state_shapes) -> dict[tuple[str, bool], int]:
     host arrays are the ones its input shardings place in pinned_host."""
     state_sh = compiled.input_shardings[0][0]
     totals = defaultdict(int)
-    for part in ("params", "opt", "compute"):
-        shapes, shardings = getattr(state_shapes, part), getattr(state_sh, part)
+    for part in ("params", "opt", "compute", "local.params", "local.opt"):
+        shapes, shardings = _part(state_shapes, part), _part(state_sh, part)
         for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
             host = sh.memory_kind == "pinned_host"
             totals[part, host] += math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
     return totals
+
+
+def _part(state, dotted: str):
+    for name in dotted.split("."):
+        state = None if state is None else getattr(state, name)
+    return state
 
 
 def memory(
@@ -129,9 +142,9 @@ def memory(
     stats = compiled.memory_analysis()
     device = DeviceMemory(
         # the parameters it computes with (a compute copy when offloaded)
-        params=t["params", False] + t["compute", False],
+        params=t["params", False] + t["compute", False] + t["local.params", False],
         grads=grads,
-        opt_state=t["opt", False],
+        opt_state=t["opt", False] + t["local.opt", False],
         temp=int(stats.temp_size_in_bytes),
     )
     host = HostMemory(
@@ -147,7 +160,8 @@ def state_bytes(compiled, state_shapes, formula: float) -> StateBytes:
     """The model state of the ZeRO formula (master parameters and optimizer state, on
     the device and the host) against it."""
     t = _state_totals(compiled, state_shapes)
-    actual = sum(t[part, host] for part in ("params", "opt") for host in (False, True))
+    parts = ("params", "opt", "local.params", "local.opt")
+    actual = sum(t[part, host] for part in parts for host in (False, True))
     arguments = int(compiled.memory_analysis().argument_size_in_bytes)
     return StateBytes(actual=actual, formula=formula, ratio=actual / formula, arguments=arguments)
 
@@ -173,8 +187,9 @@ def comm(
 ) -> Comm:
     """Wire bytes against the textbook minimum, on the axes that have one; `process_of`
     is each mesh position's process; `assumed` says what the minimum counts."""
-    wire = {axis: led.wire_bytes({axis}) for axis in (DATA, TENSOR)}
-    known = [a for a in wire if minimum[a] is not None]
+    wire = {axis: led.wire_bytes({axis}) for axis in (REPLICA, DATA, TENSOR)}
+    # (replica: only where the mesh has replicas)
+    known = [a for a in wire if minimum[a] is not None and (a != REPLICA or minimum[a] or wire[a])]
     total_min = sum(minimum[a] for a in known)
     return Comm(
         wire_bytes_per_device=led.wire_bytes(),

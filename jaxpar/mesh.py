@@ -1,4 +1,4 @@
-"""The one device mesh: axes `data`, `pipeline`, `tensor` (outermost to innermost)."""
+"""The one device mesh: axes `replica`, `data`, `pipeline`, `tensor` (outermost to innermost)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.axes import AXES, PIPE, TENSOR
+from jaxpar.axes import AXES, DATA, PIPE, REPLICA, TENSOR
 from jaxpar.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
             "degree may take the remaining devices"
         )
     fixed = math.prod(d for d in degrees.values() if d != -1)
-    shown = " * ".join(f"{a}({d})" for a, d in degrees.items())
+    shown = " * ".join(f"{a}({d})" for a, d in degrees.items() if a != REPLICA or d != 1)
     if rest:
         if devices % fixed:
             raise ConfigError(
@@ -56,8 +56,9 @@ def build_mesh(parallel: Parallel, devices: list | None = None) -> Mesh:
     types = (AxisType.Auto,) * len(AXES)
     if len({d.process_index for d in devices}) == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
-    # Many processes: each one's devices side by side, processes outermost on `data`,
-    # so the slow links between hosts carry data parallelism only.
+    # Many processes: each one's devices side by side, processes outermost (on `replica`,
+    # then `data`), so the slow links between hosts carry data parallelism only, and with
+    # replica = processes only the replicas' reduction of 1/data of the gradients.
     _check_inside_process(degrees, len(devices) // len({d.process_index for d in devices}))
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(ordered).reshape(shape), AXES, axis_types=types)
@@ -76,6 +77,13 @@ def _check_inside_process(degrees: dict[str, int], local: int) -> None:
         print(
             f"jaxpar: note: parallel.pipeline * parallel.tensor = {inner} is more than the "
             f"{local} devices of a process: those collectives cross processes"
+        )
+    group = degrees[DATA] * inner
+    if degrees[REPLICA] > 1 and inner <= local < group and jax.process_index() == 0:
+        print(
+            f"jaxpar: note: a ZeRO group, data({degrees[DATA]}) * pipeline * tensor = {group}, "
+            f"is more than the {local} devices of a process: its reductions cross processes; "
+            f"parallel.replica={degrees[REPLICA] * group // local} keeps each group in one"
         )
 
 

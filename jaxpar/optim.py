@@ -1,4 +1,4 @@
-"""AdamW with warm-up and cosine decay, and global-norm clipping."""
+"""AdamW (or plain SGD) with warm-up and cosine decay, and global-norm clipping."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config import OnNonfinite, Train
+from jaxpar.config import OnNonfinite, Optimizer, Train
 from jaxpar.sharding import LAYERS, STAGE
 
 
 def optimizer(train: Train, names) -> tuple[optax.GradientTransformation, Any]:
-    """(AdamW, its learning-rate schedule); weight decay on matrices only."""
+    """(AdamW or SGD (train.optimizer), its learning-rate schedule); weight decay on
+    matrices only."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         train.lr,
@@ -27,6 +28,9 @@ def optimizer(train: Train, names) -> tuple[optax.GradientTransformation, Any]:
         names,
         is_leaf=lambda x: isinstance(x, tuple),
     )
+    if train.optimizer is Optimizer.SGD:
+        decay = optax.add_decayed_weights(train.weight_decay, mask=is_matrix)
+        return optax.chain(decay, optax.sgd(schedule)), schedule
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix)
     return tx, schedule
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import cost, pipeline, registry
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.config import Config, Offload, Remat, Train, batch_split, check_train
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes, table
@@ -83,6 +83,8 @@ class Candidate:
     def label(self) -> str:
         p, t = self.cfg.parallel, self.cfg.train
         parts = [f"dp{self.mesh[DATA]}", f"pp{self.mesh[PIPE]}", f"tp{self.mesh[TENSOR]}"]
+        if self.mesh.get(REPLICA, 1) > 1:
+            parts.insert(0, f"r{self.mesh[REPLICA]}")
         parts += [f"zero{p.zero}"]
         if p.offload is not Offload.NONE:
             parts.append(f"offload={p.offload}")
@@ -177,17 +179,25 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
     for t in (x for x in range(1, machine.per_host + 1) if machine.per_host % x == 0):
         deepest = min(work.layers, n // t) if pipelines else 1
         for p in (x for x in range(1, deepest + 1) if (n // t) % x == 0):
-            d = n // (t * p)
-            zeros = (0, 1, 2, 3) if d > 1 else (0,)
-            for zero, offload, micro, remat, accum in itertools.product(
+            dp = n // (t * p)
+            zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+            # replica: 1, or one ZeRO group per host (hybrid sharding across hosts)
+            replicas = (
+                (1, machine.hosts) if 1 < machine.hosts < dp and dp % machine.hosts == 0 else (1,)
+            )
+            for r, zero, offload, micro, remat, accum in itertools.product(
+                replicas,
                 zeros,
                 tuple(Offload),
                 (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
                 (Remat.NONE, Remat.FULL),
                 (1, 2, 4, 8),
             ):
+                d = dp // r
                 if (
                     (offload is Offload.OPTIMIZER and zero == 0)
+                    # replicas of ZeRO-0 groups split one all-reduce in two: never better
+                    or (r > 1 and zero == 0)
                     or (offload is Offload.OPTIMIZER_PARAMS and (zero != 3 or p > 1))
                     # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
                     # is not modelled here (6.6x the per-micro-batch gathers measured on
@@ -197,6 +207,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     continue
                 par = dataclasses.replace(
                     base.parallel,
+                    replica=r,
                     data=d,
                     pipeline=p,
                     tensor=t,
@@ -210,7 +221,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 cfg = dataclasses.replace(
                     base, parallel=par, train=dataclasses.replace(base.train, grad_accum=accum)
                 )
-                mesh = {DATA: d, PIPE: p, TENSOR: t}
+                mesh = {REPLICA: r, DATA: d, PIPE: p, TENSOR: t}
                 try:
                     work.check(mesh)
                     check_train(cfg, mesh)
@@ -231,16 +242,17 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         f: sum(cost.local_elems(shape, getattr(s, f), mesh) for s, shape in pairs)
         for f in ("storage", "grad", "opt", "compute")
     }
-    master, adam, grads = 4 * local["storage"], 8 * local["opt"], 4 * local["grad"]
+    k = cost.optimizer_bytes(train)
+    master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
     compute_bytes = cost.dtype_bytes(train.precision)
-    model_state = master + adam if par.offload is Offload.NONE else 12 * local["opt"]
+    model_state = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
     on_host = 0.0
     if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
         on_host = 4 * local["opt"] + adam
         master, adam = compute_bytes * local["storage"], 0  # the compute copy stays
         if par.offload is Offload.OPTIMIZER_PARAMS:
             on_host, master = on_host + master, 0
-    split = batch_split(train, par, d)
+    split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
     layers = math.ceil(work.layers / p)
     # kept for the backward pass: each layer's input (recomputed) or all it computes
@@ -266,12 +278,20 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
     hand_over = split.micro * work.boundary_elements * compute_bytes
     comm = {
+        REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
     }
     inside = machine.per_host
-    spans = {TENSOR: t > inside, PIPE: p * t > inside, DATA: machine.hosts > 1}
+    # replicas are hosts apart; a ZeRO group (data x pipeline x tensor) spans hosts
+    # where it holds more devices than one host has
+    spans = {
+        TENSOR: t > inside,
+        PIPE: p * t > inside,
+        DATA: d * p * t > inside,
+        REPLICA: mesh.get(REPLICA, 1) > 1,
+    }
     comm_s = sum(
         b / (machine.inter_bytes_s if spans[a] else machine.intra_bytes_s) for a, b in comm.items()
     )
@@ -313,6 +333,11 @@ RULES = (  # (test on the winner and the machine, the rule it follows), most spe
         lambda c, m: c.mesh[PIPE] > 1,
         "the hand-overs between stages move less than the data-parallel reduction would: "
         "pipeline parallel, data parallel outermost",
+    ),
+    (
+        lambda c, m: c.mesh.get(REPLICA, 1) > 1,
+        "many hosts with slow links between them: a ZeRO group inside each host, "
+        "replicated across hosts (only 1/data of the gradients crosses them)",
     ),
     (
         lambda c, m: c.mesh[TENSOR] > 1,

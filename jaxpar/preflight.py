@@ -145,11 +145,11 @@ def _alternatives(cfg: Config, mesh_shape: dict) -> list[tuple[str, Config]]:
     out = []
     for factor in (2, 4, 8):
         changed = dataclasses.replace(train, grad_accum=train.grad_accum * factor)
-        if _splits(changed, par, data):
+        if _splits(changed, par, mesh_shape):
             out.append((f"train.grad_accum={changed.grad_accum}", changed, par))
     for factor in (2, 4):
         changed = dataclasses.replace(train, batch_size=train.batch_size // factor)
-        if changed.batch_size and _splits(changed, par, data):
+        if changed.batch_size and _splits(changed, par, mesh_shape):
             out.append((f"train.batch_size={changed.batch_size}", changed, par))
     if par.remat is Remat.NONE:
         out.append(("parallel.remat=full", train, dataclasses.replace(par, remat="full")))
@@ -158,9 +158,9 @@ def _alternatives(cfg: Config, mesh_shape: dict) -> list[tuple[str, Config]]:
     return [(label, dataclasses.replace(cfg, train=t, parallel=p)) for label, t, p in out]
 
 
-def _splits(train, parallel, data: int) -> bool:
+def _splits(train, parallel, mesh_shape: dict) -> bool:
     try:
-        batch_split(train, parallel, data)
+        batch_split(train, parallel, mesh_shape)
     except ConfigError:
         return False
     return True

@@ -78,6 +78,17 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class ReplicaCheck:
+    """What train.check_replicas_every costs: its compiled collectives, per device."""
+
+    every: int  # steps between checks
+    leaves: int  # parameter leaves held as copies somewhere
+    wire_bytes_per_check: float
+    collectives_per_check: int
+    share_of_step_comm: float | None  # per step, against the step's own wire bytes
+
+
+@dataclass(frozen=True)
 class Report:
     config: dict  # the resolved config
     mesh: dict[str, int]
@@ -94,6 +105,7 @@ class Report:
     collectives: dict[str, KindTotals]
     collective_counts: dict[str, int]  # executions per step by 'kind@axes'
     comm: Comm
+    replica_check: ReplicaCheck | None = None  # (train.check_replicas_every > 0)
     # after training
     tokens_per_step: int | None = None
     final_loss: float | None = None

@@ -5,6 +5,7 @@ What `jaxpar.train`, `jaxpar bench` and the tests all call before running steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -14,12 +15,13 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import cost, ledger, offload, preflight
+from jaxpar import cost, ledger, offload, preflight, replicas
 from jaxpar.axes import DATA, PIPE, TENSOR
-from jaxpar.config import Config, Precision, ReduceDtype, batch_split
+from jaxpar.config import Config, DpSync, Precision, ReduceDtype, batch_split
+from jaxpar.local_sgd import SYNC_SCOPE
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
-from jaxpar.report import Pipeline, Report
+from jaxpar.report import Pipeline, ReplicaCheck, Report
 from jaxpar.sharding import RULES, optional_unsplit, unsplit_leaves
 from jaxpar.step import Engine, build
 
@@ -43,6 +45,7 @@ class Run:
     step: CompiledStep
     report: Report  # of the compiled step; `trained` adds the run's figures
     tokens_per_step: int  # loss elements per global batch
+    check: replicas.Check | None = None  # the replica consistency check (if asked for)
 
 
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
@@ -61,14 +64,31 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
         return preflight.step_bytes(compile_step(build(problem, changed, mesh), smaller).executable)
 
     preflight.check_compiled(cfg, step.executable, mesh_shape, force, need_of, step.seconds)
+    report = describe_step(cfg, mesh, problem, engine, step, batch)
+    every = cfg.train.check_replicas_every
+    check = replicas.compiled(mesh, step.state_shapes) if every else None
+    if check:
+        per_step = check.wire_bytes / every
+        wire = report.comm.wire_bytes_per_device
+        report = dataclasses.replace(
+            report,
+            replica_check=ReplicaCheck(
+                every=every,
+                leaves=sum(bool(axes) for axes in check.copied_over),
+                wire_bytes_per_check=check.wire_bytes,
+                collectives_per_check=check.collectives,
+                share_of_step_comm=per_step / wire if wire else None,
+            ),
+        )
     return Run(
         cfg=cfg,
         mesh=mesh,
         problem=problem,
         engine=engine,
         step=step,
-        report=describe_step(cfg, mesh, problem, engine, step, batch),
+        report=report,
         tokens_per_step=loss_elements(problem, batch),
+        check=check,
     )
 
 
@@ -102,15 +122,23 @@ def compile_step(engine: Engine, batch) -> CompiledStep:
     )
 
 
+def read_ledger(cfg: Config, hlo: str, mesh_shape: dict) -> ledger.Ledger:
+    """The compiled step's collectives per step (parameter averaging's once per sync)."""
+    par = cfg.parallel
+    averaging = par.dp_sync is DpSync.PARAMS
+    return ledger.read(hlo, mesh_shape, {SYNC_SCOPE: 1 / par.sync_every} if averaging else None)
+
+
 def describe_step(
     cfg: Config, mesh: Mesh, problem: Problem, engine: Engine, step: CompiledStep, batch
 ) -> Report:
     mesh_shape = describe(mesh)
     par, trained = cfg.parallel, engine.problem
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
-    led = ledger.read(step.hlo, mesh_shape)
+    averaging = par.dp_sync is DpSync.PARAMS
+    led = read_ledger(cfg, step.hlo, mesh_shape)
     compute_bytes = cost.dtype_bytes(cfg.train.precision)
-    split = batch_split(cfg.train, par, mesh_shape[DATA])
+    split = batch_split(cfg.train, par, mesh_shape)
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
     tensor = problem.tensor_elements
@@ -150,6 +178,7 @@ def describe_step(
                 cfg.train.precision
                 if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE
                 else Precision.FP32,
+                par.sync_every if averaging else None,
             ),
         ),
     )
@@ -186,4 +215,12 @@ def strategy_name(cfg: Config, mesh_shape: dict) -> str:
         )
     if cfg.train.grad_accum > 1:
         extras.append(f"grad_accum={cfg.train.grad_accum}")
+    if cfg.parallel.dp_sync is DpSync.PARAMS:
+        p = cfg.parallel
+        outer = (
+            "averaged"
+            if (p.outer_lr, p.outer_momentum) == (1, 0)
+            else (f"outer Nesterov lr={p.outer_lr:g} momentum={p.outer_momentum:g}")
+        )
+        extras.insert(0, f"params synced every {p.sync_every} steps, {outer}")
     return ", ".join([axes or "single device", *extras])

@@ -22,6 +22,10 @@ class TrainState:
     # steps whose loss or gradients were not finite and were not applied (int32 scalar)
     skipped: jax.Array
     compute: Any = None  # offload only: the compute-dtype parameters the device runs with
+    # parallel.dp_sync=params only: each data-parallel device's own copy of the
+    # parameters and its optimizer state (jaxpar.local_sgd.Local); `params` are then the
+    # global parameters and `opt` the outer optimizer's state
+    local: Any = None
 
     @property
     def compute_params(self):

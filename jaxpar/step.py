@@ -6,9 +6,9 @@
       └─► finish the data-parallel reduction (zero.py via dp.py: xla | ring | server)
       └─► clip and AdamW (optim.py) on the device, or on the host (offload.py)
 
-Forward/backward runs inside a shard_map that is manual over `data` and `pipeline`
-(`tensor` stays with the compiler, which splits the model per the rules), so each
-device holds its local gradients and the reductions are placed by hand.
+Forward/backward runs inside a shard_map that is manual over `replica`, `data` and
+`pipeline` (`tensor` stays with the compiler, which splits the model per the rules), so
+each device holds its local gradients and the reductions are placed by hand.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import context, offload, optim, pipeline, schedules
 from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
-from jaxpar.axes import DATA, PIPE
-from jaxpar.config import Config, Offload, Precision, ReduceDtype, batch_split
+from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
+from jaxpar.config import Config, DpSync, Offload, Precision, ReduceDtype, batch_split
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import RULES, LeafSpecs, named, only_axes, pick, plan
 from jaxpar.state import TrainState
@@ -57,6 +57,9 @@ class Engine:
     grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
     layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
     problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
+    # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
+    # optimizer state (jaxpar.local_sgd.Local)
+    spread: Any = None
 
     def export(self, params):
         """Parameters in the model's own layout (the layer stack unstaged)."""
@@ -66,8 +69,26 @@ class Engine:
         return pipeline.unstaged(self.problem, self.layout, jax.device_get(params))
 
 
+def zero_policy(cfg: Config, specs, names) -> ZeroPolicy:
+    dtype, par = DTYPES[cfg.train.precision], cfg.parallel
+    return ZeroPolicy(
+        stage=par.zero,
+        specs=specs,
+        names=names,
+        dtype=dtype,
+        reduce_dtype=dtype if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE else jnp.float32,
+        dp_mode=par.dp_collective,
+        bucket_bytes=par.bucket_mb * 2**20,
+        fetch=par.offload is Offload.OPTIMIZER_PARAMS,
+    )
+
+
 def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     par = cfg.parallel
+    if par.dp_sync is DpSync.PARAMS:
+        from jaxpar import local_sgd
+
+        return local_sgd.build(problem, cfg, mesh)
     layout = pipeline.layout_for(problem, mesh.shape[PIPE], par.virtual_stages)
     trained = pipeline.staged(problem, layout) if layout else problem
     specs = plan(
@@ -77,16 +98,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         mesh_shape=dict(mesh.shape),
     )
     dtype = DTYPES[cfg.train.precision]
-    policy = ZeroPolicy(
-        stage=par.zero,
-        specs=specs,
-        names=trained.names,
-        dtype=dtype,
-        reduce_dtype=dtype if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE else jnp.float32,
-        dp_mode=par.dp_collective,
-        bucket_bytes=par.bucket_mb * 2**20,
-        fetch=par.offload is Offload.OPTIMIZER_PARAMS,
-    )
+    policy = zero_policy(cfg, specs, trained.names)
     tx, schedule = optim.optimizer(cfg.train, trained.names)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
@@ -115,7 +127,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
         return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped)
 
-    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     return Engine(
         specs=specs,
         tx=tx,
@@ -160,9 +172,10 @@ def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
     return update
 
 
-def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout):
-    """(compute params, global batch, loss elements) -> (global mean loss, this device's
-    reduced gradients), as a shard_map manual over `data` and `pipeline`."""
+def local_value_and_grad(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout):
+    """((params, this device's rows, loss elements) -> (its loss sum / loss elements, its
+    gradients, accumulated over train.grad_accum micro-batches), the pipeline or None),
+    with the model's context active; for a shard_map manual over the batch axes."""
     accum = cfg.train.grad_accum
     ctx = context.Context(
         rules=RULES,
@@ -171,6 +184,7 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, 
         layer=policy.layer,
         whole=policy.whole,
     )
+    pipe = None
     if layout is None:
 
         @jax.value_and_grad
@@ -183,18 +197,29 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, 
         value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
 
     def local(params, batch, count):
-        rows = batch_split(cfg.train, cfg.parallel, mesh.shape[DATA]).accum
+        rows = batch_split(cfg.train, cfg.parallel, dict(mesh.shape)).accum
         mbs = jax.tree.map(lambda x: x.reshape((accum, rows) + x.shape[1:]), batch)
         with context.active(ctx):
-            loss, grads = accumulate(
+            return accumulate(
                 lambda p, mb: value_and_grad(p, mb, count),
                 policy.accumulator(params),
                 each=policy.each_micro_batch,
             )(params, mbs)
-            if layout is not None:  # leaves every stage holds got their gradient on one stage
-                grads = schedules.reduce_shared(pipe, grads, policy.specs)
-            grads = policy.finish(grads)
-        return jax.lax.psum(loss, (DATA, PIPE)), grads
+
+    return local, pipe
+
+
+def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout):
+    """(compute params, global batch, loss elements) -> (global mean loss, this device's
+    reduced gradients), as a shard_map manual over `replica`, `data` and `pipeline`."""
+    value_and_grad, pipe = local_value_and_grad(problem, cfg, mesh, policy, layout)
+
+    def local(params, batch, count):
+        loss, grads = value_and_grad(params, batch, count)
+        if pipe is not None:  # leaves every stage holds got their gradient on one stage
+            grads = schedules.reduce_shared(pipe, grads, policy.specs)
+        grads = policy.finish(grads)
+        return jax.lax.psum(loss, (REPLICA, DATA, PIPE)), grads
 
     manual = lambda field: jax.tree.map(  # noqa: E731
         lambda s: only_axes(getattr(s, field), (DATA, PIPE)),
@@ -206,9 +231,9 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, 
         return jax.shard_map(
             functools.partial(local, count=count),
             mesh=mesh,
-            in_specs=(manual("storage"), PartitionSpec(DATA)),
+            in_specs=(manual("storage"), PartitionSpec(BATCH_AXES)),
             out_specs=(PartitionSpec(), manual("opt")),
-            axis_names={DATA, PIPE},
+            axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
         )(params, batch)
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from jaxpar import checkpoint, console, metrics, rundir
 from jaxpar.config import Config, OnNonfinite
-from jaxpar.errors import ConfigError, NonFinite
+from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
 from jaxpar.report import Report
@@ -113,6 +113,14 @@ def train(
         state = saver.finish(loop, start)
     if loop.nonfinite is not None:
         raise NonFinite(_nonfinite_message(run, state, batches, loop, saver))
+    if loop.diverged:
+        where = f"saved to {saver.where(loop.end)}" if saver.opened else "not saved (no --out)"
+        raise ReplicasDiverged(
+            f"step {loop.end}: copies of parameters that must be identical differ: "
+            f"{loop.diverged}. The state is {where}; a faulty device or a nondeterministic "
+            "op can cause this: resume from an earlier checkpoint, and if it recurs on the "
+            "same devices, leave them out"
+        )
     report = _finish(run, loop, log.rows, files, saver, say)
     return Result(
         losses=loop.losses,
@@ -221,7 +229,9 @@ class _Saver:
                     self.ckpts.manager.delete(late)
             loop.saved = {s for s in loop.saved if s < loop.end}
             state = state.replace(skipped=state.skipped * 0)
-        wanted = self.cfg.checkpoint.every or loop.stopped or loop.nonfinite is not None
+        wanted = (
+            self.cfg.checkpoint.every or loop.stopped or loop.nonfinite is not None or loop.diverged
+        )
         if wanted and loop.end not in loop.saved and loop.end != start:
             self.save(state, loop.end)
         return state
@@ -243,6 +253,11 @@ class Loop:
     saved: set[int] = field(default_factory=set)  # steps checkpointed
     stopped: str | None = None  # the signal that ended it early
     nonfinite: int | None = None  # the first step (1-based) that was not finite, with `stop`
+    diverged: str | None = None  # which copies of which leaves differed (replica check)
+
+
+# Tests only: (step, state) -> state, called after each step (to corrupt a replica).
+_test_hook: Callable | None = None
 
 
 def run_loop(
@@ -294,14 +309,20 @@ def run_loop(
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
     for step in range(start, cfg.steps):
-        if loop.nonfinite is not None or (stops and stops.asked):
+        if loop.nonfinite is not None or loop.diverged or (stops and stops.asked):
             break
         batch = batch_for(batches, step, sharding, run.step.batch_shapes)
         loop.state, step_metrics = compiled(loop.state, batch)
+        if _test_hook is not None:
+            loop.state = _test_hook(step + 1, loop.state)
         loop.end = step + 1
         if pending is not None:
             settle(*pending)
         pending = (step, step_metrics)
+        if run.check and loop.end % cfg.check_replicas_every == 0:
+            loop.diverged = run.check(loop.state)
+            if loop.diverged:
+                continue  # (saved by _Saver.finish, as the state it is)
         if every and loop.end % every == 0:
             # this step's metrics row is written before its checkpoint exists: a resume
             # from it then misses no row

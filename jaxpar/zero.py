@@ -9,7 +9,8 @@ Built from the plan (each leaf's LeafSpecs, with the dim ZeRO splits) and the st
 - per step: stage 0 (and any leaf ZeRO cannot split) all-reduces, stage 1
   reduce-scatters; stage 3 gradients arrive reduce-scattered, as the gather's transpose.
 Gradients are summed over `data` in `reduce_dtype` (train.grad_reduce_dtype).
-All of it runs inside the step's shard_map, manual over `data`.
+All of it runs inside the step's shard_map, manual over `replica` and `data`; with
+replicas, the per-step gradients are then summed over `replica` (hybrid sharding).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar import collectives, dp
+from jaxpar.axes import DATA, REPLICA
 from jaxpar.config import DpCollective, Remat
 from jaxpar.context import Keep
 from jaxpar.sharding import NOT_ZERO, LeafSpecs, leaf_key
@@ -123,7 +125,7 @@ class ZeroPolicy:
         def zeros(p, s: LeafSpecs):
             shape = p.shape
             if self.stage == 2 and s.dim is not None:
-                n = jax.lax.axis_size(dp.DATA)
+                n = jax.lax.axis_size(DATA)
                 shape = tuple(d // n if i == s.dim else d for i, d in enumerate(shape))
             return jnp.zeros(shape, jnp.float32)
 
@@ -139,15 +141,20 @@ class ZeroPolicy:
         return grads
 
     def finish(self, grads):
-        """The step's one reduction of the accumulated gradients: sum what ZeRO leaves
-        whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced already."""
+        """The step's one reduction of the accumulated gradients over `data`: sum what
+        ZeRO leaves whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced
+        already. Then, with replicas, each device's part (a 1/data slice where ZeRO
+        splits) is summed over `replica`: the slow links carry 1/data of the gradient."""
         todo = _leaves_map(
             lambda s: dp.SUM if s.dim is None else dp.SCATTER if self.stage == 1 else None,
             self.specs,
         )
-        return self._reduce(grads, todo)
+        grads = self._reduce(grads, todo)
+        if jax.lax.axis_size(REPLICA) > 1:
+            grads = self._reduce(grads, _leaves_map(lambda s: dp.SUM, self.specs), REPLICA)
+        return grads
 
-    def _reduce(self, grads, todo):
+    def _reduce(self, grads, todo, axis: str = DATA):
         return dp.reduce(
-            grads, self.specs, todo, self.dp_mode, self.bucket_bytes, self.reduce_dtype
+            grads, self.specs, todo, self.dp_mode, self.bucket_bytes, self.reduce_dtype, axis
         )

@@ -91,3 +91,15 @@ def one_line_error(capsys, *needles: str) -> None:
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, err
+
+
+def perturb_one_copy(x: jax.Array, device_id: int, delta: float = 1e-3) -> jax.Array:
+    """`x` with the copy (or block) on device `device_id` changed by `delta` at one
+    element: a replica gone wrong, as a faulty device would leave it."""
+    blocks = []
+    for shard in x.addressable_shards:
+        block = np.array(shard.data)
+        if shard.device.id == device_id:
+            block.reshape(-1)[0] += delta
+        blocks.append(jax.device_put(block, shard.device))
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, blocks)

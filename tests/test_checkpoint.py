@@ -65,6 +65,15 @@ RESUME = {
     "dp": ["parallel.data=8"],
     "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
     "3d-1f1b": THREE_D_1F1B,
+    # DiLoCo with tensor parallelism, saved between averages: each copy and its AdamW state
+    "diloco-tp": [
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.dp_sync=params",
+        "parallel.sync_every=3",
+        "parallel.outer_lr=0.7",
+        "parallel.outer_momentum=0.9",
+    ],
 }
 
 
@@ -310,6 +319,15 @@ def test_checkpoint_of_another_model_exits_2(tmp_path, capsys, devices):
 
 
 @pytest.mark.slow
+def test_averaged_copies_resume_only_as_they_were_saved(tmp_path, capsys, devices):
+    averaged = ["parallel.data=8", "parallel.dp_sync=params", "parallel.sync_every=2"]
+    train([*averaged, "train.steps=2", "checkpoint.every=2"], tmp_path)
+    argv = ["train", "--config", "gpt-tiny", "--cpu-devices", "8", "--out", str(tmp_path)]
+    assert cli.main([*argv, "parallel.data=4", "parallel.tensor=2", *averaged[1:]]) == 2
+    one_line_error(capsys, "saved with dp_sync=params over data=8, but this run has "
+                   "dp_sync=params over data=4", "resume with the same parallel.dp_sync")  # fmt: skip
+
+
 def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
     assert run_cli("checkpoint.every=2", "--out", str(tmp_path)) == 0
     capsys.readouterr()

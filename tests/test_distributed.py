@@ -21,6 +21,8 @@ LAYOUTS = {
     "dp": ["parallel.data=8"],
     "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
     "3d-1f1b": THREE_D_1F1B,
+    # one replica per process: only the replicas' reduction crosses
+    "hsdp-zero3": ["parallel.replica=2", "parallel.data=4", "parallel.zero=3"],
 }
 
 
@@ -64,11 +66,16 @@ def test_two_processes_train_like_one(devices, tmp_path, name):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["collective_counts"] == one.report.collective_counts
     assert summary["devices"] == 8
-    data = summary["comm"]["by_axis"]["data"]
+    data, replica = (summary["comm"]["by_axis"][a] for a in ("data", "replica"))
     assert one.report.comm.by_axis["data"].across_processes == 0
     if name == "dp":  # one ring of 8 over two processes: 2 of its 8 hops cross
         assert data["across_processes"] == pytest.approx(data["wire"] * 2 / 8)
-    assert 0 < data["across_processes"] <= data["wire"]
+    if name == "hsdp-zero3":  # the replicas' all-reduce of 1/data of the gradients, alone
+        assert data["across_processes"] == 0
+        assert replica["across_processes"] == pytest.approx(replica["minimum"], rel=1e-4)
+        assert replica["minimum"] == pytest.approx(2 * (2 - 1) / 2 * 4 * 235_904 / 4)
+    else:
+        assert 0 < data["across_processes"] <= data["wire"]
     assert {p.name for p in tmp_path.glob("process-*.log")} == {"process-0.log", "process-1.log"}
 
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import THREE_D_1F1B, compile_only
 
 from jaxpar import cli, commands, config, cost, pipeline, planner
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
 
@@ -84,10 +84,8 @@ def test_a_70b_gpt_on_64_devices_is_planned_quickly_without_allocating(tmp_path)
     assert seconds < 30 and peak_mb < 2000, (seconds, peak_mb)
     assert "recommended: " in out and "layouts considered" in out
     winner = config.load(str(tmp_path / "plan.yaml"))  # ready for jaxpar train --config
-    assert (
-        winner.model.layers == 80
-        and winner.parallel.data * winner.parallel.pipeline * winner.parallel.tensor == 64
-    )
+    p = winner.parallel
+    assert winner.model.layers == 80 and p.replica * p.data * p.pipeline * p.tensor == 64
 
 
 @pytest.mark.parametrize(
@@ -114,13 +112,15 @@ def test_bad_plans_exit_2_with_one_line(argv, needles, capsys):
 
 AGREEMENT = {**STRATEGIES, "3d-1f1b": tuple(THREE_D_1F1B), "zero1-bf16-compute": (
     "parallel.data=8", "parallel.zero=1", "train.precision=bf16", "train.grad_reduce_dtype=compute"
-)}  # fmt: skip
+), "r2-dp4-zero1": ("parallel.replica=2", "parallel.data=4", "parallel.zero=1")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=() if n in ("dp4-tp2-zero3", "3d-1f1b") else pytest.mark.slow)
+        pytest.param(
+            n, marks=() if n in ("dp4-tp2-zero3", "3d-1f1b", "r2-dp4-zero1") else pytest.mark.slow
+        )
         for n in AGREEMENT
     ],
 )
@@ -135,8 +135,36 @@ def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     compiled = compile_only("gpt-tiny", overrides)
     assert guess.formula_state == compiled.state_bytes.formula
     assert guess.minimum[DATA] == compiled.comm.by_axis[DATA].minimum
+    assert guess.minimum[REPLICA] == compiled.comm.by_axis[REPLICA].minimum
     if mesh[PIPE] == 1:  # with a pipeline the run has no single Megatron figure per device
         assert guess.minimum[TENSOR] == compiled.comm.by_axis[TENSOR].minimum
+
+
+def test_replicas_are_enumerated_across_hosts_and_priced_there():
+    """Two hosts of 4: `replica=2` (a ZeRO group per host) is a candidate; its replica
+    bytes go at the inter-host rate and its data bytes at the intra-host one, where flat
+    ZeRO's data axis spans both hosts and pays the slow rate for all of it."""
+    two_hosts = planner.machine(8, "80GB", hosts=2, intra_gbps=450, inter_gbps=10)
+    cfg = config.load("gpt-tiny", [])
+    work, problem = planner.of_config(cfg), commands.abstract(cfg)
+    found = {
+        (m[REPLICA], m[DATA], c.parallel.zero)
+        for c, m in planner.candidates(cfg, two_hosts, work, pipelines=False)
+    }
+    assert {(2, 4, 1), (1, 8, 1), (2, 4, 3)} <= found
+    assert (2, 4, 0) not in found
+
+    def guess(*overrides):
+        c = config.load("gpt-tiny", list(overrides))
+        return planner.predict(c, resolve_degrees(c.parallel, 8), two_hosts, problem, work)
+
+    flat = guess("parallel.data=8", "parallel.zero=1")
+    hsdp = guess("parallel.replica=2", "parallel.data=4", "parallel.zero=1")
+    assert hsdp.comm[REPLICA] == hsdp.minimum[REPLICA] > 0
+    slow, fast = two_hosts.inter_bytes_s, two_hosts.intra_bytes_s
+    assert hsdp.comm_s == pytest.approx(hsdp.comm[REPLICA] / slow + hsdp.comm[DATA] / fast)
+    assert flat.comm_s == pytest.approx(flat.comm[DATA] / slow)
+    assert hsdp.comm_s < flat.comm_s / 2
 
 
 def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
