@@ -66,8 +66,12 @@ ACROSS_HOSTS = {
     "flat zero3": ("parallel.data=8", "parallel.zero=3"),
     "replica2 zero3": ("parallel.replica=2", "parallel.data=4", "parallel.zero=3"),
     **{
-        f"params every {k}": ("parallel.data=8", "parallel.dp_sync=params", f"parallel.sync_every={k}")
-        for k in (1, 4, 36)  # fmt: skip
+        f"params every {k}": (
+            "parallel.data=8",
+            "parallel.dp_sync=params",
+            f"parallel.sync_every={k}",
+        )
+        for k in (1, 4, 36)
     },
 }
 # ZeRO-Offload on data=8.

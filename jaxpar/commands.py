@@ -144,7 +144,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         guess = planner.predict(cfg, c.mesh, machine, staged, planner.of_config(cfg))
         s = setup(cfg, jax.devices()[: math.prod(c.mesh.values())])
         report = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True).report
-        axes = ["data"] if p > 1 else ["data", "tensor"]
+        axes = ["data"] if p > 1 else ["replica", "data", "tensor"]
         wire = sum(report.comm.by_axis[a].wire for a in axes)
         predicted_wire = sum(guess.comm[a] for a in axes)
         temp = report.memory_per_device.temp

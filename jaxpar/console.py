@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxpar.axes import REPLICA
 from jaxpar.metrics import human_bytes, table
 from jaxpar.report import Report
 
@@ -25,12 +26,17 @@ def _comm(report: Report, minimum: str) -> str:
     return f"{_ratio(comm.ratio)} x {minimum} ({' + '.join(axes)})"
 
 
+def _mesh(mesh: dict) -> str:
+    """The axes, `replica` only where there are replicas."""
+    return " x ".join(f"{a}={n}" for a, n in mesh.items() if a != REPLICA or n > 1)
+
+
 def startup(report: Report, params: int, platform: str, source: str) -> str:
     mem, comm, host = report.memory_per_device, report.comm, report.host_memory_per_device
     devices = f"{report.devices} {platform} device{'s' if report.devices > 1 else ''}"
     lines = [
         f"jaxpar  {report.strategy}",
-        f"  mesh      {' x '.join(f'{a}={n}' for a, n in report.mesh.items())} ({devices})",
+        f"  mesh      {_mesh(report.mesh)} ({devices})",
         f"  model     {count(params)} parameters",
         f"  data      {source}",
         "  memory    per device: "
@@ -68,7 +74,8 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
             else (f", {check.share_of_step_comm:.2%} of the step's comm")
         )
         lines.append(
-            f"  replicas  checked every {check.every} steps: {check.leaves} copied leaves "
+            f"  replicas  checked every {check.every} step{'s' if check.every > 1 else ''}: "
+            f"{check.leaves} copied leaves "
             f"hashed, {human_bytes(check.wire_bytes_per_check)} per device per check in "
             f"{check.collectives_per_check} all-reduces{share}"
         )

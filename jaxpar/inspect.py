@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.axes import DATA, REPLICA
 from jaxpar.metrics import human_bytes, table
 from jaxpar.run import Run
 from jaxpar.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
@@ -82,7 +83,8 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
         (f"{r['path']} {list(r['shape'])}\nstorage {_spec(r['storage'])}", r["shape"], r["storage"])
         for r in largest
     ] + [(f"batch {list(batch.shape)}", batch.shape, run.engine.batch_sharding.spec)]
-    grid = mesh.devices.reshape(mesh.devices.shape[0], -1)  # data x (pipeline, tensor)
+    replicas, data = mesh.shape[REPLICA], mesh.shape[DATA]
+    grid = mesh.devices.reshape(replicas * data, -1)  # (replica, data) x (pipeline, tensor)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), dpi=110)
     for ax, (title, shape, spec) in zip(np.atleast_1d(axes), panels, strict=True):
         blocks = NamedSharding(mesh, spec).devices_indices_map(tuple(shape))
@@ -107,7 +109,13 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
             fontsize=7,
         )
         ax.set_yticks([-k - 0.5 for k in range(grid.shape[0])])
-        ax.set_yticklabels([f"data {k}" for k in range(grid.shape[0])], fontsize=7)
+        ax.set_yticklabels(
+            [
+                (f"r{k // data} " if replicas > 1 else "") + f"data {k % data}"
+                for k in range(grid.shape[0])
+            ],
+            fontsize=7,
+        )
         ax.set_title(f"{title}\n{len(names)} distinct block(s)", fontsize=8)
     fig.suptitle(f"{run.report.strategy}: same colour = same block", fontsize=9)
     fig.tight_layout()

@@ -21,7 +21,7 @@ import jax
 
 from jaxpar import cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
-from jaxpar.config import Config, Offload, Remat, Train, batch_split, check_train
+from jaxpar.config import Config, DpSync, Offload, Remat, Train, batch_split, check_train
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes, table
 from jaxpar.problem import loss_elements
@@ -246,6 +246,9 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
     compute_bytes = cost.dtype_bytes(train.precision)
     model_state = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
+    if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
+        model_state = cost.model_state(cfg, specs, trained.shapes, mesh)
+        master = model_state - adam
     on_host = 0.0
     if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
         on_host = 4 * local["opt"] + adam

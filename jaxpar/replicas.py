@@ -114,7 +114,7 @@ def compiled(mesh: Mesh, state_shapes) -> Check:
     check = build(mesh, jax.tree.map(lambda x: x.sharding, shapes))
     executable = check.fn.trace(shapes).lower().compile()
     led = ledger.read(executable.as_text(), dict(mesh.shape))
-    groups = sum(c.executions for c in led.collectives if c.group > 1)
+    groups = round(sum(c.executions for c in led.collectives if c.group > 1))
     return Check(executable, check.keys, check.copied_over, led.wire_bytes(), groups)
 
 

@@ -27,8 +27,24 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp offload remat checkpoint compile"
+        "choose from strategies schedules dp hosts offload remat checkpoint compile"
     )
+
+
+@pytest.mark.slow
+def test_hosts_section_puts_replicas_and_averaging_beside_flat_zero(devices, capsys):
+    rows = bench.run_bench(steps=2, only=["hosts"])["hosts"]
+    flat, hsdp = rows["flat zero1"]["report"].comm, rows["replica2 zero1"]["report"].comm
+    # across the two halves: the replicas' slice only, against the flat ring's two hops
+    assert rows["replica2 zero1"]["across_2_hosts"] == pytest.approx(
+        hsdp.by_axis["replica"].minimum, rel=0.01
+    )
+    assert rows["flat zero1"]["across_2_hosts"] == pytest.approx(
+        flat.by_axis["data"].wire * 2 / 8, rel=0.01
+    )
+    every = {k: rows[f"params every {k}"]["report"].comm.by_axis["data"].wire for k in (1, 4, 36)}
+    assert every[1] / every[36] == pytest.approx(36, rel=0.02)
+    assert "across 2 hosts" in capsys.readouterr().out
 
 
 @pytest.mark.slow

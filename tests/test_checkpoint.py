@@ -324,8 +324,8 @@ def test_averaged_copies_resume_only_as_they_were_saved(tmp_path, capsys, device
     train([*averaged, "train.steps=2", "checkpoint.every=2"], tmp_path)
     argv = ["train", "--config", "gpt-tiny", "--cpu-devices", "8", "--out", str(tmp_path)]
     assert cli.main([*argv, "parallel.data=4", "parallel.tensor=2", *averaged[1:]]) == 2
-    one_line_error(capsys, "saved with dp_sync=params over data=8, but this run has "
-                   "dp_sync=params over data=4", "resume with the same parallel.dp_sync")  # fmt: skip
+    saved = "saved with dp_sync=params over data=8, but this run has dp_sync=params over data=4"
+    one_line_error(capsys, saved, "resume with the same parallel.dp_sync")
 
 
 def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):

@@ -71,7 +71,7 @@ def test_two_processes_train_like_one(devices, tmp_path, name):
     if name == "dp":  # one ring of 8 over two processes: 2 of its 8 hops cross
         assert data["across_processes"] == pytest.approx(data["wire"] * 2 / 8)
     if name == "hsdp-zero3":  # the replicas' all-reduce of 1/data of the gradients, alone
-        assert data["across_processes"] == 0
+        assert data["across_processes"] < 4  # the loss: one float all-reduced over all 8
         assert replica["across_processes"] == pytest.approx(replica["minimum"], rel=1e-4)
         assert replica["minimum"] == pytest.approx(2 * (2 - 1) / 2 * 4 * 235_904 / 4)
     else:

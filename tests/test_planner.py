@@ -23,6 +23,8 @@ LAYOUTS = [
     tuple(THREE_D_1F1B),
     ("parallel.data=8", "parallel.zero=1", "parallel.offload=optimizer"),
     ("parallel.data=8", "parallel.zero=3", "parallel.offload=optimizer+params"),
+    ("parallel.replica=2", "parallel.data=4", "parallel.zero=3"),
+    ("parallel.data=8", "parallel.dp_sync=params", "parallel.sync_every=4"),
 ]
 
 
@@ -34,14 +36,19 @@ def predicted(overrides):
     return planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
 
 
-@pytest.mark.parametrize("overrides", LAYOUTS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param(o, marks=pytest.mark.slow) if "dp_sync" in str(o) or "replica" in str(o) else o
+     for o in LAYOUTS],
+    ids=lambda o: "-".join(x.split("=")[1] for x in o),
+)  # fmt: skip
 def test_prediction_matches_the_compiled_step(devices, overrides):
     guess, compiled = predicted(overrides), compile_only("gpt-tiny", overrides)
     assert guess.model_state == pytest.approx(compiled.state_bytes.actual, rel=0.02)
     wire = compiled.comm.by_axis
     # with a pipeline the ledger counts the conditional head/embedding all-reduces on every
     # stage, so the tensor axis is set aside there, as the ledger's own ratio does
-    axes = [DATA] if compiled.mesh[PIPE] > 1 else [DATA, TENSOR]
+    axes = [DATA] if compiled.mesh[PIPE] > 1 else [REPLICA, DATA, TENSOR]
     assert sum(guess.comm[a] for a in axes) == pytest.approx(
         sum(wire[a].wire for a in axes), rel=0.1
     )
