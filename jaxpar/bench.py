@@ -397,6 +397,11 @@ def run_bench(
         for name, (title, kind, configs, columns) in sections.items()
         if not only or name in only
     }
+    if "strategies" in results:
+        picture = out.with_suffix(".png") if out else Path("bench-strategies.png")
+        measured = {n: r for n, r in results["strategies"].items() if "report" in r}
+        metrics.plot_strategies(measured, picture, sections["strategies"][0])
+        print(f"\npicture: {picture}")
     if not only or "compile" in only:
         results["compile"] = compile_seconds(base)
     if out:

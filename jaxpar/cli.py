@@ -167,13 +167,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     _config_arguments(bench, None, "model.embed=128 train.seq_len=256")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
-    bench.add_argument("--out", type=Path, help="also write the table as JSON here")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        help="also write the tables as JSON here, and the strategies' picture beside it "
+        "(.png; default bench-strategies.png in the current folder)",
+    )
     bench.add_argument(
         "--only",
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp hosts offload remat "
         "checkpoint compile (default: all)",
+    )
+    train.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="per device, what MFU divides by (default: the device kind's dense bf16 peak; "
+        "none on a CPU)",
     )
     for p in (train, bench):
         p.add_argument(
@@ -214,6 +225,9 @@ def _setup_devices(n: int | None) -> None:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Each subcommand's paths and numbers, before jax starts or a process does."""
+    peak = getattr(args, "peak_tflops", None)
+    if args.command == "train" and peak is not None and not 0 < peak <= 1e7:  # (NaN too)
+        raise ConfigError(f"--peak-tflops {peak}: give a number > 0 and <= 1e+07 TFLOP/s")
 
     _check_cpu_devices(getattr(args, "cpu_devices", None))
     if args.command == "launch":
@@ -371,8 +385,11 @@ def _run(args: argparse.Namespace) -> int:
         from jaxpar.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
-        result = train_config(cfg, out, restart=args.restart, force=args.force)
-        print(f"\nrun directory: {out}  ({', '.join(rundir.RUN_FILES)})")
+        result = train_config(
+            cfg, out, restart=args.restart, force=args.force, peak_tflops=args.peak_tflops
+        )
+        written = [name for name in rundir.RUN_FILES if (out / name).exists()]
+        print(f"\nrun directory: {out}  ({', '.join(written)})")
         if result.checkpoints:
             print(f"checkpoints:   {result.checkpoints}")
     elif args.command == "inspect":

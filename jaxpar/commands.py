@@ -27,6 +27,8 @@ class Setup:
     problem: Problem  # the registered model, shapes only until its init runs
     batches: Callable[..., dict]  # (step, rows=slice(None)) -> one global batch
     source: str  # the data, in words
+    # (i, rows=slice(None)) -> held-out batch i (train.eval_every > 0; else None)
+    eval_batches: Callable[..., dict] | None = None
 
 
 def setup(cfg: Config, devices=None) -> Setup:
@@ -34,7 +36,7 @@ def setup(cfg: Config, devices=None) -> Setup:
     the config checked against the mesh first."""
     mesh = build_mesh(cfg.parallel, devices)
     problem, batches = model_problem(cfg, describe(mesh))
-    return Setup(mesh, problem, batches, data.describe(cfg.data, cfg.train))
+    return Setup(mesh, problem, batches, data.describe(cfg.data, cfg.train), held_out_batches(cfg))
 
 
 def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[..., dict]]:
@@ -59,6 +61,28 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     return shipped, batches
 
 
+def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
+    """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
+    if not cfg.train.eval_every:
+        return None
+    t = cfg.train
+    tokens = data.load_eval_tokens(cfg.data, t, cfg.model)
+    first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
+
+    def eval_batches(i: int, rows: slice = slice(None)) -> dict:
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=first + i,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+            rows=rows,
+        )
+
+    return eval_batches
+
+
 def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
     """Train the registered model as the config says (what `jaxpar train` runs), from
     model.init's checkpoint if it names one (its config.json already read into cfg)."""
@@ -74,6 +98,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
         mesh=s.mesh,
         source=s.source,
         params=params,
+        eval_batches=s.eval_batches,
         **kwargs,
     )
 
@@ -110,6 +135,7 @@ def abstract(cfg: Config) -> Problem:
     return dataclasses.replace(
         problem,
         tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
+        flops_per_token=spec.flops_per_token(model, seq_len),
     )
 
 

@@ -239,6 +239,11 @@ class Train(_Section):
     # global gradient-norm clip; 0 disables it
     clip_norm: Annotated[float, Range(0, 1e9, "a gradient norm; 0 disables clipping")] = 1.0
     log_every: Steps = 1  # write a metrics row every N steps
+    # every N steps, the mean loss over eval_batches held-out batches (never trained on:
+    # the corpus's or a text file's last tenth, a prepared folder's val.bin); 0 = never
+    eval_every: Annotated[int, Range(0, 10**9, "steps between evaluations; 0 = off")] = 0
+    # batches of train.batch_size rows in each evaluation
+    eval_batches: Annotated[int, Range(1, 10**6, "held-out batches per evaluation")] = 4
     # a step whose loss or gradients are not finite: stop (save the last good state,
     # exit 3) | skip (leave the state as it was, count it in the metrics' `skipped`)
     on_nonfinite: OnNonfinite = OnNonfinite.STOP
@@ -246,6 +251,13 @@ class Train(_Section):
     # data, and tensor/pipeline where not split) is bit-identical; on a difference save
     # and stop (exit 3), naming the leaf and the devices. 0 = never
     check_replicas_every: Annotated[int, Range(0, 10**9, "steps between checks; 0 = off")] = 0
+    # A:B = profile steps A to B (1-based, both included) with jax.profiler into
+    # <run directory>/profile, for TensorBoard or Perfetto; empty = never
+    profile_steps: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        profile_range(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -545,6 +557,9 @@ def parse_overrides(items: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw else ""
         except (yaml.YAMLError, ValueError):  # not YAML, or an integer of 4300+ digits
             value = raw
+        declared = keys().get(key)
+        if declared is not None and declared.kind is str:  # text as typed (YAML reads 3:4
+            value = raw  # as the base-60 number 184)
         _set_dotted(tree, key, value)
     return tree
 
@@ -702,6 +717,27 @@ def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
         if bad:
             value = mesh_shape.get(key.split(".")[1], getattr(parallel, key.split(".")[1]))
             raise ConfigError(f"parallel.dp_sync=params with {key}={value}: {reason}")
+
+
+def profile_range(train: Train) -> tuple[int, int] | None:
+    """train.profile_steps as (first, last) step, both included; None when empty."""
+    if not train.profile_steps:
+        return None
+    first, sep, last = train.profile_steps.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        yaml_number = " (unquoted in YAML, 5:7 reads as the base-60 number 307: quote it)"
+        raise ConfigError(
+            f"train.profile_steps={_shown(train.profile_steps)}: write FIRST:LAST, the steps "
+            "to profile (1-based, both included), e.g. 5:7"
+            + (yaml_number if train.profile_steps.isdigit() else "")
+        )
+    first, last = int(first), int(last)
+    if not 1 <= first <= last <= train.steps:
+        raise ConfigError(
+            f"train.profile_steps={first}:{last}: give 1 <= FIRST <= LAST <= train.steps "
+            f"({train.steps}); e.g. {min(5, train.steps)}:{min(7, train.steps)}"
+        )
+    return first, last
 
 
 def _field_comments(cls) -> dict[str, str]:

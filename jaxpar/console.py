@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxpar.axes import REPLICA
 from jaxpar.metrics import human_bytes, table
 from jaxpar.report import Report
+from jaxpar.throughput import shown
 
 
 def _ratio(r: float | None) -> str:
@@ -100,8 +101,13 @@ def closing(report: Report, losses: list[float]) -> str:
     mem = report.memory_per_device
     rows = [
         ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
+        *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
         ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
-        ["tokens/s", f"{report.tokens_per_s:.0f}"],
+        [
+            "tokens/s",
+            f"{report.tokens_per_s:.0f} ({report.tokens_per_s_per_device:.0f} per device)",
+        ],
+        ["model FLOPs", shown(report.flops_per_s_per_device, report.mfu)],
         [
             "state / device",
             f"{human_bytes(mem.params + mem.opt_state)} ({report.state_bytes.ratio:.3f} x formula)",

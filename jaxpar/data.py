@@ -28,6 +28,8 @@ def corpus_bytes() -> bytes:
 
 
 META = "meta.json"  # beside train.bin and val.bin in a prepared folder
+HELD_OUT = 0.1  # the tail of the corpus or a text file that training never reads (eval_loss)
+EVAL_STREAM = 1 << 40  # synthetic eval batches draw from steps this far past any training
 SCAN_ELEMENTS = 1 << 24  # ids checked per read when a file is scanned against the vocab
 
 
@@ -65,15 +67,45 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | TokenFil
         tokens = token_file(data, model.vocab)
     else:
         tokens = np.frombuffer(_text(data, model), dtype=np.uint8)
+    if data.source is not Source.TOKENS:  # the tail is held out, whether or not evaluated
+        tokens = tokens[: len(tokens) - held_out_bytes(len(tokens))]
+    _check_length(tokens, data, train, "")
+    return tokens
+
+
+def held_out_bytes(n: int) -> int:
+    return int(n * HELD_OUT)
+
+
+def load_eval_tokens(data: Data, train: Train, model: Model) -> np.ndarray | TokenFile | None:
+    """The held-out tokens (None for synthetic data, whose eval batches are fresh draws):
+    the corpus's or a text file's last tenth, a prepared folder's val.bin."""
+    if data.source is Source.SYNTHETIC:
+        return None
+    if data.source is Source.TOKENS:
+        if not Path(data.path).is_dir():
+            raise ConfigError(
+                f"train.eval_every={train.eval_every} with data.path={data.path}: a flat file "
+                "of ids has no held-out split; give a folder from `jaxpar prepare-data` (its "
+                "val.bin), or train.eval_every=0"
+            )
+        tokens = token_file(data, model.vocab, split="val")
+    else:
+        text = np.frombuffer(_text(data, model), dtype=np.uint8)
+        tokens = text[len(text) - held_out_bytes(len(text)) :]
+    _check_length(tokens, data, train, " (its held-out part)")
+    return tokens
+
+
+def _check_length(tokens, data: Data, train: Train, part: str) -> None:
     need = train.seq_len + 2
     if len(tokens) < need:
         where = "the corpus" if data.source is Source.CORPUS else f"data.path={data.path}"
         unit = "tokens" if data.source is Source.TOKENS else "bytes"
         raise ConfigError(
-            f"{where} has {len(tokens)} {unit}, fewer than train.seq_len+2 = "
+            f"{where}{part} has {len(tokens)} {unit}, fewer than train.seq_len+2 = "
             f"{need}; use a longer text or a smaller train.seq_len"
         )
-    return tokens
 
 
 def _text(data: Data, model: Model) -> bytes:

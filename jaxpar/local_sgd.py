@@ -54,7 +54,7 @@ def _stacked(spec: PartitionSpec) -> PartitionSpec:
 
 
 def build(problem: Problem, cfg: Config, mesh: Mesh):
-    from jaxpar.step import Engine, StepMetrics, local_value_and_grad, zero_policy
+    from jaxpar.step import Engine, StepMetrics, evaluator, local_value_and_grad, zero_policy
 
     par, n = cfg.parallel, mesh.shape[DATA]
     every = par.sync_every
@@ -85,6 +85,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         )
     )
     value_and_grad, _ = local_value_and_grad(problem, cfg, mesh, policy, None)
+    mean_loss = evaluator(problem, cfg, mesh, policy, None, problem)  # the global params
     clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
 
     def spread(params) -> Local:
@@ -184,4 +185,5 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         layout=None,
         problem=problem,
         spread=jax.jit(spread, out_shardings=shardings.local),
+        evaluate=jax.jit(lambda state, batch: mean_loss(state.params, batch)),
     )

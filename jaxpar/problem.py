@@ -61,6 +61,9 @@ class Problem:
     # whether a layer stack's leaves are read a layer at a time (scan_layers: from_nnx)
     # or whole (from_pytree): what ZeRO-3 gathers, and how often
     scans_layers: bool = True
+    # model FLOPs per loss element, forward and backward (jaxpar.throughput); None:
+    # not known, counted as 6 x parameters
+    flops_per_token: float | None = None
 
 
 def loss_elements(problem: Problem, batch) -> int:

@@ -106,11 +106,19 @@ class Report:
     collective_counts: dict[str, int]  # executions per step by 'kind@axes'
     comm: Comm
     replica_check: ReplicaCheck | None = None  # (train.check_replicas_every > 0)
+    # model FLOPs per loss element, forward and backward, and how they were counted
+    model_flops_per_token: float | None = None
+    flops_counted: str = ""
     # after training
     tokens_per_step: int | None = None
     final_loss: float | None = None
+    eval_loss: float | None = None  # the last held-out loss (train.eval_every)
     step_time_s: float | None = None
     tokens_per_s: float | None = None
+    tokens_per_s_per_device: float | None = None
+    flops_per_s_per_device: float | None = None  # model FLOPs achieved
+    peak_flops_per_device: float | None = None  # the device kind's (None: not known, a CPU)
+    mfu: float | None = None  # achieved over peak
 
     def trained(self, **figures) -> Report:
         return dataclasses.replace(self, **figures)

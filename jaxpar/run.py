@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import cost, ledger, offload, preflight, replicas
+from jaxpar import cost, ledger, offload, preflight, replicas, throughput
 from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.config import Config, DpSync, Precision, ReduceDtype, batch_split
 from jaxpar.local_sgd import SYNC_SCOPE
@@ -46,6 +46,8 @@ class Run:
     report: Report  # of the compiled step; `trained` adds the run's figures
     tokens_per_step: int  # loss elements per global batch
     check: replicas.Check | None = None  # the replica consistency check (if asked for)
+    flops_per_step: float = 0.0  # model FLOPs of one step, forward and backward
+    peak_flops: float | None = None  # per device (None: not known, a CPU; no MFU)
 
 
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
@@ -65,6 +67,9 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
 
     preflight.check_compiled(cfg, step.executable, mesh_shape, force, need_of, step.seconds)
     report = describe_step(cfg, mesh, problem, engine, step, batch)
+    per_token, counted = throughput.flops_per_token(problem)
+    tokens = loss_elements(problem, batch)
+    report = dataclasses.replace(report, model_flops_per_token=per_token, flops_counted=counted)
     every = cfg.train.check_replicas_every
     check = replicas.compiled(mesh, step.state_shapes) if every else None
     if check:
@@ -87,8 +92,10 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
         engine=engine,
         step=step,
         report=report,
-        tokens_per_step=loss_elements(problem, batch),
+        tokens_per_step=tokens,
         check=check,
+        flops_per_step=per_token * tokens,
+        peak_flops=throughput.peak_flops(jax.devices()[0].device_kind),
     )
 
 

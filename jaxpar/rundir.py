@@ -12,7 +12,9 @@ from pathlib import Path
 from jaxpar.errors import ConfigError
 
 METRICS, SUMMARY, LOSS_PLOT, HLO = "metrics.jsonl", "summary.json", "loss.png", "step.hlo.txt"
-RUN_FILES = (METRICS, SUMMARY, LOSS_PLOT, HLO)  # what a run writes, besides checkpoints
+TENSORBOARD, PROFILE = "tensorboard", "profile"  # folders: event files; jax.profiler traces
+# what a run writes, besides checkpoints
+RUN_FILES = (METRICS, SUMMARY, LOSS_PLOT, HLO, TENSORBOARD, PROFILE)
 
 
 def check_writable(path: Path, flag: str = "--out") -> None:

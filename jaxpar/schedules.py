@@ -154,6 +154,12 @@ def value_and_grad(pipe: Pipe, prepare):
     )
 
 
+def forward_loss(pipe: Pipe, prepare, params, batch):
+    """(stored params, micro-batch) -> this device's summed loss (zero but on the last
+    chunk's device): the forward ticks alone, for a gpipe or interleaved `pipe`."""
+    return _circular_loss(pipe, prepare(params), batch, 1)
+
+
 def _split(params: dict, keys) -> tuple[dict, dict]:
     return {k: v for k, v in params.items() if k in keys}, {
         k: v for k, v in params.items() if k not in keys

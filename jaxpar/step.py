@@ -26,7 +26,15 @@ from jaxpar import context, offload, optim, pipeline, schedules
 from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
-from jaxpar.config import Config, DpSync, Offload, Precision, ReduceDtype, batch_split
+from jaxpar.config import (
+    Config,
+    DpSync,
+    Offload,
+    Precision,
+    ReduceDtype,
+    Schedule,
+    batch_split,
+)
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import RULES, LeafSpecs, named, only_axes, pick, plan
 from jaxpar.state import TrainState
@@ -60,6 +68,8 @@ class Engine:
     # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
     # optimizer state (jaxpar.local_sgd.Local)
     spread: Any = None
+    # jitted: (state, batch) -> the batch's mean loss, forward only (held-out loss)
+    evaluate: Any = None
 
     def export(self, params):
         """Parameters in the model's own layout (the layer stack unstaged)."""
@@ -111,6 +121,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         shardings = offload.layout(par.offload, device, opt_params)
         update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params)
     grads_of = _local_grads(trained, cfg, mesh, policy, layout)
+    mean_loss = evaluator(trained, cfg, mesh, policy, layout, problem)
 
     def init(key):
         params = trained.init(key)
@@ -147,6 +158,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         ),
         layout=layout,
         problem=trained,
+        evaluate=jax.jit(lambda state, batch: mean_loss(state.compute_params, batch)),
     )
 
 
@@ -172,18 +184,78 @@ def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
     return update
 
 
-def local_value_and_grad(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout):
-    """((params, this device's rows, loss elements) -> (its loss sum / loss elements, its
-    gradients, accumulated over train.grad_accum micro-batches), the pipeline or None),
-    with the model's context active; for a shard_map manual over the batch axes."""
-    accum = cfg.train.grad_accum
-    ctx = context.Context(
+def _context(cfg: Config, mesh: Mesh, policy: ZeroPolicy) -> context.Context:
+    return context.Context(
         rules=RULES,
         mesh_shape=dict(mesh.shape),
         keep=policy.keep(cfg.parallel.remat),
         layer=policy.layer,
         whole=policy.whole,
     )
+
+
+def _micro_batches(cfg: Config, mesh: Mesh, batch):
+    """This device's rows as [train.grad_accum, rows, ...]."""
+    rows = batch_split(cfg.train, cfg.parallel, dict(mesh.shape)).accum
+    return jax.tree.map(lambda x: x.reshape((cfg.train.grad_accum, rows) + x.shape[1:]), batch)
+
+
+def _manual(specs, field: str):
+    """The part of each leaf's spec that a shard_map manual over `data` and `pipeline`
+    sees (the other axes stay with the compiler)."""
+    return jax.tree.map(
+        lambda s: only_axes(getattr(s, field), (DATA, PIPE)),
+        specs,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+
+
+def evaluator(
+    problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout, given: Problem
+):
+    """(stored compute params, global batch) -> the batch's mean loss: the forward pass
+    alone, in the training layout (a pipeline runs its forward ticks only, as GPipe;
+    ZeRO-3 gathers each layer as in training), over train.grad_accum micro-batches.
+    `problem` as trained (pipeline-staged), `given` as the user gave it."""
+    ctx = _context(cfg, mesh, policy)
+    if layout is None:
+
+        def loss_sum(params, mb):
+            return jnp.sum(problem.loss(policy.compute_view(params), mb).astype(jnp.float32))
+
+    else:
+        forward = (
+            Schedule.INTERLEAVED
+            if cfg.parallel.schedule is Schedule.INTERLEAVED
+            else Schedule.GPIPE
+        )
+        pipe = schedules.Pipe(problem, layout, forward, cfg.parallel.microbatches)
+        loss_sum = functools.partial(schedules.forward_loss, pipe, policy.compute_view)
+
+    def local(params, batch):
+        with context.active(ctx):
+            sums = jax.lax.map(lambda mb: loss_sum(params, mb), _micro_batches(cfg, mesh, batch))
+        return jax.lax.psum(jnp.sum(sums), (REPLICA, DATA, PIPE))
+
+    def mean_loss(params, batch):
+        total = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(_manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
+            out_specs=PartitionSpec(),
+            axis_names={REPLICA, DATA, PIPE},
+            check_vma=False,
+        )(params, batch)
+        return total / loss_elements(given, batch)
+
+    return mean_loss
+
+
+def local_value_and_grad(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, layout):
+    """((params, this device's rows, loss elements) -> (its loss sum / loss elements, its
+    gradients, accumulated over train.grad_accum micro-batches), the pipeline or None),
+    with the model's context active; for a shard_map manual over the batch axes."""
+    ctx = _context(cfg, mesh, policy)
     pipe = None
     if layout is None:
 
@@ -197,14 +269,12 @@ def local_value_and_grad(problem: Problem, cfg: Config, mesh: Mesh, policy: Zero
         value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
 
     def local(params, batch, count):
-        rows = batch_split(cfg.train, cfg.parallel, dict(mesh.shape)).accum
-        mbs = jax.tree.map(lambda x: x.reshape((accum, rows) + x.shape[1:]), batch)
         with context.active(ctx):
             return accumulate(
                 lambda p, mb: value_and_grad(p, mb, count),
                 policy.accumulator(params),
                 each=policy.each_micro_batch,
-            )(params, mbs)
+            )(params, _micro_batches(cfg, mesh, batch))
 
     return local, pipe
 
@@ -221,18 +291,12 @@ def _local_grads(problem: Problem, cfg: Config, mesh: Mesh, policy: ZeroPolicy, 
         grads = policy.finish(grads)
         return jax.lax.psum(loss, (REPLICA, DATA, PIPE)), grads
 
-    manual = lambda field: jax.tree.map(  # noqa: E731
-        lambda s: only_axes(getattr(s, field), (DATA, PIPE)),
-        policy.specs,
-        is_leaf=lambda x: isinstance(x, LeafSpecs),
-    )
-
     def grads_of(params, batch, count):
         return jax.shard_map(
             functools.partial(local, count=count),
             mesh=mesh,
-            in_specs=(manual("storage"), PartitionSpec(BATCH_AXES)),
-            out_specs=(PartitionSpec(), manual("opt")),
+            in_specs=(_manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
+            out_specs=(PartitionSpec(), _manual(policy.specs, "opt")),
             axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
         )(params, batch)

@@ -7,6 +7,7 @@ saves, and returns; a second one exits at once (the last complete checkpoint sta
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -22,8 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxpar import checkpoint, console, metrics, rundir
-from jaxpar.config import Config, OnNonfinite
+from jaxpar import checkpoint, console, metrics, rundir, throughput
+from jaxpar.config import Config, OnNonfinite, profile_range
 from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
@@ -61,6 +62,8 @@ def train(
     force: bool = False,
     source: str = "your batches(step)",
     params: Callable[[dict], dict] | None = None,
+    peak_tflops: float | None = None,
+    eval_batches: Callable[..., dict] | None = None,
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
@@ -71,8 +74,23 @@ def train(
     the start-up summary. `params` (default: the problem's own init from train.seed)
     gives the initial parameters of a fresh run: called with each leaf's
     ShapeDtypeStruct and sharding in the model's own layout, it returns the arrays
-    (e.g. jaxpar.hf.initial_params, which reads each device's shard from the files)."""
+    (e.g. jaxpar.hf.initial_params, which reads each device's shard from the files).
+    `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
+    `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
+    every train.eval_every steps the mean loss over train.eval_batches of them is logged
+    as eval_loss."""
     out_dir = None if out_dir is None else Path(out_dir)
+    if cfg.train.eval_every and eval_batches is None:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: give the held-out data, "
+            "train(..., eval_batches=fn) with fn(i) a batch like batches(i), or "
+            "train.eval_every=0"
+        )
+    if cfg.train.profile_steps and out_dir is None:
+        raise ConfigError(
+            f"train.profile_steps={cfg.train.profile_steps}: a profile is written into the "
+            "run directory's profile/ folder; give train(..., out_dir=...), or drop the key"
+        )
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
@@ -85,6 +103,8 @@ def train(
         first = batches(0)
         check_first_batch(first, cfg)
         run = prepare(cfg, problem, mesh, first, force)
+        if peak_tflops is not None:
+            run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
         saver.bind(problem, run.engine, mesh)
         if start:
             state = saver.restore(start)
@@ -104,11 +124,32 @@ def train(
         if files:
             files.mkdir(parents=True, exist_ok=True)
             (files / rundir.HLO).write_text(run.step.hlo)
-        log = metrics.MetricsLog(files / rundir.METRICS if files else None, resume_at=start)
+        log = metrics.MetricsLog(
+            files / rundir.METRICS if files else None,
+            resume_at=start,
+            events=files / rundir.TENSORBOARD if files else None,
+        )
+        if files:
+            say(f"tensorboard --logdir {files}")
         every = cfg.checkpoint.every if ckpt_dir else 0
         shown = progress and not quiet and lead
+        profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
+        if profile:
+            say(f"profiling steps {cfg.train.profile_steps} into {profile}")
         with _Stops() as stops:
-            loop = run_loop(run, state, batches, log, shown, start, every, saver.save, stops)
+            loop = run_loop(
+                run,
+                state,
+                batches,
+                log,
+                shown,
+                start,
+                every,
+                saver.save,
+                stops,
+                profile,
+                _evaluation(run, eval_batches) if cfg.train.eval_every else None,
+            )
         log.close()
         state = saver.finish(loop, start)
     if loop.nonfinite is not None:
@@ -161,7 +202,9 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
             tokens_per_step=run.tokens_per_step,
             final_loss=loop.losses[-1],
             step_time_s=step_time,
-            tokens_per_s=run.tokens_per_step / step_time,
+            peak_flops_per_device=run.peak_flops,
+            eval_loss=loop.eval_losses[-1][1] if loop.eval_losses else None,
+            **_throughput(run, step_time),
         )
         say(console.closing(report, loop.losses))
     if files:
@@ -254,6 +297,29 @@ class Loop:
     stopped: str | None = None  # the signal that ended it early
     nonfinite: int | None = None  # the first step (1-based) that was not finite, with `stop`
     diverged: str | None = None  # which copies of which leaves differed (replica check)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+
+
+def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
+    """state -> the mean loss over train.eval_batches held-out batches (one compiled
+    forward step, in the training layout)."""
+    sharding, shapes = run.engine.batch_sharding, run.step.batch_shapes
+    n = run.cfg.train.eval_batches
+
+    def evaluate(state) -> float:
+        losses = [
+            run.engine.evaluate(state, batch_for(eval_batches, i, sharding, shapes))
+            for i in range(n)
+        ]
+        return float(np.mean(jax.device_get(losses)))
+
+    return evaluate
+
+
+def _throughput(run: Run, step_s: float) -> dict:
+    return throughput.figures(
+        run.flops_per_step, run.tokens_per_step, step_s, run.mesh.size, run.peak_flops
+    )
 
 
 # Tests only: (step, state) -> state, called after each step (to corrupt a replica).
@@ -270,8 +336,12 @@ def run_loop(
     every: int = 0,
     save: Callable | None = None,
     stops: _Stops | None = None,
+    profile: Path | None = None,
+    evaluate: Callable | None = None,
 ) -> Loop:
-    """Run steps start+1 .. cfg.train.steps, saving every `every` steps."""
+    """Run steps start+1 .. cfg.train.steps, saving every `every` steps; with `profile`
+    (a folder), steps train.profile_steps are traced into it by jax.profiler; with
+    `evaluate` (state -> held-out loss), every train.eval_every steps."""
     cfg = run.cfg.train
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     loop = Loop(state, start)
@@ -280,20 +350,26 @@ def run_loop(
     last = time.perf_counter()
     since_log: list[float] = []
 
-    def settle(step: int, device_metrics) -> None:
+    def settle(step: int, device_metrics, evaluated: bool = False) -> None:
+        """The step's metrics row; `evaluated`: with the held-out loss of the state now
+        (its time kept out of the step times)."""
         nonlocal last
         host = jax.device_get(device_metrics)  # waits for that step only
         now = time.perf_counter()
         loop.times.append(now - last)
         since_log.append(now - last)
-        last = now
+        eval_loss = evaluate(loop.state) if evaluated else None
+        last = time.perf_counter()
         loss, grad_norm = float(host.loss), float(host.grad_norm)
         loop.losses.append(loss)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
             loop.nonfinite = step + 1
         bar.update(1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0 or not finite:
+        if eval_loss is not None:
+            loop.eval_losses.append((step + 1, eval_loss))
+        logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
+        if logged or not finite or eval_loss is not None:
             dt = float(np.mean(since_log))
             since_log.clear()
             row = {
@@ -302,17 +378,35 @@ def run_loop(
                 "grad_norm": grad_norm,
                 "lr": float(host.lr),
                 "step_time_s": dt,
-                "tokens_per_s": run.tokens_per_step / dt,
+                **_throughput(run, dt),
                 "skipped": int(host.skipped),
+                **({} if eval_loss is None else {"eval_loss": eval_loss}),
             }
             log.write(row)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            speed = (
+                {"mfu": f"{row['mfu']:.1%}"}
+                if row["mfu"] is not None
+                else {"gflop_s": f"{row['flops_per_s_per_device'] / 1e9:.1f}"}
+            )
+            if loop.eval_losses:
+                speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
 
+    span = profile_range(cfg) if profile else None
+    tracing = False
     for step in range(start, cfg.steps):
         if loop.nonfinite is not None or loop.diverged or (stops and stops.asked):
             break
-        batch = batch_for(batches, step, sharding, run.step.batch_shapes)
-        loop.state, step_metrics = compiled(loop.state, batch)
+        if span and step + 1 == span[0]:
+            jax.profiler.start_trace(str(profile))
+            tracing = True
+        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+            batch = batch_for(batches, step, sharding, run.step.batch_shapes)
+            loop.state, step_metrics = compiled(loop.state, batch)
+        if tracing and step + 1 == span[1]:
+            jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
+            jax.profiler.stop_trace()
+            tracing = False
         if _test_hook is not None:
             loop.state = _test_hook(step + 1, loop.state)
         loop.end = step + 1
@@ -323,13 +417,18 @@ def run_loop(
             loop.diverged = run.check(loop.state)
             if loop.diverged:
                 continue  # (saved by _Saver.finish, as the state it is)
-        if every and loop.end % every == 0:
-            # this step's metrics row is written before its checkpoint exists: a resume
-            # from it then misses no row
-            settle(*pending)
+        due_eval = evaluate is not None and loop.end % cfg.eval_every == 0
+        due_save = every and loop.end % every == 0
+        if due_eval or due_save:
+            # this step's metrics row (and eval loss) is written before its checkpoint
+            # exists: a resume from it then misses no row
+            settle(*pending, evaluated=due_eval)
             pending = None
+        if due_save:
             save(loop.state, loop.end)  # blocks until the state is copied off the device
             loop.saved.add(loop.end)
+    if tracing:  # stopped (a signal, a non-finite step) inside the span
+        jax.profiler.stop_trace()
     if pending is not None:
         settle(*pending)
     bar.close()

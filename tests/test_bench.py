@@ -69,3 +69,16 @@ def test_compile_time_does_not_grow_with_depth(devices, monkeypatch, capsys):
     seconds = run_bench(only=["compile"])["compile"]["dp8-zero3"]
     assert seconds[32] < 1.3 * seconds[4] + 0.5
     assert "32 / 4" in capsys.readouterr().out
+
+
+def test_the_strategies_picture_is_drawn(devices, tmp_path):
+    from helpers import compile_only
+
+    from jaxpar.metrics import plot_strategies
+
+    results = {
+        name: {"report": compile_only("gpt-tiny", overrides), "step_s": 0.02}
+        for name, overrides in list(bench.STRATEGIES.items())[:2]
+    }
+    plot_strategies(results, tmp_path / "bench.png", "two strategies")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

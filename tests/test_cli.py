@@ -6,7 +6,7 @@ import pytest
 from helpers import compile_only, jaxpar_command
 
 import jaxpar
-from jaxpar import cli, config, console
+from jaxpar import cli, config, console, throughput
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
@@ -93,7 +93,9 @@ def test_console_counts_and_qualifiers(devices):
     assert "1,536 parameters" in header and "(1 cpu device)" in header
     assert console.count(12_345_678) == "12.3 M" and console.count(999) == "999"
     report = compile_only("gpt-tiny", ("parallel.data=8",))
-    done = report.trained(tokens_per_step=1024, final_loss=1.0, step_time_s=0.1, tokens_per_s=1e4)
+    speed = throughput.figures(1.5e6 * 1024, 1024, 0.1, 8, None)
+    done = report.trained(tokens_per_step=1024, final_loss=1.0, step_time_s=0.1, **speed)
     closing = console.closing(done, [2.0, 1.0])
+    assert "1.9 GFLOP/s per device" in closing and "(1280 per device)" in closing
     assert "x minimum (data))" in closing  # the axes the minimum is over, as in the header
     assert "x the textbook minimum (data)" in console.startup(report, 1, "cpu", "corpus")

@@ -17,10 +17,13 @@ PARAMS = ("parallel.dp_sync=params",)
 
 def test_one_step_averages_of_sgd_equal_gradient_all_reduce(devices):
     """Averaging the copies after each plain SGD step from the same parameters is
-    p - lr * mean(g_i): the all-reduced step, to float32 rounding."""
+    p - lr * mean(g_i): the all-reduced step, to float32 rounding. (Each copy's p - lr g_i
+    is rounded at the scale of p before the mean: on a leaf that starts at zero, a bias,
+    that is ~1e-6 of the leaf's own small norm; on the whole vector, below 1e-6.)"""
     grads = run("gpt-tiny", ["parallel.data=8", *SGD], steps=6)
     params = run("gpt-tiny", ["parallel.data=8", *SGD, *PARAMS, "parallel.sync_every=1"], steps=6)
-    assert_same_training(params, grads, rtol=1e-6)
+    assert_same_training(params, grads, rtol=1e-6, per_leaf=False)
+    assert_same_training(params, grads, rtol=1e-5)
 
 
 @pytest.mark.slow
