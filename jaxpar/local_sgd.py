@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import optim
 from jaxpar import state as state_lib
-from jaxpar.axes import DATA, PIPE, REPLICA
+from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
 from jaxpar.config import Config, Parallel
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import only_axes, pick, plan
@@ -54,7 +54,7 @@ def _stacked(spec: PartitionSpec) -> PartitionSpec:
 
 
 def build(problem: Problem, cfg: Config, mesh: Mesh):
-    from jaxpar.step import Engine, StepMetrics, evaluator, local_value_and_grad, zero_policy
+    from jaxpar.step import StepMetrics, evaluator, jitted, local_value_and_grad, zero_policy
 
     par, n = cfg.parallel, mesh.shape[DATA]
     every = par.sync_every
@@ -63,7 +63,6 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
     policy = zero_policy(cfg, specs, problem.names)
     inner, schedule = optim.optimizer(cfg.train, problem.names)
     outer = outer_optimizer(par)
-    replicated = NamedSharding(mesh, PartitionSpec())
     compute = pick(specs, "compute")
     global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
     copies = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), problem.shapes)
@@ -134,7 +133,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             manual(local_specs),
             manual(compute),
             manual(jax.tree.map(lambda s: s.spec, global_state.opt)),
-            PartitionSpec(DATA),
+            PartitionSpec(BATCH_AXES),
             PartitionSpec(),
             PartitionSpec(),
         )
@@ -162,28 +161,22 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         return jax.shard_map(
             one,
             mesh=mesh,
-            in_specs=(manual(local_specs), PartitionSpec(DATA)),
+            in_specs=(manual(local_specs), PartitionSpec(BATCH_AXES)),
             out_specs=manual(compute),
             axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
         )(state.local, batch)
 
-    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA))
-    return Engine(
+    return jitted(
+        mesh,
         specs=specs,
         tx=outer,
         state_shardings=shardings,
-        batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=shardings),
-        step=jax.jit(
-            train_step,
-            in_shardings=(shardings, batch_sharding),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,
-        ),
-        grads=jax.jit(mean_grads),
+        init=init,
+        step=train_step,
+        grads=mean_grads,
+        evaluate=lambda state, batch: mean_loss(state.params, batch),
         layout=None,
         problem=problem,
         spread=jax.jit(spread, out_shardings=shardings.local),
-        evaluate=jax.jit(lambda state, batch: mean_loss(state.params, batch)),
     )

@@ -304,7 +304,9 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
     flops = work.flops_per_row * train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
-    compute_s = flops / machine.devices / (machine.peak_flops * machine.mfu)
+    # a pipeline runs at its slowest device's pace (the bubble stretches that below)
+    share = slowest_stage_share(trained, work.layers, p)
+    compute_s = flops * share / (d * t) / (machine.peak_flops * machine.mfu)
     psi = cost.params_per_device(specs, trained.shapes, mesh)
     return Candidate(
         cfg=cfg,
@@ -324,6 +326,22 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         bubble=bubble,
         step_s=compute_s / (1 - bubble) + comm_s,
     )
+
+
+def slowest_stage_share(trained, layers: int, p: int) -> float:
+    """The share of a step's compute that the busiest pipeline device runs (1 without a
+    pipeline): from the stage assignment training uses (jaxpar.pipeline.assign: balanced
+    contiguous chunks, the embedding counted on the first and the head on the last), not
+    an even 1/p: 36 layers on 32 stages put 2 layers on some device."""
+    if p == 1 or trained.parts is None:
+        return 1.0
+    pre, layer, post = trained.parts.costs
+    chunks = pipeline.assign(layers, p, 1, trained.parts.costs).chunks
+    costs = [
+        len(c) * layer + (pre if i == 0 else 0) + (post if i == len(chunks) - 1 else 0)
+        for i, c in enumerate(chunks)
+    ]
+    return max(costs) / sum(costs)
 
 
 RULES = (  # (test on the winner and the machine, the rule it follows), most specific first

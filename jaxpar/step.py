@@ -110,7 +110,6 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     dtype = DTYPES[cfg.train.precision]
     policy = zero_policy(cfg, specs, trained.names)
     tx, schedule = optim.optimizer(cfg.train, trained.names)
-    replicated = NamedSharding(mesh, PartitionSpec())
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
     device = state_lib.shardings(mesh, specs, tx, trained.shapes)
     clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
@@ -138,27 +137,39 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
         return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped)
 
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    return Engine(
+    return jitted(
+        mesh,
         specs=specs,
         tx=tx,
         state_shardings=shardings,
-        batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=shardings),
-        step=jax.jit(
-            train_step,
-            in_shardings=(shardings, batch_sharding),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,
-        ),
-        grads=jax.jit(
-            lambda state, batch: grads_of(
-                state.compute_params, batch, loss_elements(problem, batch)
-            )[1]
-        ),
+        init=init,
+        step=train_step,
+        grads=lambda state, batch: grads_of(
+            state.compute_params, batch, loss_elements(problem, batch)
+        )[1],
+        evaluate=lambda state, batch: mean_loss(state.compute_params, batch),
         layout=layout,
         problem=trained,
-        evaluate=jax.jit(lambda state, batch: mean_loss(state.compute_params, batch)),
+    )
+
+
+def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields) -> Engine:
+    """The Engine of these functions, jitted: `init` straight into the state's shardings,
+    `step` donating its state, the batch split over the batch axes."""
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return Engine(
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(
+            step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=0,
+        ),
+        grads=jax.jit(grads),
+        evaluate=jax.jit(evaluate),
+        **fields,
     )
 
 

@@ -7,7 +7,8 @@ The default job's model, batch and schedule (`jaxpar train`'s preset) on data=8 
 AdamW, once with gradients all-reduced every step and then with parallel.dp_sync=params
 at several sync_every, plain averaging and DiLoCo's outer Nesterov step. Every run
 starts from the same parameters and sees the same batches; each device's local steps
-use its own 4 rows of each 32-row batch.
+use its own 4 rows of each 32-row batch. The held-out loss (the preset evaluates every
+50 steps on the corpus's held-out tail) is the last one, at the final step.
 """
 
 from __future__ import annotations
@@ -52,14 +53,24 @@ def main() -> None:
     for name, overrides in RUNS.items():
         cfg = config.load("default", [*LAYOUT, *overrides, f"train.steps={args.steps}"])
         s = setup(cfg)
-        result = train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, progress=False)
+        result = train(
+            s.problem,
+            cfg,
+            s.batches,
+            mesh=s.mesh,
+            quiet=True,
+            progress=False,
+            eval_batches=s.eval_batches,
+        )
         curves[name] = result.losses
         tail = float(np.mean(result.losses[-20:]))
         wire = result.report.comm.by_axis["data"].wire
-        rows.append([name, f"{tail:.3f}", metrics.human_bytes(wire)])
+        held_out = result.report.eval_loss
+        rows.append([name, f"{tail:.3f}", f"{held_out:.3f}", metrics.human_bytes(wire)])
         print(f"ran {name}", flush=True)
     print()
-    print(metrics.table(rows, ["run", "mean loss, last 20 steps", "data bytes/step/device"]))
+    header = ["run", "mean loss, last 20 steps", "held-out loss", "data bytes/step/device"]
+    print(metrics.table(rows, header))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, losses in curves.items():

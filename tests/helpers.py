@@ -28,18 +28,23 @@ THREE_D_1F1B = [
 ]
 
 
-def _shipped(preset: str, overrides):
-    """(cfg, mesh on as many devices as the degrees ask for, problem, batches)."""
+def _setup(preset: str, overrides):
+    """(cfg, setup on as many devices as the degrees ask for)."""
     cfg = config.load(preset, list(overrides))
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    s = setup(cfg, jax.devices()[:n])
+    return cfg, setup(cfg, jax.devices()[:n])
+
+
+def _shipped(preset: str, overrides):
+    """(cfg, mesh on as many devices as the degrees ask for, problem, batches)."""
+    cfg, s = _setup(preset, overrides)
     return cfg, s.mesh, s.problem, s.batches
 
 
 def run(preset: str, overrides: list[str], steps: int = 10):
-    """Train `preset` with `overrides`."""
-    cfg, mesh, problem, batches = _shipped(preset, [f"train.steps={steps}", *overrides])
-    return train(problem, cfg, batches, mesh=mesh, quiet=True)
+    """Train `preset` with `overrides` (and its held-out data, if it evaluates)."""
+    cfg, s = _setup(preset, [f"train.steps={steps}", *overrides])
+    return train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, eval_batches=s.eval_batches)
 
 
 def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool = True) -> None:

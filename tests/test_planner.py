@@ -219,3 +219,24 @@ def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
     assert best.model_state == pytest.approx(compiled.state_bytes.actual, rel=0.02)
     with pytest.raises(jaxpar.ConfigError, match="train.batch_size=16, but the batch has 32"):
         jaxpar.plan(problem, batch, devices=8, device_memory="1GB", cfg=config.load("gpt-tiny"))
+
+
+def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
+    """6 layers (and the embedding and head) on 4 stages: the stage assignment training
+    uses gives some device more than a quarter of the work; the predicted compute is
+    that device's, not an even split."""
+    overrides = ["model.layers=6", "parallel.data=2", "parallel.pipeline=4"]
+    cfg = config.load("gpt-tiny", [*overrides, "parallel.microbatches=4"])
+    problem, work = commands.abstract(cfg), planner.of_config(cfg)
+    guess = planner.predict(
+        cfg, resolve_degrees(cfg.parallel, 8), MACHINE, pipeline.in_stages(problem, 4), work
+    )
+    layout = pipeline.layout_for(problem, 4, 1)  # what training runs
+    pre, layer, post = problem.parts.costs
+    costs = [len(c) * layer for c in layout.chunks]
+    costs[0], costs[-1] = costs[0] + pre, costs[-1] + post
+    slowest = max(costs) / sum(costs)
+    assert slowest > 1 / 4
+    per_device = work.flops_per_row * cfg.train.batch_size * slowest / 2  # data=2
+    assert guess.compute_s == pytest.approx(per_device / (MACHINE.peak_flops * MACHINE.mfu))
+    assert guess.step_s == pytest.approx(guess.compute_s / (1 - guess.bubble) + guess.comm_s)
