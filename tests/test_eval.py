@@ -100,9 +100,8 @@ LAYOUTS = {
 SGD = ["train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0", "train.weight_decay=0"]
 
 
-@pytest.mark.parametrize(
-    "name", [n if n == "3d-1f1b" else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_held_out_loss_is_the_same_under_every_layout(single, name):
     got = run_eval(LAYOUTS[name])
     assert [s for s, _ in got] == [s for s, _ in single] == [2, 4]

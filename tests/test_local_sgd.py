@@ -15,6 +15,7 @@ SGD = ("train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0", "train.weight
 PARAMS = ("parallel.dp_sync=params",)
 
 
+@pytest.mark.slow
 def test_one_step_averages_of_sgd_equal_gradient_all_reduce(devices):
     """Averaging the copies after each plain SGD step from the same parameters is
     p - lr * mean(g_i): the all-reduced step, to float32 rounding. (Each copy's p - lr g_i

@@ -17,9 +17,8 @@ def reference(devices):
     return run("gpt-tiny", ["parallel.data=1"], steps=5)
 
 
-@pytest.mark.parametrize(
-    "zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_replicas_of_zero_groups_equal_one_device(reference, zero):
     assert_same_training(run("gpt-tiny", [*HSDP, f"parallel.zero={zero}"], steps=5), reference)
 

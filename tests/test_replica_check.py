@@ -19,10 +19,8 @@ HEALTHY = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=() if n == "dp4-tp2-zero1" else pytest.mark.slow) for n in HEALTHY],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HEALTHY)
 def test_silent_on_healthy_runs(devices, name):
     result = run("gpt-tiny", [*HEALTHY[name], CHECK], steps=3)
     cost = result.report.replica_check
