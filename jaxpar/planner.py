@@ -306,7 +306,8 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     flops = work.flops_per_row * train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
     # a pipeline runs at its slowest device's pace (the bubble stretches that below)
     share = slowest_stage_share(trained, work.layers, p)
-    compute_s = flops * share / (d * t) / (machine.peak_flops * machine.mfu)
+    per_stage = math.prod(mesh.values()) // p  # devices sharing each stage's work
+    compute_s = flops * share / per_stage / (machine.peak_flops * machine.mfu)
     psi = cost.params_per_device(specs, trained.shapes, mesh)
     return Candidate(
         cfg=cfg,

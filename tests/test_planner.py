@@ -172,6 +172,7 @@ def test_replicas_are_enumerated_across_hosts_and_priced_there():
     assert hsdp.comm_s == pytest.approx(hsdp.comm[REPLICA] / slow + hsdp.comm[DATA] / fast)
     assert flat.comm_s == pytest.approx(flat.comm[DATA] / slow)
     assert hsdp.comm_s < flat.comm_s / 2
+    assert hsdp.compute_s == pytest.approx(flat.compute_s)  # the same 8 devices compute
 
 
 def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
