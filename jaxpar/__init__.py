@@ -34,6 +34,7 @@ _EXPORTS = {
     "register_model": ("jaxpar.registry", "register"),
     "load_exported": ("jaxpar.export", "load"),
     "to_nnx": ("jaxpar.export", "to_nnx"),
+    "causal_attention": ("jaxpar.attention", "causal_attention"),
     "constrain": ("jaxpar.layers", "constrain"),
     "param": ("jaxpar.layers", "param"),
     "scan_layers": ("jaxpar.layers", "scan_layers"),

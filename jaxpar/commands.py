@@ -167,7 +167,9 @@ def validate(plan, machine, top: int, scale: str) -> str:
         shapes = abstract(cfg)
         p = c.mesh["pipeline"]
         staged = pipeline.in_stages(shapes, p)
-        guess = planner.predict(cfg, c.mesh, machine, staged, planner.of_config(cfg))
+        # compiled here: the attention CPU runs (its scores kept)
+        work = planner.of_config(cfg, platform="cpu")
+        guess = planner.predict(cfg, c.mesh, machine, staged, work)
         s = setup(cfg, jax.devices()[: math.prod(c.mesh.values())])
         report = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True).report
         axes = ["data"] if p > 1 else ["replica", "data", "tensor"]

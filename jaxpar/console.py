@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxpar import xla_flags
 from jaxpar.axes import REPLICA
 from jaxpar.metrics import human_bytes, table
 from jaxpar.report import Report
@@ -55,6 +56,8 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
         f"step; {_comm(report, 'the textbook minimum')}",
         f"  compiled  in {report.compile_s:.1f} s",
     ]
+    if report.xla_flags:
+        lines.append(f"  xla       {xla_flags.shown(report.xla_flags)} (XLA_FLAGS overrides)")
     if any((host.params, host.opt_state, host.activations, host.temp)):
         lines.append(
             f"  host      per device: params {human_bytes(host.params)}, opt_state "

@@ -37,11 +37,15 @@ class Context:
     # (leaf key, a stored leaf) -> the whole leaf, fetched and gathered; for a stacked
     # leaf that a model reads without scan_layers (others arrive ready)
     whole: Callable[[str, jax.Array], jax.Array]
+    # the platform the step is built for ('cpu', 'cuda', 'rocm', 'tpu'): what
+    # jaxpar.causal_attention picks its program by
+    platform: str = "cpu"
 
 
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
     "jaxpar_context", default=None
 )
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxpar_target", default=None)
 
 
 def current() -> Context | None:
@@ -55,3 +59,27 @@ def active(ctx: Context):
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def platform_of(device: jax.Device) -> str:
+    """'cuda' or 'rocm' for a GPU (as `lowering_platforms` names them), else the
+    device's platform ('cpu', 'tpu')."""
+    if device.platform == "gpu":
+        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+    return device.platform
+
+
+def target(mesh: jax.sharding.Mesh) -> str:
+    """The platform steps are built for: this mesh's, unless `building_for` says."""
+    return _TARGET.get() or platform_of(mesh.devices.flat[0])
+
+
+@contextlib.contextmanager
+def building_for(platform: str):
+    """Build and trace steps for `platform` whatever devices this machine has: to lower
+    a GPU program here, `.lower(lowering_platforms=(platform,))`, and read it."""
+    token = _TARGET.set(platform)
+    try:
+        yield platform
+    finally:
+        _TARGET.reset(token)

@@ -19,9 +19,18 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxpar import cost, pipeline, registry
+from jaxpar import attention, cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
-from jaxpar.config import Config, DpSync, Offload, Remat, Train, batch_split, check_train
+from jaxpar.config import (
+    Config,
+    DpSync,
+    Offload,
+    Precision,
+    Remat,
+    Train,
+    batch_split,
+    check_train,
+)
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes, table
 from jaxpar.problem import loss_elements
@@ -111,13 +120,16 @@ class Workload:
     check: Callable[[dict], None]  # the model's dims against a mesh shape (ConfigError)
 
 
-def of_config(cfg: Config) -> Workload:
-    """A registered model's workload, from its spec's own counts."""
+def of_config(cfg: Config, platform: str = "cuda") -> Workload:
+    """A registered model's workload on `platform`, from its spec's own counts (the
+    attention's [S, S] scores kept only where jaxpar.attention keeps them there)."""
     spec, m, s = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
+    dtype = {Precision.FP32: "float32", Precision.BF16: "bfloat16"}[cfg.train.precision]
+    scores = attention.stores_scores(platform, dtype, m.embed // m.heads)
     return Workload(
         layers=m.layers,
         flops_per_row=spec.flops_per_token(m, s) * s,
-        layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor) / 2,
+        layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor, scores) / 2,
         boundary_elements=s * m.embed,
         check=lambda mesh: registry.check_model(m, mesh),
     )

@@ -33,9 +33,10 @@ class ModelSpec:
     stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
     # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
     flops_per_token: Callable[[Model, int], float]
-    # (model config, seq_len, tensor degree) -> bytes one layer keeps for its backward
-    # pass per sequence, in a 16-bit compute dtype (planner)
-    activation_bytes: Callable[[Model, int, int], float]
+    # (model config, seq_len, tensor degree, scores) -> bytes one layer keeps for its
+    # backward pass per sequence, in a 16-bit compute dtype (planner); `scores`: whether
+    # the attention keeps its [S, S] scores (jaxpar.attention.stores_scores)
+    activation_bytes: Callable[[Model, int, int, bool], float]
     # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
     # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)
     tensor_elements: Callable[[Model, int, int, int], float]

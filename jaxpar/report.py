@@ -106,6 +106,8 @@ class Report:
     collective_counts: dict[str, int]  # executions per step by 'kind@axes'
     comm: Comm
     replica_check: ReplicaCheck | None = None  # (train.check_replicas_every > 0)
+    # the XLA flags the step was compiled with (jaxpar.xla_flags: on a GPU only)
+    xla_flags: dict = dataclasses.field(default_factory=dict)
     # model FLOPs per loss element, forward and backward, and how they were counted
     model_flops_per_token: float | None = None
     flops_counted: str = ""

@@ -167,6 +167,7 @@ def describe_step(
         devices=int(mesh.size),
         strategy=strategy_name(cfg, mesh_shape),
         compile_s=round(step.seconds, 3),
+        xla_flags=engine.compiler_options,
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
         tensor_replicated=optional_unsplit(trained.names, shapes, RULES, mesh_shape),
         pipeline=_pipeline(cfg, problem, engine, step.hlo, led, batch, split.micro, compute_bytes),

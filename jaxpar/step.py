@@ -13,6 +13,7 @@ each device holds its local gradients and the reductions are placed by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import context, offload, optim, pipeline, schedules
+from jaxpar import context, offload, optim, pipeline, schedules, xla_flags
 from jaxpar import state as state_lib
 from jaxpar.accumulate import accumulate
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
@@ -70,6 +71,7 @@ class Engine:
     spread: Any = None
     # jitted: (state, batch) -> the batch's mean loss, forward only (held-out loss)
     evaluate: Any = None
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA flags (GPU)
 
     def export(self, params):
         """Parameters in the model's own layout (the layer stack unstaged)."""
@@ -155,8 +157,10 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
 
 def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields) -> Engine:
     """The Engine of these functions, jitted: `init` straight into the state's shardings,
-    `step` donating its state, the batch split over the batch axes."""
+    `step` donating its state, the batch split over the batch axes; on a GPU, compiled
+    with jaxpar.xla_flags."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    options = xla_flags.for_step(context.target(mesh), mesh.size)
     return Engine(
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
@@ -166,9 +170,11 @@ def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields
             in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
             donate_argnums=0,
+            compiler_options=options,
         ),
-        grads=jax.jit(grads),
-        evaluate=jax.jit(evaluate),
+        grads=jax.jit(grads, compiler_options=options),
+        evaluate=jax.jit(evaluate, compiler_options=options),
+        compiler_options=options,
         **fields,
     )
 
@@ -202,6 +208,7 @@ def _context(cfg: Config, mesh: Mesh, policy: ZeroPolicy) -> context.Context:
         keep=policy.keep(cfg.parallel.remat),
         layer=policy.layer,
         whole=policy.whole,
+        platform=context.target(mesh),
     )
 
 

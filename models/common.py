@@ -67,19 +67,6 @@ def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array) -> jax.Array:
     return layer(x_BxSxE)
 
 
-def causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim) + causal mask) v, the scores in fp32."""
-    dt = q_BxSxHxD.dtype
-    q_BxSxHxD = q_BxSxHxD * q_BxSxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
-    att_BxHxSxS = jnp.einsum("bshd,bthd->bhst", q_BxSxHxD, k_BxSxHxD).astype(jnp.float32)
-    seq = q_BxSxHxD.shape[1]
-    # causal: an additive mask, a constant [S, S] (no [B, H, S, S] select to undo in the
-    # backward pass)
-    mask_SxS = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), 0.0, -1e30)
-    prob_BxHxSxS = jax.nn.softmax(att_BxHxSxS + mask_SxS[None, None], axis=-1).astype(dt)
-    return jnp.einsum("bhst,bthd->bshd", prob_BxHxSxS, v_BxSxHxD)
-
-
 def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
     """The pipeline's first piece: tokens[:, :-1] -> residual stream."""
     return model.embed(batch["tokens"][:, :-1])

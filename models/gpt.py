@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.attention import causal_attention
 from jaxpar.config import Model
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
@@ -17,7 +18,6 @@ from .common import (
     FeedForward,
     LayerNorm,
     apply_layer,
-    causal_attention,
     embed_tokens,
     language_model_stages,
     next_token_loss,
@@ -106,11 +106,13 @@ def flops_per_token(m: Model, seq_len: int) -> float:
     return 6 * matmuls + 12 * m.layers * seq_len * m.embed
 
 
-def activation_bytes(m: Model, seq_len: int, tensor: int) -> float:
+def activation_bytes(m: Model, seq_len: int, tensor: int, scores: bool = True) -> float:
     """Korthikanti et al.: 34 s h + 5 a s^2 bytes per layer and sequence in 16-bit, the
-    tensor-split parts divided by the degree."""
+    tensor-split parts divided by the degree. A fused or blocked attention (`scores`
+    False) keeps no [S, S] scores, only their fp32 softmax statistics, 4 a s bytes."""
     s = seq_len
-    return s * m.embed * (10 + 24 / tensor) + 5 * m.heads * s * s / tensor
+    kept = 5 * m.heads * s * s if scores else 4 * m.heads * s
+    return s * m.embed * (10 + 24 / tensor) + kept / tensor
 
 
 SPEC = ModelSpec(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.attention import causal_attention
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.hf import HFFormat, Tensor
 from jaxpar.layers import constrain, param, stack
@@ -23,7 +24,7 @@ from jaxpar.registry import ModelSpec, divisible_by_tensor
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
 
 from . import LlamaConfig, RopeScaling
-from .common import causal_attention, embed_tokens, language_model_stages, next_token_loss, normal
+from .common import embed_tokens, language_model_stages, next_token_loss, normal
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -192,14 +193,16 @@ def flops_per_token(m: LlamaConfig, seq_len: int) -> float:
     return 6 * matmuls + 12 * m.layers * seq_len * m.embed
 
 
-def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int) -> float:
+def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True) -> float:
     """What a block keeps for its backward pass per sequence, 16-bit: the input and both
     norms' outputs, q/k/v before and after rotation, the repeated k/v, the scores and
-    probabilities, the attention output; gate, up, silu(gate) and the product."""
+    probabilities (`scores`; else their fp32 softmax statistics, 2 16-bit units a head),
+    the attention output; gate, up, silu(gate) and the product."""
     kv = m.kv_heads * (m.embed // m.heads)
     kv_split = tensor if m.kv_heads % tensor == 0 else 1
     per_token = 3 * m.embed + (6 * m.embed + 4 * m.mlp) / tensor + 4 * kv / kv_split
-    return 2 * seq_len * (per_token + 2 * m.heads * seq_len / tensor)
+    attention = 2 * m.heads * (seq_len if scores else 1) / tensor
+    return 2 * seq_len * (per_token + attention)
 
 
 def tensor_elements(m: LlamaConfig, rows: int, seq_len: int, tensor: int) -> float:

@@ -54,7 +54,9 @@ SPEC = ModelSpec(
     stages=lambda m, seq_len: language_model_stages(m, 4 * m.embed * m.mlp),
     flops_per_token=lambda m, seq_len: 6 * (m.layers * 2 * m.embed * m.mlp + 2 * m.vocab * m.embed),
     # per position: the layer's input, LayerNorm's output and the hidden activation
-    activation_bytes=lambda m, seq_len, tensor: seq_len * (4 * m.embed + 3 * m.mlp / tensor),
+    activation_bytes=lambda m, seq_len, tensor, scores: (
+        seq_len * (4 * m.embed + 3 * m.mlp / tensor)
+    ),
     # one feed-forward per block, 1 each way, plus the embedding and the head
     tensor_elements=lambda m, rows, seq_len, tensor: (2 * m.layers + 2) * rows * seq_len * m.embed,
     check=lambda m, mesh_shape: divisible_by_tensor(

@@ -5,9 +5,10 @@
 
 Both train models/gpt.py's decoder (token + position embedding, pre-LN blocks with
 causal attention from a fused QKV projection and a tanh-GELU MLP, final LN, output
-projection) with AdamW (betas 0.9, 0.95; decay on matrices only in jaxpar, on all
-parameters in PyTorch: the same work), no gradient clipping, the same dims, global
-batch, sequence length and synthetic tokens (jaxpar.data). N ranks
+projection) with the same optimizer: AdamW (betas 0.9, 0.95, weight decay on matrices
+only), gradients clipped to global norm 1.0; the same dims, global batch, sequence length
+and synthetic tokens (jaxpar.data). PyTorch's attention is
+`F.scaled_dot_product_attention(is_causal=True)`, as a PyTorch user writes it. N ranks
 are `parallel.data=N` on N simulated CPU devices for jaxpar, and DDP over gloo with N
 processes for PyTorch; each side gets the machine's cores. Tokens/s is the global
 batch's tokens over the median step time after warm-up, as jaxpar's summary reports it.
@@ -30,7 +31,7 @@ SHAPES = {
     "small": dict(layers=4, embed=128, heads=8, mlp=512, seq_len=128, batch_size=32),
     "large": dict(layers=4, embed=512, heads=8, mlp=2048, seq_len=128, batch_size=16),
 }
-VOCAB, LR, WEIGHT_DECAY = 256, 3e-4, 0.1
+VOCAB, LR, WEIGHT_DECAY, CLIP_NORM = 256, 3e-4, 0.1, 1.0
 
 
 def jaxpar_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
@@ -47,7 +48,7 @@ def jaxpar_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
             f"train.lr={LR}",
             f"train.weight_decay={WEIGHT_DECAY}",
             "train.warmup=1",
-            "train.clip_norm=0",
+            f"train.clip_norm={CLIP_NORM}",
             *(f"model.{k}={shape[k]}" for k in ("layers", "embed", "heads", "mlp")),
             *(f"train.{k}={shape[k]}" for k in ("seq_len", "batch_size")),
         ]
@@ -87,10 +88,9 @@ def torch_rank(rank: int, ranks: int, shape: dict, steps: int, port: int, out: s
         def forward(self, x):
             b = x.shape[0]
             q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, h, e // h).unbind(2)
-            att = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) * (e // h) ** -0.5
-            causal = torch.ones(s, s, dtype=torch.bool).tril()
-            att = att.masked_fill(~causal, -1e30).softmax(-1)
-            y = (att @ v.transpose(1, 2)).transpose(1, 2).reshape(b, s, e)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).reshape(b, s, e)
             x = x + self.proj(y)
             return x + self.down(nn.functional.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
@@ -108,7 +108,13 @@ def torch_rank(rank: int, ranks: int, shape: dict, steps: int, port: int, out: s
     model = GPT()
     if ranks > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+    # decay on matrices (embeddings, projections), not on norms and biases: as jaxpar
+    params = list(model.parameters())
+    groups = [
+        dict(params=[p for p in params if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
+        dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0),
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95))
     rows = slice(rank * shape["batch_size"] // ranks, (rank + 1) * shape["batch_size"] // ranks)
     times = []
     for step in range(steps):
@@ -127,6 +133,7 @@ def torch_rank(rank: int, ranks: int, shape: dict, steps: int, port: int, out: s
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         opt.step()
         times.append(time.perf_counter() - start)
     if rank == 0:
@@ -158,6 +165,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} cores; load average before (1, 5, 15 min): {load}")
     print(f"{'model':<48} {'ranks':>5} {'jaxpar tok/s':>13} {'PyTorch tok/s':>14} {'ratio':>6}")
     for name in args.shapes:
         shape = SHAPES[name]
@@ -167,6 +176,8 @@ def main() -> None:
             theirs = torch_tokens_per_s(shape, ranks, args.steps)
             print(f"{label:<48} {ranks:>5} {ours:>13,.0f} {theirs:>14,.0f} {ours / theirs:>6.2f}")
             sys.stdout.flush()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average after (1, 5, 15 min): {load}")
 
 
 if __name__ == "__main__":

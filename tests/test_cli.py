@@ -1,12 +1,13 @@
 """`jaxpar train` end to end: the run directory keeps its contract."""
 
+import dataclasses
 import json
 
 import pytest
 from helpers import compile_only, jaxpar_command
 
 import jaxpar
-from jaxpar import cli, config, console, throughput
+from jaxpar import cli, config, console, throughput, xla_flags
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
@@ -99,3 +100,9 @@ def test_console_counts_and_qualifiers(devices):
     assert "1.9 GFLOP/s per device" in closing and "(1280 per device)" in closing
     assert "x minimum (data))" in closing  # the axes the minimum is over, as in the header
     assert "x the textbook minimum (data)" in console.startup(report, 1, "cpu", "corpus")
+    # a CPU step has no XLA flags of jaxpar's; a GPU step lists them, XLA_FLAGS-spelt
+    assert "xla " not in console.startup(report, 1, "cpu", "corpus")
+    gpu = dataclasses.replace(report, xla_flags=xla_flags.gpu_flags(8))
+    header = console.startup(gpu, 1, "gpu", "corpus")
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in header
+    assert "--xla_gpu_all_gather_combine_threshold_bytes=134217728" in header

@@ -241,3 +241,24 @@ def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
     per_device = work.flops_per_row * cfg.train.batch_size * slowest / 2  # data=2
     assert guess.compute_s == pytest.approx(per_device / (MACHINE.peak_flops * MACHINE.mfu))
     assert guess.step_s == pytest.approx(guess.compute_s / (1 - guess.bubble) + guess.comm_s)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_activation_count_keeps_the_scores_only_where_attention_stores_them(name):
+    """Korthikanti's 5 a s^2 b (llama: scores and probabilities, 2 a s^2 16-bit units)
+    where the attention keeps its scores (CPU), their fp32 softmax statistics where
+    cuDNN or the blocked form runs (a GPU)."""
+    preset = {"gpt": "gpt-tiny", "llama": "llama-tiny"}[name]
+    cfg = config.load(preset, ["train.seq_len=4096", "train.precision=bf16"])
+    a, s = cfg.model.heads, 4096
+    kept = {p: planner.of_config(cfg, p).layer_elements(1) for p in ("cpu", "cuda")}
+    scores, stats = {"gpt": (5 * a * s * s, 4 * a * s), "llama": (4 * a * s * s, 4 * a * s)}[name]
+    assert kept["cpu"] - kept["cuda"] == pytest.approx((scores - stats) / 2)
+    # at S=4096 the scores are nearly all of it
+    assert kept["cuda"] < kept["cpu"] / 20
+    # the plan for a GPU (the default) prices the smaller count
+    mesh = resolve_degrees(cfg.parallel, 8)
+    staged = pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
+    guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
+    on_cpu = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg, "cpu"))
+    assert guess.activations < on_cpu.activations / 20

@@ -1,0 +1,168 @@
+"""Ready for a GPU, checked on a CPU: attention by platform (the CPU keeps the scores; a
+step built for CUDA runs cuDNN's fused kernel (bf16) or the query-blocked form (fp32)
+and stores no [S, S] buffer), the GPU XLA flags (on a GPU only; the user's XLA_FLAGS
+override them), and the `cuda12` extra installing the plugin of the jax it runs."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import custom_partitioning
+from jax._src.cudnn import fused_attention_stablehlo
+
+from jaxpar import attention, config, context, xla_flags
+from jaxpar.commands import setup
+from jaxpar.run import step_inputs
+from jaxpar.step import build
+
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # forward, backward
+
+
+def lowered_step(preset: str, *overrides: str, platform: str | None = None, devices: int = 8):
+    """(the step's lowered StableHLO text for `platform` (default: this machine's), the
+    engine's compiler options), data parallel on `devices` devices."""
+    cfg = config.load(preset, [f"parallel.data={devices}", "data.source=synthetic", *overrides])
+    s = setup(cfg, jax.devices()[:devices])
+    with context.building_for(platform) if platform else contextlib.nullcontext():
+        engine = build(s.problem, cfg, s.mesh)
+        traced = engine.step.trace(*step_inputs(engine, s.batches(0)))
+        lowered = traced.lower(lowering_platforms=(platform,) if platform else None)
+    return lowered.as_text(), engine.compiler_options
+
+
+@pytest.fixture
+def cudnn_probe(monkeypatch):
+    """This machine has no CUDA: cuDNN's version probe, which jax calls while tracing
+    the fused attention, answers as the cuDNN 9.10 that jax[cuda12] installs would."""
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+def sxs(text: str, seq: int) -> list[str]:
+    """The tensor types in `text` with two dims of `seq` (an [S, S] buffer)."""
+    return [t for t in re.findall(r"tensor<([0-9x]+)x\w+>", text) if t.count(str(seq)) >= 2]
+
+
+def fused_kernels(text: str) -> list[str]:
+    """cuDNN attention calls in a lowered program: the kernels themselves, or (on a
+    mesh of many devices) the custom-partitioned calls that become them once XLA's SPMD
+    partitioner has run, named by the partitioning function jax registered for each."""
+    calls = [c for c in re.findall(r"custom_call @([\w$]+)", text) if c in CUDNN]
+    for key in re.findall(r'@CustomSPMDPartitioning[^\n]*backend_config = "(\d+)"', text):
+        partition = custom_partitioning._sharding_callbacks[key.encode()].partition
+        if partition.__module__ == fused_attention_stablehlo.__name__:
+            calls.append(partition.__name__)
+    return calls
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_a_cuda_bf16_step_runs_cudnn_attention_with_no_sxs_buffer(devices, cudnn_probe, preset):
+    # one device: the kernels themselves are in the program
+    text, options = lowered_step(
+        preset, "train.seq_len=4096", "train.precision=bf16", platform="cuda", devices=1
+    )
+    assert sorted(set(fused_kernels(text))) == sorted(CUDNN)  # forward and backward
+    assert sxs(text, 4096) == []
+    assert options == xla_flags.gpu_flags(1)
+    # data parallel on 8: each device's rows through the same kernels, custom-partitioned
+    text, options = lowered_step(
+        preset, "train.seq_len=4096", "train.precision=bf16", platform="cuda"
+    )
+    assert fused_kernels(text) == [
+        "_dot_product_attention_fwd_partition",
+        "_dot_product_attention_bwd_partition",
+    ]
+    assert sxs(text, 4096) == []
+    assert options == xla_flags.gpu_flags(8)
+
+
+def test_a_cuda_fp32_step_runs_blocked_attention_with_no_sxs_buffer(devices):
+    text, _ = lowered_step("gpt-tiny", "train.seq_len=4096", platform="cuda")
+    assert fused_kernels(text) == []
+    assert sxs(text, 4096) == []
+    # the blocks' scores: [rows, heads, BLOCK, S]
+    assert f"2x8x{attention.BLOCK}x4096xf32" in text
+
+
+def test_the_cpu_step_keeps_the_scores_and_sets_no_xla_flags(devices):
+    text, options = lowered_step("gpt-tiny", "train.seq_len=256", "train.precision=bf16")
+    assert fused_kernels(text) == []
+    assert sxs(text, 256)  # the direct form: [rows, heads, S, S] scores
+    assert options == {}
+
+
+def test_blocked_attention_equals_the_direct_form(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8))
+    out = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    direct = lambda q, k, v: attention._direct(q, k, v, 0)  # noqa: E731
+    want, want_grads = jax.value_and_grad(out(direct), argnums=(0, 1, 2))(q, k, v)
+    got, got_grads = jax.value_and_grad(out(attention._blocked), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # causal: the last query's change moves no earlier output
+    changed = q.at[:, -1].add(1.0)
+    np.testing.assert_array_equal(
+        attention._blocked(changed, k, v)[:, :-1], attention._blocked(q, k, v)[:, :-1]
+    )
+
+
+def test_the_form_follows_platform_dtype_and_head_dim():
+    assert attention.form("cpu", jnp.bfloat16, 64) is attention.Form.DIRECT
+    assert attention.form("cuda", jnp.bfloat16, 64) is attention.Form.CUDNN
+    assert attention.form("cuda", jnp.float16, 128) is attention.Form.CUDNN
+    assert attention.form("cuda", jnp.float32, 64) is attention.Form.BLOCKED
+    assert attention.form("cuda", jnp.bfloat16, 60) is attention.Form.BLOCKED  # not 8k
+    assert attention.form("cuda", jnp.bfloat16, 256) is attention.Form.BLOCKED
+    assert attention.form("rocm", jnp.bfloat16, 64) is attention.Form.BLOCKED
+    assert attention.stores_scores("cpu", jnp.float32, 64)
+    assert not attention.stores_scores("cuda", jnp.float32, 64)
+
+
+def test_the_users_xla_flags_override_jaxpars():
+    theirs = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x"
+    options = xla_flags.for_step("cuda", 8, theirs)
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in options
+    assert options == {
+        k: v
+        for k, v in xla_flags.gpu_flags(8).items()
+        if k != "xla_gpu_enable_latency_hiding_scheduler"
+    }
+    assert xla_flags.for_step("cpu", 8, "") == {}
+    assert xla_flags.for_step("rocm", 8, "") == xla_flags.gpu_flags(8)
+    # MaxText's thresholds: 1 GiB all-reduce, 1 GiB / devices all-gather, half that
+    # reduce-scatter
+    assert xla_flags.gpu_flags(8)["xla_gpu_all_gather_combine_threshold_bytes"] == 2**27
+    assert xla_flags.gpu_flags(8)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**26
+
+
+def test_this_xla_knows_every_gpu_flag():
+    """A misspelt or retired flag fails the compile: XLA parses compiler options into
+    its DebugOptions, which hold the GPU flags on every backend."""
+    jax.jit(lambda x: x + 1, compiler_options=xla_flags.gpu_flags(8)).lower(1.0).compile()
+    with pytest.raises(Exception, match="xla_gpu_no_such_flag"):
+        jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_no_such_flag": True}).lower(
+            1.0
+        ).compile()
+
+
+def test_the_cuda12_extra_installs_the_plugin_of_the_jax_it_runs():
+    """`pip install '.[cuda12]'` asks for jax[cuda12] in the range jaxpar itself takes,
+    and that jax's `cuda12` extra pins its CUDA plugin and jaxlib to its own version."""
+    import tomllib
+    from importlib.metadata import requires, version
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [jax_dep] = [d for d in project["project"]["dependencies"] if d.startswith("jax>")]
+    assert project["project"]["optional-dependencies"]["cuda12"] == [
+        jax_dep.replace("jax", "jax[cuda12]", 1)
+    ]
+    v = version("jax")
+    pinned = {r.split(";")[0].replace(" ", "") for r in requires("jax") if 'extra == "cuda12"' in r}
+    assert pinned == {f"jaxlib<={v},>={v}", f"jax-cuda12-plugin[with-cuda]<={v},>={v}"}
