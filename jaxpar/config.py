@@ -251,6 +251,9 @@ class Train(_Section):
     # data, and tensor/pipeline where not split) is bit-identical; on a difference save
     # and stop (exit 3), naming the leaf and the devices. 0 = never
     check_replicas_every: Annotated[int, Range(0, 10**9, "steps between checks; 0 = off")] = 0
+    # layers per iteration of the layer scan (lax.scan's unroll): fewer, longer loop
+    # iterations, at a compile time that grows with it (README, "Speed against PyTorch")
+    unroll: Annotated[int, Range(1, 10_000, "layers per iteration of the layer scan")] = 1
     # A:B = profile steps A to B (1-based, both included) with jax.profiler into
     # <run directory>/profile, for TensorBoard or Perfetto; empty = never
     profile_steps: str = ""

@@ -40,6 +40,7 @@ class Context:
     # the platform the step is built for ('cpu', 'cuda', 'rocm', 'tpu'): what
     # jaxpar.causal_attention picks its program by
     platform: str = "cpu"
+    unroll: int = 1  # layers per iteration of scan_layers' loop (train.unroll)
 
 
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(

@@ -7,7 +7,8 @@
   jaxpar step it makes each layer's parameters ready just before use (the ZeRO-3
   gather, the offload fetch; again in the backward pass instead of keeping them), and
   applies `parallel.remat`: `full` keeps each layer's input and recomputes the rest;
-  `offload` keeps that input in host memory.
+  `offload` keeps that input in host memory; and runs `train.unroll` layers per loop
+  iteration.
 
 `constrain` and `scan_layers` read the running step's `jaxpar.context.Context`, and nothing else.
 """
@@ -110,15 +111,17 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
         )
         return fn(nnx.merge(graphdef, layer_state), carry)
 
+    unroll = 1
     if ctx:
-        body = _checkpointed(body, ctx.keep)
+        body, unroll = _checkpointed(body, ctx.keep), ctx.unroll
     if active is None:
-        carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state)
+        carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state, unroll=unroll)
     else:
         skip = lambda c, s: c  # noqa: E731
         carry, _ = jax.lax.scan(
             lambda c, xs: (jax.lax.cond(xs[0], body, skip, c, xs[1]), None),
             carry,
             (active, state),
+            unroll=unroll,
         )
     return carry

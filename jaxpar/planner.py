@@ -357,34 +357,44 @@ def slowest_stage_share(trained, layers: int, p: int) -> float:
     return max(costs) / sum(costs)
 
 
-RULES = (  # (test on the winner and the machine, the rule it follows), most specific first
+def _unsplit_fits(c: Candidate, ranked: list[Candidate]) -> bool:
+    """Whether the winner's layout also fits without ZeRO (ranked: the plan's fits)."""
+    return any(o.mesh == c.mesh and o.cfg.parallel.zero == 0 for o in ranked)
+
+
+RULES = (  # (test on the winner, the machine and the plan's fits, the rule), most specific first
     (
-        lambda c, m: c.mesh[PIPE] > 1 and m.hosts > 1,
+        lambda c, m, r: c.mesh[PIPE] > 1 and m.hosts > 1,
         "many hosts with slow links between them: pipeline parallel across hosts, data "
         "parallel outermost",
     ),
     (
-        lambda c, m: c.mesh[PIPE] > 1,
+        lambda c, m, r: c.mesh[PIPE] > 1,
         "the hand-overs between stages move less than the data-parallel reduction would: "
         "pipeline parallel, data parallel outermost",
     ),
     (
-        lambda c, m: c.mesh.get(REPLICA, 1) > 1,
+        lambda c, m, r: c.mesh.get(REPLICA, 1) > 1,
         "many hosts with slow links between them: a ZeRO group inside each host, "
         "replicated across hosts (only 1/data of the gradients crosses them)",
     ),
     (
-        lambda c, m: c.mesh[TENSOR] > 1,
+        lambda c, m, r: c.mesh[TENSOR] > 1,
         "a layer does not fit, or the fast links are inside a host: tensor parallel inside "
         "the host",
     ),
     (
-        lambda c, m: c.cfg.parallel.offload is not Offload.NONE,
+        lambda c, m, r: c.cfg.parallel.offload is not Offload.NONE,
         "the parameters and optimizer state do not fit on few devices: offload them to the host",
     ),
-    (lambda c, m: c.cfg.parallel.zero == 3, "the parameters do not fit: ZeRO-3"),
-    (lambda c, m: c.cfg.parallel.zero in (1, 2), "the optimizer state does not fit: ZeRO-1/2"),
-    (lambda c, m: True, "it fits on one device: data parallel"),
+    (
+        lambda c, m, r: c.cfg.parallel.zero > 0 and _unsplit_fits(c, r),
+        "plain data parallelism fits too, but ZeRO's split moves no more bytes (a "
+        "reduce-scatter and gathers instead of the all-reduce) and stores less",
+    ),
+    (lambda c, m, r: c.cfg.parallel.zero == 3, "the parameters do not fit: ZeRO-3"),
+    (lambda c, m, r: c.cfg.parallel.zero in (1, 2), "the optimizer state does not fit: ZeRO-1/2"),
+    (lambda c, m, r: True, "it fits on one device: data parallel"),
 )
 
 
@@ -397,7 +407,7 @@ class Plan:
     machine: Machine
 
     def rule(self) -> str:
-        return next(text for test, text in RULES if test(self.ranked[0], self.machine))
+        return next(text for test, text in RULES if test(self.ranked[0], self.machine, self.ranked))
 
     def __str__(self) -> str:
         return report(self) if self.ranked else f"none of {self.considered} layouts fits"

@@ -209,6 +209,7 @@ def _context(cfg: Config, mesh: Mesh, policy: ZeroPolicy) -> context.Context:
         layer=policy.layer,
         whole=policy.whole,
         platform=context.target(mesh),
+        unroll=cfg.train.unroll,
     )
 
 

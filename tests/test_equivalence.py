@@ -14,6 +14,8 @@ STRATEGIES = {
         "parallel.zero=3",
         "parallel.remat=full",
     ),
+    # two layers per scan iteration (train.unroll), with ZeRO-3's per-layer gathers
+    "dp8-zero3-unroll2": ("parallel.data=8", "parallel.zero=3", "train.unroll=2"),
 }
 SINGLE = ["parallel.data=1", "parallel.tensor=1"]
 
