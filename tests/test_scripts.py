@@ -9,7 +9,8 @@ import pytest
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 
 
-def run_script(name: str, *args: str) -> str:
+def run_script(name: str, *args: str, whole: bool = False) -> str:
+    """The script's last line of output (`whole`: all of it)."""
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / name), *args],
         capture_output=True,
@@ -17,7 +18,7 @@ def run_script(name: str, *args: str) -> str:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    return done.stdout.strip() if whole else done.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -51,3 +52,19 @@ def test_finetune_llama_script_plans_trains_and_exports(tmp_path):
     assert "from_pretrained" in run_script("finetune_llama.py", *args)
     exported = json.loads((out / "hf" / "config.json").read_text())
     assert exported["num_hidden_layers"] == 2 and (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_compare_torch_prints_the_table_with_the_load():
+    """scripts/compare_torch.py as the README runs it, at one shape and rank, few steps:
+    both sides train and the ratio is theirs."""
+    pytest.importorskip("torch")
+    out = run_script(
+        "compare_torch.py", "--steps", "4", "--shapes", "small", "--ranks", "1", whole=True
+    )
+    lines = out.splitlines()
+    assert "cores; load average before" in lines[0]
+    assert "jaxpar tok/s" in lines[1] and "PyTorch tok/s" in lines[1]
+    *_, ours, theirs, ratio = lines[2].replace(",", "").split()
+    assert float(ratio) == pytest.approx(float(ours) / float(theirs), abs=0.006)
+    assert lines[-1].startswith("load average after")
