@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxpar import checkpoint, config, ledger, metrics, registry
-from jaxpar.commands import setup
+from jaxpar.commands import abstract, setup
 from jaxpar.mesh import describe
 from jaxpar.run import prepare, read_ledger
 from jaxpar.trainer import run_loop
@@ -111,6 +111,10 @@ COMPILE_LAYOUTS = {
     ),
 }
 COMPILE_DEPTHS = (4, 8, 16, 32)
+# `jaxpar plan`'s heaviest case: a 70B GPT on 64 devices over 8 hosts (shapes only)
+PLAN_70B = ("model.layers=80", "model.embed=8192", "model.heads=64", "model.mlp=28672",
+            "model.vocab=32000", "train.seq_len=4096", "train.batch_size=512",
+            "train.precision=bf16", "data.source=synthetic")  # fmt: skip
 WARMUP = 3
 REPEATS = 3
 
@@ -315,26 +319,48 @@ def _section(title: str, kind: str, configs: dict, columns: dict, steps: int, ba
 
 
 def compile_seconds(base: Base) -> dict:
-    """Seconds to trace, lower and compile each layout's step at each depth; printed as
-    a table with compile(deepest) / compile(shallowest)."""
+    """Seconds to trace, lower and compile each layout's step at each depth, and the
+    lines of its optimized HLO (what the compiler had to work through); printed as a
+    table with compile(deepest) / compile(shallowest)."""
     results = {}
     for name, overrides in COMPILE_LAYOUTS.items():
         results[name] = {}
         for layers in COMPILE_DEPTHS:
             cfg = config.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
             s = setup(cfg)
-            results[name][layers] = prepare(
-                cfg, s.problem, s.mesh, s.batches(0), base.force
-            ).step.seconds
+            step = prepare(cfg, s.problem, s.mesh, s.batches(0), base.force).step
+            results[name][layers] = {"seconds": step.seconds, "hlo_lines": step.hlo.count("\n")}
         print(f"compiled {name}", flush=True)
     first, last = COMPILE_DEPTHS[0], COMPILE_DEPTHS[-1]
     rows = [
-        [name, *(f"{t[n]:.2f}" for n in COMPILE_DEPTHS), f"{t[last] / t[first]:.2f}"]
+        [
+            name,
+            *(f"{t[n]['seconds']:.2f}" for n in COMPILE_DEPTHS),
+            f"{t[last]['seconds'] / t[first]['seconds']:.2f}",
+            f"{t[first]['hlo_lines']} / {t[last]['hlo_lines']}",
+        ]
         for name, t in results.items()
     ]
     print(f"\ncompile seconds by depth, {base} on {jax.device_count()} devices\n")
-    print(metrics.table(rows, ["layout", *map(str, COMPILE_DEPTHS), f"{last} / {first}"]))
+    header = ["layout", *map(str, COMPILE_DEPTHS), f"{last} / {first}", "HLO lines"]
+    print(metrics.table(rows, header))
     return results
+
+
+def plan_seconds() -> dict:
+    """Seconds `jaxpar plan` takes to rank every layout of PLAN_70B (gpt-tiny's model
+    scaled to 70B) on 64 devices over 8 hosts, and how many it considered."""
+    from jaxpar import planner
+
+    cfg = config.load("gpt-tiny", list(PLAN_70B))
+    problem, work = abstract(cfg), planner.of_config(cfg)
+    start = time.perf_counter()
+    plan = planner.make_plan(cfg, problem, planner.machine(64, "80GB", hosts=8), work)
+    seconds = time.perf_counter() - start
+    print(f"\njaxpar plan, a 70B GPT on 64 devices over 8 hosts ({' '.join(PLAN_70B)})\n")
+    rows = [[str(plan.considered), str(len(plan.ranked)), f"{seconds:.2f}"]]
+    print(metrics.table(rows, ["layouts considered", "fit", "seconds"]))
+    return {"seconds": seconds, "considered": plan.considered, "fit": len(plan.ranked)}
 
 
 def run_bench(
@@ -386,11 +412,11 @@ def run_bench(
             CHECKPOINT_COLUMNS,
         ),
     }
-    unknown = sorted(set(only or ()) - set(sections) - {"compile"})
+    unknown = sorted(set(only or ()) - set(sections) - {"compile", "plan"})
     if unknown:
         raise config.ConfigError(
             f"jaxpar bench --only {' '.join(unknown)}: no such section; "
-            f"choose from {' '.join(sections)} compile"
+            f"choose from {' '.join(sections)} compile plan"
         )
     results = {
         name: _section(title, kind, configs, columns, steps, base)
@@ -404,6 +430,8 @@ def run_bench(
         print(f"\npicture: {picture}")
     if not only or "compile" in only:
         results["compile"] = compile_seconds(base)
+    if not only or "plan" in only:
+        results["plan"] = {"gpt-70b": plan_seconds()}
     if out:
         metrics.write_json(
             out,

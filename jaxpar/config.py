@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import inspect
 import math
 import re
@@ -126,12 +127,19 @@ class _Section:
     SECTION: ClassVar[str]
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self), include_extras=True)
+        hints = _hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             checked = check_value(f"{self.SECTION}.{f.name}", value, hints[f.name])
             if checked is not value:
                 object.__setattr__(self, f.name, checked)
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    """A section's declarations (read once per class: configs are built by the thousand
+    when the planner enumerates layouts)."""
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,8 +286,11 @@ class Data(_Section):
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint(_Section):
     SECTION: ClassVar[str] = "checkpoint"
-    # save every N steps (asynchronously), and at the end; 0 = off
-    every: Annotated[int, Range(0, 10**9, "steps between checkpoints; 0 = off")] = 0
+    # save every N steps (asynchronously); 0 = only at the end (checkpoint.final)
+    every: Annotated[int, Range(0, 10**9, "steps between checkpoints; 0 = at the end only")] = 0
+    # save the final state when a run ends (its last step, or a stop), so that it can be
+    # exported or resumed; false keeps no weights unless checkpoint.every asks for them
+    final: bool = True
     # how many of the newest checkpoints to keep
     keep: Annotated[int, Range(1, 10_000, "checkpoints kept")] = 3
     dir: str = ""  # where; empty = <run directory>/checkpoints

@@ -98,12 +98,12 @@ def load_eval_tokens(data: Data, train: Train, model: Model) -> np.ndarray | Tok
 
 
 def _check_length(tokens, data: Data, train: Train, part: str) -> None:
-    need = train.seq_len + 2
+    need = train.seq_len + 1  # one window: seq_len inputs and the target after them
     if len(tokens) < need:
         where = "the corpus" if data.source is Source.CORPUS else f"data.path={data.path}"
         unit = "tokens" if data.source is Source.TOKENS else "bytes"
         raise ConfigError(
-            f"{where}{part} has {len(tokens)} {unit}, fewer than train.seq_len+2 = "
+            f"{where}{part} has {len(tokens)} {unit}, fewer than train.seq_len+1 = "
             f"{need}; use a longer text or a smaller train.seq_len"
         )
 
@@ -237,7 +237,8 @@ def batch_at(
         stride = rng.integers(1, 4, size=(batch_size, 1))[rows]
         out = (start + stride * np.arange(seq_len + 1)) % vocab
     else:
-        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rows]
+        # every window of seq_len + 1 ids, the last one included
+        starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)[rows]
         ids = tokens.open() if isinstance(tokens, TokenFile) else tokens
         out = ids[starts[:, None] + np.arange(seq_len + 1)]
     return {"tokens": out.astype(np.int32)}

@@ -170,10 +170,11 @@ def launch(
     last lines and the checkpoint to resume from, and returns its status."""
     log_dir.mkdir(parents=True, exist_ok=True)
     coordinator = f"127.0.0.1:{free_port()}"
+    # -P: never the working directory's `jaxpar` (a checkout's root holds one)
     command = (
         [sys.executable, *argv]
         if argv[0].endswith(".py")
-        else [sys.executable, "-m", "jaxpar.cli", *argv]
+        else [sys.executable, "-P", "-m", "jaxpar.cli", *argv]
     )
     paths = [log_dir / f"process-{i}.log" for i in range(processes)]
     procs = []
@@ -186,6 +187,7 @@ def launch(
             ENV[0]: coordinator,
             ENV[1]: str(processes),
             ENV[2]: str(i),
+            **_this_jaxpar(),
         }
         with path.open("w") as log:
             # a session of its own: a Ctrl-C at the terminal reaches the launcher alone,
@@ -213,6 +215,21 @@ def launch(
                 p.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _this_jaxpar() -> dict:
+    """The environment that makes a worker import the `jaxpar` this launcher runs: its
+    folder first on PYTHONPATH, unless it is where the interpreter finds packages anyway
+    (an install's site-packages, which must not go before the standard library)."""
+    import site
+
+    import jaxpar
+
+    root = str(Path(jaxpar.__file__).resolve().parent.parent)
+    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root in sites:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None) -> int:

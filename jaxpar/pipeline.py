@@ -9,6 +9,7 @@ schedules that run the chunks are in jaxpar.schedules.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import jax
@@ -41,6 +42,7 @@ class Layout:
         return [[int(x) for x in row if x >= 0] for row in self.slot_layer]
 
 
+@functools.cache  # (the planner asks again for every layout of the same depth)
 def assign(layers: int, stages: int, virtual: int, costs: tuple[float, float, float]) -> Layout:
     """Contiguous chunks minimising the largest chunk cost (pre on the first, post on the
     last chunk). Raises ConfigError when there are more chunks than layers."""

@@ -112,6 +112,7 @@ class Report:
     model_flops_per_token: float | None = None
     flops_counted: str = ""
     # after training
+    checkpoint: str | None = None  # the newest saved state's folder (None: none saved)
     tokens_per_step: int | None = None
     final_loss: float | None = None
     eval_loss: float | None = None  # the last held-out loss (train.eval_every)

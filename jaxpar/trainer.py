@@ -196,6 +196,8 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
     """The report with the run's figures, the closing table, summary.json and loss.png,
     and where a stopped run resumes from."""
     report = run.report
+    if saver.newest is not None:
+        report = report.trained(checkpoint=str(saver.where(saver.newest)))
     if loop.losses:  # (a stop before the first step leaves none)
         step_time = float(np.median(loop.times))
         report = report.trained(
@@ -207,6 +209,8 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
             **_throughput(run, step_time),
         )
         say(console.closing(report, loop.losses))
+    if report.checkpoint and not loop.stopped:
+        say(f"weights: {report.checkpoint}" + (f" (jaxpar export {files})" if files else ""))
     if files:
         metrics.write_json(files / rundir.SUMMARY, report.to_json())
         metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
@@ -229,6 +233,7 @@ class _Saver:
         if directory and (cfg.checkpoint.every or directory.exists()):
             self._open()
         self.latest = self.ckpts.latest if self.ckpts else None
+        self.newest = self.latest  # the newest step saved (or found)
 
     def _open(self) -> None:
         self.ckpts = checkpoint.Checkpoints(self.directory, self.cfg.checkpoint.keep)
@@ -257,6 +262,7 @@ class _Saver:
             self._open()
         meta = checkpoint.meta(self.cfg, self.mesh, self.layout, step)
         self.ckpts.save(step, self.layout.to_saved(state), meta)
+        self.newest = step
 
     def finish(self, loop: Loop, start: int):
         """The state to return after the loop, saved where it ought to be."""
@@ -272,8 +278,9 @@ class _Saver:
                     self.ckpts.manager.delete(late)
             loop.saved = {s for s in loop.saved if s < loop.end}
             state = state.replace(skipped=state.skipped * 0)
+        ckpt = self.cfg.checkpoint
         wanted = (
-            self.cfg.checkpoint.every or loop.stopped or loop.nonfinite is not None or loop.diverged
+            ckpt.every or ckpt.final or loop.stopped or loop.nonfinite is not None or loop.diverged
         )
         if wanted and loop.end not in loop.saved and loop.end != start:
             self.save(state, loop.end)

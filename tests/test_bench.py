@@ -27,7 +27,7 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp hosts offload remat checkpoint compile"
+        "choose from strategies schedules dp hosts offload remat checkpoint compile plan"
     )
 
 
@@ -62,12 +62,12 @@ def test_bench_takes_a_config_and_skips_what_it_cannot_split(devices, capsys, mo
 
 @pytest.mark.slow
 def test_compile_time_does_not_grow_with_depth(devices, monkeypatch, capsys):
-    """The layer stack is scanned: 32 layers compile about as fast as 4 (the target is
-    at most 1.3x; compile times are wall-clock, so the bound is loose)."""
+    """The layer stack is scanned: 32 layers are the same program as 4 (the compiler's
+    work, counted in HLO lines; the seconds are the bench's to report, not to assert)."""
     monkeypatch.setattr(bench, "COMPILE_LAYOUTS", {"dp8-zero3": bench.COMPILE_LAYOUTS["dp8-zero3"]})
     monkeypatch.setattr(bench, "COMPILE_DEPTHS", (4, 32))
-    seconds = run_bench(only=["compile"])["compile"]["dp8-zero3"]
-    assert seconds[32] < 1.3 * seconds[4] + 0.5
+    depths = run_bench(only=["compile"])["compile"]["dp8-zero3"]
+    assert depths[32]["hlo_lines"] == depths[4]["hlo_lines"]
     assert "32 / 4" in capsys.readouterr().out
 
 
@@ -82,3 +82,11 @@ def test_the_strategies_picture_is_drawn(devices, tmp_path):
     }
     plot_strategies(results, tmp_path / "bench.png", "two strategies")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_plan_section_times_the_70b_plan(capsys):
+    """The planner's speed is a benchmark, not an assert (wall-clock differs by machine)."""
+    row = run_bench(only=["plan"])["plan"]["gpt-70b"]
+    assert row["considered"] > 1000 and 0 < row["fit"] < row["considered"]
+    assert row["seconds"] > 0 and "layouts considered" in capsys.readouterr().out

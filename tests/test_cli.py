@@ -51,6 +51,20 @@ def test_train_writes_run_directory(tmp_path):
     assert summary["comm"]["ratio"] <= 1.05
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "HloModule" in (out / "step.hlo.txt").read_text()[:200]
+    # no checkpoint key set: the final state is kept all the same, and said where
+    assert summary["checkpoint"] == str(out / "checkpoints" / "4")
+    assert f"weights: {out / 'checkpoints' / '4'} (jaxpar export {out})" in proc.stdout
+    exported = jaxpar_command("export", str(out), "--to", str(tmp_path / "w.safetensors"))
+    assert exported.returncode == 0, exported.stderr
+    assert jaxpar.load_exported(tmp_path / "w.safetensors")
+
+
+@pytest.mark.slow
+def test_checkpoint_final_false_keeps_no_weights(tmp_path):
+    argv = ["train", "--config", "mlp-tiny", "train.steps=2", "checkpoint.final=false"]
+    assert cli.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "w")]) == 2
 
 
 @pytest.mark.parametrize(

@@ -46,3 +46,25 @@ def test_a_slice_of_rows_is_those_rows_of_the_batch(source):
     np.testing.assert_array_equal(
         data.batch_at(tokens, rows=slice(8, 16), **kw)["tokens"], whole[8:]
     )
+
+
+def test_a_file_of_exactly_one_window_trains_on_it(tmp_path):
+    """seq_len + 1 ids are one window: seq_len inputs and the target after them."""
+    ids = np.arange(65, dtype="<u2")
+    (tmp_path / "one.bin").write_bytes(ids.tobytes())
+    cfg = config.load("gpt-tiny", ["data.source=tokens", f"data.path={tmp_path / 'one.bin'}"])
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    batch = data.batch_at(tokens, seed=0, step=0, batch_size=4, seq_len=64, vocab=256)
+    np.testing.assert_array_equal(batch["tokens"], np.tile(ids, (4, 1)))
+
+
+def test_every_window_is_drawn_the_last_included():
+    tokens = np.arange(64 + 3, dtype=np.uint16)  # 3 windows: starts 0, 1, 2
+    starts = {
+        int(row[0])
+        for step in range(20)
+        for row in data.batch_at(tokens, seed=0, step=step, batch_size=4, seq_len=64, vocab=256)[
+            "tokens"
+        ]
+    }
+    assert starts == {0, 1, 2}

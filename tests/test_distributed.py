@@ -26,12 +26,19 @@ LAYOUTS = {
 }
 
 
+def decoy(folder: Path) -> Path:
+    """A folder whose `jaxpar/` is not jaxpar (as a checkout's root holds another one):
+    a worker that imported the working directory's package would die on it."""
+    (folder / "jaxpar").mkdir(parents=True, exist_ok=True)
+    (folder / "jaxpar" / "__init__.py").write_text("raise ImportError('the decoy jaxpar')\n")
+    return folder
+
+
 def launch(out, *overrides, processes=2):
+    """`jaxpar launch` (the installed command) run from a folder holding a decoy `jaxpar/`."""
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "jaxpar.cli",
+            str(Path(sys.executable).with_name("jaxpar")),
             "launch",
             "--processes",
             str(processes),
@@ -48,6 +55,7 @@ def launch(out, *overrides, processes=2):
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=decoy(out.parent / "cwd"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done

@@ -113,7 +113,7 @@ def test_train_export_and_load_in_transformers(tie, tmp_path, devices):
     run = tmp_path / "run"
     # fmt: off
     argv = ["train", "--config", "llama-tiny", f"model.init=hf:{source}", "parallel.data=4",
-            "parallel.tensor=2", "train.steps=3", "checkpoint.every=3", "--out", str(run)]
+            "parallel.tensor=2", "train.steps=3", "--out", str(run)]  # no checkpoint key
     # fmt: on
     assert cli.main(argv) == 0
     assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0

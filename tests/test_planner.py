@@ -66,9 +66,10 @@ def test_paper_accounting_gives_the_papers_figure_1(zero, gb):
     assert cost.paper_state(zero, 7.5e9, 64) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
-def test_a_70b_gpt_on_64_devices_is_planned_quickly_without_allocating(tmp_path):
+def test_a_70b_gpt_on_64_devices_is_planned_without_allocating(tmp_path):
     """In a fresh process: its peak memory stays far below the model's 240 GB of
-    parameters (shapes only), and it takes seconds."""
+    parameters (shapes only). Its time is `jaxpar bench --only plan`'s (a wall-clock
+    bound would make the verdict depend on the machine)."""
     argv = [
         "plan", "--config", "gpt-tiny", "--devices", "64", "--hosts", "8",
         "--device-memory", "80GB", "model.layers=80", "model.embed=8192", "model.heads=64",
@@ -89,7 +90,7 @@ def test_a_70b_gpt_on_64_devices_is_planned_quickly_without_allocating(tmp_path)
     out = done.stdout
     seconds = float(out.split("SECONDS ")[1].split()[0])
     peak_mb = float(out.split("PEAK_MB ")[1].split()[0])
-    assert seconds < 30 and peak_mb < 2000, (seconds, peak_mb)
+    assert peak_mb < 2000, (seconds, peak_mb)
     assert "recommended: " in out and "layouts considered" in out
     winner = config.load(str(tmp_path / "plan.yaml"))  # ready for jaxpar train --config
     p = winner.parallel

@@ -157,7 +157,7 @@ BAD = {
     "short": (
         lambda t: _bad(t, "short.bin", [1] * 10),
         [],
-        ["has 10 tokens, fewer than train.seq_len+2"],
+        ["has 10 tokens, fewer than train.seq_len+1"],
     ),
 }
 
