@@ -23,8 +23,8 @@ _EXPORTS = {
     **{
         name: ("jaxpar.config", name)
         for name in ("Checkpoint", "Config", "Data", "Distributed", "Model", "Parallel", "Train")
-        + ("load",)
     },
+    "load": ("jaxpar.presets", "load"),
     **{
         name: ("jaxpar.errors", name)
         for name in ("CheckpointError", "ConfigError", "ParamsError", "RendezvousError")

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar import checkpoint, config, ledger, metrics, registry
+from jaxpar import checkpoint, config, ledger, metrics, presets, registry
 from jaxpar.commands import abstract, setup
 from jaxpar.mesh import describe
 from jaxpar.run import prepare, read_ledger
@@ -136,7 +136,7 @@ class Base:
 def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict:
     """Compile and time one configuration: {compile_s, step_s, tokens_per_s,
     trainer_over_bare, host_s, report}."""
-    cfg = config.load(
+    cfg = presets.load(
         base.preset, [*base.overrides, *overrides, f"train.steps={steps}", "train.log_every=1"]
     )
     s = setup(cfg)
@@ -173,7 +173,7 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
         jax.device_get(step_metrics)
     host = (time.perf_counter() - start) / steps
     # bytes that would cross between two hosts holding the mesh's halves
-    led = read_ledger(cfg, run.step.hlo, describe(s.mesh))
+    led = read_ledger(cfg.parallel, run.step.hlo, describe(s.mesh))
     halves = [2 * k // s.mesh.size for k in range(s.mesh.size)]
     return {
         "across_2_hosts": sum(ledger.across_processes(led, a, halves) for a in s.mesh.axis_names),
@@ -326,7 +326,7 @@ def compile_seconds(base: Base) -> dict:
     for name, overrides in COMPILE_LAYOUTS.items():
         results[name] = {}
         for layers in COMPILE_DEPTHS:
-            cfg = config.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
+            cfg = presets.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
             s = setup(cfg)
             step = prepare(cfg, s.problem, s.mesh, s.batches(0), base.force).step
             results[name][layers] = {"seconds": step.seconds, "hlo_lines": step.hlo.count("\n")}
@@ -352,7 +352,7 @@ def plan_seconds() -> dict:
     scaled to 70B) on 64 devices over 8 hosts, and how many it considered."""
     from jaxpar import planner
 
-    cfg = config.load("gpt-tiny", list(PLAN_70B))
+    cfg = presets.load("gpt-tiny", list(PLAN_70B))
     problem, work = abstract(cfg), planner.of_config(cfg)
     start = time.perf_counter()
     plan = planner.make_plan(cfg, problem, planner.machine(64, "80GB", hosts=8), work)

@@ -29,13 +29,15 @@ from jax.sharding import Mesh
 
 from jaxpar import pipeline
 from jaxpar import state as state_lib
-from jaxpar.config import Config, to_dict
+from jaxpar.config import Config
+from jaxpar.cost import DTYPES
+from jaxpar.engine import Engine
 from jaxpar.errors import CheckpointError
 from jaxpar.mesh import describe
+from jaxpar.presets import to_dict
 from jaxpar.problem import Problem
 from jaxpar.sharding import leaf_key, plan
 from jaxpar.state import TrainState
-from jaxpar.step import DTYPES, Engine
 
 STATE, META = "state", "meta"
 

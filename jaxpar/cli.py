@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from jaxpar import __version__, rundir
-from jaxpar.config import keys_help, load, preset_names
 from jaxpar.errors import ConfigError, Stopped, UserError
+from jaxpar.keys_help import keys_help
+from jaxpar.presets import load, preset_names, resolve_init
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
@@ -339,10 +340,8 @@ def _check_config(args: argparse.Namespace):
         args.config = registry.tiny_preset(registry.default_name())
     cfg, out = load(args.config, args.overrides), None
     if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
-        from jaxpar import hf
-
         given = {o.split("=", 1)[0].removeprefix("model.") for o in args.overrides}
-        cfg = hf.resolve_init(cfg, {k for k in given if "." not in k})
+        cfg = resolve_init(cfg, {k for k in given if "." not in k})
     if args.command in ("train", "inspect"):
         name = Path(args.config).stem
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"

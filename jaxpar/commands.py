@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
-from jaxpar import data, hf, registry
+from jaxpar import data, hf, mesh_rules, presets, registry
 from jaxpar.config import Config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.problem import Problem, from_nnx
@@ -42,7 +42,7 @@ def setup(cfg: Config, devices=None) -> Setup:
 def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[..., dict]]:
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
     registry.check_model(cfg.model, mesh_shape)
-    config_lib.check_train(cfg, mesh_shape)
+    mesh_rules.check_train(cfg, mesh_shape)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     t = cfg.train
     shipped = abstract(cfg)
@@ -88,8 +88,10 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
     model.init's checkpoint if it names one (its config.json already read into cfg)."""
     s = setup(cfg)
     directory = hf.directory_of(cfg.model.init)
-    fmt = registry.get(cfg.model.name).hf
-    params = hf.initial_params(fmt, cfg.model, directory, s.problem.shapes) if directory else None
+    params = None
+    if directory:
+        fmt = registry.hf_format(cfg.model.name, "model.init")
+        params = hf.initial_params(fmt, cfg.model, directory, s.problem.shapes)
     return train(
         s.problem,
         cfg,
@@ -146,7 +148,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
     from jaxpar.metrics import human_bytes, table
     from jaxpar.run import prepare
 
-    small = config_lib.load(scale)
+    small = presets.load(scale)
     rows, local = [], jax.device_count()
     for c in plan.ranked[:top]:
         if math.prod(c.mesh.values()) > local:
@@ -160,7 +162,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         )
         try:
             registry.check_model(cfg.model, c.mesh)
-            config_lib.check_train(cfg, c.mesh)
+            mesh_rules.check_train(cfg, c.mesh)
         except config_lib.ConfigError as e:
             rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
             continue
@@ -243,7 +245,7 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
             )
         text += "\n" + validate(plan, machine, top, scale)
     if out:
-        winner = config_lib.to_dict(plan.ranked[0].cfg)
+        winner = presets.to_dict(plan.ranked[0].cfg)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
         text += f"\nwritten: {out}"

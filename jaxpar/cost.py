@@ -9,23 +9,30 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.axes import DATA, REPLICA, TENSOR
 from jaxpar.config import Config, DpSync, Offload, Optimizer, Precision, ReduceDtype, Train
 from jaxpar.sharding import LeafSpecs
 from jaxpar.zero import stack_dims
 
-COMPUTE_BYTES = {Precision.FP32: 4, Precision.BF16: 2}
+DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}  # train.precision's
 
 
 def dtype_bytes(precision: Precision) -> int:
     """Bytes of one element in the compute dtype of train.precision."""
-    return COMPUTE_BYTES[precision]
+    return jnp.dtype(DTYPES[precision]).itemsize
+
+
+def reduce_precision(train: Train) -> Precision:
+    """The precision gradients are summed over `data` in (train.grad_reduce_dtype): fp32,
+    or the compute precision."""
+    return train.precision if train.grad_reduce_dtype is ReduceDtype.COMPUTE else Precision.FP32
 
 
 def reduce_bytes(train: Train) -> int:
-    """Bytes of one gradient element as it is summed over `data` (train.grad_reduce_dtype)."""
-    return dtype_bytes(train.precision) if train.grad_reduce_dtype is ReduceDtype.COMPUTE else 4
+    """Bytes of one gradient element as it is summed over `data`."""
+    return dtype_bytes(reduce_precision(train))
 
 
 def gathers(names, scans_layers: bool = True):

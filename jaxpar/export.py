@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxpar import checkpoint, hf
+from jaxpar import checkpoint, hf, registry
+from jaxpar.config import Model
 from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.problem import Problem
 from jaxpar.sharding import leaf_key
@@ -51,14 +52,10 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
 def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
     """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
     model.safetensors) for the run's model; returns (step, tensors)."""
-    from jaxpar import registry
-
     params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
     model_keys = meta["config"]["model"]
-    model = registry.config_class(model_keys["name"])(**model_keys)
-    fmt = registry.get(model.name).hf
-    if fmt is None:
-        raise ConfigError(f"--format hf: model.name={model.name} has no Hugging Face format")
+    model = (registry.config_class(model_keys["name"]) or Model)(**model_keys)
+    fmt = registry.hf_format(model.name, "--format hf")
     tensors = hf.export(fmt, model, meta["config"]["train"]["seq_len"], params, Path(to))
     return meta["step"], tensors
 

@@ -212,29 +212,6 @@ def read_config(directory: Path) -> dict:
         raise CheckpointError(f"model.init=hf:{directory}: config.json: {e}") from None
 
 
-def resolve_init(cfg, explicit: set[str] | None = None):
-    """`cfg` with model.* read from model.init's config.json (unchanged without one).
-    The keys in `explicit` (default: those not at their default) must agree with it."""
-    import dataclasses
-
-    from jaxpar import registry
-
-    directory = directory_of(cfg.model.init)
-    if directory is None:
-        return cfg
-    model = cfg.model
-    fmt = registry.get(model.name).hf
-    if fmt is None:
-        raise ConfigError(f"model.init: model.name={model.name} has no Hugging Face format")
-    if explicit is None:
-        explicit = {
-            f.name for f in dataclasses.fields(model) if getattr(model, f.name) != f.default
-        }
-    mine = {k: getattr(model, k) for k in explicit - {"name", "init"}}
-    keys = resolve(fmt, model, directory, mine)
-    return dataclasses.replace(cfg, model=dataclasses.replace(model, **keys))
-
-
 def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:
     """The model keys of `directory`'s config.json, for a model config whose keys in
     `explicit` (key -> value) the user set: each of those must agree."""

@@ -30,6 +30,7 @@ from jaxpar import optim
 from jaxpar import state as state_lib
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
 from jaxpar.config import Config, Parallel
+from jaxpar.engine import StepMetrics, evaluator, jitted, local_value_and_grad, zero_policy
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.sharding import only_axes, pick, plan
 from jaxpar.state import TrainState
@@ -54,13 +55,11 @@ def _stacked(spec: PartitionSpec) -> PartitionSpec:
 
 
 def build(problem: Problem, cfg: Config, mesh: Mesh):
-    from jaxpar.step import StepMetrics, evaluator, jitted, local_value_and_grad, zero_policy
-
     par, n = cfg.parallel, mesh.shape[DATA]
     every = par.sync_every
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
-    policy = zero_policy(cfg, specs, problem.names)
+    policy = zero_policy(cfg.train, par, specs, problem.names)
     inner, schedule = optim.optimizer(cfg.train, problem.names)
     outer = outer_optimizer(par)
     compute = pick(specs, "compute")
@@ -83,8 +82,8 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             params=named(copy_specs, is_leaf=is_spec), opt=named(inner_specs, is_leaf=is_spec)
         )
     )
-    value_and_grad, _ = local_value_and_grad(problem, cfg, mesh, policy, None)
-    mean_loss = evaluator(problem, cfg, mesh, policy, None, problem)  # the global params
+    value_and_grad, _ = local_value_and_grad(problem, cfg.train, par, mesh, policy, None)
+    mean_loss = evaluator(problem, cfg.train, par, mesh, policy, None, problem)  # global params
     clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
 
     def spread(params) -> Local:

@@ -21,21 +21,14 @@ import jax
 
 from jaxpar import attention, cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
-from jaxpar.config import (
-    Config,
-    DpSync,
-    Offload,
-    Remat,
-    Train,
-    batch_split,
-    check_train,
-)
+from jaxpar.batches import batch_split
+from jaxpar.config import Config, DpSync, Offload, Remat, Train
 from jaxpar.errors import ConfigError
+from jaxpar.mesh_rules import check_train
 from jaxpar.metrics import human_bytes, table
 from jaxpar.problem import loss_elements
 from jaxpar.sharding import LAYERS
 from jaxpar.sharding import plan as placement
-from jaxpar.step import DTYPES
 from jaxpar.zero import stack_dims
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -124,7 +117,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     """A registered model's workload on `platform`, from its spec's own counts (the
     attention's [S, S] scores kept only where jaxpar.attention keeps them there)."""
     spec, m, s = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
-    scores = attention.stores_scores(platform, DTYPES[cfg.train.precision], m.embed // m.heads)
+    scores = attention.stores_scores(platform, cost.DTYPES[cfg.train.precision], m.embed // m.heads)
     return Workload(
         layers=m.layers,
         flops_per_row=spec.flops_per_token(m, s) * s,

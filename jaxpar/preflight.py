@@ -21,7 +21,8 @@ import jax
 
 from jaxpar import cost
 from jaxpar.axes import DATA
-from jaxpar.config import Config, Offload, Remat, batch_split
+from jaxpar.batches import batch_split
+from jaxpar.config import Config, Offload, Remat
 from jaxpar.errors import ConfigError
 from jaxpar.metrics import human_bytes
 

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxpar.axes import TENSOR
-from jaxpar.config import Model
 from jaxpar.errors import ConfigError
 from jaxpar.hf import HFFormat
 
 
-def _no_check(model: Model, mesh_shape: dict) -> None:
+def _no_check(model, mesh_shape: dict) -> None:
     del model, mesh_shape
 
 
@@ -32,24 +31,25 @@ class ModelSpec:
     loss: Callable  # (module, batch) -> per-element losses (their mean is minimised)
     stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
     # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
-    flops_per_token: Callable[[Model, int], float]
+    flops_per_token: Callable[..., float]
     # (model config, seq_len, tensor degree, scores) -> bytes one layer keeps for its
     # backward pass per sequence, in a 16-bit compute dtype (planner); `scores`: whether
     # the attention keeps its [S, S] scores (jaxpar.attention.stores_scores)
-    activation_bytes: Callable[[Model, int, int, bool], float]
+    activation_bytes: Callable[..., float]
     # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
     # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)
-    tensor_elements: Callable[[Model, int, int, int], float]
+    tensor_elements: Callable[..., float]
     # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
-    check: Callable[[Model, dict], None] = _no_check
-    config: type[Model] = Model  # its config class: Model, or a subclass with its own keys
+    check: Callable[..., None] = _no_check
+    # its config class: a subclass of jaxpar.Model with its own keys (None: jaxpar.Model)
+    config: type | None = None
     tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`
     hf: HFFormat | None = None  # its Hugging Face checkpoint format, if it has one
 
 
 _SPECS: dict[str, ModelSpec] = {}
 # name -> (module with SPEC, config class, tiny preset), for models imported when needed
-_MODULES: dict[str, tuple[str, type[Model], str | None]] = {}
+_MODULES: dict[str, tuple[str, type | None, str | None]] = {}
 _DEFAULT: list[str] = []  # model.name when none is given
 
 
@@ -57,10 +57,6 @@ def register(spec: ModelSpec) -> ModelSpec:
     """Make `spec` buildable as model.name=spec.name (a later one of the same name wins)."""
     if not isinstance(spec, ModelSpec):
         raise ConfigError(f"register_model: expected a jaxpar.ModelSpec, got {type(spec).__name__}")
-    if not issubclass(spec.config, Model):
-        raise ConfigError(
-            f"register_model({spec.name}): config={spec.config.__name__} must subclass jaxpar.Model"
-        )
     _SPECS[spec.name] = spec
     _MODULES.pop(spec.name, None)
     return spec
@@ -69,7 +65,7 @@ def register(spec: ModelSpec) -> ModelSpec:
 def register_module(
     name: str,
     module: str,
-    config: type[Model] = Model,
+    config: type | None = None,
     tiny: str | None = None,
     default: bool = False,
 ) -> None:
@@ -109,19 +105,32 @@ def get(name: str) -> ModelSpec:
     return _SPECS[name]
 
 
-def config_class(name: str) -> type[Model]:
+def config_class(name: str) -> type | None:
+    """The config class model `name` declares (None: the base jaxpar.Model's keys)."""
     _load_shipped()
     return _MODULES[name][1] if name in _MODULES else _SPECS[name].config
 
 
-def config_classes() -> list[type[Model]]:
-    """The base Model, then each class a model declares, once."""
-    out = [Model]
+def config_classes() -> list[type]:
+    """Each config class a model declares, once."""
+    out = []
     for name in names():
         cls = config_class(name)
-        if cls not in out:
+        if cls is not None and cls not in out:
             out.append(cls)
     return out
+
+
+def hf_format(name: str, key: str) -> HFFormat:
+    """Model `name`'s Hugging Face format, or ConfigError naming `key` and the models
+    that have one."""
+    fmt = get(name).hf
+    if fmt is None:
+        have = [n for n in names() if get(n).hf is not None]
+        raise ConfigError(
+            f"{key}: model.name={name} has no Hugging Face format; the models that have one: {have}"
+        )
+    return fmt
 
 
 def divisible_by_tensor(dims: dict[str, int], mesh_shape: dict) -> None:
@@ -135,6 +144,6 @@ def divisible_by_tensor(dims: dict[str, int], mesh_shape: dict) -> None:
             )
 
 
-def check_model(model: Model, mesh_shape: dict) -> None:
+def check_model(model, mesh_shape: dict) -> None:
     """The model's own checks of its config against the mesh (before any leaf)."""
     get(model.name).check(model, mesh_shape)

@@ -14,16 +14,27 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxpar import config as config_lib
-from jaxpar import cost, ledger, offload, preflight, replicas, throughput
+from jaxpar import (
+    cost,
+    ledger,
+    mesh_rules,
+    offload,
+    preflight,
+    presets,
+    replicas,
+    throughput,
+)
 from jaxpar.axes import DATA, PIPE, TENSOR
-from jaxpar.config import Config, DpSync, Precision, ReduceDtype, batch_split
+from jaxpar.batches import batch_split
+from jaxpar.config import Config, DpSync, Parallel
+from jaxpar.engine import Engine
 from jaxpar.local_sgd import SYNC_SCOPE
+from jaxpar.local_sgd import build as build_averaging
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, ReplicaCheck, Report
 from jaxpar.sharding import RULES, optional_unsplit, unsplit_leaves
-from jaxpar.step import Engine, build
+from jaxpar.step import build as build_grad_sync
 
 
 @dataclass(frozen=True)
@@ -50,12 +61,19 @@ class Run:
     peak_flops: float | None = None  # per device (None: not known, a CPU; no MFU)
 
 
+def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
+    """The engine of parallel.dp_sync: gradients synced every step (jaxpar.step), or
+    parameters averaged every sync_every steps (jaxpar.local_sgd)."""
+    builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
+    return builder(problem, cfg, mesh)
+
+
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
     """Check the config against the mesh, build the engine, compile the step for
     `batch`'s shapes (one global batch), and describe it. A step that would not fit in
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
-    config_lib.check_train(cfg, mesh_shape)
+    mesh_rules.check_train(cfg, mesh_shape)
     engine = build(problem, cfg, mesh)
     preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)
@@ -129,9 +147,8 @@ def compile_step(engine: Engine, batch) -> CompiledStep:
     )
 
 
-def read_ledger(cfg: Config, hlo: str, mesh_shape: dict) -> ledger.Ledger:
+def read_ledger(par: Parallel, hlo: str, mesh_shape: dict) -> ledger.Ledger:
     """The compiled step's collectives per step (parameter averaging's once per sync)."""
-    par = cfg.parallel
     averaging = par.dp_sync is DpSync.PARAMS
     return ledger.read(hlo, mesh_shape, {SYNC_SCOPE: 1 / par.sync_every} if averaging else None)
 
@@ -143,7 +160,7 @@ def describe_step(
     par, trained = cfg.parallel, engine.problem
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     averaging = par.dp_sync is DpSync.PARAMS
-    led = read_ledger(cfg, step.hlo, mesh_shape)
+    led = read_ledger(par, step.hlo, mesh_shape)
     compute_bytes = cost.dtype_bytes(cfg.train.precision)
     split = batch_split(cfg.train, par, mesh_shape)
     # With a pipeline each device runs some layers, and the head or embedding on some
@@ -162,7 +179,7 @@ def describe_step(
     n = mesh_shape[DATA]
     unsplit = unsplit_leaves(engine.specs, shapes, n) if par.zero and n > 1 else []
     return Report(
-        config=config_lib.to_dict(cfg),
+        config=presets.to_dict(cfg),
         mesh=mesh_shape,
         devices=int(mesh.size),
         strategy=strategy_name(cfg, mesh_shape),
@@ -183,9 +200,7 @@ def describe_step(
             ledger.assumes(
                 par.zero,
                 cfg.train.precision,
-                cfg.train.precision
-                if cfg.train.grad_reduce_dtype is ReduceDtype.COMPUTE
-                else Precision.FP32,
+                cost.reduce_precision(cfg.train),
                 par.sync_every if averaging else None,
             ),
         ),

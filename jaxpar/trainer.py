@@ -8,7 +8,6 @@ saves, and returns; a second one exits at once (the last complete checkpoint sta
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import signal
@@ -24,14 +23,14 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar import checkpoint, console, metrics, rundir, throughput
+from jaxpar.batches import batch_for, check_first_batch
 from jaxpar.config import Config, OnNonfinite, profile_range
 from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
 from jaxpar.report import Report
-from jaxpar.run import Run, prepare
+from jaxpar.run import Run, build, prepare
 from jaxpar.sharding import leaf_key
-from jaxpar.step import build
 
 
 @dataclass
@@ -101,7 +100,7 @@ def train(
             say(f"resuming from step {start}: {saver.directory / str(start)}")
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
         first = batches(0)
-        check_first_batch(first, cfg)
+        check_first_batch(first, cfg.train.batch_size)
         run = prepare(cfg, problem, mesh, first, force)
         if peak_tflops is not None:
             run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
@@ -443,75 +442,6 @@ def run_loop(
         loop.end = loop.nonfinite - 1
     loop.stopped = stops.asked if stops and loop.end < cfg.steps else None
     return loop
-
-
-def _leaves(batch) -> list[tuple[str, object]]:
-    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(batch)]
-
-
-def check_first_batch(batch, cfg: Config) -> None:
-    """batches(0) is the whole global batch: arrays of train.batch_size rows each."""
-    want = cfg.train.batch_size
-    for path, x in _leaves(batch):
-        shape = getattr(x, "shape", None)
-        if shape is None or not shape:
-            raise ConfigError(
-                f"batches(0){path} is {type(x).__name__} {shape or ''}: a batch is a pytree "
-                f"of arrays with a leading dim of train.batch_size={want} rows"
-            )
-        if shape[0] != want:
-            raise ConfigError(
-                f"batches(0){path} has {shape[0]} rows (shape {tuple(shape)}) but "
-                f"train.batch_size={want}: batches(step) returns the whole global batch of "
-                f"every data shard; return {want} rows, or set train.batch_size={shape[0]}"
-            )
-
-
-def _check_batch(batch, shapes, step: int, rows: int | None = None) -> None:
-    """Every batch like the first (the compiled step's shapes): cheap, and it names the
-    leaf and both shapes instead of failing inside the step."""
-    got, want = _leaves(batch), _leaves(shapes)
-    if [p for p, _ in got] != [p for p, _ in want]:
-        raise ConfigError(
-            f"batches({step}) has leaves {[p for p, _ in got]}, but batches(0) had "
-            f"{[p for p, _ in want]}: every batch must have the same structure"
-        )
-    for (path, x), (_, w) in zip(got, want, strict=True):
-        expected = (w.shape[0] if rows is None else rows, *w.shape[1:])
-        if tuple(np.shape(x)) != expected or np.dtype(x.dtype) != np.dtype(w.dtype):
-            raise ConfigError(
-                f"batches({step}){path} is {np.dtype(x.dtype).name}{list(np.shape(x))}, but the "
-                f"step was compiled for {np.dtype(w.dtype).name}{list(expected)} (batches(0)'s, "
-                f"train.batch_size={w.shape[0]}): every batch must have the same shapes"
-            )
-
-
-def takes_rows(batches: Callable) -> bool:
-    """Whether `batches` can build a slice of the global batch: batches(step, rows=...)."""
-    return "rows" in inspect.signature(batches).parameters
-
-
-def batch_for(batches: Callable, step: int, sharding, shape_of):
-    """Global batch `step` as a global array. With many processes each puts in only the
-    rows of its own devices, and builds only those when `batches` takes `rows`."""
-    if jax.process_count() == 1:
-        batch = batches(step)
-        _check_batch(batch, shape_of, step)
-        return jax.device_put(batch, sharding)
-    global_rows = jax.tree.leaves(shape_of)[0].shape[0]
-    spans = [i[0] for i in sharding.addressable_devices_indices_map((global_rows,)).values()]
-    mine = slice(min(s.start or 0 for s in spans), max(s.stop or global_rows for s in spans))
-    local = (
-        batches(step, rows=mine)
-        if takes_rows(batches)
-        else jax.tree.map(lambda x: x[mine], batches(step))
-    )
-    _check_batch(local, shape_of, step, rows=mine.stop - mine.start)
-    return jax.tree.map(
-        lambda x, g: jax.make_array_from_process_local_data(sharding, x, g.shape),
-        local,
-        shape_of,
-    )
 
 
 class _Stops:

@@ -12,7 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import Annotated
 
-from jaxpar.config import Model, Range
+from jaxpar.config import Model
+from jaxpar.options import Range, key
 from jaxpar.registry import register_module
 
 
@@ -25,25 +26,35 @@ class RopeScaling(enum.StrEnum):
 class LlamaConfig(Model):
     """model.* for model.name=llama (declared here, without jax, like every key)."""
 
-    name: str = "llama"  # a registered model (jaxpar.registry)
-    # key/value heads (grouped-query attention); they divide model.heads
-    kv_heads: Annotated[int, Range(1, 2**14, "key/value heads")] = 8
-    # the rotary embedding's base (Llama 2: 10000, Llama 3: 500000)
-    rope_theta: Annotated[float, Range(1, 1e9, "a rotary base")] = 10000.0
-    # rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling)
-    rope_scaling: RopeScaling = RopeScaling.NONE
-    # rope_scaling=llama3: how much the long wavelengths are stretched
-    rope_factor: Annotated[float, Range(1, 1024, "a scaling factor")] = 8.0
-    # rope_scaling=llama3: wavelengths beyond original_positions / this are scaled
-    rope_low_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = 1.0
-    # rope_scaling=llama3: wavelengths below original_positions / this are kept
-    rope_high_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = 4.0
-    # rope_scaling=llama3: the context length the model was first trained at
-    rope_original_positions: Annotated[int, Range(1, 2**24, "positions")] = 8192
-    # RMSNorm's epsilon
-    norm_eps: Annotated[float, Range(0, 1, "a small positive number", True)] = 1e-5
-    # the output head is the embedding table, transposed (no head of its own)
-    tie_embeddings: bool = False
+    name: str = key("llama", "a registered model (jaxpar.registry)")
+    kv_heads: Annotated[int, Range(1, 2**14, "key/value heads")] = key(
+        8, "key/value heads (grouped-query attention); they divide model.heads"
+    )
+    rope_theta: Annotated[float, Range(1, 1e9, "a rotary base")] = key(
+        10000.0, "the rotary embedding's base (Llama 2: 10000, Llama 3: 500000)"
+    )
+    rope_scaling: RopeScaling = key(
+        RopeScaling.NONE,
+        "rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling)",
+    )
+    rope_factor: Annotated[float, Range(1, 1024, "a scaling factor")] = key(
+        8.0, "rope_scaling=llama3: how much the long wavelengths are stretched"
+    )
+    rope_low_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = key(
+        1.0, "rope_scaling=llama3: wavelengths beyond original_positions / this are scaled"
+    )
+    rope_high_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = key(
+        4.0, "rope_scaling=llama3: wavelengths below original_positions / this are kept"
+    )
+    rope_original_positions: Annotated[int, Range(1, 2**24, "positions")] = key(
+        8192, "rope_scaling=llama3: the context length the model was first trained at"
+    )
+    norm_eps: Annotated[float, Range(0, 1, "a small positive number", True)] = key(
+        1e-5, "RMSNorm's epsilon"
+    )
+    tie_embeddings: bool = key(
+        False, "the output head is the embedding table, transposed (no head of its own)"
+    )
 
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)

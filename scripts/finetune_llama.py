@@ -31,7 +31,7 @@ def main() -> None:
 
     import jax
 
-    from jaxpar import commands, hf, planner
+    from jaxpar import commands, planner, presets
     from jaxpar.export import export_hf
     from jaxpar.models import LlamaConfig
 
@@ -43,7 +43,7 @@ def main() -> None:
         data=jaxpar.Data(source="tokens", path=str(args.data)),
         checkpoint=jaxpar.Checkpoint(every=max(1, args.steps // 2)),
     )
-    cfg = hf.resolve_init(cfg)
+    cfg = presets.resolve_init(cfg)
     plan = planner.make_plan(
         cfg,
         commands.abstract(cfg),

@@ -17,6 +17,8 @@ import argparse
 import os
 from pathlib import Path
 
+from jaxpar import presets
+
 RUNS = {
     "grads (all-reduce every step)": (),
     "params, every 4 steps": ("parallel.dp_sync=params", "parallel.sync_every=4"),
@@ -45,13 +47,13 @@ def main() -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxpar import config, metrics
+    from jaxpar import metrics
     from jaxpar.commands import setup
     from jaxpar.trainer import train
 
     curves, rows = {}, []
     for name, overrides in RUNS.items():
-        cfg = config.load("default", [*LAYOUT, *overrides, f"train.steps={args.steps}"])
+        cfg = presets.load("default", [*LAYOUT, *overrides, f"train.steps={args.steps}"])
         s = setup(cfg)
         result = train(
             s.problem,

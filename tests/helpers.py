@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxpar import config
+from jaxpar import presets
 from jaxpar.axes import AXES
 from jaxpar.commands import setup
 from jaxpar.report import Report
@@ -30,7 +30,7 @@ THREE_D_1F1B = [
 
 def _setup(preset: str, overrides):
     """(cfg, setup on as many devices as the degrees ask for)."""
-    cfg = config.load(preset, list(overrides))
+    cfg = presets.load(preset, list(overrides))
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     return cfg, setup(cfg, jax.devices()[:n])
 

@@ -9,13 +9,13 @@ import typing
 
 import pytest
 
-from jaxpar import cli, commands, config, registry, run
+from jaxpar import cli, commands, config, presets, registry, run
 from jaxpar.errors import ConfigError
 
 BIG = "9" * 5000  # past Python's 4300-digit limit for int()
 
 
-KEYS = config.keys()  # every declared key: its kind, choices and range
+KEYS = presets.keys()  # every declared key: its kind, choices and range
 
 
 def _below(key: str) -> str:
@@ -379,12 +379,12 @@ def test_refused_by_the_installed_command_before_jax_starts(tmp_path):
 def _built_in_python(argv: list[str]) -> None:
     """The settings of `argv` built as a Python user builds them (jaxpar.Train(...),
     jaxpar.Config(...)), then set up and prepared as jaxpar.train does."""
-    tree = config._merge(config._read_preset("gpt-tiny"), config.parse_overrides(argv))
+    tree = presets._merge(presets._read_preset("gpt-tiny"), presets.parse_overrides(argv))
     sections = typing.get_type_hints(config.Config)
     cfg = config.Config(
         **{
             name: (
-                registry.config_class(values.get("name", "gpt"))
+                registry.config_class(values.get("name", "gpt")) or sections[name]
                 if name == "model" and values.get("name", "gpt") in registry.names()
                 else sections[name]
             )(**values)

@@ -18,14 +18,14 @@ from helpers import THREE_D_1F1B, one_line_error
 from safetensors.numpy import load_file
 
 import jaxpar
-from jaxpar import cli, config, registry
+from jaxpar import cli, presets, registry
 from jaxpar.axes import AXES
 from jaxpar.commands import setup as model_setup
-from jaxpar.step import build
+from jaxpar.run import build
 
 
 def setup(overrides):
-    cfg = config.load("gpt-tiny", list(overrides))
+    cfg = presets.load("gpt-tiny", list(overrides))
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     s = model_setup(cfg, jax.devices()[:n])
     return cfg, s.mesh, s.problem, s.batches

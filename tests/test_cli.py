@@ -7,7 +7,7 @@ import pytest
 from helpers import compile_only, jaxpar_command
 
 import jaxpar
-from jaxpar import cli, config, console, throughput, xla_flags
+from jaxpar import cli, console, presets, throughput, xla_flags
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
@@ -96,7 +96,7 @@ def test_help_lists_every_config_key_and_version():
     assert top.returncode == 0 and "jaxpar train --help" in top.stdout
     assert "dispatch" not in top.stdout  # no developer notes
     helped = jaxpar_command("train", "--help").stdout
-    for key in config.keys():
+    for key in presets.keys():
         assert f"  {key}=" in helped, key
     assert "--force" in helped and "numbers as 1e-3" in helped
     assert jaxpar_command("--version").stdout.strip() == f"jaxpar {jaxpar.__version__}"

@@ -3,14 +3,14 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar import cli, config, registry
+from jaxpar import cli, config, mesh_rules, presets, registry
 from jaxpar.mesh import resolve_degrees
 
 
-@pytest.mark.parametrize("name", config.preset_names())
+@pytest.mark.parametrize("name", presets.preset_names())
 def test_presets_parse_and_start_with_their_command(name):
-    config.load(name)  # parses
-    text = (config.resources.files("jaxpar") / "configs" / f"{name}.yaml").read_text()
+    presets.load(name)  # parses
+    text = (presets.resources.files("jaxpar") / "configs" / f"{name}.yaml").read_text()
     first = text.splitlines()[0]
     assert first.startswith("# jaxpar train")
     assert (name == "default") == (first.strip() == "# jaxpar train")
@@ -31,12 +31,12 @@ def test_presets_parse_and_start_with_their_command(name):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_gpt_tiny_valid_for_every_strategy(degrees, zero):
     data, tensor = degrees
-    cfg = config.load(
+    cfg = presets.load(
         "gpt-tiny", [f"parallel.data={data}", f"parallel.tensor={tensor}", f"parallel.zero={zero}"]
     )
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     registry.check_model(cfg.model, mesh_shape)
-    config.check_train(cfg, mesh_shape)
+    mesh_rules.check_train(cfg, mesh_shape)
     assert cfg.model.layers >= 4 and cfg.train.batch_size == 16
 
 

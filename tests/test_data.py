@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from jaxpar import config, data
+from jaxpar import data, presets
 
 
 @pytest.mark.parametrize("source", ["corpus", "synthetic"])
 def test_batch_is_pure_function_of_seed_and_step(source):
-    cfg = config.load("gpt-tiny", [f"data.source={source}"])
+    cfg = presets.load("gpt-tiny", [f"data.source={source}"])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     kw = dict(batch_size=16, seq_len=64, vocab=256)
     a = data.batch_at(tokens, seed=0, step=3, **kw)["tokens"]
@@ -28,7 +28,7 @@ def test_corpus_is_embedded_text():
 def test_user_text_file(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(bytes(range(200)) * 3)
-    cfg = config.load("gpt-tiny", ["data.source=file", f"data.path={path}"])
+    cfg = presets.load("gpt-tiny", ["data.source=file", f"data.path={path}"])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     batch = data.batch_at(tokens, seed=0, step=0, batch_size=4, seq_len=64, vocab=256)
     rows = batch["tokens"]
@@ -39,7 +39,7 @@ def test_user_text_file(tmp_path):
 @pytest.mark.parametrize("source", ["corpus", "synthetic"])
 def test_a_slice_of_rows_is_those_rows_of_the_batch(source):
     """What each of many processes builds: its own rows, equal to the global batch's."""
-    cfg = config.load("gpt-tiny", [f"data.source={source}"])
+    cfg = presets.load("gpt-tiny", [f"data.source={source}"])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     kw = dict(seed=0, step=5, batch_size=16, seq_len=64, vocab=256)
     whole = data.batch_at(tokens, **kw)["tokens"]
@@ -52,7 +52,7 @@ def test_a_file_of_exactly_one_window_trains_on_it(tmp_path):
     """seq_len + 1 ids are one window: seq_len inputs and the target after them."""
     ids = np.arange(65, dtype="<u2")
     (tmp_path / "one.bin").write_bytes(ids.tobytes())
-    cfg = config.load("gpt-tiny", ["data.source=tokens", f"data.path={tmp_path / 'one.bin'}"])
+    cfg = presets.load("gpt-tiny", ["data.source=tokens", f"data.path={tmp_path / 'one.bin'}"])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     batch = data.batch_at(tokens, seed=0, step=0, batch_size=4, seq_len=64, vocab=256)
     np.testing.assert_array_equal(batch["tokens"], np.tile(ids, (4, 1)))

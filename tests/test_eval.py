@@ -10,13 +10,13 @@ import pytest
 from helpers import THREE_D_1F1B, _shipped, one_line_error
 
 import jaxpar
-from jaxpar import cli, commands, config, data
+from jaxpar import cli, commands, data, presets
 
 EVAL = ["train.eval_every=2", "train.eval_batches=2"]
 
 
 def test_the_corpus_tail_is_held_out_and_never_trained_on():
-    cfg = config.load("gpt-tiny", EVAL)
+    cfg = presets.load("gpt-tiny", EVAL)
     whole = np.frombuffer(data.corpus_bytes(), dtype=np.uint8)
     trained = data.load_tokens(cfg.data, cfg.train, cfg.model)
     held_out = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
@@ -35,7 +35,7 @@ def test_a_prepared_folder_evaluates_on_val_bin(tmp_path):
     (tmp_path / "train.bin").write_bytes(np.arange(0, 100, dtype="<u2").repeat(10).tobytes())
     (tmp_path / "val.bin").write_bytes(np.arange(100, 200, dtype="<u2").repeat(10).tobytes())
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16"}))
-    cfg = config.load("gpt-tiny", [*EVAL, "data.source=tokens", f"data.path={tmp_path}"])
+    cfg = presets.load("gpt-tiny", [*EVAL, "data.source=tokens", f"data.path={tmp_path}"])
     held_out = commands.held_out_batches(cfg)(1)["tokens"]
     assert held_out.min() >= 100
     trained = data.batch_at(
@@ -46,7 +46,7 @@ def test_a_prepared_folder_evaluates_on_val_bin(tmp_path):
 
 
 def test_synthetic_eval_batches_are_fresh_draws():
-    cfg = config.load("gpt-tiny", [*EVAL, "data.source=synthetic"])
+    cfg = presets.load("gpt-tiny", [*EVAL, "data.source=synthetic"])
     _, batches = commands.model_problem(cfg, {"data": 1, "pipeline": 1, "tensor": 1})
     held_out = commands.held_out_batches(cfg)
     assert not np.array_equal(held_out(0)["tokens"], batches(0)["tokens"])

@@ -11,7 +11,7 @@ import jax
 import pytest
 from helpers import compile_only
 
-from jaxpar import commands, config
+from jaxpar import commands, presets
 from jaxpar.bench import STRATEGIES
 from jaxpar.mesh import resolve_degrees
 from jaxpar.sharding import SPEC_FIELDS, plan
@@ -21,7 +21,7 @@ MODELS = ("gpt-tiny", "mlp-tiny")
 
 
 def _specs(preset: str, overrides) -> dict:
-    cfg = config.load(preset, list(overrides))
+    cfg = presets.load(preset, list(overrides))
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     problem, _ = commands.model_problem(cfg, mesh_shape)
     specs = plan(

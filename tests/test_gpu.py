@@ -15,10 +15,9 @@ import pytest
 from jax._src import custom_partitioning
 from jax._src.cudnn import fused_attention_stablehlo
 
-from jaxpar import attention, config, context, xla_flags
+from jaxpar import attention, context, presets, xla_flags
 from jaxpar.commands import setup
-from jaxpar.run import step_inputs
-from jaxpar.step import build
+from jaxpar.run import build, step_inputs
 
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # forward, backward
 
@@ -26,7 +25,7 @@ CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # forward, backw
 def lowered_step(preset: str, *overrides: str, platform: str | None = None, devices: int = 8):
     """(the step's lowered StableHLO text for `platform` (default: this machine's), the
     engine's compiler options), data parallel on `devices` devices."""
-    cfg = config.load(preset, [f"parallel.data={devices}", "data.source=synthetic", *overrides])
+    cfg = presets.load(preset, [f"parallel.data={devices}", "data.source=synthetic", *overrides])
     s = setup(cfg, jax.devices()[:devices])
     with context.building_for(platform) if platform else contextlib.nullcontext():
         engine = build(s.problem, cfg, s.mesh)

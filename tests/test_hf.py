@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import cli, commands, config, hf, registry  # noqa: E402
+from jaxpar import cli, commands, hf, presets, registry  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
@@ -67,8 +67,8 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 
 
 def loaded_config(directory: Path, *overrides: str):
-    cfg = config.load("llama-tiny", [f"model.init=hf:{directory}", *overrides])
-    return hf.resolve_init(cfg, set())
+    cfg = presets.load("llama-tiny", [f"model.init=hf:{directory}", *overrides])
+    return presets.resolve_init(cfg, set())
 
 
 LAYOUTS = {

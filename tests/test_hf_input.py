@@ -11,11 +11,11 @@ import pytest
 from helpers import one_line_error
 from safetensors.numpy import load_file, save_file
 
-from jaxpar import cli, commands, config, hf, registry, run
+from jaxpar import cli, commands, hf, presets, registry, run
 
 
 def write_checkpoint(directory: Path) -> Path:
-    cfg = config.load("llama-tiny", ["model.layers=2"])
+    cfg = presets.load("llama-tiny", ["model.layers=2"])
     shapes = commands.abstract(cfg).shapes
     rng = np.random.default_rng(0)
     params = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in shapes.items()}
@@ -111,7 +111,7 @@ def test_bad_init_key_refused_before_jax(init, needle, capsys, tmp_path):
 def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
     """jaxpar -> HF files -> jaxpar, each device reading its own slices: the same arrays,
     on a mesh that splits every dim the files' layout flattens."""
-    cfg = config.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
+    cfg = presets.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
     directory = write_checkpoint(tmp_path / "ckpt")
     s = commands.setup(cfg)
     want = {k: np.asarray(v) for k, v in load_file(str(directory / "model.safetensors")).items()}
@@ -134,11 +134,11 @@ from jaxpar import commands, config, distributed, hf, registry, mesh
 if "JAX_NUM_CPU_DEVICES" not in __import__("os").environ:
     mesh.use_cpu_devices(8)
 distributed.initialize()
-cfg = config.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
+cfg = presets.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
 s = commands.setup(cfg)
 read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
 from jaxpar.checkpoint import layout
-from jaxpar.step import build
+from jaxpar.run import build
 params = read(layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"])
 jax.block_until_ready(params)
 print("BYTES", jax.process_index(), read.reader.bytes_read, flush=True)
@@ -185,8 +185,8 @@ from jaxpar import commands, config, hf, mesh, registry
 mesh.use_cpu_devices(8)
 import jax
 from jaxpar.checkpoint import layout
-from jaxpar.step import build
-cfg = config.load("llama-tiny", sys.argv[2:])
+from jaxpar.run import build
+cfg = presets.load("llama-tiny", sys.argv[2:])
 s = commands.setup(cfg)
 targets = layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"]
 def hwm():
@@ -209,7 +209,7 @@ def test_an_import_peaks_near_the_model_size(layout, tmp_path):
     import subprocess
     import sys
 
-    cfg = config.load("llama-tiny", BIG)
+    cfg = presets.load("llama-tiny", BIG)
     shapes = commands.abstract(cfg).shapes
     rng = np.random.default_rng(0)
     params = {k: rng.standard_normal(v.shape, np.float32) for k, v in shapes.items()}

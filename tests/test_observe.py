@@ -8,7 +8,7 @@ import struct
 import pytest
 from helpers import one_line_error
 
-from jaxpar import cli, commands, config, throughput
+from jaxpar import cli, commands, config, presets, throughput
 from jaxpar.metrics import TENSORBOARD_TAGS
 
 
@@ -17,7 +17,7 @@ def test_flops_per_token_is_the_hand_count(preset):
     """6 per matmul parameter (q, k, v, o; the MLP; the one-hot embedding and the head),
     plus 12 L S E for the scores and their product with V (not halved by the causal
     mask: every score is computed)."""
-    cfg = config.load(preset)
+    cfg = presets.load(preset)
     m, seq = cfg.model, cfg.train.seq_len
     e, layers = m.embed, m.layers
     if preset == "gpt-tiny":  # 4 x 64 wide, mlp 256, vocab 256, 64 tokens
@@ -114,7 +114,7 @@ def test_bad_profile_steps_exit_2(capsys, value, needles):
 
 
 def test_profile_without_a_run_directory_is_refused(devices):
-    cfg = config.load("gpt-tiny", ["train.profile_steps=1:2"])
+    cfg = presets.load("gpt-tiny", ["train.profile_steps=1:2"])
     s = commands.setup(cfg)
     with pytest.raises(config.ConfigError, match="give train\\(..., out_dir=...\\)"):
         commands.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True)

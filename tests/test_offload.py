@@ -6,10 +6,9 @@ import re
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 
-from jaxpar import config
+from jaxpar import presets
 from jaxpar.commands import setup
-from jaxpar.run import step_inputs
-from jaxpar.step import build
+from jaxpar.run import build, step_inputs
 
 MESHES = {
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),
@@ -121,7 +120,7 @@ def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
 
 
 def lowered_placements(*overrides: str) -> dict[str, list[str]]:
-    cfg = config.load("gpt-tiny", ["parallel.data=8", *overrides])
+    cfg = presets.load("gpt-tiny", ["parallel.data=8", *overrides])
     s = setup(cfg)
     engine = build(s.problem, cfg, s.mesh)
     lowered = engine.step.trace(*step_inputs(engine, s.batches(0))).lower(

@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import THREE_D_1F1B, compile_only
 
-from jaxpar import cli, commands, config, cost, pipeline, planner
+from jaxpar import cli, commands, cost, pipeline, planner, presets
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.bench import STRATEGIES
 from jaxpar.config import Offload
@@ -30,7 +30,7 @@ LAYOUTS = [
 
 
 def predicted(overrides):
-    cfg = config.load("gpt-tiny", list(overrides))
+    cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
     problem = commands.abstract(cfg)
     staged = pipeline.in_stages(problem, mesh[PIPE])
@@ -92,7 +92,7 @@ def test_a_70b_gpt_on_64_devices_is_planned_without_allocating(tmp_path):
     peak_mb = float(out.split("PEAK_MB ")[1].split()[0])
     assert peak_mb < 2000, (seconds, peak_mb)
     assert "recommended: " in out and "layouts considered" in out
-    winner = config.load(str(tmp_path / "plan.yaml"))  # ready for jaxpar train --config
+    winner = presets.load(str(tmp_path / "plan.yaml"))  # ready for jaxpar train --config
     p = winner.parallel
     assert winner.model.layers == 80 and p.replica * p.data * p.pipeline * p.tensor == 64
 
@@ -137,7 +137,7 @@ def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     """For a run's own layout the planner predicts the very minimum and ZeRO state that
     the run's ledger reports: one function computes both (jaxpar.cost)."""
     overrides = AGREEMENT[name]
-    cfg = config.load("gpt-tiny", list(overrides))
+    cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
     staged = pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
     guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
@@ -154,7 +154,7 @@ def test_replicas_are_enumerated_across_hosts_and_priced_there():
     bytes go at the inter-host rate and its data bytes at the intra-host one, where flat
     ZeRO's data axis spans both hosts and pays the slow rate for all of it."""
     two_hosts = planner.machine(8, "80GB", hosts=2, intra_gbps=450, inter_gbps=10)
-    cfg = config.load("gpt-tiny", [])
+    cfg = presets.load("gpt-tiny", [])
     work, problem = planner.of_config(cfg), commands.abstract(cfg)
     found = {
         (m[REPLICA], m[DATA], c.parallel.zero)
@@ -164,7 +164,7 @@ def test_replicas_are_enumerated_across_hosts_and_priced_there():
     assert (2, 4, 0) not in found
 
     def guess(*overrides):
-        c = config.load("gpt-tiny", list(overrides))
+        c = presets.load("gpt-tiny", list(overrides))
         return planner.predict(c, resolve_degrees(c.parallel, 8), two_hosts, problem, work)
 
     flat = guess("parallel.data=8", "parallel.zero=1")
@@ -221,7 +221,7 @@ def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
     compiled = prepare(best.cfg, problem, mesh, batch, force=True).report
     assert best.model_state == pytest.approx(compiled.state_bytes.actual, rel=0.02)
     with pytest.raises(jaxpar.ConfigError, match="train.batch_size=16, but the batch has 32"):
-        jaxpar.plan(problem, batch, devices=8, device_memory="1GB", cfg=config.load("gpt-tiny"))
+        jaxpar.plan(problem, batch, devices=8, device_memory="1GB", cfg=presets.load("gpt-tiny"))
 
 
 def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
@@ -229,7 +229,7 @@ def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
     uses gives some device more than a quarter of the work; the predicted compute is
     that device's, not an even split."""
     overrides = ["model.layers=6", "parallel.data=2", "parallel.pipeline=4"]
-    cfg = config.load("gpt-tiny", [*overrides, "parallel.microbatches=4"])
+    cfg = presets.load("gpt-tiny", [*overrides, "parallel.microbatches=4"])
     problem, work = commands.abstract(cfg), planner.of_config(cfg)
     guess = planner.predict(
         cfg, resolve_degrees(cfg.parallel, 8), MACHINE, pipeline.in_stages(problem, 4), work
@@ -251,7 +251,7 @@ def test_the_activation_count_keeps_the_scores_only_where_attention_stores_them(
     where the attention keeps its scores (CPU), their fp32 softmax statistics where
     cuDNN or the blocked form runs (a GPU)."""
     preset = {"gpt": "gpt-tiny", "llama": "llama-tiny"}[name]
-    cfg = config.load(preset, ["train.seq_len=4096", "train.precision=bf16"])
+    cfg = presets.load(preset, ["train.seq_len=4096", "train.precision=bf16"])
     a, s = cfg.model.heads, 4096
     kept = {p: planner.of_config(cfg, p).layer_elements(1) for p in ("cpu", "cuda")}
     scores, stats = {"gpt": (5 * a * s * s, 4 * a * s), "llama": (4 * a * s * s, 4 * a * s)}[name]
@@ -271,7 +271,7 @@ def test_the_rule_never_says_a_state_that_fits_does_not():
     memory, not by a 'does not fit' that the plan itself contradicts."""
     import dataclasses
 
-    cfg = config.load("gpt-tiny", [])
+    cfg = presets.load("gpt-tiny", [])
     plan = planner.make_plan(cfg, commands.abstract(cfg), MACHINE, planner.of_config(cfg))
     zeroed = [
         c

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import BATCH, EMBED, MLP, SEQ, VOCAB, cli, config, registry
-from jaxpar.config import Range
+from jaxpar import BATCH, EMBED, MLP, SEQ, VOCAB, cli, keys_help, presets, registry
+from jaxpar.options import Range
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +100,7 @@ def test_a_registered_model_trains_inspects_and_plans(gated, tmp_path, capsys, d
     plan = ["plan", *MODEL, "--devices", "8", "--device-memory", "1GB"]
     assert cli.main([*plan, "--out", str(tmp_path / "plans" / "winner.yaml")]) == 0
     assert "recommended:" in capsys.readouterr().out
-    winner = config.load(str(tmp_path / "plans" / "winner.yaml"))
+    winner = presets.load(str(tmp_path / "plans" / "winner.yaml"))
     assert isinstance(winner.model, GatedConfig) and winner.model.gate == 0.25
 
 
@@ -113,7 +113,7 @@ def test_its_own_key_is_declared_checked_and_helped(gated, capsys):
         GatedConfig(name="gated", gate=-1)
     with pytest.raises(jaxpar.ConfigError, match=r"build the model section as GatedConfig"):
         jaxpar.Model(name="gated")
-    assert "model.gate=0.5" in config.keys_help() and "(GatedConfig)" in config.keys_help()
+    assert "model.gate=0.5" in keys_help.keys_help() and "(GatedConfig)" in keys_help.keys_help()
     assert cli.main(["train", "model.name=gatd"]) == 2
     assert "did you mean gated?" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import one_line_error
 
-from jaxpar import cli, config, data
+from jaxpar import cli, data, presets
 
 VOCAB = 512
 
@@ -106,7 +106,7 @@ def test_trains_on_prepared_tokens(prepared, tmp_path, devices, capsys):
 
 
 def test_a_batch_is_the_same_from_the_map_and_from_memory(prepared):
-    cfg = config.load(
+    cfg = presets.load(
         "gpt-tiny", ["data.source=tokens", f"data.path={prepared}", f"model.vocab={VOCAB}"]
     )
     mapped = data.load_tokens(cfg.data, cfg.train, cfg.model)

@@ -1,0 +1,205 @@
+"""What every step builder shares (jaxpar.step for gradient sync, jaxpar.local_sgd for
+parameter averaging): the Engine they return, the metrics a step reports, the ZeRO
+policy, the forward/backward on this device's rows, the held-out loss, and jitting.
+
+Forward/backward runs inside a shard_map that is manual over `replica`, `data` and
+`pipeline` (`tensor` stays with the compiler, which splits the model per the rules), so
+each device holds its local gradients and the reductions are placed by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import context, cost, pipeline, schedules, xla_flags
+from jaxpar.accumulate import accumulate
+from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
+from jaxpar.batches import batch_split
+from jaxpar.config import Offload, Parallel, Schedule, Train
+from jaxpar.problem import Problem, loss_elements
+from jaxpar.sharding import RULES, LeafSpecs, only_axes
+from jaxpar.zero import ZeroPolicy
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, on the device (read on the host a step later)."""
+
+    loss: jax.Array
+    lr: jax.Array
+    grad_norm: jax.Array
+    skipped: jax.Array  # steps skipped as not finite so far
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Everything built for one (problem, config, mesh): specs, shardings, jitted functions."""
+
+    specs: Any  # params pytree of LeafSpecs
+    tx: optax.GradientTransformation  # the optimizer (its state's structure)
+    state_shardings: Any  # TrainState of NamedShardings
+    batch_sharding: NamedSharding
+    init: Any  # jitted: key -> TrainState, created directly in its sharding
+    step: Any  # jitted: (state, batch) -> (state, metrics); state is donated
+    grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
+    layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
+    problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
+    # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
+    # optimizer state (jaxpar.local_sgd.Local)
+    spread: Any = None
+    # jitted: (state, batch) -> the batch's mean loss, forward only (held-out loss)
+    evaluate: Any = None
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA flags (GPU)
+
+    def export(self, params):
+        """Parameters in the model's own layout (the layer stack unstaged)."""
+        if self.layout is None:
+            return params
+        # on the host: offloaded master weights cannot be indexed on the device
+        return pipeline.unstaged(self.problem, self.layout, jax.device_get(params))
+
+
+def zero_policy(train: Train, par: Parallel, specs, names) -> ZeroPolicy:
+    return ZeroPolicy(
+        stage=par.zero,
+        specs=specs,
+        names=names,
+        dtype=cost.DTYPES[train.precision],
+        reduce_dtype=cost.DTYPES[cost.reduce_precision(train)],
+        dp_mode=par.dp_collective,
+        bucket_bytes=par.bucket_mb * 2**20,
+        fetch=par.offload is Offload.OPTIMIZER_PARAMS,
+    )
+
+
+def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields) -> Engine:
+    """The Engine of these functions, jitted: `init` straight into the state's shardings,
+    `step` donating its state, the batch split over the batch axes; on a GPU, compiled
+    with jaxpar.xla_flags."""
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    options = xla_flags.for_step(context.target(mesh), mesh.size)
+    return Engine(
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(
+            step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=0,
+            compiler_options=options,
+        ),
+        grads=jax.jit(grads, compiler_options=options),
+        evaluate=jax.jit(evaluate, compiler_options=options),
+        compiler_options=options,
+        **fields,
+    )
+
+
+def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> context.Context:
+    return context.Context(
+        rules=RULES,
+        mesh_shape=dict(mesh.shape),
+        keep=policy.keep(par.remat),
+        layer=policy.layer,
+        whole=policy.whole,
+        platform=context.target(mesh),
+        unroll=train.unroll,
+    )
+
+
+def _micro_batches(train: Train, par: Parallel, mesh: Mesh, batch):
+    """This device's rows as [train.grad_accum, rows, ...]."""
+    rows = batch_split(train, par, dict(mesh.shape)).accum
+    return jax.tree.map(lambda x: x.reshape((train.grad_accum, rows) + x.shape[1:]), batch)
+
+
+def manual(specs, field: str):
+    """The part of each leaf's spec that a shard_map manual over `data` and `pipeline`
+    sees (the other axes stay with the compiler)."""
+    return jax.tree.map(
+        lambda s: only_axes(getattr(s, field), (DATA, PIPE)),
+        specs,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+
+
+def evaluator(
+    problem: Problem,
+    train: Train,
+    par: Parallel,
+    mesh: Mesh,
+    policy: ZeroPolicy,
+    layout,
+    given: Problem,
+):
+    """(stored compute params, global batch) -> the batch's mean loss: the forward pass
+    alone, in the training layout (a pipeline runs its forward ticks only, as GPipe;
+    ZeRO-3 gathers each layer as in training), over train.grad_accum micro-batches.
+    `problem` as trained (pipeline-staged), `given` as the user gave it."""
+    ctx = _context(train, par, mesh, policy)
+    if layout is None:
+
+        def loss_sum(params, mb):
+            return jnp.sum(problem.loss(policy.compute_view(params), mb).astype(jnp.float32))
+
+    else:
+        forward = Schedule.INTERLEAVED if par.schedule is Schedule.INTERLEAVED else Schedule.GPIPE
+        pipe = schedules.Pipe(problem, layout, forward, par.microbatches)
+        loss_sum = functools.partial(schedules.forward_loss, pipe, policy.compute_view)
+
+    def local(params, batch):
+        with context.active(ctx):
+            micro = _micro_batches(train, par, mesh, batch)
+            sums = jax.lax.map(lambda mb: loss_sum(params, mb), micro)
+        return jax.lax.psum(jnp.sum(sums), (REPLICA, DATA, PIPE))
+
+    def mean_loss(params, batch):
+        total = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
+            out_specs=PartitionSpec(),
+            axis_names={REPLICA, DATA, PIPE},
+            check_vma=False,
+        )(params, batch)
+        return total / loss_elements(given, batch)
+
+    return mean_loss
+
+
+def local_value_and_grad(
+    problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
+):
+    """((params, this device's rows, loss elements) -> (its loss sum / loss elements, its
+    gradients, accumulated over train.grad_accum micro-batches), the pipeline or None),
+    with the model's context active; for a shard_map manual over the batch axes."""
+    ctx = _context(train, par, mesh, policy)
+    pipe = None
+    if layout is None:
+
+        @jax.value_and_grad
+        def value_and_grad(params, mb, count):
+            losses = problem.loss(policy.compute_view(params), mb)
+            return jnp.sum(losses.astype(jnp.float32)) / count
+
+    else:
+        pipe = schedules.Pipe(problem, layout, par.schedule, par.microbatches)
+        value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
+
+    def local(params, batch, count):
+        with context.active(ctx):
+            return accumulate(
+                lambda p, mb: value_and_grad(p, mb, count),
+                policy.accumulator(params),
+                each=policy.each_micro_batch,
+            )(params, _micro_batches(train, par, mesh, batch))
+
+    return local, pipe
