@@ -3,7 +3,7 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar import cli, config, mesh_rules, presets, registry
+from jaxpar import cli, mesh_rules, presets, registry
 from jaxpar.mesh import resolve_degrees
 
 
