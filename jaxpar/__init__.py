@@ -47,7 +47,7 @@ _EXPORTS = {
     "from_pytree": ("jaxpar.problem", "from_pytree"),
     "TrainState": ("jaxpar.state", "TrainState"),
     "Result": ("jaxpar.trainer", "Result"),
-    "restore": ("jaxpar.trainer", "restore"),
+    "restore": ("jaxpar.checkpoint", "restore"),
     "train": ("jaxpar.trainer", "train"),
     "distributed": ("jaxpar.distributed", None),
     "mesh": ("jaxpar.mesh", None),

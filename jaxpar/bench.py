@@ -20,10 +20,11 @@ import jax
 import numpy as np
 
 from jaxpar import checkpoint, config, ledger, metrics, presets, registry
-from jaxpar.commands import abstract, setup
+from jaxpar.commands import setup
 from jaxpar.mesh import describe
+from jaxpar.problem import registered
 from jaxpar.run import prepare, read_ledger
-from jaxpar.trainer import run_loop
+from jaxpar.trainer import LoopOptions, run_loop
 
 STRATEGIES = {
     "dp8-zero0": ("parallel.data=8", "parallel.zero=0"),
@@ -162,7 +163,7 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
         bare.append((time.perf_counter() - start) / steps)
         start = time.perf_counter()
         log = metrics.MetricsLog(None)
-        state = run_loop(run, state, batches, log, False, 0, saves.every, saves.start()).state
+        state = run_loop(run, state, batches, log, 0, saves.options()).state
         loop.append((time.perf_counter() - start) / steps)
     bare, loop = min(bare), min(loop)
     # The trainer's own work per step (make and place a batch, read a step's metrics),
@@ -198,12 +199,15 @@ class _Saves:
         self.ckpts = None
         if self.every:
             self.folder = Path(tempfile.mkdtemp(prefix="jaxpar-bench-"))
-            self.layout = checkpoint.layout(cfg, problem, run.engine, mesh)
+            self.layout = checkpoint.layout(
+                problem, run.engine, mesh, cfg.parallel.zero, cfg.train.precision
+            )
             self.meta = lambda step: checkpoint.meta(cfg, mesh, self.layout, step)
 
-    def start(self):
+    def options(self) -> LoopOptions:
+        """A timed loop's options: saving every checkpoint.every steps into a fresh folder."""
         if not self.every:
-            return None
+            return LoopOptions()
         if self.ckpts:
             self.ckpts.close()
         self.ckpts = checkpoint.Checkpoints(self.folder / str(len(self.blocking)), keep=2)
@@ -213,7 +217,7 @@ class _Saves:
             self.ckpts.save(step, self.layout.to_saved(state), self.meta(step))
             self.blocking.append(time.perf_counter() - start)
 
-        return save
+        return LoopOptions(every=self.every, save=save)
 
     def figures(self) -> dict:
         if not self.every:
@@ -353,7 +357,7 @@ def plan_seconds() -> dict:
     from jaxpar import planner
 
     cfg = presets.load("gpt-tiny", list(PLAN_70B))
-    problem, work = abstract(cfg), planner.of_config(cfg)
+    problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
     start = time.perf_counter()
     plan = planner.make_plan(cfg, problem, planner.machine(64, "80GB", hosts=8), work)
     seconds = time.perf_counter() - start

@@ -29,13 +29,14 @@ from jax.sharding import Mesh
 
 from jaxpar import pipeline
 from jaxpar import state as state_lib
-from jaxpar.config import Config
+from jaxpar.config import Config, OnNonfinite, Precision
 from jaxpar.cost import DTYPES
 from jaxpar.engine import Engine
 from jaxpar.errors import CheckpointError
-from jaxpar.mesh import describe
+from jaxpar.mesh import build_mesh, describe
 from jaxpar.presets import to_dict
 from jaxpar.problem import Problem
+from jaxpar.run import build
 from jaxpar.sharding import leaf_key, plan
 from jaxpar.state import TrainState
 
@@ -55,12 +56,12 @@ class Layout:
     copies: int | None = None  # parallel.dp_sync=params: the devices' copies (data)
 
 
-def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
+def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: Precision) -> Layout:
     """How `engine`'s state is saved and restored on `mesh`. Restore targets come from
     the model-layout plan of this run, never from the shardings a checkpoint was saved
     with, so any layout restores into any other."""
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
-    specs = plan(problem.names, shapes, zero=cfg.parallel.zero, mesh_shape=describe(mesh))
+    specs = plan(problem.names, shapes, zero=zero, mesh_shape=describe(mesh))
     model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes)
     staged = engine.layout
     stack = set(problem.parts.stack_keys) if staged else set()
@@ -89,7 +90,7 @@ def layout(cfg: Config, problem: Problem, engine: Engine, mesh: Mesh) -> Layout:
             saved["local"] = state.local
         return saved
 
-    dtype = DTYPES[cfg.train.precision]
+    dtype = DTYPES[precision]
 
     def from_saved(saved: dict) -> TrainState:
         params = {k: stage(k, x) for k, x in saved["params"].items()} if staged else saved["params"]
@@ -279,23 +280,93 @@ def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
             )
 
 
-def restore(
-    directory: Path,
-    cfg: Config,
-    problem: Problem,
-    engine: Engine,
-    mesh: Mesh,
-    step: int | None = None,
-) -> TrainState:
-    """The TrainState of checkpoint `step` (default: the latest) in `directory`, laid out
-    for `engine` on `mesh` (any layout it was saved from)."""
-    ckpts = Checkpoints(directory, create=False)
+def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int | None = None):
+    """The TrainState of a checkpoint directory (the latest step, or `step`) under `cfg`
+    and `mesh` (default: all devices), whatever layout it was saved from."""
+    mesh = build_mesh(cfg.parallel) if mesh is None else mesh
+    engine = build(problem, cfg, mesh)
+    ckpts = Checkpoints(Path(directory), create=False)
     step = ckpts.latest if step is None else step
     if step is None:
         raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
-    ckpt = layout(cfg, problem, engine, mesh)
+    ckpt = layout(problem, engine, mesh, cfg.parallel.zero, cfg.train.precision)
     check_compatible(ckpts.meta(step), ckpt, ckpts.directory / str(step))
     return ckpt.from_saved(ckpts.restore(step, ckpt.target))
+
+
+class Saver:
+    """A run's checkpoints: resumed from if there are any, saved into every
+    checkpoint.every steps, at the end, and at a stop (a signal, a non-finite step) even
+    with checkpoint.every=0 when there is a place for them. Opened when first needed;
+    closed (pending writes finished) on any exit."""
+
+    def __init__(self, cfg: Config, directory: Path | None):
+        self.cfg, self.directory = cfg, directory
+        self.ckpts = None
+        if directory and (cfg.checkpoint.every or directory.exists()):
+            self._open()
+        self.latest = self.ckpts.latest if self.ckpts else None
+        self.newest = self.latest  # the newest step saved (or found)
+
+    def _open(self) -> None:
+        self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
+
+    @property
+    def opened(self) -> bool:
+        return self.ckpts is not None
+
+    def where(self, step: int) -> Path:
+        return self.ckpts.directory / str(step)
+
+    def bind(self, problem: Problem, engine, mesh) -> None:
+        self.mesh = mesh
+        self.layout = layout(
+            problem, engine, mesh, self.cfg.parallel.zero, self.cfg.train.precision
+        )
+
+    def restore(self, step: int):
+        check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
+        state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
+        if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
+            state = state.replace(skipped=state.skipped * 0)
+        return state
+
+    def save(self, state, step: int) -> None:
+        """Start saving (returns once the state is copied off the device)."""
+        if self.ckpts is None:
+            self._open()
+        saved = meta(self.cfg, self.mesh, self.layout, step)
+        self.ckpts.save(step, self.layout.to_saved(state), saved)
+        self.newest = step
+
+    def finish(self, loop, start: int):
+        """The state to return after `loop` (jaxpar.trainer.Loop), saved where it ought to be."""
+        state = loop.state
+        if self.directory is None:
+            return state
+        if loop.nonfinite is not None:
+            # the state is the last good one: drop saves of it made after the halt (their
+            # labels ran ahead of it), then save it under its own step
+            if self.ckpts:
+                self.ckpts.wait()
+                for late in sorted(s for s in loop.saved if s >= loop.end):
+                    self.ckpts.manager.delete(late)
+            loop.saved = {s for s in loop.saved if s < loop.end}
+            state = state.replace(skipped=state.skipped * 0)
+        ckpt = self.cfg.checkpoint
+        wanted = (
+            ckpt.every or ckpt.final or loop.stopped or loop.nonfinite is not None or loop.diverged
+        )
+        if wanted and loop.end not in loop.saved and loop.end != start:
+            self.save(state, loop.end)
+        return state
+
+    def __enter__(self) -> Saver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ckpts:
+            self.ckpts.close()
 
 
 def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:

@@ -15,9 +15,11 @@ from jax.sharding import Mesh
 
 from jaxpar import config as config_lib
 from jaxpar import data, hf, mesh_rules, presets, registry
+from jaxpar.axes import TENSOR
 from jaxpar.config import Config
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.problem import Problem, from_nnx
+from jaxpar.problem import Problem, registered
+from jaxpar.sharding import check_tensor_split, tensor_dims
 from jaxpar.trainer import Result, train
 
 
@@ -43,9 +45,10 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
     registry.check_model(cfg.model, mesh_shape)
     mesh_rules.check_train(cfg, mesh_shape)
+    shipped = registered(cfg.model, cfg.train.seq_len)
+    check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     t = cfg.train
-    shipped = abstract(cfg)
 
     def batches(step: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(
@@ -127,20 +130,6 @@ def inspect_config(cfg: Config, picture: Path) -> str:
     )
 
 
-def abstract(cfg: Config) -> Problem:
-    """The registered model as a Problem (shapes only until its init runs: nothing is
-    allocated), with its pipeline stages and Megatron's count of tensor all-reduces."""
-    spec, model, seq_len = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
-    problem = from_nnx(
-        lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
-    )
-    return dataclasses.replace(
-        problem,
-        tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
-        flops_per_token=spec.flops_per_token(model, seq_len),
-    )
-
-
 def validate(plan, machine, top: int, scale: str) -> str:
     """`jaxpar plan --validate`: the top layouts that fit on this host's devices, with the
     model and batch scaled down to `scale`'s, predicted and compiled (not run)."""
@@ -166,7 +155,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         except config_lib.ConfigError as e:
             rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
             continue
-        shapes = abstract(cfg)
+        shapes = registered(cfg.model, cfg.train.seq_len)
         p = c.mesh["pipeline"]
         staged = pipeline.in_stages(shapes, p)
         # compiled here: the attention CPU runs (its scores kept)
@@ -208,7 +197,7 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.errors import ConfigError
     from jaxpar.metrics import human_bytes
 
-    problem, work = abstract(cfg), planner.of_config(cfg)
+    problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:
         staged = problem.parts is not None

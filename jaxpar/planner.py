@@ -26,8 +26,8 @@ from jaxpar.config import Config, DpSync, Offload, Remat, Train
 from jaxpar.errors import ConfigError
 from jaxpar.mesh_rules import check_train
 from jaxpar.metrics import human_bytes, table
-from jaxpar.problem import loss_elements
-from jaxpar.sharding import LAYERS
+from jaxpar.problem import loss_elements, registered
+from jaxpar.sharding import LAYERS, check_tensor_split, tensor_dims
 from jaxpar.sharding import plan as placement
 from jaxpar.zero import stack_dims
 
@@ -118,12 +118,19 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     attention's [S, S] scores kept only where jaxpar.attention keeps them there)."""
     spec, m, s = registry.get(cfg.model.name), cfg.model, cfg.train.seq_len
     scores = attention.stores_scores(platform, cost.DTYPES[cfg.train.precision], m.embed // m.heads)
+    shapes = registered(m, s)
+    dims = tensor_dims(shapes.names, shapes.shapes)
+
+    def check(mesh: dict) -> None:
+        registry.check_model(m, mesh)
+        check_tensor_split(dims, mesh[TENSOR])
+
     return Workload(
         layers=m.layers,
         flops_per_row=spec.flops_per_token(m, s) * s,
         layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor, scores) / 2,
         boundary_elements=s * m.embed,
-        check=lambda mesh: registry.check_model(m, mesh),
+        check=check,
     )
 
 

@@ -10,6 +10,7 @@ the step's compute view (jaxpar.zero.ZeroPolicy.compute_view).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpar import context
+from jaxpar import context, registry
 from jaxpar.errors import ConfigError
 from jaxpar.layers import KEY, scan_layers
 from jaxpar.sharding import leaf_key
@@ -194,4 +195,19 @@ def from_pytree(
         names=names,
         loss=lambda params, batch: loss(whole(params), batch),
         scans_layers=False,
+    )
+
+
+def registered(model, seq_len: int) -> Problem:
+    """A registered model (its `model.*` section) as a Problem, shapes only until its init
+    runs (nothing is allocated), with its pipeline stages, Megatron's count of tensor
+    all-reduces and its FLOPs per token, from its registry entry."""
+    spec = registry.get(model.name)
+    problem = from_nnx(
+        lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
+    )
+    return dataclasses.replace(
+        problem,
+        tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
+        flops_per_token=spec.flops_per_token(model, seq_len),
     )

@@ -11,7 +11,6 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxpar.axes import TENSOR
 from jaxpar.errors import ConfigError
 from jaxpar.hf import HFFormat
 
@@ -133,17 +132,7 @@ def hf_format(name: str, key: str) -> HFFormat:
     return fmt
 
 
-def divisible_by_tensor(dims: dict[str, int], mesh_shape: dict) -> None:
-    """Each `model.KEY: size` that Megatron splits over `tensor` must divide by it."""
-    tensor = mesh_shape[TENSOR]
-    for key, size in dims.items():
-        if size % tensor:
-            raise ConfigError(
-                f"{key}={size} is not divisible by parallel.tensor={tensor}; Megatron splits "
-                f"it over tensor: choose a tensor degree dividing {size}, or change {key}"
-            )
-
-
 def check_model(model, mesh_shape: dict) -> None:
-    """The model's own checks of its config against the mesh (before any leaf)."""
+    """The model's own checks of its config against the mesh (before any leaf; the tensor
+    split its dims need is the rules', jaxpar.sharding.check_tensor_split)."""
     get(model.name).check(model, mesh_shape)

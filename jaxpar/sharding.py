@@ -54,6 +54,36 @@ WHERE_DIVISIBLE = (KV_HEADS,)
 NOT_ZERO = (LAYERS, STAGE)
 
 
+def tensor_dims(names_tree, shapes_tree) -> dict[str, int]:
+    """The sizes of the parameters' dims that RULES splits over `tensor` without exception
+    (not WHERE_DIVISIBLE), by logical name, in RULES' order: what a tensor degree must
+    divide."""
+    split = [n for n, axis in RULES if axis == TENSOR and n not in WHERE_DIVISIBLE]
+    sizes = {}
+    for names, x in zip(
+        jax.tree.leaves(names_tree, is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(shapes_tree),
+        strict=True,
+    ):
+        for name, size in zip(names, x.shape, strict=True):
+            if name in split:
+                sizes.setdefault(name, size)
+    return {n: sizes[n] for n in split if n in sizes}
+
+
+def check_tensor_split(dims: dict[str, int], tensor: int) -> None:
+    """`dims` (tensor_dims) against the tensor degree, before any leaf is placed: a
+    registered model sizes each by its key of the same name (model.heads, model.mlp,
+    model.vocab), which ConfigError names with the fix."""
+    for name, size in dims.items():
+        if size % tensor:
+            raise ConfigError(
+                f"model.{name}={size} is not divisible by parallel.tensor={tensor}; Megatron "
+                f"splits it over tensor: choose a tensor degree dividing {size}, or change "
+                f"model.{name}"
+            )
+
+
 class LeafSpecs(NamedTuple):
     """Where one parameter leaf lives at each point of the step."""
 

@@ -29,7 +29,7 @@ from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
 from jaxpar.report import Report
-from jaxpar.run import Run, build, prepare
+from jaxpar.run import Run, prepare
 from jaxpar.sharding import leaf_key
 
 
@@ -94,7 +94,7 @@ def train(
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg, out_dir)
     _open(out_dir, ckpt_dir, restart, lead, say)
-    with _Saver(cfg, ckpt_dir) as saver:
+    with checkpoint.Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
         if start:
             say(f"resuming from step {start}: {saver.directory / str(start)}")
@@ -130,25 +130,19 @@ def train(
         )
         if files:
             say(f"tensorboard --logdir {files}")
-        every = cfg.checkpoint.every if ckpt_dir else 0
-        shown = progress and not quiet and lead
         profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
         if profile:
             say(f"profiling steps {cfg.train.profile_steps} into {profile}")
         with _Stops() as stops:
-            loop = run_loop(
-                run,
-                state,
-                batches,
-                log,
-                shown,
-                start,
-                every,
-                saver.save,
-                stops,
-                profile,
-                _evaluation(run, eval_batches) if cfg.train.eval_every else None,
+            options = LoopOptions(
+                progress=progress and not quiet and lead,
+                every=cfg.checkpoint.every if ckpt_dir else 0,
+                save=saver.save,
+                stops=stops,
+                profile=profile,
+                evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
             )
+            loop = run_loop(run, state, batches, log, start, options)
         log.close()
         state = saver.finish(loop, start)
     if loop.nonfinite is not None:
@@ -220,79 +214,6 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
     return report
 
 
-class _Saver:
-    """A run's checkpoints: resumed from if there are any, saved into every
-    checkpoint.every steps, at the end, and at a stop (a signal, a non-finite step) even
-    with checkpoint.every=0 when there is a place for them. Opened when first needed;
-    closed (pending writes finished) on any exit."""
-
-    def __init__(self, cfg: Config, directory: Path | None):
-        self.cfg, self.directory = cfg, directory
-        self.ckpts = None
-        if directory and (cfg.checkpoint.every or directory.exists()):
-            self._open()
-        self.latest = self.ckpts.latest if self.ckpts else None
-        self.newest = self.latest  # the newest step saved (or found)
-
-    def _open(self) -> None:
-        self.ckpts = checkpoint.Checkpoints(self.directory, self.cfg.checkpoint.keep)
-
-    @property
-    def opened(self) -> bool:
-        return self.ckpts is not None
-
-    def where(self, step: int) -> Path:
-        return self.ckpts.directory / str(step)
-
-    def bind(self, problem: Problem, engine, mesh) -> None:
-        self.mesh = mesh
-        self.layout = checkpoint.layout(self.cfg, problem, engine, mesh)
-
-    def restore(self, step: int):
-        checkpoint.check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
-        state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
-        if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
-            state = state.replace(skipped=state.skipped * 0)
-        return state
-
-    def save(self, state, step: int) -> None:
-        """Start saving (returns once the state is copied off the device)."""
-        if self.ckpts is None:
-            self._open()
-        meta = checkpoint.meta(self.cfg, self.mesh, self.layout, step)
-        self.ckpts.save(step, self.layout.to_saved(state), meta)
-        self.newest = step
-
-    def finish(self, loop: Loop, start: int):
-        """The state to return after the loop, saved where it ought to be."""
-        state = loop.state
-        if self.directory is None:
-            return state
-        if loop.nonfinite is not None:
-            # the state is the last good one: drop saves of it made after the halt (their
-            # labels ran ahead of it), then save it under its own step
-            if self.ckpts:
-                self.ckpts.wait()
-                for late in sorted(s for s in loop.saved if s >= loop.end):
-                    self.ckpts.manager.delete(late)
-            loop.saved = {s for s in loop.saved if s < loop.end}
-            state = state.replace(skipped=state.skipped * 0)
-        ckpt = self.cfg.checkpoint
-        wanted = (
-            ckpt.every or ckpt.final or loop.stopped or loop.nonfinite is not None or loop.diverged
-        )
-        if wanted and loop.end not in loop.saved and loop.end != start:
-            self.save(state, loop.end)
-        return state
-
-    def __enter__(self) -> _Saver:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.ckpts:
-            self.ckpts.close()
-
-
 @dataclass
 class Loop:
     state: object
@@ -328,8 +249,16 @@ def _throughput(run: Run, step_s: float) -> dict:
     )
 
 
-# Tests only: (step, state) -> state, called after each step (to corrupt a replica).
-_test_hook: Callable | None = None
+@dataclass(frozen=True)
+class LoopOptions:
+    """What a loop does beside stepping: all off by default (the bench's bare loop)."""
+
+    progress: bool = False  # a progress bar
+    every: int = 0  # save every N steps, with `save(state, step)`
+    save: Callable | None = None
+    stops: _Stops | None = None  # signals that ask it to stop after the step in flight
+    profile: Path | None = None  # steps train.profile_steps traced into this folder
+    evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
 
 
 def run_loop(
@@ -337,74 +266,24 @@ def run_loop(
     state,
     batches,
     log: metrics.MetricsLog,
-    progress: bool,
     start: int = 0,
-    every: int = 0,
-    save: Callable | None = None,
-    stops: _Stops | None = None,
-    profile: Path | None = None,
-    evaluate: Callable | None = None,
+    opts: LoopOptions | None = None,
 ) -> Loop:
-    """Run steps start+1 .. cfg.train.steps, saving every `every` steps; with `profile`
-    (a folder), steps train.profile_steps are traced into it by jax.profiler; with
-    `evaluate` (state -> held-out loss), every train.eval_every steps."""
-    cfg = run.cfg.train
+    """Run steps start+1 .. train.steps (with what `opts` adds). Step n is dispatched
+    before step n-1's metrics are read (`settle`), so the device never waits on Python."""
+    cfg, opts = run.cfg.train, opts or LoopOptions()
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     loop = Loop(state, start)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress)
+    rows = _Rows(run, loop, log, bar)
     pending = None  # (step, metrics on device) of the step in flight
-    last = time.perf_counter()
-    since_log: list[float] = []
-
-    def settle(step: int, device_metrics, evaluated: bool = False) -> None:
-        """The step's metrics row; `evaluated`: with the held-out loss of the state now
-        (its time kept out of the step times)."""
-        nonlocal last
-        host = jax.device_get(device_metrics)  # waits for that step only
-        now = time.perf_counter()
-        loop.times.append(now - last)
-        since_log.append(now - last)
-        eval_loss = evaluate(loop.state) if evaluated else None
-        last = time.perf_counter()
-        loss, grad_norm = float(host.loss), float(host.grad_norm)
-        loop.losses.append(loss)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
-            loop.nonfinite = step + 1
-        bar.update(1)
-        if eval_loss is not None:
-            loop.eval_losses.append((step + 1, eval_loss))
-        logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
-        if logged or not finite or eval_loss is not None:
-            dt = float(np.mean(since_log))
-            since_log.clear()
-            row = {
-                "step": step + 1,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": float(host.lr),
-                "step_time_s": dt,
-                **_throughput(run, dt),
-                "skipped": int(host.skipped),
-                **({} if eval_loss is None else {"eval_loss": eval_loss}),
-            }
-            log.write(row)
-            speed = (
-                {"mfu": f"{row['mfu']:.1%}"}
-                if row["mfu"] is not None
-                else {"gflop_s": f"{row['flops_per_s_per_device'] / 1e9:.1f}"}
-            )
-            if loop.eval_losses:
-                speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
-
-    span = profile_range(cfg) if profile else None
+    span = profile_range(cfg) if opts.profile else None
     tracing = False
     for step in range(start, cfg.steps):
-        if loop.nonfinite is not None or loop.diverged or (stops and stops.asked):
+        if loop.nonfinite is not None or loop.diverged or (opts.stops and opts.stops.asked):
             break
         if span and step + 1 == span[0]:
-            jax.profiler.start_trace(str(profile))
+            jax.profiler.start_trace(str(opts.profile))
             tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
             batch = batch_for(batches, step, sharding, run.step.batch_shapes)
@@ -413,35 +292,87 @@ def run_loop(
             jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
             jax.profiler.stop_trace()
             tracing = False
-        if _test_hook is not None:
-            loop.state = _test_hook(step + 1, loop.state)
         loop.end = step + 1
         if pending is not None:
-            settle(*pending)
+            rows.settle(*pending)
         pending = (step, step_metrics)
         if run.check and loop.end % cfg.check_replicas_every == 0:
             loop.diverged = run.check(loop.state)
             if loop.diverged:
-                continue  # (saved by _Saver.finish, as the state it is)
-        due_eval = evaluate is not None and loop.end % cfg.eval_every == 0
-        due_save = every and loop.end % every == 0
+                continue  # (saved by checkpoint.Saver.finish, as the state it is)
+        due_eval = opts.evaluate is not None and loop.end % cfg.eval_every == 0
+        due_save = opts.every and loop.end % opts.every == 0
         if due_eval or due_save:
             # this step's metrics row (and eval loss) is written before its checkpoint
             # exists: a resume from it then misses no row
-            settle(*pending, evaluated=due_eval)
+            rows.settle(*pending, evaluate=opts.evaluate if due_eval else None)
             pending = None
         if due_save:
-            save(loop.state, loop.end)  # blocks until the state is copied off the device
+            opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
             loop.saved.add(loop.end)
     if tracing:  # stopped (a signal, a non-finite step) inside the span
         jax.profiler.stop_trace()
     if pending is not None:
-        settle(*pending)
+        rows.settle(*pending)
     bar.close()
     if loop.nonfinite is not None:  # `stop` froze the state at the last good step
         loop.end = loop.nonfinite - 1
-    loop.stopped = stops.asked if stops and loop.end < cfg.steps else None
+    loop.stopped = opts.stops.asked if opts.stops and loop.end < cfg.steps else None
     return loop
+
+
+class _Rows:
+    """Each settled step's loss and times into `loop`, and its metrics row (every
+    train.log_every steps, the first and last, and any not finite) into `log` and the
+    progress bar."""
+
+    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar):
+        self.run, self.loop, self.log, self.bar = run, loop, log, bar
+        self.last = time.perf_counter()
+        self.since_log: list[float] = []
+
+    def settle(self, step: int, device_metrics, evaluate: Callable | None = None) -> None:
+        """Step `step`'s metrics read to the host (waiting for that step only); with
+        `evaluate`, the held-out loss of the state now (its time kept out of the step's)."""
+        cfg, loop = self.run.cfg.train, self.loop
+        host = jax.device_get(device_metrics)
+        now = time.perf_counter()
+        loop.times.append(now - self.last)
+        self.since_log.append(now - self.last)
+        eval_loss = evaluate(loop.state) if evaluate else None
+        self.last = time.perf_counter()
+        loss, grad_norm = float(host.loss), float(host.grad_norm)
+        loop.losses.append(loss)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
+            loop.nonfinite = step + 1
+        self.bar.update(1)
+        if eval_loss is not None:
+            loop.eval_losses.append((step + 1, eval_loss))
+        logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
+        if not (logged or not finite or eval_loss is not None):
+            return
+        dt = float(np.mean(self.since_log))
+        self.since_log.clear()
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(host.lr),
+            "step_time_s": dt,
+            **_throughput(self.run, dt),
+            "skipped": int(host.skipped),
+            **({} if eval_loss is None else {"eval_loss": eval_loss}),
+        }
+        self.log.write(row)
+        speed = (
+            {"mfu": f"{row['mfu']:.1%}"}
+            if row["mfu"] is not None
+            else {"gflop_s": f"{row['flops_per_s_per_device'] / 1e9:.1f}"}
+        )
+        if loop.eval_losses:
+            speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
 
 
 class _Stops:
@@ -479,7 +410,7 @@ def _checkpoint_dir(cfg: Config, out_dir: Path | None) -> Path | None:
     return out_dir / "checkpoints" if out_dir else None
 
 
-def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: _Saver) -> str:
+def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: checkpoint.Saver) -> str:
     """Which step, and which parameters' gradients were not finite: recomputed from the
     saved last good state and that step's batch (the same computation as the step)."""
     step = loop.nonfinite
@@ -497,11 +428,3 @@ def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: _Saver) -> s
         f"({'gradients of ' + leaves if bad else 'the loss'}); the state before it is "
         f"{where}. Lower train.lr, or set train.on_nonfinite=skip to step over such batches"
     )
-
-
-def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int | None = None):
-    """The TrainState of a checkpoint directory (the latest step, or `step`) under `cfg`
-    and `mesh` (default: all devices), whatever layout it was saved from."""
-    mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-    engine = build(problem, cfg, mesh)
-    return checkpoint.restore(Path(directory), cfg, problem, engine, mesh, step)

@@ -84,6 +84,19 @@ def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:
     return token_losses(model, x_BxSxE, batch)
 
 
+def flops_per_token(model: Model, block_flops: float) -> float:
+    """Forward and backward FLOPs per token, 3x the forward: `block_flops` per block, and
+    the embedding and the head as matmuls (2 V E each)."""
+    return 3 * (model.layers * block_flops + 2 * 2 * model.vocab * model.embed)
+
+
+def tensor_elements(model: Model, per_block: int, rows: int, seq_len: int) -> float:
+    """Elements Megatron all-reduces over `tensor` per micro-batch of `rows` sequences:
+    `per_block` [rows, seq, embed] activations per block (forward and backward), plus the
+    vocab-split embedding (forward) and output projection (backward)."""
+    return (per_block * model.layers + 2) * rows * seq_len * model.embed
+
+
 def language_model_stages(model: Model, block_flops: float) -> Stages:
     """A model with `embed`, `blocks` and `logits` cut into pipeline stages, with forward
     FLOPs per token of the embedding, one block and the output head (for balancing)."""

@@ -11,7 +11,7 @@ from jaxpar.attention import causal_attention
 from jaxpar.config import Model
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
-from jaxpar.registry import ModelSpec, divisible_by_tensor
+from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
 
 from .common import (
@@ -19,9 +19,11 @@ from .common import (
     LayerNorm,
     apply_layer,
     embed_tokens,
+    flops_per_token,
     language_model_stages,
     next_token_loss,
     normal,
+    tensor_elements,
 )
 
 
@@ -93,17 +95,12 @@ def check(model: Model, mesh_shape: dict) -> None:
             f"model.embed={model.embed} is not divisible by model.heads="
             f"{model.heads}; each head needs embed/heads dims"
         )
-    divisible_by_tensor(
-        {"model.mlp": model.mlp, "model.vocab": model.vocab, "model.heads": model.heads},
-        mesh_shape,
-    )
 
 
-def flops_per_token(m: Model, seq_len: int) -> float:
-    """6 per matmul parameter (the one-hot embedding and the head count as matmuls),
-    plus the attention scores and their product with V: 12 L S E."""
-    matmuls = m.layers * (4 * m.embed**2 + 2 * m.embed * m.mlp) + 2 * m.vocab * m.embed
-    return 6 * matmuls + 12 * m.layers * seq_len * m.embed
+def block_flops(m: Model, seq_len: int) -> float:
+    """Forward FLOPs of one block per token: 2 per matmul parameter (q/k/v, o, the MLP),
+    plus the attention scores and their product with V, 4 S E."""
+    return 2 * (4 * m.embed**2 + 2 * m.embed * m.mlp) + 4 * seq_len * m.embed
 
 
 def activation_bytes(m: Model, seq_len: int, tensor: int, scores: bool = True) -> float:
@@ -119,14 +116,11 @@ SPEC = ModelSpec(
     name="gpt",
     build=lambda model, seq_len, rngs: GPT(model, seq_len, rngs),
     loss=next_token_loss,
-    stages=lambda m, seq_len: language_model_stages(
-        m, 8 * m.embed**2 + 4 * m.embed * m.mlp + 4 * seq_len * m.embed
-    ),
-    flops_per_token=flops_per_token,
+    stages=lambda m, seq_len: language_model_stages(m, block_flops(m, seq_len)),
+    flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
     activation_bytes=activation_bytes,
-    # attention and MLP: 2 each way per block, plus the vocab-split embedding (forward)
-    # and output projection (backward), each a [rows, seq, embed] activation
-    tensor_elements=lambda m, rows, seq_len, tensor: (4 * m.layers + 2) * rows * seq_len * m.embed,
+    # attention and MLP: 2 each way per block
+    tensor_elements=lambda m, rows, seq_len, tensor: tensor_elements(m, 4, rows, seq_len),
     check=check,
     tiny="gpt-tiny",
 )

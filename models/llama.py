@@ -20,11 +20,18 @@ from jaxpar.attention import causal_attention
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.hf import HFFormat, Tensor
 from jaxpar.layers import constrain, param, stack
-from jaxpar.registry import ModelSpec, divisible_by_tensor
+from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
 
 from . import LlamaConfig, RopeScaling
-from .common import embed_tokens, language_model_stages, next_token_loss, normal
+from .common import (
+    embed_tokens,
+    flops_per_token,
+    language_model_stages,
+    next_token_loss,
+    normal,
+)
+from .common import tensor_elements as tensor_elements_of
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -175,22 +182,14 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
             f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}: each "
             "key/value head serves an equal group of query heads"
         )
-    divisible_by_tensor(
-        {"model.heads": m.heads, "model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape
-    )
 
 
-def _layer_matmuls(m: LlamaConfig) -> int:
-    """Matmul parameters of one block: q and o, k and v (GQA), gate, up and down."""
+def block_flops(m: LlamaConfig, seq_len: int) -> float:
+    """Forward FLOPs of one block per token: 2 per matmul parameter (q and o, k and v
+    (GQA), gate, up and down), plus the attention scores and their product with V."""
     kv = m.kv_heads * (m.embed // m.heads)
-    return 2 * m.embed * m.embed + 2 * m.embed * kv + 3 * m.embed * m.mlp
-
-
-def flops_per_token(m: LlamaConfig, seq_len: int) -> float:
-    """6 per matmul parameter (embedding and head as matmuls), plus the attention scores
-    and their product with V: 12 L S E."""
-    matmuls = m.layers * _layer_matmuls(m) + 2 * m.vocab * m.embed
-    return 6 * matmuls + 12 * m.layers * seq_len * m.embed
+    matmuls = 2 * m.embed * m.embed + 2 * m.embed * kv + 3 * m.embed * m.mlp
+    return 2 * matmuls + 4 * seq_len * m.embed
 
 
 def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True) -> float:
@@ -209,7 +208,7 @@ def tensor_elements(m: LlamaConfig, rows: int, seq_len: int, tensor: int) -> flo
     """Megatron's all-reduces per micro-batch of `rows` sequences: per block o and down
     row-split (forward), the fused q/k/v and gate/up inputs (backward); the vocab-split
     embedding and head; and the gradients of key/value weights left whole."""
-    return (4 * m.layers + 2) * rows * seq_len * m.embed + m.layers * _kv_grads(m, tensor)
+    return tensor_elements_of(m, 4, rows, seq_len) + m.layers * _kv_grads(m, tensor)
 
 
 def _kv_grads(m: LlamaConfig, t: int) -> float:
@@ -329,10 +328,8 @@ SPEC = ModelSpec(
     name="llama",
     build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
     loss=next_token_loss,
-    stages=lambda m, seq_len: language_model_stages(
-        m, 2 * _layer_matmuls(m) + 4 * seq_len * m.embed
-    ),
-    flops_per_token=flops_per_token,
+    stages=lambda m, seq_len: language_model_stages(m, block_flops(m, seq_len)),
+    flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
     activation_bytes=activation_bytes,
     tensor_elements=tensor_elements,
     check=check,

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers, stack
-from jaxpar.registry import ModelSpec, divisible_by_tensor
+from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
 
 from .common import (
@@ -15,9 +15,11 @@ from .common import (
     LayerNorm,
     apply_layer,
     embed_tokens,
+    flops_per_token,
     language_model_stages,
     next_token_loss,
     normal,
+    tensor_elements,
 )
 
 
@@ -52,15 +54,12 @@ SPEC = ModelSpec(
     build=lambda model, seq_len, rngs: MLP(model, seq_len, rngs),
     loss=next_token_loss,
     stages=lambda m, seq_len: language_model_stages(m, 4 * m.embed * m.mlp),
-    flops_per_token=lambda m, seq_len: 6 * (m.layers * 2 * m.embed * m.mlp + 2 * m.vocab * m.embed),
+    flops_per_token=lambda m, seq_len: flops_per_token(m, 4 * m.embed * m.mlp),
     # per position: the layer's input, LayerNorm's output and the hidden activation
     activation_bytes=lambda m, seq_len, tensor, scores: (
         seq_len * (4 * m.embed + 3 * m.mlp / tensor)
     ),
-    # one feed-forward per block, 1 each way, plus the embedding and the head
-    tensor_elements=lambda m, rows, seq_len, tensor: (2 * m.layers + 2) * rows * seq_len * m.embed,
-    check=lambda m, mesh_shape: divisible_by_tensor(
-        {"model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape
-    ),
+    # one feed-forward per block, 1 each way
+    tensor_elements=lambda m, rows, seq_len, tensor: tensor_elements(m, 2, rows, seq_len),
     tiny="mlp-tiny",
 )

@@ -34,6 +34,7 @@ def main() -> None:
     from jaxpar import commands, planner, presets
     from jaxpar.export import export_hf
     from jaxpar.models import LlamaConfig
+    from jaxpar.problem import registered
 
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),  # its dims come from config.json
@@ -46,7 +47,7 @@ def main() -> None:
     cfg = presets.resolve_init(cfg)
     plan = planner.make_plan(
         cfg,
-        commands.abstract(cfg),
+        registered(cfg.model, cfg.train.seq_len),
         planner.machine(jax.device_count(), args.device_memory),
         planner.of_config(cfg),
     )

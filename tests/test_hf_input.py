@@ -12,11 +12,12 @@ from helpers import one_line_error
 from safetensors.numpy import load_file, save_file
 
 from jaxpar import cli, commands, hf, presets, registry, run
+from jaxpar.problem import registered
 
 
 def write_checkpoint(directory: Path) -> Path:
     cfg = presets.load("llama-tiny", ["model.layers=2"])
-    shapes = commands.abstract(cfg).shapes
+    shapes = registered(cfg.model, cfg.train.seq_len).shapes
     rng = np.random.default_rng(0)
     params = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in shapes.items()}
     hf.export(registry.get("llama").hf, cfg.model, 64, params, directory)
@@ -210,7 +211,7 @@ def test_an_import_peaks_near_the_model_size(layout, tmp_path):
     import sys
 
     cfg = presets.load("llama-tiny", BIG)
-    shapes = commands.abstract(cfg).shapes
+    shapes = registered(cfg.model, cfg.train.seq_len).shapes
     rng = np.random.default_rng(0)
     params = {k: rng.standard_normal(v.shape, np.float32) for k, v in shapes.items()}
     directory = tmp_path / "ckpt"

@@ -10,6 +10,7 @@ from helpers import one_line_error
 
 from jaxpar import cli, commands, config, presets, throughput
 from jaxpar.metrics import TENSORBOARD_TAGS
+from jaxpar.problem import registered
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
@@ -26,7 +27,7 @@ def test_flops_per_token_is_the_hand_count(preset):
         kv = m.kv_heads * (e // m.heads)
         per_layer = e * e + 2 * e * kv + e * e + 3 * e * m.mlp
     hand = 6 * (layers * per_layer + 2 * m.vocab * e) + 12 * layers * seq * e
-    assert commands.abstract(cfg).flops_per_token == hand
+    assert registered(cfg.model, cfg.train.seq_len).flops_per_token == hand
     assert hand == {"gpt-tiny": 1_572_864, "llama-tiny": 1_228_800}[preset]
 
 

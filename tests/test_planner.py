@@ -6,11 +6,12 @@ import sys
 import pytest
 from helpers import THREE_D_1F1B, compile_only
 
-from jaxpar import cli, commands, cost, pipeline, planner, presets
+from jaxpar import cli, cost, pipeline, planner, presets
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.bench import STRATEGIES
 from jaxpar.config import Offload
 from jaxpar.mesh import resolve_degrees
+from jaxpar.problem import registered
 
 MACHINE = planner.machine(8, "80GB", peak_tflops=1000, intra_gbps=450, inter_gbps=50)
 LAYOUTS = [
@@ -32,7 +33,7 @@ LAYOUTS = [
 def predicted(overrides):
     cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    problem = commands.abstract(cfg)
+    problem = registered(cfg.model, cfg.train.seq_len)
     staged = pipeline.in_stages(problem, mesh[PIPE])
     return planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
 
@@ -139,7 +140,7 @@ def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     overrides = AGREEMENT[name]
     cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    staged = pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
+    staged = pipeline.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
     guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
     compiled = compile_only("gpt-tiny", overrides)
     assert guess.formula_state == compiled.state_bytes.formula
@@ -155,7 +156,7 @@ def test_replicas_are_enumerated_across_hosts_and_priced_there():
     ZeRO's data axis spans both hosts and pays the slow rate for all of it."""
     two_hosts = planner.machine(8, "80GB", hosts=2, intra_gbps=450, inter_gbps=10)
     cfg = presets.load("gpt-tiny", [])
-    work, problem = planner.of_config(cfg), commands.abstract(cfg)
+    work, problem = planner.of_config(cfg), registered(cfg.model, cfg.train.seq_len)
     found = {
         (m[REPLICA], m[DATA], c.parallel.zero)
         for c, m in planner.candidates(cfg, two_hosts, work, pipelines=False)
@@ -230,7 +231,7 @@ def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
     that device's, not an even split."""
     overrides = ["model.layers=6", "parallel.data=2", "parallel.pipeline=4"]
     cfg = presets.load("gpt-tiny", [*overrides, "parallel.microbatches=4"])
-    problem, work = commands.abstract(cfg), planner.of_config(cfg)
+    problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
     guess = planner.predict(
         cfg, resolve_degrees(cfg.parallel, 8), MACHINE, pipeline.in_stages(problem, 4), work
     )
@@ -260,7 +261,7 @@ def test_the_activation_count_keeps_the_scores_only_where_attention_stores_them(
     assert kept["cuda"] < kept["cpu"] / 20
     # the plan for a GPU (the default) prices the smaller count
     mesh = resolve_degrees(cfg.parallel, 8)
-    staged = pipeline.in_stages(commands.abstract(cfg), mesh[PIPE])
+    staged = pipeline.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
     guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
     on_cpu = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg, "cpu"))
     assert guess.activations < on_cpu.activations / 20
@@ -272,7 +273,9 @@ def test_the_rule_never_says_a_state_that_fits_does_not():
     import dataclasses
 
     cfg = presets.load("gpt-tiny", [])
-    plan = planner.make_plan(cfg, commands.abstract(cfg), MACHINE, planner.of_config(cfg))
+    plan = planner.make_plan(
+        cfg, registered(cfg.model, cfg.train.seq_len), MACHINE, planner.of_config(cfg)
+    )
     zeroed = [
         c
         for c in plan.ranked

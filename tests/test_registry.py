@@ -54,10 +54,6 @@ def loss(model: Gated, batch):
     ]
 
 
-def _check(m: GatedConfig, mesh_shape: dict) -> None:
-    registry.divisible_by_tensor({"model.mlp": m.mlp, "model.vocab": m.vocab}, mesh_shape)
-
-
 SPEC = jaxpar.ModelSpec(
     name="gated",
     build=lambda m, seq_len, rngs: Gated(m, seq_len, rngs),
@@ -69,7 +65,6 @@ SPEC = jaxpar.ModelSpec(
     ),
     # each block 1 each way; embedding, head
     tensor_elements=lambda m, rows, seq_len, t: (2 * m.layers + 2) * rows * seq_len * m.embed,
-    check=_check,
     config=GatedConfig,
     tiny="gpt-tiny",
 )

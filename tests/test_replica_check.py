@@ -2,6 +2,8 @@
 stops the run (exit 3) naming the leaf, the devices and the difference; healthy runs of
 every strategy pass; the check costs a few bytes per leaf."""
 
+import dataclasses
+
 import pytest
 from helpers import THREE_D_1F1B, perturb_one_copy, run
 
@@ -31,19 +33,30 @@ def test_silent_on_healthy_runs(devices, name):
     assert cost.share_of_step_comm < 0.01
 
 
-def corrupt(device_id: int, leaf: str, at: int = 2):
-    def hook(step, state):
-        if step != at:
-            return state
-        params = dict(state.params)
-        params[leaf] = perturb_one_copy(params[leaf], device_id)
-        return state.replace(params=params)
+def corrupting(monkeypatch, device_id: int, leaf: str, at: int = 2) -> None:
+    """The trainer's compiled step, wrapped: after step `at`, one copy of `leaf` (on
+    device `device_id`) is changed, as a faulty device would leave it."""
+    real = trainer.prepare
 
-    return hook
+    def prepare(*args, **kwargs):
+        run = real(*args, **kwargs)
+        compiled = run.step.executable
+
+        def step(state, batch):
+            state, step_metrics = compiled(state, batch)
+            if int(state.step) != at:
+                return state, step_metrics
+            params = dict(state.params)
+            params[leaf] = perturb_one_copy(params[leaf], device_id)
+            return state.replace(params=params), step_metrics
+
+        return dataclasses.replace(run, step=dataclasses.replace(run.step, executable=step))
+
+    monkeypatch.setattr(trainer, "prepare", prepare)
 
 
 def test_a_corrupted_replica_stops_the_run_naming_it(devices, monkeypatch, tmp_path):
-    monkeypatch.setattr(trainer, "_test_hook", corrupt(5, "head"))
+    corrupting(monkeypatch, 5, "head")
     with pytest.raises(ReplicasDiverged) as e:
         run("gpt-tiny", ["parallel.replica=2", "parallel.data=4", "parallel.zero=0", CHECK])
     message = str(e.value)
@@ -58,7 +71,7 @@ def test_a_tensor_copy_is_checked_and_the_state_saved(devices, monkeypatch, tmp_
     it split. Device 3 is corrupted; the run saves that state and stops with exit 3."""
     from jaxpar import cli
 
-    monkeypatch.setattr(trainer, "_test_hook", corrupt(3, "ln_f/scale", at=3))
+    corrupting(monkeypatch, 3, "ln_f/scale", at=3)
     argv = ["train", "--config", "gpt-tiny", "--cpu-devices", "8", "--out", str(tmp_path)]
     code = cli.main([*argv, "parallel.data=4", "parallel.tensor=2", "parallel.zero=1", CHECK])
     assert code == 3
