@@ -7,6 +7,7 @@ communication. The ledger (what a compiled step did, against the minimum), the p
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,40 @@ def minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> d
         gathers=gathers(trained.names, trained.scans_layers),
         sync_every=cfg.parallel.sync_every if cfg.parallel.dp_sync is DpSync.PARAMS else None,
     )
+
+
+@dataclass(frozen=True)
+class PlacedState:
+    """Model state per device as the placement plan lays it out, leaf by leaf (leaves
+    ZeRO cannot split counted whole), bytes."""
+
+    device: float  # on the device: master (or compute copy), gradients, optimizer state
+    host: float  # offloaded: fp32 master weights and optimizer state in host memory
+    model: float  # fp32 master parameters and optimizer state, device and host
+    opt_elements: float  # parameter elements in the optimizer's split
+
+
+def placed_state(cfg: Config, specs, shapes, mesh_shape: dict) -> PlacedState:
+    """The planner's state bytes for `cfg`'s layout (what the ledger measures as
+    `state_bytes.actual` once compiled)."""
+    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+    pairs = leaf_pairs(specs, shapes)
+    local = {
+        f: sum(local_elems(shape, getattr(s, f), mesh_shape) for s, shape in pairs)
+        for f in ("storage", "grad", "opt")
+    }
+    master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
+    model = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
+    if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
+        model = model_state(cfg, specs, shapes, mesh_shape)
+        master = model - adam
+    host = 0.0
+    if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
+        host = 4 * local["opt"] + adam
+        master, adam = dtype_bytes(cfg.train.precision) * local["storage"], 0  # compute copy
+        if par.offload is Offload.OPTIMIZER_PARAMS:
+            host, master = host + master, 0
+    return PlacedState(master + grads + adam, host, model, local["opt"])
 
 
 def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:

@@ -22,7 +22,7 @@ import jax
 from jaxpar import attention, cost, pipeline, registry
 from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
 from jaxpar.batches import batch_split
-from jaxpar.config import Config, DpSync, Offload, Remat, Train
+from jaxpar.config import Config, Offload, Remat, Train
 from jaxpar.errors import ConfigError
 from jaxpar.mesh_rules import check_train
 from jaxpar.metrics import human_bytes, table
@@ -209,7 +209,6 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     (offload is Offload.OPTIMIZER and zero == 0)
                     # replicas of ZeRO-0 groups split one all-reduce in two: never better
                     or (r > 1 and zero == 0)
-                    or (offload is Offload.OPTIMIZER_PARAMS and (zero != 3 or p > 1))
                     # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
                     # is not modelled here (6.6x the per-micro-batch gathers measured on
                     # gpt-tiny dp4 pp2): left out rather than ranked wrongly
@@ -249,23 +248,8 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
     pairs = cost.leaf_pairs(specs, trained.shapes)
-    local = {
-        f: sum(cost.local_elems(shape, getattr(s, f), mesh) for s, shape in pairs)
-        for f in ("storage", "grad", "opt", "compute")
-    }
-    k = cost.optimizer_bytes(train)
-    master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
+    placed = cost.placed_state(cfg, specs, trained.shapes, mesh)
     compute_bytes = cost.dtype_bytes(train.precision)
-    model_state = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
-    if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
-        model_state = cost.model_state(cfg, specs, trained.shapes, mesh)
-        master = model_state - adam
-    on_host = 0.0
-    if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
-        on_host = 4 * local["opt"] + adam
-        master, adam = compute_bytes * local["storage"], 0  # the compute copy stays
-        if par.offload is Offload.OPTIMIZER_PARAMS:
-            on_host, master = on_host + master, 0
     split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
     layers = math.ceil(work.layers / p)
@@ -280,7 +264,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     )
     # ZeRO-3 gathers a layer whole before it runs: this one and the next in flight
     gather = 2 * one_layer * compute_bytes if par.zero == 3 and d > 1 else 0.0
-    state = master + grads + adam
+    state = placed.device
     device = state + acts + gather
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
     tensor_elements = (
@@ -310,7 +294,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         b / (machine.inter_bytes_s if spans[a] else machine.intra_bytes_s) for a, b in comm.items()
     )
     if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
-        moved = (4 + compute_bytes) * local["opt"] * train.grad_accum ** (par.zero == 3)
+        moved = (4 + compute_bytes) * placed.opt_elements * train.grad_accum ** (par.zero == 3)
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
@@ -324,14 +308,14 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         cfg=cfg,
         mesh=mesh,
         state=state,
-        model_state=model_state,
+        model_state=placed.model,
         formula_state=cost.model_state(cfg, specs, trained.shapes, mesh),
         paper_state=cost.paper_state(par.zero, psi, d),
         minimum=minimum,
         activations=acts,
         gather_temp=gather,
         device=device,
-        host=on_host * inside,
+        host=placed.host * inside,
         comm=comm,
         comm_s=comm_s,
         compute_s=compute_s,

@@ -17,8 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.attention import causal_attention
-from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.hf import HFFormat, Tensor
+from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, stack
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
@@ -32,6 +31,7 @@ from .common import (
     normal,
 )
 from .common import tensor_elements as tensor_elements_of
+from .llama_hf import HF
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -225,103 +225,6 @@ def _kv_grads(m: LlamaConfig, t: int) -> float:
     g = t // m.kv_heads
     wire = 2 * (g - 1) / g * whole / m.kv_heads + (m.kv_heads - 1) / m.kv_heads * whole
     return 2 * wire / (2 * (t - 1) / t)
-
-
-def config_from_hf(hf: dict) -> dict:
-    """config.json of a LlamaForCausalLM -> model.* (what jaxpar cannot express refused)."""
-    heads, embed = hf["num_attention_heads"], hf["hidden_size"]
-    rope = hf.get("rope_parameters") or {
-        **(hf.get("rope_scaling") or {}),
-        "rope_theta": hf.get("rope_theta", 10000.0),
-    }
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    unsupported = {
-        "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(hf.get("attention_bias")),
-        "mlp_bias": bool(hf.get("mlp_bias")),
-        "head_dim": hf.get("head_dim", embed // heads) * heads != embed,
-        "rope_type": kind not in ("default", "llama3"),
-    }
-    if any(unsupported.values()):
-        key = next(k for k, bad in unsupported.items() if bad)
-        raise CheckpointError(
-            f"config.json: {key}={hf.get(key, rope.get('rope_type'))!r} is not supported "
-            "(jaxpar's Llama: silu, no biases, head_dim = hidden_size / heads, default or "
-            "llama3 rope)"
-        )
-    keys = {
-        "layers": hf["num_hidden_layers"],
-        "embed": embed,
-        "heads": heads,
-        "kv_heads": hf.get("num_key_value_heads") or heads,
-        "mlp": hf["intermediate_size"],
-        "vocab": hf["vocab_size"],
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": RopeScaling.LLAMA3 if kind == "llama3" else RopeScaling.NONE,
-    }
-    if kind == "llama3":
-        keys |= {
-            "rope_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_positions": int(rope["original_max_position_embeddings"]),
-        }
-    return keys
-
-
-def config_to_hf(m: LlamaConfig, seq_len: int) -> dict:
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling is RopeScaling.LLAMA3:
-        rope |= {
-            "rope_type": "llama3",
-            "factor": m.rope_factor,
-            "low_freq_factor": m.rope_low_freq_factor,
-            "high_freq_factor": m.rope_high_freq_factor,
-            "original_max_position_embeddings": m.rope_original_positions,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": m.embed,
-        "intermediate_size": m.mlp,
-        "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.embed // m.heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "vocab_size": m.vocab,
-        "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "max_position_embeddings": max(seq_len, m.rope_original_positions),
-        "rope_parameters": rope,
-        "dtype": "float32",
-    }
-
-
-def hf_tensors(m: LlamaConfig) -> list[Tensor]:
-    """Each leaf and its tensor: nn.Linear stores [out, in]; q/k/v/o by head, in order."""
-    layer = "model.layers.{layer}."
-    out = [
-        Tensor("tokens", "model.embed_tokens.weight", "v e", "v e"),
-        Tensor("blocks/attn_norm/scale", layer + "input_layernorm.weight", "e", "e"),
-        Tensor("blocks/attn/wq", layer + "self_attn.q_proj.weight", "(h d) e", "e h d"),
-        Tensor("blocks/attn/wk", layer + "self_attn.k_proj.weight", "(k d) e", "e k d"),
-        Tensor("blocks/attn/wv", layer + "self_attn.v_proj.weight", "(k d) e", "e k d"),
-        Tensor("blocks/attn/wo", layer + "self_attn.o_proj.weight", "e (h d)", "h d e"),
-        Tensor("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
-        Tensor("blocks/mlp/w_gate", layer + "mlp.gate_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_up", layer + "mlp.up_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_down", layer + "mlp.down_proj.weight", "e m", "m e"),
-        Tensor("norm/scale", "model.norm.weight", "e", "e"),
-    ]
-    return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
-
-
-HF = HFFormat("LlamaForCausalLM", config_from_hf, config_to_hf, hf_tensors)
 
 
 SPEC = ModelSpec(
