@@ -187,7 +187,17 @@ def describe_step(
         xla_flags=engine.compiler_options,
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
         tensor_replicated=optional_unsplit(trained.names, shapes, RULES, mesh_shape),
-        pipeline=_pipeline(cfg, problem, engine, step.hlo, led, batch, split.micro, compute_bytes),
+        pipeline=_pipeline(
+            cfg.parallel,
+            cfg.train.grad_accum,
+            problem,
+            engine,
+            step.hlo,
+            led,
+            batch,
+            split.micro,
+            compute_bytes,
+        ),
         memory_per_device=device,
         host_memory_per_device=host,
         state_bytes=ledger.state_bytes(step.executable, step.state_shapes, formula),
@@ -207,7 +217,9 @@ def describe_step(
     )
 
 
-def _pipeline(cfg, problem, engine, hlo, led, batch, rows: int, compute_bytes: int) -> Pipeline:
+def _pipeline(
+    par: Parallel, accum: int, problem, engine, hlo, led, batch, rows: int, compute_bytes: int
+) -> Pipeline:
     layout, parts = engine.layout, problem.parts
     if layout is None:
         layers = problem.shapes[parts.stack_keys[0]].shape[0] if parts else 0
@@ -217,9 +229,9 @@ def _pipeline(cfg, problem, engine, hlo, led, batch, rows: int, compute_bytes: i
     h = jax.eval_shape(parts.pre, problem.shapes, micro)
     return ledger.pipeline_report(
         layout,
-        cfg.parallel.schedule,
-        cfg.parallel.microbatches,
-        cfg.train.grad_accum,
+        par.schedule,
+        par.microbatches,
+        accum,
         hlo,
         led,
         math.prod(h.shape) * compute_bytes,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from jaxpar import checkpoint, console, metrics, rundir, throughput
 from jaxpar.batches import batch_for, check_first_batch
-from jaxpar.config import Config, OnNonfinite, profile_range
+from jaxpar.config import Checkpoint, Config, OnNonfinite, profile_range
 from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
 from jaxpar.mesh import build_mesh
 from jaxpar.problem import Problem
@@ -92,7 +92,7 @@ def train(
         )
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
-    ckpt_dir = _checkpoint_dir(cfg, out_dir)
+    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
     _open(out_dir, ckpt_dir, restart, lead, say)
     with checkpoint.Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
@@ -404,9 +404,9 @@ class _Stops:
             signal.signal(sig, handler)
 
 
-def _checkpoint_dir(cfg: Config, out_dir: Path | None) -> Path | None:
-    if cfg.checkpoint.dir:
-        return Path(cfg.checkpoint.dir)
+def _checkpoint_dir(ckpt: Checkpoint, out_dir: Path | None) -> Path | None:
+    if ckpt.dir:
+        return Path(ckpt.dir)
     return out_dir / "checkpoints" if out_dir else None
 
 

@@ -3,7 +3,9 @@
 The tests compile the same steps many times: references that several tests train, and
 the fresh processes of the command-line, kill -9, script and multi-process tests. A
 persistent compilation cache for the session (also for the processes it starts, by
-the environment) compiles each program once; what runs is the same executable."""
+the environment) compiles each program once; what runs is the same executable. Under
+pytest-xdist the workers share the folder (made by the first process, which removes it),
+and the single-device references (helpers.reference) are trained once into it."""
 
 import atexit
 import os
@@ -13,9 +15,12 @@ import tempfile
 import jax
 import pytest
 
-CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-compiled-")
-atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+CACHE = os.environ.get("JAXPAR_TEST_CACHE")
+if CACHE is None:  # the session's first process (pytest itself, or xdist's controller)
+    CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-compiled-")
+    atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 os.environ.update(
+    JAXPAR_TEST_CACHE=CACHE,
     JAX_COMPILATION_CACHE_DIR=CACHE,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

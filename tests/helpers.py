@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import math
+import os
+import pickle
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -45,6 +51,32 @@ def run(preset: str, overrides: list[str], steps: int = 10):
     """Train `preset` with `overrides` (and its held-out data, if it evaluates)."""
     cfg, s = _setup(preset, [f"train.steps={steps}", *overrides])
     return train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, eval_batches=s.eval_batches)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a reference run leaves for comparison: every step's loss, final parameters."""
+
+    losses: list[float]
+    params: dict
+
+
+def reference(preset: str, extra: tuple[str, ...] = (), steps: int = 10) -> Trained:
+    """`preset` trained on ONE device (with `extra` overrides) for `steps` steps: the truth
+    the parallel layouts are compared with. Trained once per test session, whichever
+    file or xdist worker asks first; the others read it from the session's folder."""
+    overrides = ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1", *extra)
+    key = hashlib.sha256(repr((preset, overrides, steps)).encode()).hexdigest()[:16]
+    folder = Path(os.environ["JAXPAR_TEST_CACHE"]) / "references"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{key}.pkl"
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one trains; the others wait, then read
+        if not path.exists():
+            result = run(preset, list(overrides), steps)
+            trained = Trained(list(result.losses), jax.device_get(result.params))
+            path.write_bytes(pickle.dumps(trained))
+        return pickle.loads(path.read_bytes())
 
 
 def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool = True) -> None:

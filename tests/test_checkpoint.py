@@ -262,6 +262,7 @@ def nan_config(mode, steps=6):
     )
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_saves_the_last_good_state(devices, tmp_path):
     problem, batches = nan_problem()
     mesh = jaxpar.build_mesh(jaxpar.Parallel(data=4), devices[:4])
@@ -328,6 +329,7 @@ def test_averaged_copies_resume_only_as_they_were_saved(tmp_path, capsys, device
     one_line_error(capsys, saved, "resume with the same parallel.dp_sync")
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
     assert run_cli("checkpoint.every=2", "--out", str(tmp_path)) == 0
     capsys.readouterr()
@@ -354,13 +356,13 @@ def test_unreadable_checkpoint_dir_exits_2(tmp_path, capsys, devices, monkeypatc
 
 @pytest.mark.slow
 def test_a_run_directory_without_checkpoints_is_not_overwritten(tmp_path, capsys, devices):
-    assert run_cli("--out", str(tmp_path)) == 0
+    assert run_cli("checkpoint.final=false", "--out", str(tmp_path)) == 0
     before = (tmp_path / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert run_cli("--out", str(tmp_path)) == 2
+    assert run_cli("checkpoint.final=false", "--out", str(tmp_path)) == 2
     one_line_error(capsys, "holds a run", "--restart")
     assert (tmp_path / "metrics.jsonl").read_text() == before
-    assert run_cli("--restart", "--out", str(tmp_path)) == 0
+    assert run_cli("checkpoint.final=false", "--restart", "--out", str(tmp_path)) == 0
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("set-aside-")]
     assert (aside / "metrics.jsonl").read_text() == before
     assert "restart: set aside" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 import pytest
 from helpers import assert_same_training, run
+from helpers import reference as shared_reference
 
 from jaxpar import bench
 
@@ -17,14 +18,13 @@ STRATEGIES = {
     # two layers per scan iteration (train.unroll), with ZeRO-3's per-layer gathers
     "dp8-zero3-unroll2": ("parallel.data=8", "parallel.zero=3", "train.unroll=2"),
 }
-SINGLE = ["parallel.data=1", "parallel.tensor=1"]
 
 pytestmark = pytest.mark.slow  # every test here trains
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return run("gpt-tiny", SINGLE)
+    return shared_reference("gpt-tiny")
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -45,7 +45,7 @@ def test_grad_accum_equals_one_big_batch(devices):
 
 
 def test_mlp_model_with_tensor_and_zero3(devices):
-    ref = run("mlp-tiny", SINGLE)
+    ref = shared_reference("mlp-tiny")
     assert_same_training(
         run("mlp-tiny", ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"]), ref
     )

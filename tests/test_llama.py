@@ -3,6 +3,7 @@ textbook minimum of communication (its own Megatron count, GQA included)."""
 
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
+from helpers import reference as shared_reference
 
 from jaxpar import bench
 
@@ -26,7 +27,7 @@ STEPS = 5  # optimizer steps of each run (gpt's runs take 10)
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return run("llama-tiny", list(SINGLE), steps=STEPS)
+    return shared_reference("llama-tiny", steps=STEPS)
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ def problems():
     return {"from_nnx": nnx_problem(), "from_pytree": pytree_problem()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["from_nnx", "from_pytree"])
 def test_ratio_to_the_minimum(devices, kind, layout):

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_training, compile_only, run
+from helpers import assert_same_training, compile_only, reference, run
 
 import jaxpar
 from jaxpar import pipeline, schedules
@@ -98,9 +98,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def references(devices):
-    return {
-        layers: run("gpt-tiny", ["parallel.data=1", f"model.layers={layers}"]) for layers in (4, 6)
-    }
+    return {4: reference("gpt-tiny"), 6: reference("gpt-tiny", ("model.layers=6",))}
 
 
 @pytest.mark.slow

@@ -79,6 +79,7 @@ def gated(monkeypatch):
 MODEL = ["--config", "gpt-tiny", "model.name=gated", "model.gate=0.25"]
 
 
+@pytest.mark.slow
 def test_a_registered_model_trains_inspects_and_plans(gated, tmp_path, capsys, devices):
     run = ["train", *MODEL, "parallel.data=4", "parallel.tensor=2", "train.steps=3"]
     assert cli.main([*run, "--out", str(tmp_path / "run")]) == 0

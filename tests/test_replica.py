@@ -4,6 +4,7 @@
 import jax
 import pytest
 from helpers import assert_same_training, compile_only, run
+from helpers import reference as shared_reference
 
 from jaxpar import cost
 from jaxpar.sharding import LeafSpecs, PartitionSpec
@@ -14,19 +15,19 @@ PARAMS = 235_904  # gpt-tiny
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return run("gpt-tiny", ["parallel.data=1"], steps=5)
+    return shared_reference("gpt-tiny")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_replicas_of_zero_groups_equal_one_device(reference, zero):
-    assert_same_training(run("gpt-tiny", [*HSDP, f"parallel.zero={zero}"], steps=5), reference)
+    assert_same_training(run("gpt-tiny", [*HSDP, f"parallel.zero={zero}"]), reference)
 
 
 @pytest.mark.slow
 def test_ring_reduction_over_replicas_equals_one_device(reference):
     overrides = [*HSDP, "parallel.zero=1", "parallel.dp_collective=ring"]
-    assert_same_training(run("gpt-tiny", overrides, steps=5), reference)
+    assert_same_training(run("gpt-tiny", overrides), reference)
 
 
 @pytest.mark.parametrize(

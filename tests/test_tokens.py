@@ -96,6 +96,7 @@ def test_prepare_data_writes_ids_a_held_out_split_and_meta(prepared, tokenizer):
     assert sum(d in text["train"] for d in once) > 10 * len(held_out)  # 1 in 20 held out
 
 
+@pytest.mark.slow
 def test_trains_on_prepared_tokens(prepared, tmp_path, devices, capsys):
     argv = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={prepared}",
             f"model.vocab={VOCAB}", "train.steps=3", "--out", str(tmp_path)]  # fmt: skip
