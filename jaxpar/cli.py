@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp hosts offload remat "
-        "checkpoint compile (default: all)",
+        "checkpoint compile plan (default: all)",
     )
     train.add_argument(
         "--peak-tflops",
