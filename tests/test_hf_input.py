@@ -131,7 +131,7 @@ def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
 WORKER = """
 import sys
 import jax
-from jaxpar import commands, config, distributed, hf, registry, mesh
+from jaxpar import commands, distributed, hf, presets, registry, mesh
 if "JAX_NUM_CPU_DEVICES" not in __import__("os").environ:
     mesh.use_cpu_devices(8)
 distributed.initialize()
@@ -140,7 +140,10 @@ s = commands.setup(cfg)
 read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
 from jaxpar.checkpoint import layout
 from jaxpar.run import build
-params = read(layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"])
+engine = build(s.problem, cfg, s.mesh)
+params = read(
+    layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
+)
 jax.block_until_ready(params)
 print("BYTES", jax.process_index(), read.reader.bytes_read, flush=True)
 """
@@ -182,14 +185,15 @@ def test_each_process_reads_only_its_own_devices_slices(tmp_path):
 
 IMPORT = """
 import sys, time
-from jaxpar import commands, config, hf, mesh, registry
+from jaxpar import commands, hf, mesh, presets, registry
 mesh.use_cpu_devices(8)
 import jax
 from jaxpar.checkpoint import layout
 from jaxpar.run import build
 cfg = presets.load("llama-tiny", sys.argv[2:])
 s = commands.setup(cfg)
-targets = layout(cfg, s.problem, build(s.problem, cfg, s.mesh), s.mesh).target["params"]
+engine = build(s.problem, cfg, s.mesh)
+targets = layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
 def hwm():
     line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     return int(line.split()[1]) * 1024
