@@ -102,6 +102,7 @@ def test_help_lists_every_config_key_and_version():
     assert jaxpar_command("--version").stdout.strip() == f"jaxpar {jaxpar.__version__}"
 
 
+@pytest.mark.slow
 def test_console_counts_and_qualifiers(devices):
     report = compile_only("gpt-tiny", ("parallel.data=1",))
     header = console.startup(report, 1536, "cpu", "synthetic")

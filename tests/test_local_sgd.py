@@ -36,6 +36,7 @@ def test_one_copy_takes_the_same_adamw_steps(devices):
     assert_same_training(params, grads, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sync_every_cuts_data_bytes_per_step(devices):
     every = {}
     for k in (1, 4):

@@ -70,6 +70,7 @@ def observed(devices, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_mfu_and_throughput_in_rows_and_summary(observed):
     summary = json.loads((observed / "summary.json").read_text())
     assert summary["model_flops_per_token"] == 1_572_864
@@ -82,6 +83,7 @@ def test_mfu_and_throughput_in_rows_and_summary(observed):
     assert all(r["mfu"] == pytest.approx(r["flops_per_s_per_device"] / 0.05e12) for r in rows)
 
 
+@pytest.mark.slow
 def test_tensorboard_events_hold_every_tag_per_step(observed):
     scalars = events(observed / "tensorboard")
     rows = [json.loads(line) for line in (observed / "metrics.jsonl").read_text().splitlines()]
@@ -92,6 +94,7 @@ def test_tensorboard_events_hold_every_tag_per_step(observed):
         assert [v for _, v in scalars[tag]] == pytest.approx([r[tag] for r in rows], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_profile_holds_the_asked_steps_only(observed):
     (trace,) = glob.glob(str(observed / "profile/plugins/profile/*/*.trace.json.gz"))
     events = json.load(gzip.open(trace))["traceEvents"]

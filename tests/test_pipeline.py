@@ -202,6 +202,7 @@ def test_compiled_bubble_matches_formula(devices, schedule, v, m):
     assert pipe.bubble == pytest.approx((2 - 1) / (v * m + 2 - 1))
 
 
+@pytest.mark.slow
 def test_interleaving_shrinks_the_bubble(devices):
     def bubble(schedule, v):
         return compile_only(
