@@ -139,9 +139,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize(
-    "pair", [p if p.startswith("tp4") else pytest.param(p, marks=pytest.mark.slow) for p in LAYOUTS]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", LAYOUTS)
 def test_restore_into_another_layout(devices, tmp_path, pair):
     saved_as, restored_as = LAYOUTS[pair]
     steps = ["train.steps=2", "checkpoint.every=2"]

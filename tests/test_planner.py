@@ -67,6 +67,7 @@ def test_paper_accounting_gives_the_papers_figure_1(zero, gb):
     assert cost.paper_state(zero, 7.5e9, 64) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
+@pytest.mark.slow
 def test_a_70b_gpt_on_64_devices_is_planned_without_allocating(tmp_path):
     """In a fresh process: its peak memory stays far below the model's 240 GB of
     parameters (shapes only). Its time is `jaxpar bench --only plan`'s (a wall-clock

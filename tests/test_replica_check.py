@@ -55,6 +55,7 @@ def corrupting(monkeypatch, device_id: int, leaf: str, at: int = 2) -> None:
     monkeypatch.setattr(trainer, "prepare", prepare)
 
 
+@pytest.mark.slow
 def test_a_corrupted_replica_stops_the_run_naming_it(devices, monkeypatch, tmp_path):
     corrupting(monkeypatch, 5, "head")
     with pytest.raises(ReplicasDiverged) as e:
