@@ -296,9 +296,9 @@ def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int
 
 class Saver:
     """A run's checkpoints: resumed from if there are any, saved into every
-    checkpoint.every steps, at the end, and at a stop (a signal, a non-finite step) even
-    with checkpoint.every=0 when there is a place for them. Opened when first needed;
-    closed (pending writes finished) on any exit."""
+    checkpoint.every steps; at the end (checkpoint.final), and at a stop (a signal, a
+    non-finite step, diverged replicas) whatever the keys say, when there is a place for
+    them. Opened when first needed; closed (pending writes finished) on any exit."""
 
     def __init__(self, cfg: Config, directory: Path | None):
         self.cfg, self.directory = cfg, directory
