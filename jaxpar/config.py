@@ -310,8 +310,9 @@ class Checkpoint(Section):
     final: bool = key(
         True,
         (
-            "save the final state when a run ends (its last step, or a stop), so that it can be "
-            "exported or resumed; false keeps no weights unless checkpoint.every asks for them"
+            "save the final state when a run reaches its last step, so that it can be exported "
+            "or resumed; false keeps none then unless checkpoint.every asks (a stop by a "
+            "signal still saves, to resume from)"
         ),
     )
     keep: Annotated[int, Range(1, 10_000, "checkpoints kept")] = key(
