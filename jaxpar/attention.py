@@ -1,12 +1,16 @@
 """Causal attention, in the form the step's platform runs best, for models to call.
 
-`causal_attention(q, k, v)` computes softmax(q k^T / sqrt(head_dim) + causal mask) v
-with the scores in fp32. Which program computes it follows the platform the step is
-built for (the running `jaxpar.context.Context`; outside a step, the default backend):
+`causal_attention(q, k, v, segment_ids)` computes softmax(q k^T / sqrt(head_dim) + mask)
+v with the scores in fp32, the mask causal and, given the tokens' segment ids (packed
+documents, jaxpar.documents), closed between segments. Which program computes it
+follows the platform the step is built for (the running `jaxpar.context.Context`;
+outside a step, the default backend):
 
 - `cudnn`: on CUDA in bf16/fp16 with a head dim cuDNN takes (a multiple of 8, at most
   128): `jax.nn.dot_product_attention`'s cuDNN flash-attention kernel, which never stores
-  the [B, H, S, S] scores, forward or backward.
+  the [B, H, S, S] scores, forward or backward. Segment ids reach the kernel as its
+  mask (a [B, 1, S, S] additive bias, one per row, shared by the heads: what jax's
+  public cuDNN entry passes on; the kernel's packed-sequence form is private in jax).
 - `blocked`: on any other accelerator, or fp32 on CUDA: the queries in blocks of at
   most `BLOCK` rows (the largest such divisor of S), each block's [B, H, BLOCK, S]
   scores recomputed in the backward pass instead of kept: no [S, S] buffer either.
@@ -51,41 +55,56 @@ def stores_scores(platform: str, dtype, head_dim: int) -> bool:
     return form(platform, dtype, head_dim) is Form.DIRECT
 
 
-def causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim) + causal mask) v, [B, S, H, D] in and out."""
+def causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
+    sees the keys at or before it, of its own segment where segment ids are given."""
     ctx = context.current()
     platform = ctx.platform if ctx else context.platform_of(jax.devices()[0])
     chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
     if chosen is Form.CUDNN:
         return jax.nn.dot_product_attention(
-            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, is_causal=True, implementation="cudnn"
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
+            is_causal=True,
+            implementation="cudnn",
         )
     if chosen is Form.BLOCKED:
-        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD)
-    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0)
+        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS)
+    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS)
 
 
-def _direct(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first) -> jax.Array:
+def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
+    """[B, C, S] bool: whether query first + c and key t are in the same segment."""
+    rows = segment_ids_BxS.shape[1] if rows is None else rows
+    queries_BxC = jax.lax.dynamic_slice_in_dim(segment_ids_BxS, first, rows, axis=1)
+    return queries_BxC[:, :, None] == segment_ids_BxS[:, None, :]
+
+
+def _direct(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None) -> jax.Array:
     """Attention of the C queries at positions first.. to all S keys; the scores kept."""
     dt = q_BxCxHxD.dtype
     q_BxCxHxD = q_BxCxHxD * q_BxCxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
     att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
     rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
     # causal: an additive mask, a constant [C, S] (no [B, H, C, S] select to undo in
-    # the backward pass)
-    visible_CxS = first + jnp.arange(rows)[:, None] >= jnp.arange(seq)[None, :]
-    mask_CxS = jnp.where(visible_CxS, 0.0, -1e30)
-    prob_BxHxCxS = jax.nn.softmax(att_BxHxCxS + mask_CxS[None, None], axis=-1).astype(dt)
+    # the backward pass); with segments, [B, C, S], shared by the heads
+    visible_BxCxS = (first + jnp.arange(rows)[:, None] >= jnp.arange(seq)[None, :])[None]
+    if segment_ids_BxS is not None:
+        visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
+    mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
+    prob_BxHxCxS = jax.nn.softmax(att_BxHxCxS + mask_Bx1xCxS, axis=-1).astype(dt)
     return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
 
 
-def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD) -> jax.Array:
+def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array:
     """The queries BLOCK rows at a time; each block's scores recomputed for backward."""
     b, s, h, d = q_BxSxHxD.shape
     block = max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
     q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
     one = jax.checkpoint(
-        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first),
+        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
     firsts = jnp.arange(s // block) * block

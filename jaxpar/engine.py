@@ -24,7 +24,7 @@ from jaxpar.accumulate import accumulate
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
 from jaxpar.batches import batch_split
 from jaxpar.config import Offload, Parallel, Schedule, Train
-from jaxpar.problem import Problem, loss_elements
+from jaxpar.problem import Problem, trained_count
 from jaxpar.sharding import RULES, LeafSpecs, only_axes
 from jaxpar.zero import ZeroPolicy
 
@@ -36,6 +36,7 @@ class StepMetrics(NamedTuple):
     lr: jax.Array
     grad_norm: jax.Array
     skipped: jax.Array  # steps skipped as not finite so far
+    targets: jax.Array  # the global batch's trained loss elements (the loss's divisor)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,12 @@ def _micro_batches(train: Train, par: Parallel, mesh: Mesh, batch):
     return jax.tree.map(lambda x: x.reshape((train.grad_accum, rows) + x.shape[1:]), batch)
 
 
+def at_least_one(count) -> jax.Array:
+    """A loss's divisor: where nothing in the batch is trained, 1 (the loss and its
+    gradient are then 0, not NaN)."""
+    return jnp.maximum(count, 1.0)
+
+
 def manual(specs, field: str):
     """The part of each leaf's spec that a shard_map manual over `data` and `pipeline`
     sees (the other axes stay with the compiler)."""
@@ -170,7 +177,7 @@ def evaluator(
             axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
         )(params, batch)
-        return total / loss_elements(given, batch)
+        return total / at_least_one(trained_count(given, batch))
 
     return mean_loss
 
@@ -178,9 +185,10 @@ def evaluator(
 def local_value_and_grad(
     problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
 ):
-    """((params, this device's rows, loss elements) -> (its loss sum / loss elements, its
-    gradients, accumulated over train.grad_accum micro-batches), the pipeline or None),
-    with the model's context active; for a shard_map manual over the batch axes."""
+    """((params, this device's rows, the trained loss elements of the batch they are
+    part of) -> (its loss sum / that count, its gradients, accumulated over
+    train.grad_accum micro-batches), the pipeline or None), with the model's context
+    active; for a shard_map manual over the batch axes."""
     ctx = _context(train, par, mesh, policy)
     pipe = None
     if layout is None:
@@ -195,6 +203,7 @@ def local_value_and_grad(
         value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
 
     def local(params, batch, count):
+        count = at_least_one(count)
         with context.active(ctx):
             return accumulate(
                 lambda p, mb: value_and_grad(p, mb, count),

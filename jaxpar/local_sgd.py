@@ -30,8 +30,15 @@ from jaxpar import optim
 from jaxpar import state as state_lib
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
 from jaxpar.config import Config, Parallel
-from jaxpar.engine import StepMetrics, evaluator, jitted, local_value_and_grad, zero_policy
-from jaxpar.problem import Problem, loss_elements
+from jaxpar.engine import (
+    StepMetrics,
+    at_least_one,
+    evaluator,
+    jitted,
+    local_value_and_grad,
+    zero_policy,
+)
+from jaxpar.problem import Problem, trained_count
 from jaxpar.sharding import only_axes, pick, plan
 from jaxpar.state import TrainState
 
@@ -99,12 +106,15 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         lambda s: only_axes(s, (DATA, PIPE)), tree, is_leaf=is_spec
     )
 
-    def device_step(local: Local, params, outer_opt, batch, step, skipped, count, total):
+    def device_step(local: Local, params, outer_opt, batch, step, skipped, total):
         """One device's local step on its rows, then (every `every` steps) the average."""
         mine = jax.tree.map(lambda x: x[0], local.params)
-        loss, grads = value_and_grad(mine, batch, count // n)
+        # each copy's loss is over its own rows' trained elements
+        count = trained_count(problem, batch)
+        loss, grads = value_and_grad(mine, batch, count)
         grads, norm = clip(grads)
-        loss = jax.lax.pmean(loss, DATA)  # the global batch's mean loss
+        # the global batch's loss: the copies' sums over all their trained elements
+        loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
         norm_max = jax.lax.pmax(norm, DATA)
         applied, finite = optim.verdict(loss, norm_max, skipped, cfg.train.on_nonfinite)
         opt = optax.tree_map_params(inner, lambda x: x[0], local.opt)
@@ -127,7 +137,6 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         return local, params, outer_opt, loss, jax.lax.pmean(norm, DATA), applied, finite
 
     def train_step(state: TrainState, batch):
-        count = loss_elements(problem, batch)
         specs_in = (
             manual(local_specs),
             manual(compute),
@@ -137,7 +146,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             PartitionSpec(),
         )
         out = jax.shard_map(
-            functools.partial(device_step, count=count, total=cfg.train.steps),
+            functools.partial(device_step, total=cfg.train.steps),
             mesh=mesh,
             in_specs=specs_in,
             out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 4),
@@ -147,14 +156,15 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         local, params, outer_opt, loss, norm, applied, finite = out
         new = state.replace(params=params, opt=outer_opt, local=local)
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
-        return new, StepMetrics(loss, schedule(state.step), norm, new.skipped)
+        metrics = (loss, schedule(state.step), norm, new.skipped, trained_count(problem, batch))
+        return new, StepMetrics(*metrics)
 
     def mean_grads(state: TrainState, batch):
         """The copies' gradients on their rows, averaged (diagnostics)."""
 
         def one(local, batch):
             mine = jax.tree.map(lambda x: x[0], local.params)
-            count = loss_elements(problem, batch)
+            count = trained_count(problem, batch)
             return jax.lax.pmean(value_and_grad(mine, batch, count)[1], DATA)
 
         return jax.shard_map(

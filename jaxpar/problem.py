@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import context, registry
+from jaxpar import context, documents, registry
 from jaxpar.errors import ConfigError
 from jaxpar.layers import KEY, scan_layers
 from jaxpar.sharding import leaf_key
@@ -32,7 +33,9 @@ class Stages:
 
     pre: Callable[[nnx.Module, Any], jax.Array]  # (model, batch) -> activation
     stack: str  # attribute holding the nnx.vmap-stacked layers
-    layer: Callable[[nnx.Module, jax.Array], jax.Array]  # (one layer, activation) -> activation
+    # (one layer, activation, batch) -> activation: the micro-batch the activation is of,
+    # for what every layer reads of it (jaxpar.documents: segment ids, positions)
+    layer: Callable[[nnx.Module, jax.Array, Any], jax.Array]
     post: Callable[[nnx.Module, jax.Array, Any], jax.Array]  # (model, act., batch) -> losses
     costs: tuple[float, float, float] = (0.0, 1.0, 0.0)  # relative cost: pre, a layer, post
 
@@ -43,7 +46,8 @@ class Parts:
 
     stack_keys: tuple[str, ...]  # parameters of the layer stack, [layers, ...] each
     pre: Callable[..., jax.Array]  # (params, batch) -> activation
-    chunk: Callable[..., jax.Array]  # (stack params [n, ...], activation, active [n]) -> act.
+    # (stack params [n, ...], activation, active [n], micro-batch) -> activation
+    chunk: Callable[..., jax.Array]
     post: Callable[..., jax.Array]  # (params, activation, batch) -> per-example losses
     costs: tuple[float, float, float]
 
@@ -65,6 +69,10 @@ class Problem:
     # model FLOPs per loss element, forward and backward (jaxpar.throughput); None:
     # not known, counted as 6 x parameters
     flops_per_token: float | None = None
+    # batch -> the number of its loss elements that are trained (float32): what the
+    # step divides the global batch's summed loss by, where `loss` zeroes some
+    # elements (a loss mask); None: all of them (loss_elements)
+    count: Callable[[Any], jax.Array] | None = None
 
 
 def loss_elements(problem: Problem, batch) -> int:
@@ -72,6 +80,12 @@ def loss_elements(problem: Problem, batch) -> int:
     classifier (what the step averages over, and the unit of tokens_per_s)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     return math.prod(jax.eval_shape(problem.loss, problem.shapes, shapes).shape)
+
+
+def trained_count(problem: Problem, batch) -> jax.Array:
+    """The trained loss elements of `batch` (float32): in a step, the global batch's."""
+    count = problem.count(batch) if problem.count else loss_elements(problem, batch)
+    return jnp.asarray(count, jnp.float32)
 
 
 def from_nnx(
@@ -146,9 +160,9 @@ def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Part
     if not stack_entries:
         raise ConfigError(f"Stages.stack={stages.stack!r}: the model has no parameters there")
 
-    def chunk(params, h, active):
+    def chunk(params, h, active, batch):
         stack = nnx.merge(stack_graphdef, variables(params, stack_entries))
-        return scan_layers(stack, h, stages.layer, active)
+        return scan_layers(stack, h, lambda layer, x: stages.layer(layer, x, batch), active)
 
     return Parts(
         stack_keys=tuple(k for k, _, _ in stack_entries),
@@ -200,8 +214,9 @@ def from_pytree(
 
 def registered(model, seq_len: int) -> Problem:
     """A registered model (its `model.*` section) as a Problem, shapes only until its init
-    runs (nothing is allocated), with its pipeline stages, Megatron's count of tensor
-    all-reduces and its FLOPs per token, from its registry entry."""
+        runs (nothing is allocated), with its pipeline stages, Megatron's count of tensor
+        all-reduces and its FLOPs per token, from its registry entry. Its loss is over the
+    batch's trained next-token targets (jaxpar.documents)."""
     spec = registry.get(model.name)
     problem = from_nnx(
         lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
@@ -210,4 +225,5 @@ def registered(model, seq_len: int) -> Problem:
         problem,
         tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
         flops_per_token=spec.flops_per_token(model, seq_len),
+        count=documents.trained_targets,
     )

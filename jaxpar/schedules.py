@@ -13,6 +13,11 @@ bubble. Executors run inside the step's shard_map (manual over `data` and `pipel
   (PipeDream-flush order: p - s - 1 warm-up forwards, then one forward and one backward
   in turn). A backward recomputes its chunk from the stage input kept since its
   forward, so at most about p inputs are alive, not m.
+
+What a chunk reads of its micro-batch besides the activation (the documents' segment
+ids and positions, jaxpar.documents) travels with no hand-over: every stage holds the
+whole micro-batch (the batch is split over `data`, not `pipeline`) and the tick table
+says which micro-batch each stage runs, so each stage takes its own copy's rows.
 """
 
 from __future__ import annotations
@@ -197,7 +202,7 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
         mb = _take(mbs, i)
         x = jax.lax.cond(c == 0, lambda: parts.pre(params, mb), lambda: recv)
         active = jax.lax.dynamic_slice_in_dim(active_all, k * slots, slots) & valid
-        y = parts.chunk(_chunk_of(stack, k, slots), x, active)
+        y = parts.chunk(_chunk_of(stack, k, slots), x, active, mb)
         last = valid & (c == p * v - 1)
         loss = loss + jax.lax.cond(
             last,
@@ -242,8 +247,9 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), _take(mbs, 0)))
     zeros_h = jnp.zeros(h_shape.shape, h_shape.dtype)
 
-    def run_chunk(local_stack, x):
-        return parts.chunk(prepare({key: val[0] for key, val in local_stack.items()}), x, active)
+    def run_chunk(local_stack, x, mb):
+        local = prepare({key: val[0] for key, val in local_stack.items()})
+        return parts.chunk(local, x, active, mb)
 
     def post_loss(r, y, mb):
         return jnp.sum(parts.post(whole(r), y, mb).astype(jnp.float32)) / count
@@ -252,7 +258,7 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
         mb, slot = _take(mbs, i), i % slots_n
         x = jax.lax.cond(stage == 0, lambda: parts.pre(whole(rest), mb), lambda: state.acts[slot])
         acts = state.acts.at[slot].set(x)
-        y = run_chunk(stack, x)
+        y = run_chunk(stack, x, mb)
 
         def last(args):
             gins, g_rest, loss = args
@@ -268,7 +274,7 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
 
     def backward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
-        _, vjp = jax.vjp(run_chunk, stack, state.acts[slot])
+        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, state.acts[slot])
         d_stack, d_x = vjp(state.gins[slot])
         g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
 

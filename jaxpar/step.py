@@ -33,7 +33,7 @@ from jaxpar.engine import (
     manual,
     zero_policy,
 )
-from jaxpar.problem import Problem, loss_elements
+from jaxpar.problem import Problem, trained_count
 from jaxpar.sharding import named, pick, plan
 from jaxpar.state import TrainState
 from jaxpar.zero import ZeroPolicy
@@ -73,11 +73,12 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         return TrainState(zero, params, tx.init(params), zero, compute)
 
     def train_step(state: TrainState, batch):
-        count = loss_elements(problem, batch)  # the loss is a mean over the global batch
+        # the loss is the global batch's summed loss over its trained elements' count
+        count = trained_count(problem, batch)
         loss, grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
-        return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped)
+        return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped, count)
 
     return jitted(
         mesh,
@@ -87,7 +88,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         init=init,
         step=train_step,
         grads=lambda state, batch: grads_of(
-            state.compute_params, batch, loss_elements(problem, batch)
+            state.compute_params, batch, trained_count(problem, batch)
         )[1],
         evaluate=lambda state, batch: mean_loss(state.compute_params, batch),
         layout=layout,
@@ -120,8 +121,9 @@ def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
 def _local_grads(
     problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
 ):
-    """(compute params, global batch, loss elements) -> (global mean loss, this device's
-    reduced gradients), as a shard_map manual over `replica`, `data` and `pipeline`."""
+    """(compute params, global batch, its trained loss elements) -> (global mean loss,
+    this device's reduced gradients), as a shard_map manual over `replica`, `data` and
+    `pipeline`."""
     value_and_grad, pipe = local_value_and_grad(problem, train, par, mesh, policy, layout)
 
     def local(params, batch, count):
@@ -133,12 +135,12 @@ def _local_grads(
 
     def grads_of(params, batch, count):
         return jax.shard_map(
-            functools.partial(local, count=count),
+            local,
             mesh=mesh,
-            in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
+            in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(PartitionSpec(), manual(policy.specs, "opt")),
             axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
-        )(params, batch)
+        )(params, batch, count)
 
     return grads_of

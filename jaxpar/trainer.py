@@ -362,6 +362,7 @@ class _Rows:
             "step_time_s": dt,
             **_throughput(self.run, dt),
             "skipped": int(host.skipped),
+            "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
             **({} if eval_loss is None else {"eval_loss": eval_loss}),
         }
         self.log.write(row)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar import documents
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.problem import Stages
@@ -62,25 +63,32 @@ def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Arra
     return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ, EMBED))
 
 
-def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array) -> jax.Array:
-    """One layer of a stack, for jaxpar.scan_layers."""
-    return layer(x_BxSxE)
+def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array, batch: dict) -> jax.Array:
+    """One layer of a stack on the inputs of `batch`, given their documents."""
+    return layer(x_BxSxE, documents.of_inputs(batch))
 
 
 def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
     """The pipeline's first piece: tokens[:, :-1] -> residual stream."""
-    return model.embed(batch["tokens"][:, :-1])
+    return model.embed(batch["tokens"][:, :-1], documents.of_inputs(batch))
 
 
 def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
-    """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:]."""
+    """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:],
+    zero where the target is not trained (jaxpar.documents)."""
     logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["tokens"][:, 1:])
+    losses_BxS = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxSxV, batch["tokens"][:, 1:]
+    )
+    return documents.masked(losses_BxS, batch)
 
 
 def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:
-    """Per-token cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-    x_BxSxE = scan_layers(model.blocks, embed_inputs(model, batch), apply_layer)
+    """Per-token cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], each
+    document of a row on its own."""
+    x_BxSxE = scan_layers(
+        model.blocks, embed_inputs(model, batch), lambda layer, x: apply_layer(layer, x, batch)
+    )
     return token_losses(model, x_BxSxE, batch)
 
 

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxpar.attention import causal_attention
 from jaxpar.config import Model
+from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
 from jaxpar.registry import ModelSpec
@@ -17,7 +18,6 @@ from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
 from .common import (
     FeedForward,
     LayerNorm,
-    apply_layer,
     embed_tokens,
     flops_per_token,
     language_model_stages,
@@ -43,14 +43,14 @@ class Attention(nnx.Module):
             (HEADS, HEAD_DIM, EMBED),
         )
 
-    def __call__(self, x_BxSxE):
+    def __call__(self, x_BxSxE, segment_ids_BxS=None):
         dt = x_BxSxE.dtype
         qkv_BxSx3xHxD = constrain(
             jnp.einsum("bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt)),
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD)
+        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS)
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
 
@@ -62,8 +62,9 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(cfg.embed, rngs)
         self.mlp = FeedForward(cfg.embed, cfg.mlp, cfg.layers, rngs)
 
-    def __call__(self, x_BxSxE):
-        x_BxSxE = x_BxSxE + self.attn(self.ln1(x_BxSxE))
+    def __call__(self, x_BxSxE, docs: Documents | None = None):
+        segments_BxS = None if docs is None else docs.segment_ids
+        x_BxSxE = x_BxSxE + self.attn(self.ln1(x_BxSxE), segments_BxS)
         return x_BxSxE + self.mlp(self.ln2(x_BxSxE))
 
 
@@ -75,17 +76,21 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.embed, rngs)
         self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
-    def embed(self, tokens_BxS):
+    def embed(self, tokens_BxS, docs: Documents | None = None):
+        """Token plus position embeddings: positions 0..S-1, or each document's own."""
         dt = self.head.dtype
         x_BxSxE = embed_tokens(self.tokens, tokens_BxS, dt)
-        return x_BxSxE + self.positions[...][None, : tokens_BxS.shape[1]].astype(dt)
+        table_SxE = self.positions[...].astype(dt)
+        if docs is None:
+            return x_BxSxE + table_SxE[None, : tokens_BxS.shape[1]]
+        return x_BxSxE + jnp.take(table_SxE, docs.positions, axis=0)
 
     def logits(self, x_BxSxE):
         logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(x_BxSxE.dtype)
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
     def __call__(self, tokens_BxS):
-        x_BxSxE = scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer)
+        x_BxSxE = scan_layers(self.blocks, self.embed(tokens_BxS), Block.__call__)
         return self.logits(x_BxSxE)
 
 

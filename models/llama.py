@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.attention import causal_attention
+from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, stack
 from jaxpar.registry import ModelSpec
@@ -55,14 +56,20 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding of positions 0..S-1, rotate-half layout: the first half of each
-    head's dims pairs with the second (Meta's original checkpoints pair neighbours)."""
-    seq = x_BxSxNxD.shape[1]
-    angles_SxD = np.concatenate([np.outer(np.arange(seq, dtype=np.float32), inv_freq)] * 2, -1)
-    cos, sin = (
-        jnp.asarray(f(angles_SxD), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
-    )
+def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None) -> jax.Array:
+    """Rotary embedding of `positions` (default 0..S-1, as constants), rotate-half layout:
+    the first half of each head's dims pairs with the second (Meta's original
+    checkpoints pair neighbours). The angles in fp32, as transformers computes them."""
+    if positions_BxS is None:
+        seq = x_BxSxNxD.shape[1]
+        angles = np.concatenate([np.outer(np.arange(seq, dtype=np.float32), inv_freq)] * 2, -1)
+        cos, sin = (
+            jnp.asarray(f(angles), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
+        )
+    else:
+        half_BxSxD = positions_BxS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+        angles_BxSxD = jnp.concatenate([half_BxSxD, half_BxSxD], -1)
+        cos, sin = (f(angles_BxSxD).astype(x_BxSxNxD.dtype)[:, :, None] for f in (jnp.cos, jnp.sin))
     half = x_BxSxNxD.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxSxNxD[..., half:], x_BxSxNxD[..., :half]], -1)
     return x_BxSxNxD * cos + rotated * sin
@@ -90,7 +97,7 @@ class Attention(nnx.Module):
         self.wo = param(rngs, normal(out_std), (h, d, e), (HEADS, HEAD_DIM, EMBED))
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
 
-    def __call__(self, x_BxSxE):
+    def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt, inv_freq = x_BxSxE.dtype, np.asarray(self.inv_freq, np.float32)
         # Each key/value head serves heads/kv_heads query heads, in order: its weights
         # are repeated to one per query head (a local slice on every tensor device), so
@@ -110,8 +117,11 @@ class Attention(nnx.Module):
             jnp.einsum("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD), (BATCH, SEQ, QKV, HEADS, HEAD_DIM)
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        q_BxSxHxD, k_BxSxHxD = rotate(q_BxSxHxD, inv_freq), rotate(k_BxSxHxD, inv_freq)
-        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD)
+        positions_BxS = None if docs is None else docs.positions
+        segments_BxS = None if docs is None else docs.segment_ids
+        q_BxSxHxD = rotate(q_BxSxHxD, inv_freq, positions_BxS)
+        k_BxSxHxD = rotate(k_BxSxHxD, inv_freq, positions_BxS)
+        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS)
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
 
@@ -146,8 +156,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x_BxSxE):
-        x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE))
+    def __call__(self, x_BxSxE, docs: Documents | None = None):
+        x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), docs)
         return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
 
 
@@ -161,7 +171,8 @@ class Llama(nnx.Module):
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
-    def embed(self, tokens_BxS):
+    def embed(self, tokens_BxS, docs: Documents | None = None):
+        del docs  # positions are rotary: each layer's attention reads them
         return embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
 
     def logits(self, x_BxSxE):

@@ -13,7 +13,6 @@ from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
 from .common import (
     FeedForward,
     LayerNorm,
-    apply_layer,
     embed_tokens,
     flops_per_token,
     language_model_stages,
@@ -28,7 +27,8 @@ class Residual(nnx.Module):
         self.ln = LayerNorm(cfg.embed, rngs)
         self.ff = FeedForward(cfg.embed, cfg.mlp, cfg.layers, rngs)
 
-    def __call__(self, x_BxSxE):
+    def __call__(self, x_BxSxE, docs=None):
+        del docs  # each position is classified on its own
         return x_BxSxE + self.ff(self.ln(x_BxSxE))
 
 
@@ -39,14 +39,15 @@ class MLP(nnx.Module):
         self.blocks = stack(lambda r: Residual(cfg, r), cfg.layers, rngs)
         self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
-    def embed(self, tokens_BxS):
+    def embed(self, tokens_BxS, docs=None):
+        del docs
         return embed_tokens(self.tokens, tokens_BxS, self.head.dtype)
 
     def logits(self, x_BxSxE):
         return constrain(x_BxSxE @ self.head[...].astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
 
     def __call__(self, tokens_BxS):
-        return self.logits(scan_layers(self.blocks, self.embed(tokens_BxS), apply_layer))
+        return self.logits(scan_layers(self.blocks, self.embed(tokens_BxS), Residual.__call__))
 
 
 SPEC = ModelSpec(
