@@ -159,6 +159,15 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
     prep.add_argument("--out", type=Path, required=True, metavar="DIR")
     prep.add_argument("--val-fraction", type=float, default=0.005, metavar="F")
+    prep.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="text: documents (text files, JSONL `text`, Parquet `text`); chat: JSONL "
+        'conversations, {"messages": [{"role", "content"}, ...]} rendered with the '
+        'tokenizer\'s chat template, or {"prompt", "completion"}; writes a loss mask that '
+        "trains on the answers only",
+    )
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -265,7 +274,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         from jaxpar.prepare import check
 
         rundir.check_writable(args.out)
-        check(args.inputs, args.tokenizer, args.out, args.val_fraction)
+        check(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
     elif args.command == "export":
         if not args.run_dir.is_dir():
             raise ConfigError(f"export: {args.run_dir}: no such run directory")
@@ -368,12 +377,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare-data":
         from jaxpar.prepare import prepare
 
-        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction)
+        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+        trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
         print(
             f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
             f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
             f"{meta['documents']:,} documents"
+            + ("" if trained is None else f"; {trained:,} training tokens are answers")
         )
+        if meta.get("skipped_without_answer"):
+            print(
+                f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
+                "turn: nothing in them to train on"
+            )
         return 0
     cfg, out = _check_config(args)
     if args.command == "plan":

@@ -48,31 +48,16 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    return shipped, _batches(cfg, tokens, 0, "train")
+
+
+def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
+    """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
+    (documents, loss mask) the config uses."""
     t = cfg.train
+    marks = data.load_marks(cfg.data, t, tokens, split) if tokens is not None else data.Marks()
 
-    def batches(step: int, rows: slice = slice(None)) -> dict:
-        return data.batch_at(
-            tokens,
-            seed=t.seed,
-            step=step,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            vocab=cfg.model.vocab,
-            rows=rows,
-        )
-
-    return shipped, batches
-
-
-def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
-    """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
-    if not cfg.train.eval_every:
-        return None
-    t = cfg.train
-    tokens = data.load_eval_tokens(cfg.data, t, cfg.model)
-    first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
-
-    def eval_batches(i: int, rows: slice = slice(None)) -> dict:
+    def batches(i: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(
             tokens,
             seed=t.seed,
@@ -81,9 +66,19 @@ def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
             seq_len=t.seq_len,
             vocab=cfg.model.vocab,
             rows=rows,
+            marks=marks,
         )
 
-    return eval_batches
+    return batches
+
+
+def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
+    """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
+    if not cfg.train.eval_every:
+        return None
+    tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
+    first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
+    return _batches(cfg, tokens, first, "val")
 
 
 def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:

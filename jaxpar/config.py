@@ -72,6 +72,18 @@ class Optimizer(enum.StrEnum):
     SGD = "sgd"
 
 
+class Packing(enum.StrEnum):
+    AUTO = "auto"
+    DOCUMENTS = "documents"
+    STREAM = "stream"
+
+
+class LossMask(enum.StrEnum):
+    AUTO = "auto"
+    TRUE = "true"
+    FALSE = "false"
+
+
 class OnNonfinite(enum.StrEnum):
     STOP = "stop"
     SKIP = "skip"
@@ -248,6 +260,14 @@ class Train(Section):
     eval_batches: Annotated[int, Range(1, 10**6, "held-out batches per evaluation")] = key(
         4, "batches of train.batch_size rows in each evaluation"
     )
+    loss_mask: LossMask = key(
+        LossMask.AUTO,
+        (
+            "auto (true where the data has a loss mask: a `jaxpar prepare-data --format chat` "
+            "folder) | true (train only the targets the mask marks: answers, not prompts) | "
+            "false (train every target)"
+        ),
+    )
     on_nonfinite: OnNonfinite = key(
         OnNonfinite.STOP,
         (
@@ -298,6 +318,15 @@ class Data(Section):
     dtype: TokenDtype = key(
         TokenDtype.UINT16,
         "source=tokens, a flat binary file: the dtype of its ids (nanoGPT writes uint16)",
+    )
+    packing: Packing = key(
+        Packing.AUTO,
+        (
+            "auto (documents where a prepared folder has a document index, else stream) | "
+            "documents (each document in a window attends only to itself, its positions from 0, "
+            "its first token not predicted from the one before) | stream (one stream of "
+            "tokens, as nanoGPT)"
+        ),
     )
 
 

@@ -1,5 +1,18 @@
 """Batches that are a pure function of (seed, step): reproducible, independent of the mesh.
 
+A batch is windows of seq_len + 1 ids drawn at random starts over the whole stream of a
+split (any window can be drawn, the last included). Where a prepared folder has a
+document index (`{split}.idx`, `jaxpar prepare-data`), `data.packing=documents` adds
+each window's `segment_ids` and `positions` (jaxpar.documents): a window is cut at every
+document start it holds, so each piece is a sequence of its own, attending only to
+itself, at positions from 0. A document longer than a window, or crossing its start, is
+split the same way: the piece in the window starts at position 0 wherever it began (as
+if it were a document of its own), so positions never reach seq_len, what learned
+position tables hold, and a window's batch needs nothing outside it. Where the folder
+has a loss mask (`{split}.mask`, `--format chat`), `train.loss_mask` adds the window's
+`loss_mask`. Document starts are read from the index, never found by an end-of-text id
+(which also occurs inside answers).
+
 Sources: the embedded corpus (byte-level text of the `pydoc_data` topics that every
 CPython carries, no download), a user's text file, synthetic sequences, or token ids on
 disk of any size (`data.source=tokens`): memory-mapped, never read whole, each batch
@@ -16,9 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError, Data, Model, Source, Train
+from jaxpar.config import ConfigError, Data, LossMask, Model, Packing, Source, Train
 
 BYTE_VOCAB = 256
+# a batch's keys besides `tokens` (what they mean: jaxpar.documents)
+SEGMENT_IDS, POSITIONS, LOSS_MASK = "segment_ids", "positions", "loss_mask"
 
 
 def corpus_bytes() -> bytes:
@@ -206,6 +221,89 @@ def _check_ids(tokens: TokenFile, vocab: int) -> None:
                 )
 
 
+# {split}.idx and {split}.mask beside {split}.bin, described in meta.json under these keys
+INDEX, MASK = "idx", "mask"
+INDEX_META, MASK_META = "index", "loss_mask"
+INDEX_DTYPE, MASK_DTYPE = np.dtype("<i8"), np.dtype(np.uint8)
+
+
+@dataclass(frozen=True)
+class Marks:
+    """What a prepared folder says of its ids besides the ids, as the config asks."""
+
+    starts: np.ndarray | None = None  # each document's first id (packing=documents)
+    mask: TokenFile | None = None  # 1 per trained id (train.loss_mask)
+
+
+def uses(data: Data, train: Train) -> tuple[bool, bool]:
+    """(pack documents, mask the loss): data.packing and train.loss_mask resolved
+    against what the data has; ConfigError where one asks for what it lacks."""
+    folder = Path(data.path) if data.source is Source.TOKENS else None
+    meta = _meta(folder) if folder is not None and folder.is_dir() else {}
+    where = f"data.path={data.path}" if data.path else f"data.source={data.source}"
+    fix = "prepare it with `jaxpar prepare-data` (which writes {})"
+    if data.packing is Packing.DOCUMENTS and INDEX_META not in meta:
+        raise ConfigError(
+            f"data.packing=documents: {where} has no document index; "
+            + fix.format("train.idx for text, JSONL and Parquet")
+            + ", or use data.packing=stream"
+        )
+    if train.loss_mask is LossMask.TRUE and MASK_META not in meta:
+        raise ConfigError(
+            f"train.loss_mask=true: {where} has no loss mask; "
+            + fix.format("train.mask with --format chat")
+            + ", or use train.loss_mask=false"
+        )
+    packing = data.packing is Packing.DOCUMENTS or (
+        data.packing is Packing.AUTO and INDEX_META in meta
+    )
+    masked = train.loss_mask is LossMask.TRUE or (
+        train.loss_mask is LossMask.AUTO and MASK_META in meta
+    )
+    return packing, masked
+
+
+def load_marks(data: Data, train: Train, tokens, split: str = "train") -> Marks:
+    """The document starts and loss mask of `split` that the config uses, checked
+    against its ids."""
+    packing, masked = uses(data, train)
+    folder = Path(data.path)
+    starts = _index(folder / f"{split}.{INDEX}", len(tokens)) if packing else None
+    mask = _mask(folder / f"{split}.{MASK}", len(tokens)) if masked else None
+    return Marks(starts, mask)
+
+
+def _index(path: Path, count: int) -> np.ndarray:
+    if not path.is_file():
+        raise ConfigError(f"data.path: {path}: no such file; prepare the folder again")
+    size = path.stat().st_size
+    starts = np.memmap(path, INDEX_DTYPE, mode="r") if size else np.zeros(0, INDEX_DTYPE)
+    steps = np.diff(starts)
+    if size % INDEX_DTYPE.itemsize or not len(starts) or starts[0] != 0 or (steps <= 0).any():
+        raise ConfigError(
+            f"data.path: {path} is not a document index (ascending int64 offsets from 0); "
+            "prepare the folder again"
+        )
+    if starts[-1] >= count:
+        raise ConfigError(
+            f"data.path: {path} starts a document at id {int(starts[-1])}, but its ids "
+            f"number {count}; the index and the ids disagree: prepare the folder again"
+        )
+    return starts
+
+
+def _mask(path: Path, count: int) -> TokenFile:
+    if not path.is_file():
+        raise ConfigError(f"data.path: {path}: no such file; prepare the folder again")
+    marks = path.stat().st_size // MASK_DTYPE.itemsize
+    if marks != count:
+        raise ConfigError(
+            f"data.path: {path} holds {marks} loss-mask entries for {count} ids; they must "
+            "be one per id: prepare the folder again"
+        )
+    return TokenFile(path, MASK_DTYPE, 0, count)
+
+
 def describe(data: Data, train: Train) -> str:
     """The data source in words, for the start-up summary."""
     what = {
@@ -214,6 +312,11 @@ def describe(data: Data, train: Train) -> str:
         Source.SYNTHETIC: "synthetic: counting sequences with a random start and stride",
         Source.TOKENS: f"tokens: {data.path}, memory-mapped",
     }[data.source]
+    packing, masked = uses(data, train)
+    if packing:
+        what += "; documents packed, each attending to itself"
+    if masked:
+        what += "; trained on the loss mask's targets only"
     return f"{what}; {train.batch_size} x {train.seq_len} tokens a step"
 
 
@@ -226,10 +329,12 @@ def batch_at(
     seq_len: int,
     vocab: int,
     rows: slice = slice(None),
+    marks: Marks = Marks(),
 ) -> dict[str, np.ndarray]:
     """Global batch `step`, or its `rows` only (each process builds its own):
-    {"tokens": int32 [rows, seq_len + 1]}. The random draws are the global batch's
-    whichever rows are built, so the rows are the same as in the whole batch."""
+    {"tokens": int32 [rows, seq_len + 1]}, and with `marks` the windows' segment ids,
+    positions and loss mask (the module's docstring). The random draws are the global
+    batch's whichever rows are built, so the rows are the same as in the whole batch."""
     rng = np.random.default_rng([seed, step])
     if tokens is None:
         # Each row counts up from a random start by a random stride: learnable, not trivial.
@@ -239,6 +344,21 @@ def batch_at(
     else:
         # every window of seq_len + 1 ids, the last one included
         starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)[rows]
+        at = starts[:, None] + np.arange(seq_len + 1)
         ids = tokens.open() if isinstance(tokens, TokenFile) else tokens
-        out = ids[starts[:, None] + np.arange(seq_len + 1)]
+        return {"tokens": ids[at].astype(np.int32), **_marked(marks, starts, at)}
     return {"tokens": out.astype(np.int32)}
+
+
+def _marked(marks: Marks, starts: np.ndarray, at: np.ndarray) -> dict[str, np.ndarray]:
+    """The windows' segment ids, positions and loss mask, as `marks` has them."""
+    out = {}
+    if marks.starts is not None:
+        # the document of each id (searched with the index's own dtype: no copy of it)
+        document = np.searchsorted(marks.starts, at.astype(INDEX_DTYPE), side="right") - 1
+        first = np.maximum(marks.starts[document], starts[:, None])  # its piece's first id
+        out[SEGMENT_IDS] = (document - document[:, :1]).astype(np.int32)
+        out[POSITIONS] = (at - first).astype(np.int32)
+    if marks.mask is not None:
+        out[LOSS_MASK] = marks.mask.open()[at].astype(np.int32)
+    return out

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-SEGMENT_IDS, POSITIONS, LOSS_MASK = "segment_ids", "positions", "loss_mask"
+from jaxpar.data import LOSS_MASK, POSITIONS, SEGMENT_IDS
 
 
 class Documents(NamedTuple):

@@ -152,6 +152,8 @@ def check_value(key: str, value, hint):
     if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
         value = str(value)
     if decl.choices is not None:
+        if isinstance(value, bool) and str(value).lower() in decl.choices:
+            value = str(value).lower()  # a choice named true/false, as YAML read it
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             if isinstance(value, str) and value in decl.choices:
                 return value if type(value) is kind else kind(value)

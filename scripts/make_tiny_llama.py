@@ -1,14 +1,50 @@
 """A tiny random Llama saved as a Hugging Face checkpoint, with a BPE tokenizer trained
-on the text CPython ships (pydoc topics) and that text as a file: everything the README's
-real-model walk-through needs, without a download (needs transformers, tokenizers).
+on the text CPython ships (pydoc topics), with a ChatML chat template, and that text as
+a file: everything the README's real-model walk-through needs, without a download (needs
+transformers, tokenizers).
 
     python scripts/make_tiny_llama.py --out runs/tiny-llama --text runs/corpus.txt
 """
 
 import argparse
+import json
 from pathlib import Path
 
 from jaxpar.data import corpus_bytes
+
+# ChatML, as Qwen writes it: each turn between <|im_start|>ROLE and <|im_end|>
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_tokenizer(folder: Path, text: str, vocab: int) -> None:
+    """A byte-level BPE trained on `text`, with ChatML's special tokens and template,
+    saved as `tokenizers` and `transformers` read it (tokenizer.json and
+    tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text.split("\n\n"), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main() -> None:
@@ -17,21 +53,11 @@ def main() -> None:
     parser.add_argument("--text", type=Path, required=True, help="where the text goes")
     parser.add_argument("--vocab", type=int, default=512)
     args = parser.parse_args()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     text = corpus_bytes().decode()
     args.text.parent.mkdir(parents=True, exist_ok=True)
     args.text.write_text(text)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=args.vocab,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(text.split("\n\n"), trainer)
     config = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=128,
@@ -43,8 +69,8 @@ def main() -> None:
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(args.out)
-    tok.save(str(args.out / "tokenizer.json"))
-    print(f"wrote {args.out} (LlamaForCausalLM, tokenizer.json) and {args.text}")
+    save_tokenizer(args.out, text, args.vocab)
+    print(f"wrote {args.out} (LlamaForCausalLM, a tokenizer with a chat template) and {args.text}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Conversations as token ids and a loss mask, for `jaxpar prepare-data --format chat`.
+
+A JSONL line is either `{"messages": [{"role": ..., "content": ...}, ...]}`, rendered by
+the tokenizer's own chat template (its `tokenizer_config.json`), or `{"prompt": ...,
+"completion": ...}`, the two encoded one after the other with the end-of-text id after
+the completion. The mask marks what is trained on: each assistant turn's tokens, with
+the end-of-turn text the template writes after it (e.g. `<|im_end|>`, `<|eot_id|>`), or
+the completion and its end-of-text id; never the system and user turns, nor the
+template's text between turns.
+
+The template is rendered with jinja2 directly, as transformers' `apply_chat_template`
+renders it (a sandboxed environment, trim_blocks and lstrip_blocks, loop controls,
+`raise_exception`, `strftime_now`, the tokenizer's special tokens as variables):
+transformers is not needed to prepare data, and it would not say where each turn lies
+in the text unless the template marks them. Assistant turn i lies between the rendering
+of the turns before it with the generation prompt and the rendering of the turns up to
+it: a template must render a conversation's first turns as a prefix of the whole, which
+the common ones (ChatML, Llama 3, Mistral, Gemma) do; one that does not is refused.
+Tokens are marked by their character offsets in the rendered text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.errors import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+TRAINED = "assistant"
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]
+    mask: np.ndarray  # uint8, 1 per trained id
+
+
+class Template:
+    """A tokenizer's chat template, compiled once."""
+
+    def __init__(self, folder: Path):
+        self.source, self.tokens = _read(folder)
+        self.compiled = None if self.source is None else _compile(self.source)
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.compiled.render(
+            messages=messages, add_generation_prompt=generation_prompt, **self.tokens
+        )
+
+
+def _read(folder: Path) -> tuple[str | None, dict]:
+    path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as e:
+        raise ConfigError(f"--tokenizer {folder}: tokenizer_config.json unreadable ({e})") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    tokens = {}
+    for name in SPECIAL:
+        value = config.get(name)
+        tokens[name] = value.get("content") if isinstance(value, dict) else value
+    return template, tokens
+
+
+def _compile(source: str):
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ConfigError(f"--tokenizer: its chat template does not compile ({e})") from None
+
+
+def check_row(row, where: str) -> str:
+    """The row's kind ('messages' or 'prompt'), or ConfigError naming file:line."""
+    if not isinstance(row, dict):
+        raise ConfigError(
+            f"prepare-data: {where}: a JSON object per line, not {type(row).__name__}"
+        )
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"prepare-data: {where}: `messages` must be a non-empty list")
+        for n, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ConfigError(
+                    f"prepare-data: {where}: message {n} needs a string `content` and a `role`"
+                )
+            if m.get("role") not in ROLES:
+                raise ConfigError(
+                    f"prepare-data: {where}: message {n} has role {m.get('role')!r}; "
+                    f"roles are {', '.join(ROLES)}"
+                )
+        return "messages"
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        return "prompt"
+    raise ConfigError(
+        f"prepare-data: {where}: no `messages` list, nor string `prompt` and `completion` "
+        f"fields (keys: {sorted(row)})"
+    )
+
+
+def example(tok, template: Template, row: dict, kind: str, eos: int | None, where: str):
+    """The row's ids and mask; None for a conversation with no assistant turn."""
+    if kind == "prompt":
+        prompt = tok.encode(row["prompt"], add_special_tokens=False).ids
+        completion = tok.encode(row["completion"], add_special_tokens=False).ids
+        completion += [] if eos is None else [eos]
+        mask = np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
+        return Example(prompt + completion, mask)
+    messages = row["messages"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == TRAINED]
+    if not turns:
+        return None
+    if template.compiled is None:
+        raise ConfigError(
+            f"prepare-data: {where}: a conversation of `messages`, but the tokenizer has no "
+            "chat template (tokenizer_config.json's `chat_template`); give a tokenizer that "
+            'has one, or write the lines as {"prompt": ..., "completion": ...}'
+        )
+    text = template.render(messages)
+    spans = [_span(template, messages, i, text, where) for i in turns]
+    encoding = tok.encode(text, add_special_tokens=False)
+    offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+    mask = np.zeros(len(encoding.ids), np.uint8)
+    for start, end in spans:
+        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+    return Example(list(encoding.ids), mask)
+
+
+def _span(template: Template, messages: list[dict], i: int, text: str, where: str):
+    """[start, end) of assistant turn i in the rendered conversation `text`: its content
+    and the template's end of turn, without the whitespace after them."""
+    before = template.render(messages[:i], generation_prompt=True)
+    through = template.render(messages[: i + 1])
+    if not (through.startswith(before) and text.startswith(through)):
+        raise ConfigError(
+            f"prepare-data: {where}: the chat template does not render the first turns of a "
+            f"conversation as the start of the whole (at assistant turn {i}), so its answers "
+            "cannot be located; use a template that does (ChatML, Llama 3, Mistral do)"
+        )
+    return len(before), len(through.rstrip())
