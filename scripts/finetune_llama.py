@@ -4,19 +4,67 @@ Hugging Face checkpoint that `transformers` loads with from_pretrained.
 
     python scripts/finetune_llama.py --hf runs/tiny-llama --data runs/tokens --out runs/ft
     jaxpar launch --processes 2 -- scripts/finetune_llama.py --hf ... --data ... --out ...
+
+With --chat DIR instead of --data, it fine-tunes on conversations, trained on the
+answers only: it writes DIR/chat.jsonl (small arithmetic conversations, some with a
+system turn, some of two rounds, some as prompt/completion pairs), prepares it with the
+checkpoint's tokenizer and chat template (`jaxpar prepare-data --format chat`) into
+DIR/tokens, and trains on that.
 """
 
 import argparse
+import json
 import os
+import random
 from pathlib import Path
 
 import jaxpar
 
 
+def write_conversations(path: Path, count: int, seed: int = 0) -> None:
+    """`count` JSONL conversations about sums: the answers follow from the questions."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(count):
+            a, b, c = rng.randint(1, 99), rng.randint(1, 99), rng.randint(1, 99)
+            if i % 5 == 4:
+                row = {"prompt": f"{a} + {b} = ", "completion": f"{a + b}"}
+            else:
+                messages = [{"role": "system", "content": "You add numbers."}] if i % 3 else []
+                messages += [
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                ]
+                if i % 4 == 0:
+                    messages += [
+                        {"role": "user", "content": f"And plus {c}?"},
+                        {"role": "assistant", "content": f"{a + b} plus {c} is {a + b + c}."},
+                    ]
+                row = {"messages": messages}
+            f.write(json.dumps(row) + "\n")
+
+
+def chat_data(hf: Path, folder: Path, count: int) -> None:
+    """Conversations written to `folder`/chat.jsonl and prepared into `folder`/tokens
+    (once: a folder prepared already is kept)."""
+    from jaxpar.prepare import prepare
+
+    if (folder / "tokens" / "meta.json").is_file():
+        return
+    write_conversations(folder / "chat.jsonl", count)
+    meta = prepare([folder / "chat.jsonl"], hf, folder / "tokens", val_fraction=0.05, fmt="chat")
+    trained = meta["loss_mask"]["trained_tokens"]["train"]
+    print(f"chat data: {meta['train_tokens']:,} tokens, {trained:,} of them answers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", type=Path, required=True, help="a Hugging Face checkpoint folder")
-    parser.add_argument("--data", type=Path, required=True, help="a prepare-data folder")
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", type=Path, help="a prepare-data folder")
+    data.add_argument("--chat", type=Path, metavar="DIR", help="write and prepare chat data here")
+    parser.add_argument("--conversations", type=int, default=2000, help="with --chat")
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -30,6 +78,13 @@ def main() -> None:
     jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
     import jax
+    from jax.experimental import multihost_utils
+
+    if args.chat:  # written by one process, read by all
+        if jax.process_index() == 0:
+            chat_data(args.hf, args.chat, args.conversations)
+        multihost_utils.sync_global_devices("chat data")
+        args.data = args.chat / "tokens"
 
     from jaxpar import commands, planner, presets
     from jaxpar.export import export_hf
@@ -39,7 +94,11 @@ def main() -> None:
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),  # its dims come from config.json
         train=jaxpar.Train(
-            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            eval_every=args.steps if (args.data / "val.bin").is_file() else 0,
         ),
         data=jaxpar.Data(source="tokens", path=str(args.data)),
         checkpoint=jaxpar.Checkpoint(every=max(1, args.steps // 2)),
@@ -57,7 +116,12 @@ def main() -> None:
     result = commands.train_config(best.cfg, out_dir=args.out)
     if jax.process_index() == 0:
         steps, tensors = export_hf(args.out, args.out / "hf")
-        print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; step {steps} exported")
+        held_out = result.report.eval_loss
+        held_out = "" if held_out is None else f", held-out {held_out:.3f}"
+        print(
+            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{held_out}; "
+            f"step {steps} exported"
+        )
         print(f"transformers: LlamaForCausalLM.from_pretrained('{args.out / 'hf'}')")
 
 
