@@ -92,6 +92,31 @@ def _compile(source: str):
         raise ConfigError(f"--tokenizer: its chat template does not compile ({e})") from None
 
 
+def check_file(path: Path, template: Template) -> None:
+    """Every line of `path` a conversation this template can render, or ConfigError
+    naming the line: checked before anything is written."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                row, where = parse(line, path, number)
+                if check_row(row, where) == "messages" and template.compiled is None:
+                    raise ConfigError(
+                        f"prepare-data: {where}: a conversation of `messages`, but the tokenizer "
+                        "has no chat template (tokenizer_config.json's `chat_template`); give a "
+                        'tokenizer that has one, or write the lines as {"prompt": ..., '
+                        '"completion": ...}'
+                    )
+
+
+def parse(line: str, path: Path, number: int) -> tuple[object, str]:
+    """(the line's JSON, where it is: file:line)."""
+    where = f"{path}:{number}"
+    try:
+        return json.loads(line), where
+    except ValueError as e:
+        raise ConfigError(f"prepare-data: {where}: not JSON ({e})") from None
+
+
 def check_row(row, where: str) -> str:
     """The row's kind ('messages' or 'prompt'), or ConfigError naming file:line."""
     if not isinstance(row, dict):
@@ -122,7 +147,8 @@ def check_row(row, where: str) -> str:
 
 
 def example(tok, template: Template, row: dict, kind: str, eos: int | None, where: str):
-    """The row's ids and mask; None for a conversation with no assistant turn."""
+    """The row's ids and mask (a row check_file passed); None for a conversation with no
+    assistant turn."""
     if kind == "prompt":
         prompt = tok.encode(row["prompt"], add_special_tokens=False).ids
         completion = tok.encode(row["completion"], add_special_tokens=False).ids
@@ -133,12 +159,6 @@ def example(tok, template: Template, row: dict, kind: str, eos: int | None, wher
     turns = [i for i, m in enumerate(messages) if m["role"] == TRAINED]
     if not turns:
         return None
-    if template.compiled is None:
-        raise ConfigError(
-            f"prepare-data: {where}: a conversation of `messages`, but the tokenizer has no "
-            "chat template (tokenizer_config.json's `chat_template`); give a tokenizer that "
-            'has one, or write the lines as {"prompt": ..., "completion": ...}'
-        )
     text = template.render(messages)
     spans = [_span(template, messages, i, text, where) for i in turns]
     encoding = tok.encode(text, add_special_tokens=False)

@@ -62,6 +62,10 @@ def check(
             ) from None
     if (out / "train.bin").exists():
         raise ConfigError(f"--out {out}: holds a prepared dataset already; give another --out")
+    if fmt == "chat":  # every line, before anything is written
+        template = chat.Template(tokenizer)
+        for path in inputs:
+            chat.check_file(path, template)
 
 
 def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
@@ -210,11 +214,7 @@ def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> d
                 bar.update(len(line.encode("utf-8")))
                 if not line.strip():
                     continue
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"prepare-data: {where}: not JSON ({e})") from None
+                row, where = chat.parse(line, path, number)
                 kind = chat.check_row(row, where)
                 one = chat.example(tok, template, row, kind, eos, where)
                 if one is None:

@@ -67,7 +67,9 @@ def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None) -> ja
             jnp.asarray(f(angles), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
         )
     else:
-        half_BxSxD = positions_BxS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+        half_BxSxD = (
+            positions_BxS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
+        )
         angles_BxSxD = jnp.concatenate([half_BxSxD, half_BxSxD], -1)
         cos, sin = (f(angles_BxSxD).astype(x_BxSxNxD.dtype)[:, :, None] for f in (jnp.cos, jnp.sin))
     half = x_BxSxNxD.shape[-1] // 2

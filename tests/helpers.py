@@ -140,3 +140,15 @@ def perturb_one_copy(x: jax.Array, device_id: int, delta: float = 1e-3) -> jax.A
             block.reshape(-1)[0] += delta
         blocks.append(jax.device_put(block, shard.device))
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, blocks)
+
+
+def script(name: str):
+    """scripts/NAME.py as a module (what a test reuses of a script: a tokenizer maker,
+    a data writer)."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

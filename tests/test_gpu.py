@@ -20,16 +20,32 @@ from jaxpar.commands import setup
 from jaxpar.run import build, step_inputs
 
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # forward, backward
+# with a mask (packed documents): the kernels that take it, as a bias
+CUDNN_MASKED = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
 
 
-def lowered_step(preset: str, *overrides: str, platform: str | None = None, devices: int = 8):
+def lowered_step(
+    preset: str,
+    *overrides: str,
+    platform: str | None = None,
+    devices: int = 8,
+    packed: bool = False,
+):
     """(the step's lowered StableHLO text for `platform` (default: this machine's), the
-    engine's compiler options), data parallel on `devices` devices."""
+    engine's compiler options), data parallel on `devices` devices; `packed`: each row
+    two documents (segment ids and positions in the batch)."""
     cfg = presets.load(preset, [f"parallel.data={devices}", "data.source=synthetic", *overrides])
     s = setup(cfg, jax.devices()[:devices])
+    batch = s.batches(0)
+    if packed:
+        rows, width = batch["tokens"].shape
+        second = np.arange(width) >= width // 2
+        batch["segment_ids"] = np.broadcast_to(second, (rows, width)).astype(np.int32)
+        positions = np.arange(width) - second * (width // 2)
+        batch["positions"] = np.broadcast_to(positions, (rows, width)).astype(np.int32)
     with context.building_for(platform) if platform else contextlib.nullcontext():
         engine = build(s.problem, cfg, s.mesh)
-        traced = engine.step.trace(*step_inputs(engine, s.batches(0)))
+        traced = engine.step.trace(*step_inputs(engine, batch))
         lowered = traced.lower(lowering_platforms=(platform,) if platform else None)
     return lowered.as_text(), engine.compiler_options
 
@@ -50,7 +66,7 @@ def fused_kernels(text: str) -> list[str]:
     """cuDNN attention calls in a lowered program: the kernels themselves, or (on a
     mesh of many devices) the custom-partitioned calls that become them once XLA's SPMD
     partitioner has run, named by the partitioning function jax registered for each."""
-    calls = [c for c in re.findall(r"custom_call @([\w$]+)", text) if c in CUDNN]
+    calls = [c for c in re.findall(r"custom_call @([\w$]+)", text) if c in CUDNN + CUDNN_MASKED]
     for key in re.findall(r'@CustomSPMDPartitioning[^\n]*backend_config = "(\d+)"', text):
         partition = custom_partitioning._sharding_callbacks[key.encode()].partition
         if partition.__module__ == fused_attention_stablehlo.__name__:
@@ -93,6 +109,40 @@ def test_a_cuda_bf16_step_runs_cudnn_attention_with_no_sxs_buffer(devices, cudnn
     ]
     assert sxs(text, 4096) == []
     assert options == expected_flags(8)
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_packed_documents_reach_the_cudnn_kernel_as_its_mask(devices, cudnn_probe, preset):
+    """A batch of packed documents runs the cuDNN kernels that take a mask, forward and
+    backward, fed from the segment ids: one [rows, 1, S, S] mask shared by the heads,
+    never a score buffer per head."""
+    seq = 1024
+    text, _ = lowered_step(
+        preset, f"train.seq_len={seq}", "train.precision=bf16", platform="cuda", devices=1,
+        packed=True,
+    )  # fmt: skip
+    assert sorted(set(fused_kernels(text))) == sorted(CUDNN_MASKED)
+    # the mask (a row's: [rows, S, S], as the kernel's bias [rows, 1, S, S]), no scores
+    assert set(sxs(text, seq)) == {f"16x{seq}x{seq}", f"16x1x{seq}x{seq}"}
+
+
+def test_the_mask_handed_to_cudnn_is_the_one_the_cpu_applies():
+    """jax's reference attention with the mask the cuDNN path receives, and the blocked
+    form with segment ids, equal the direct form: each query sees its own document only."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8))
+    segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
+    want = attention._direct(q, k, v, 0, segments)
+    mask = attention.same_segment(segments)[:, None]
+    got = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "BLOCK", 16)
+        np.testing.assert_allclose(
+            attention._blocked(q, k, v, segments), want, rtol=1e-5, atol=1e-6
+        )
+    # the second document's outputs do not depend on the first document's keys
+    changed = attention._direct(q, k.at[:, :20].add(1.0), v, 0, segments)
+    np.testing.assert_array_equal(changed[:, 20:], want[:, 20:])
 
 
 def test_a_cuda_fp32_step_runs_blocked_attention_with_no_sxs_buffer(devices):

@@ -2,11 +2,8 @@
 corpus (no download), then `data.source=tokens`, memory-mapped; bad token files refused."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -231,36 +228,3 @@ def test_a_file_larger_than_the_run_could_hold_is_only_mapped(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     print(f"2048 MiB of tokens: peak {peak_mb:.0f} MiB")
     assert 0 < peak_mb < 1024, peak_mb  # of a 2048 MiB file
-
-
-@pytest.mark.slow
-def test_resume_after_kill_9_reads_the_same_batches(prepared, tmp_path):
-    base = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny",
-            "data.source=tokens", f"data.path={prepared}", f"model.vocab={VOCAB}",
-            "parallel.data=8", "train.steps=8", "checkpoint.every=1"]  # fmt: skip
-    straight = subprocess.run(
-        [*base, "--out", str(tmp_path / "straight")], capture_output=True, text=True
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    killed = subprocess.Popen(
-        [*base, "--out", str(tmp_path / "killed")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        assert killed.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.wait()
-    resumed = subprocess.run(
-        [*base, "--out", str(tmp_path / "killed")], capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-
-    def losses(run):
-        rows = [json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in rows}
-
-    assert losses("killed") == losses("straight")
