@@ -149,10 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep = sub.add_parser(
         "prepare-data",
-        help="tokenize text, JSONL or Parquet files into train.bin, val.bin, meta.json",
+        help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
         description="Tokenize INPUT files (text; JSONL with a `text` field per line; Parquet "
-        "with a `text` column) with a local Hugging Face tokenizer into --out: train.bin "
-        "and val.bin (token ids, uint16 or uint32) and meta.json, for `jaxpar train "
+        "with a `text` column; with --format chat, JSONL conversations) with a local Hugging "
+        "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
+        "train.idx and val.idx (where each document starts), with --format chat train.mask "
+        "and val.mask (1 per trained id), and meta.json, for `jaxpar train "
         "data.source=tokens data.path=OUT`. Every 1/val-fraction-th document is held out.",
     )
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")

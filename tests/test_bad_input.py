@@ -48,8 +48,10 @@ def _key_cases():
         yield f"{key}-typo", [*on, f"{key}x=1"], [f"{key}x: unknown key", f"did you mean {key}"]
         if decl.choices is not None:
             yield f"{key}-choice", [*on, f"{key}=nonesuch"], [key, "choose one of"]
-            if isinstance(decl.choices[0], str):  # a near miss in capitals
-                near = decl.choices[-1].upper()
+            # a near miss in capitals (TRUE and FALSE are YAML's booleans: a choice named
+            # true or false takes them)
+            near = str(decl.choices[-1]).upper()
+            if isinstance(decl.choices[0], str) and near not in ("TRUE", "FALSE"):
                 yield f"{key}-case", [*on, f"{key}={near}"], [f"did you mean {decl.choices[-1]}?"]
 
 
