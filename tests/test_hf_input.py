@@ -15,8 +15,8 @@ from jaxpar import cli, commands, hf, presets, registry, run
 from jaxpar.problem import registered
 
 
-def write_checkpoint(directory: Path) -> Path:
-    cfg = presets.load("llama-tiny", ["model.layers=2"])
+def write_checkpoint(directory: Path, *overrides: str) -> Path:
+    cfg = presets.load("llama-tiny", ["model.layers=2", *overrides])
     shapes = registered(cfg.model, cfg.train.seq_len).shapes
     rng = np.random.default_rng(0)
     params = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in shapes.items()}

@@ -55,6 +55,30 @@ def test_finetune_llama_script_plans_trains_and_exports(tmp_path):
 
 
 @pytest.mark.slow
+def test_finetune_llama_script_fine_tunes_on_chat_answers(tmp_path):
+    """--chat: conversations written, prepared with the checkpoint's chat template,
+    packed, trained on the answers only, exported."""
+    import json
+
+    from helpers import script
+    from test_hf_input import write_checkpoint
+
+    from jaxpar.data import corpus_bytes
+
+    source = write_checkpoint(tmp_path / "hf", "model.vocab=512")
+    script("make_tiny_llama").save_tokenizer(source, corpus_bytes().decode(), 512)
+    out = tmp_path / "run"
+    args = ["--hf", str(source), "--chat", str(tmp_path / "chat"), "--out", str(out),
+            "--steps", "2", "--conversations", "200"]  # fmt: skip
+    printed = run_script("finetune_llama.py", *args, whole=True)
+    assert "chat data: " in printed and "of them answers" in printed
+    assert "documents packed" in printed and "trained on the loss mask's targets only" in printed
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < rows[0]["trained_tokens"] < 16 * 64  # answers only
+    assert (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_compare_torch_prints_the_table_with_the_load():
     """scripts/compare_torch.py as the README runs it, at one shape and rank, few steps:
     both sides train and the ratio is theirs."""
