@@ -231,7 +231,7 @@ INDEX_DTYPE, MASK_DTYPE = np.dtype("<i8"), np.dtype(np.uint8)
 class Marks:
     """What a prepared folder says of its ids besides the ids, as the config asks."""
 
-    starts: np.ndarray | None = None  # each document's first id (packing=documents)
+    starts: TokenFile | np.ndarray | None = None  # each document's first id (packing=documents)
     mask: TokenFile | None = None  # 1 per trained id (train.loss_mask)
 
 
@@ -273,23 +273,29 @@ def load_marks(data: Data, train: Train, tokens, split: str = "train") -> Marks:
     return Marks(starts, mask)
 
 
-def _index(path: Path, count: int) -> np.ndarray:
+def _index(path: Path, count: int) -> TokenFile:
+    """The document index, checked a chunk at a time through a buffer (ascending offsets
+    from 0, each below `count`)."""
     if not path.is_file():
         raise ConfigError(f"data.path: {path}: no such file; prepare the folder again")
     size = path.stat().st_size
-    starts = np.memmap(path, INDEX_DTYPE, mode="r") if size else np.zeros(0, INDEX_DTYPE)
-    steps = np.diff(starts)
-    if size % INDEX_DTYPE.itemsize or not len(starts) or starts[0] != 0 or (steps <= 0).any():
+    bad = size % INDEX_DTYPE.itemsize or not size
+    last = -1
+    with path.open("rb") as f:
+        while not bad and (chunk := np.fromfile(f, INDEX_DTYPE, SCAN_ELEMENTS)).size:
+            bad = (last < 0 and chunk[0] != 0) or (np.diff(chunk, prepend=last) <= 0).any()
+            last = int(chunk[-1])
+    if bad:
         raise ConfigError(
             f"data.path: {path} is not a document index (ascending int64 offsets from 0); "
             "prepare the folder again"
         )
-    if starts[-1] >= count:
+    if last >= count:
         raise ConfigError(
-            f"data.path: {path} starts a document at id {int(starts[-1])}, but its ids "
-            f"number {count}; the index and the ids disagree: prepare the folder again"
+            f"data.path: {path} starts a document at id {last}, but its ids number {count}; "
+            "the index and the ids disagree: prepare the folder again"
         )
-    return starts
+    return TokenFile(path, INDEX_DTYPE, 0, size // INDEX_DTYPE.itemsize)
 
 
 def _mask(path: Path, count: int) -> TokenFile:
@@ -354,9 +360,10 @@ def _marked(marks: Marks, starts: np.ndarray, at: np.ndarray) -> dict[str, np.nd
     """The windows' segment ids, positions and loss mask, as `marks` has them."""
     out = {}
     if marks.starts is not None:
+        index = marks.starts.open() if isinstance(marks.starts, TokenFile) else marks.starts
         # the document of each id (searched with the index's own dtype: no copy of it)
-        document = np.searchsorted(marks.starts, at.astype(INDEX_DTYPE), side="right") - 1
-        first = np.maximum(marks.starts[document], starts[:, None])  # its piece's first id
+        document = np.searchsorted(index, at.astype(INDEX_DTYPE), side="right") - 1
+        first = np.maximum(index[document], starts[:, None])  # its piece's first id
         out[SEGMENT_IDS] = (document - document[:, :1]).astype(np.int32)
         out[POSITIONS] = (at - first).astype(np.int32)
     if marks.mask is not None:

@@ -352,6 +352,20 @@ def test_bad_marks_are_refused(change, overrides, needle, chat_folder, tmp_path,
     one_line_error(capsys, needle)
 
 
+def test_held_out_batches_carry_the_same_marks(chat_folder):
+    """eval_loss is over the held-out answers, packed as in training."""
+    from jaxpar import commands
+
+    cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "train.eval_every=5"])
+    held_out = commands.held_out_batches(cfg)(0)
+    assert set(held_out) == {"tokens", "segment_ids", "positions", "loss_mask"}
+    val = np.fromfile(chat_folder / "val.mask", np.uint8)
+    first = held_out["tokens"][0]
+    ids = np.fromfile(chat_folder / "val.bin", np.uint16)
+    start = next(i for i in range(len(ids)) if np.array_equal(ids[i : i + 65], first))
+    assert held_out["loss_mask"][0].tolist() == val[start : start + 65].tolist()
+
+
 def test_an_old_folder_without_an_index_trains_as_a_stream(chat_folder, tmp_path):
     folder = _copy(chat_folder, tmp_path)
     meta = json.loads((folder / "meta.json").read_text())
