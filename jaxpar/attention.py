@@ -110,3 +110,28 @@ def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array
     firsts = jnp.arange(s // block) * block
     out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, firsts))
     return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, d)
+
+
+def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B):
+    """Attention of T new queries through a KV cache: their keys and values written at
+    slots slot..slot+T-1 of `cache` (k, v [B, M, K, D], K key/value heads, each serving
+    H/K query heads in order), each query seeing the slots at or before its own and at or
+    after its row's first real token (`pad_B`: the left padding of each row). Returns
+    (out [B, T, H, D], the cache with the new keys and values)."""
+    cache_k, cache_v = cache
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxD.astype(cache_k.dtype), slot, 1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxTxKxD.astype(cache_v.dtype), slot, 1)
+    b, t, h, d = q_BxTxHxD.shape
+    kv, m = cache_k.shape[2], cache_k.shape[1]
+    q_BxTxKxGxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d)
+    att_BxKxGxTxM = jnp.einsum(
+        "btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(q_BxTxHxD.dtype)
+    ).astype(jnp.float32)
+    keys_M, queries_T = jnp.arange(m), slot + jnp.arange(t)
+    visible_BxTxM = (keys_M[None, None, :] <= queries_T[None, :, None]) & (
+        keys_M[None, None, :] >= pad_B[:, None, None]
+    )
+    mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
+    prob = jax.nn.softmax(att_BxKxGxTxM + mask_Bx1x1xTxM, axis=-1).astype(q_BxTxHxD.dtype)
+    out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob, cache_v.astype(q_BxTxHxD.dtype))
+    return out_BxTxKxGxD.reshape(b, t, h, d), (cache_k, cache_v)

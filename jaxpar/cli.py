@@ -170,6 +170,32 @@ def _parser() -> argparse.ArgumentParser:
         'tokenizer\'s chat template, or {"prompt", "completion"}; writes a loss mask that '
         "trains on the answers only",
     )
+    gen = sub.add_parser(
+        "generate",
+        help="continue prompts with a trained model (a run directory or hf:DIR), KV-cached",
+        description="Continue prompts with a run's newest checkpoint (or --step) or a Hugging "
+        "Face checkpoint (hf:DIR): the prompts prefilled in one pass, then one token a step "
+        "through a KV cache, compiled once per bucket of prompt and total lengths; greedy at "
+        "--temperature 0, else sampled (--top-k, --top-p, --seed). One prompt is printed as "
+        'it is generated; --prompts FILE.jsonl ({"prompt": ...}, or {"messages": [...]} '
+        "with --chat) writes JSONL. Layout: tensor = the most devices that divide the "
+        "model's heads, key/value heads, MLP width and vocab (heads and MLP split as in "
+        "training, the cache by key/value head); the other devices split the prompts over "
+        "data. KEY=VALUE overrides (parallel.data, parallel.tensor) go before --prompt.",
+    )
+    gen.add_argument("source", metavar="RUN_DIR|hf:DIR")
+    gen.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    asks = gen.add_mutually_exclusive_group(required=True)
+    asks.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts")
+    asks.add_argument("--prompts", type=Path, metavar="FILE.jsonl", help="a prompt per line")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no cut")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--seed", type=int, default=0, metavar="S")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
+    gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -204,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run even where the compiled step's memory looks larger than this machine's",
         )
-    for p in (train, bench, inspect, plan, export):
+    for p in (train, bench, inspect, plan, export, gen):
         p.add_argument(
             "--cpu-devices",
             type=int,
@@ -318,6 +344,44 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from jaxpar import prompts
+    from jaxpar.generate import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if not 1 <= args.max_new_tokens <= 1 << 20:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
+    if not args.source.startswith("hf:") and not (Path(args.source) / "checkpoints").is_dir():
+        raise ConfigError(
+            f"generate: {args.source}: no checkpoints there; give a run directory that "
+            "`jaxpar train` wrote (with checkpoint.final, the default), or hf:DIR"
+        )
+    request = prompts.read(args)
+    load(overrides=args.overrides)  # the overrides' keys and values, checked
+    _setup_devices(args.cpu_devices)
+    from jaxpar import generate
+
+    model = generate.load(args.source, args.overrides, args.step)
+    vocab = request.tokenizer.get_vocab_size()
+    if vocab > model.cfg.model.vocab:
+        raise ConfigError(
+            f"--tokenizer {args.tokenizer}: {vocab} ids, but the model has model.vocab="
+            f"{model.cfg.model.vocab}; give the tokenizer it was trained with"
+        )
+    ids = [request.tokenizer.encode(t, add_special_tokens=False).ids for t in request.texts]
+    stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
+    if stream:
+        print(request.texts[0], end="", flush=True)
+    done = generate.generate(
+        generate.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
+    )
+    prompts.write(request, done.completions, streamed=stream is not None)
+    layout = dict(model.mesh.shape)
+    bytes_ = generate.cache_bytes_per_token(model)
+    print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
+    return 0
+
+
 def _plan(cfg, args: argparse.Namespace) -> int:
     from jaxpar import planner
     from jaxpar.commands import plan_config
@@ -393,6 +457,8 @@ def _run(args: argparse.Namespace) -> int:
                 "turn: nothing in them to train on"
             )
         return 0
+    if args.command == "generate":
+        return _generate(args)
     cfg, out = _check_config(args)
     if args.command == "plan":
         return _plan(cfg, args)

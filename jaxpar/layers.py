@@ -125,3 +125,17 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
             unroll=unroll,
         )
     return carry
+
+
+def scan_cached(stack: nnx.Module, carry, cache, fn: Callable):
+    """(carry, cache) from carry, layer_cache = fn(layer, carry, layer_cache) for each
+    layer of `stack`, `cache` a pytree of [layers, ...] arrays (a KV cache): decoding,
+    outside a training step."""
+    graphdef, state = nnx.split(stack)
+
+    def body(carry, xs):
+        layer_state, layer_cache = xs
+        carry, layer_cache = fn(nnx.merge(graphdef, layer_state), carry, layer_cache)
+        return carry, layer_cache
+
+    return jax.lax.scan(body, carry, (state, cache))

@@ -179,6 +179,11 @@ def load(name_or_path: str = "default", overrides: list[str] = ()) -> Config:
     return _section(Config, "", tree)
 
 
+def from_dict(tree: dict, overrides: list[str] = ()) -> Config:
+    """A config from its plain values (to_dict's, e.g. a checkpoint's), overrides on top."""
+    return _section(Config, "", _merge(tree, parse_overrides(list(overrides))))
+
+
 def to_dict(cfg: Config) -> dict:
     """Plain values (a choice as its text), for YAML, JSON and summary.json."""
     return dataclasses.asdict(

@@ -73,6 +73,8 @@ class Problem:
     # step divides the global batch's summed loss by, where `loss` zeroes some
     # elements (a loss mask); None: all of them (loss_elements)
     count: Callable[[Any], jax.Array] | None = None
+    # params -> the NNX module holding them (from_nnx; traceable: for decoding)
+    module: Callable[[Any], nnx.Module] | None = None
 
 
 def loss_elements(problem: Problem, batch) -> int:
@@ -147,6 +149,7 @@ def from_nnx(
         shapes=shapes,
         names=names,
         loss=lambda params, batch: loss(model(params), batch),
+        module=model,
         parts=None
         if stages is None
         else _parts(stages, getattr(abstract_model, stages.stack), everything, model, variables),

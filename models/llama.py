@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.attention import causal_attention
+from jaxpar.attention import cached_attention, causal_attention
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, param, stack
+from jaxpar.layers import constrain, param, scan_cached, stack
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
 
@@ -127,6 +127,19 @@ class Attention(nnx.Module):
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
 
+    def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):
+        """The attention of T new tokens through the KV cache (jaxpar.attention): k and v
+        of the key/value heads alone (no repeat), as the cache holds them."""
+        dt, inv_freq = x_BxTxE.dtype, np.asarray(self.inv_freq, np.float32)
+        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = (
+            jnp.einsum("bte,ehd->bthd", x_BxTxE, w[...].astype(dt))
+            for w in (self.wq, self.wk, self.wv)
+        )
+        q_BxTxHxD = rotate(q_BxTxHxD, inv_freq, positions_BxT)
+        k_BxTxKxD = rotate(k_BxTxKxD, inv_freq, positions_BxT)
+        out_BxTxHxD, cache = cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B)
+        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.wo[...].astype(dt)), cache
+
 
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)): gate and up column-split, down row-split over `mlp`."""
@@ -162,6 +175,13 @@ class Block(nnx.Module):
         x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), docs)
         return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
 
+    def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
+        y_BxTxE, cache = self.attn.decode(
+            self.attn_norm(x_BxTxE), positions_BxT, cache, slot, pad_B
+        )
+        x_BxTxE = x_BxTxE + y_BxTxE
+        return x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE)), cache
+
 
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, seq_len: int, rngs: nnx.Rngs):
@@ -176,6 +196,17 @@ class Llama(nnx.Module):
     def embed(self, tokens_BxS, docs: Documents | None = None):
         del docs  # positions are rotary: each layer's attention reads them
         return embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+
+    def decode(self, tokens_BxT, positions_BxT, cache, slot, pad_B):
+        """(logits [B, T, V] of T new tokens at cache slots slot.., the cache with their
+        keys and values): `cache` is (k, v), each [layers, B, M, kv_heads, head_dim]."""
+        x_BxTxE, cache = scan_cached(
+            self.blocks,
+            self.embed(tokens_BxT),
+            cache,
+            lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
+        )
+        return self.logits(x_BxTxE), cache
 
     def logits(self, x_BxSxE):
         x_BxSxE = self.norm(x_BxSxE)
@@ -240,6 +271,11 @@ def _kv_grads(m: LlamaConfig, t: int) -> float:
     return 2 * wire / (2 * (t - 1) / t)
 
 
+def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of the KV cache."""
+    return m.layers, m.kv_heads, m.embed // m.heads
+
+
 SPEC = ModelSpec(
     name="llama",
     build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
@@ -252,4 +288,5 @@ SPEC = ModelSpec(
     config=LlamaConfig,
     tiny="llama-tiny",
     hf=HF,
+    cache_dims=cache_dims,
 )
