@@ -111,7 +111,7 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
     if source.startswith(hf.SCHEME):
         directory = hf.directory_of(source)
         spec = _spec_of(hf.read_config(directory), source)
-        given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
+        given = {o.partition("=")[0][6:] for o in overrides if o.startswith("model.")}
         cfg = presets.load(spec.tiny, [f"model.init={source}", *overrides])
         cfg = presets.resolve_init(cfg, given)
         positions = hf.read_config(directory).get("max_position_embeddings")

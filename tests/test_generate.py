@@ -1,0 +1,203 @@
+"""`jaxpar generate`: decoding through the KV cache equals a full forward pass, greedy
+continuations equal transformers' generate, the layouts agree, sampling is seeded and
+keeps to top-k and to the model's distribution, and bad input is refused."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import one_line_error, script
+from test_hf_input import write_checkpoint
+
+from jaxpar import cli, data, generate, presets, registry
+from jaxpar.layers import scan_layers
+from jaxpar.problem import registered
+
+PROMPTS = [[5, 17, 3], list(range(40, 61)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]  # 3, 21, 9 ids
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random llama-tiny (2 layers, GQA 8 over 2, 512 ids) as a Hugging Face checkpoint."""
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "model.vocab=512")
+
+
+def test_decoding_through_the_cache_equals_a_full_forward_pass():
+    """Every step's logits, through the cache (a batch of rows of different lengths,
+    left-padded), equal the logits of the whole sequence run without one (fp32, 1e-5)."""
+    cfg = presets.load("llama-tiny", [])
+    problem = registered(cfg.model, 64)
+    model = problem.module(problem.init(jax.random.key(0)))
+    layers, kv, d = registry.get("llama").cache_dims(cfg.model)
+    rows, slots, prompt = 3, 32, 16
+    ids = np.random.default_rng(0).integers(0, 256, (rows, slots)).astype(np.int32)
+    pad = np.array([0, 5, 11], np.int32)
+
+    @jax.jit
+    def step(tokens, positions, cache, slot):
+        return model.decode(tokens, positions, cache, slot, pad)
+
+    cache = (jnp.zeros((layers, rows, slots, kv, d)),) * 2
+    positions = np.maximum(np.arange(prompt)[None] - pad[:, None], 0)
+    logits, cache = step(ids[:, :prompt], positions, cache, 0)
+    steps = [logits]
+    for slot in range(prompt, slots):
+        logits, cache = step(ids[:, slot : slot + 1], (slot - pad)[:, None], cache, slot)
+        steps.append(logits)
+    cached = np.concatenate(steps, axis=1)
+
+    @jax.jit
+    def full_pass(tokens):
+        return model.logits(scan_layers(model.blocks, model.embed(tokens), lambda b, h: b(h)))
+
+    for row in range(rows):
+        full = np.asarray(full_pass(ids[row : row + 1, pad[row] :]))[0]
+        np.testing.assert_allclose(cached[row, pad[row] :], full, rtol=1e-5, atol=1e-5)
+
+
+GREEDY = generate.Sampling()
+
+
+def greedy(source, *overrides, prompts=PROMPTS, new=32, sampling=GREEDY, devices=8):
+    model = generate.load(source, list(overrides), devices=jax.devices()[:devices])
+    done = generate.generate(generate.Decoder(model), prompts, new, sampling, set())
+    return done, model
+
+
+LAYOUTS = {"one": ("parallel.data=1", "parallel.tensor=1"), "tensor2": ("parallel.tensor=2",
+           "parallel.data=1"), "tensor4": ("parallel.tensor=4", "parallel.data=1"),
+           "data2-tensor2": ("parallel.data=2", "parallel.tensor=2")}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_in_every_layout(checkpoint, devices):
+    """One device, tensor=2, tensor=4 (the 2 key/value heads then whole on each), and
+    data=2 x tensor=2 for the batch: the same ids."""
+    source = f"hf:{checkpoint}"
+    outputs = {}
+    for name, overrides in LAYOUTS.items():
+        done, model = greedy(source, *overrides, devices=4)
+        degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides)
+        assert {k: str(model.mesh.shape[k]) for k in degrees} == degrees
+        outputs[name] = done.completions
+    assert all(o == outputs["one"] for o in outputs.values()), outputs
+    assert [len(c) for c in outputs["one"]] == [32] * 3
+
+
+def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(checkpoint, devices):
+    done, model = greedy(f"hf:{checkpoint}", new=2)
+    assert dict(model.mesh.shape) == {"replica": 1, "data": 4, "pipeline": 1, "tensor": 2}
+    assert done.rows == 4  # 3 prompts, padded to the data degree
+    assert (done.prompt_slots, done.cache_slots) == (32, 48)  # the buckets
+
+
+def test_the_cache_holds_the_formula_per_token(checkpoint, devices):
+    """2 x layers x kv_heads x head_dim x 4 bytes a token, as allocated."""
+    _, model = greedy(f"hf:{checkpoint}", new=2)
+    cache = generate.Decoder(model).empty(rows=4, slots=48)
+    allocated = sum(x.nbytes for x in cache) / (4 * 48)
+    assert allocated == generate.cache_bytes_per_token(model) == 2 * 2 * 2 * 8 * 4
+
+
+def test_a_fixed_seed_gives_the_same_text_and_top_k_keeps_to_the_top(devices):
+    logits = jax.random.normal(jax.random.key(0), (4, 256)) * 3
+    s = generate.Sampling(temperature=1.0, top_k=5, seed=0)
+    draws = np.stack([np.asarray(generate.sample(logits, jax.random.key(i), s))
+                      for i in range(200)])  # fmt: skip
+    top = np.asarray(jax.lax.top_k(logits, 5)[1])
+    assert all(np.isin(draws[:, row], top[row]).all() for row in range(4))
+    again = np.stack([np.asarray(generate.sample(logits, jax.random.key(i), s))
+                      for i in range(200)])  # fmt: skip
+    np.testing.assert_array_equal(draws, again)
+    assert len(np.unique(draws[:, 0])) > 1  # it samples
+
+
+def test_sampling_at_temperature_1_matches_the_distribution():
+    """A chi-squared test of 20,000 draws against softmax(logits), fixed seed."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))[None].repeat(20_000, axis=0)
+    draws = np.asarray(generate.sample(logits, jax.random.key(7), generate.Sampling(1.0)))
+    counts = np.bincount(draws, minlength=len(probs))
+    expected = probs * len(draws)
+    chi2 = np.sum((counts - expected) ** 2 / expected)
+    assert chi2 < 15.09, (chi2, counts)  # chi-squared, 5 degrees of freedom: p > 0.01
+    # top-p 0.7 keeps the three most likely (mass 0.8 reaches 0.7 with the third)
+    cut = generate.sample(logits, jax.random.key(7), generate.Sampling(1.0, top_p=0.7))
+    assert set(np.unique(np.asarray(cut))) == {0, 1, 2}
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_generate(tmp_path):
+    """A random tiny LlamaForCausalLM (GQA, Llama 3 rope scaling): three prompts of
+    different lengths, batched, 32 new tokens each, token for token."""
+    torch = pytest.importorskip("torch", reason="the test extra installs torch on 3.11")
+    transformers = pytest.importorskip("transformers")
+    from test_hf import save_tiny_llama
+
+    directory = save_tiny_llama(tmp_path / "hf")
+    done, _ = greedy(f"hf:{directory}", "parallel.data=1", devices=2)
+    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    longest = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    theirs = out[:, longest:].tolist()
+    assert done.completions == theirs
+
+
+@pytest.mark.slow
+def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
+    tokenizer = tmp_path / "tok"
+    script("make_tiny_llama").save_tokenizer(tokenizer, data.corpus_bytes().decode()[:20000], 300)
+    run = tmp_path / "run"
+    argv = ["train", "--config", "llama-tiny", "model.vocab=512", "train.steps=1",
+            "--cpu-devices", "8", "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    gen = ["generate", str(run), "--tokenizer", str(tokenizer), "--max-new-tokens", "5"]
+    assert cli.main([*gen, "--prompt", "Hello"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hello") and "prefill " in err and "decode " in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    assert cli.main([*gen, "--prompts", str(prompts), "--chat", "--temperature", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("prompt") for r in rows] == ["a", None] and all("completion" in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda t, c: ["generate", str(t), "--prompt", "x"], "no checkpoints there"),
+        (lambda t, c: [f"hf:{c}", "--temperature", "-1"], "--temperature -1.0: give 0"),
+        (lambda t, c: [f"hf:{c}", "--top-p", "1.5"], "--top-p 1.5: give a share"),
+        (lambda t, c: [f"hf:{c}", "--chat", "--tokenizer", str(t / "plain")], "--chat: "),
+        (lambda t, c: [f"hf:{c}", "--max-new-tokens", "10000"], "positions, but hf:"),
+        (lambda t, c: [f"hf:{c}", "--tokenizer", str(t / "big")], "ids, but the model has"),
+        (lambda t, c: [f"hf:{t / 'gpt2'}"], "config.json says GPT2LMHeadModel, which jaxpar "
+         "does not read; supported: LlamaForCausalLM"),
+    ],
+)  # fmt: skip
+def test_bad_generate_input_is_refused(make, needle, checkpoint, tmp_path, capsys, devices):
+    plain, big = tmp_path / "plain", tmp_path / "big"
+    text = data.corpus_bytes().decode()[:20000]
+    script("make_tiny_llama").save_tokenizer(plain, text, 300)
+    (plain / "tokenizer_config.json").unlink()
+    script("make_tiny_llama").save_tokenizer(big, text, 600)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"]})
+    )
+    argv = make(tmp_path, checkpoint)
+    if argv[0] != "generate":
+        argv = ["generate", *argv]
+    if "--tokenizer" not in argv:
+        argv += ["--tokenizer", str(plain)]
+    if "--prompt" not in argv:
+        argv += ["--prompt", "x"]
+    assert cli.main([*argv, "--cpu-devices", "8"]) == 2
+    one_line_error(capsys, needle)
