@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp hosts offload remat "
-        "checkpoint compile plan (default: all)",
+        "checkpoint compile plan generate (default: all)",
     )
     train.add_argument(
         "--peak-tflops",

@@ -107,33 +107,57 @@ def layout(model: Model, devices: int) -> tuple[int, int]:
 def load(source: str, overrides: list[str], step: int | None = None, devices=None) -> Loaded:
     """A run directory's newest checkpoint (or `step`), or hf:DIR, placed for decoding
     on `devices` (default: all)."""
-    devices = jax.devices() if devices is None else devices
     if source.startswith(hf.SCHEME):
         directory = hf.directory_of(source)
-        spec = _spec_of(hf.read_config(directory), source)
+        config = hf.read_config(directory)
+        spec = _spec_of(config, source)
         given = {o.partition("=")[0][6:] for o in overrides if o.startswith("model.")}
         cfg = presets.load(spec.tiny, [f"model.init={source}", *overrides])
         cfg = presets.resolve_init(cfg, given)
-        positions = hf.read_config(directory).get("max_position_embeddings")
-        saved = None
+        problem = registered(cfg.model, cfg.train.seq_len)
+        fill = hf.initial_params(spec.hf, cfg.model, directory, problem.shapes)
+        positions = config.get("max_position_embeddings")
     else:
         run = Path(source)
         if not run.is_dir():
             raise ConfigError(f"generate: {source}: no such run directory (or give hf:DIR)")
         saved, meta = checkpoint.saved_params(checkpoint_dir(run), step)
         cfg = presets.from_dict(meta["config"], overrides)
-        spec = registry.get(cfg.model.name)
+
+        def fill(targets):
+            return {k: jax.device_put(saved[k], t.sharding) for k, t in targets.items()}
+
         positions = None
+    return placed(cfg, fill, overrides, devices, source, positions)
+
+
+def random(preset: str, overrides: list[str] = (), devices=None) -> Loaded:
+    """A preset's model with its random initial parameters (train.seed), for decoding."""
+    cfg = presets.load(preset, list(overrides))
+    problem = registered(cfg.model, cfg.train.seq_len)
+
+    def fill(targets):
+        shardings = {k: t.sharding for k, t in targets.items()}
+        return jax.jit(problem.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
+
+    return placed(cfg, fill, list(overrides), devices, f"--config {preset}")
+
+
+def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -> Loaded:
+    """The model of `cfg` on a decoding layout of `devices` (default: all), its
+    parameters from fill(targets: key -> ShapeDtypeStruct with its sharding)."""
+    devices = jax.devices() if devices is None else devices
+    spec = registry.get(cfg.model.name)
     if spec.cache_dims is None:
         raise ConfigError(
             f"generate: model.name={cfg.model.name} has no decoder with a KV cache; "
             f"these do: {', '.join(_decoders())}"
         )
     if positions is None:  # what the export would write: the trained length, or more
-        fmt = spec.hf
+        to_hf = spec.hf.config_to_hf if spec.hf else None
         positions = (
-            fmt.config_to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"]
-            if fmt
+            to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"]
+            if to_hf
             else cfg.train.seq_len
         )
     data, tensor = _degrees(cfg.model, len(devices), overrides)
@@ -146,14 +170,11 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
     specs = plan(problem.names, {k: s.shape for k, s in problem.shapes.items()}, zero=0,
                  mesh_shape=dict(mesh.shape))  # fmt: skip
     shardings = named(mesh, pick(specs, "storage"))
-    if saved is None:
-        targets = {
-            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
-            for k, s in problem.shapes.items()
-        }
-        params = hf.initial_params(spec.hf, cfg.model, directory, problem.shapes)(targets)
-    else:
-        params = {k: jax.device_put(saved[k], shardings[k]) for k in problem.shapes}
+    targets = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+        for k, s in problem.shapes.items()
+    }
+    params = fill(targets)
     return Loaded(cfg, problem, params, mesh, int(positions), spec.cache_dims(cfg.model), source)
 
 

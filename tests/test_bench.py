@@ -27,7 +27,7 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp hosts offload remat checkpoint compile plan"
+        "choose from strategies schedules dp hosts offload remat checkpoint compile plan generate"
     )
 
 
@@ -92,3 +92,13 @@ def test_plan_section_times_the_70b_plan(capsys):
     row = run_bench(only=["plan"])["plan"]["gpt-70b"]
     assert row["considered"] > 1000 and 0 < row["fit"] < row["considered"]
     assert row["seconds"] > 0 and "layouts considered" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devices, monkeypatch):
+    monkeypatch.setattr(bench, "GENERATE_NEW", 4)  # what is checked is the table, not timing
+    rows = run_bench(only=["generate"])["generate"]
+    assert set(rows) == set(bench.GENERATE_LAYOUTS)
+    for r in rows.values():
+        assert r["cache_bytes_per_token"] == r["formula_bytes_per_token"] == 2 * 4 * 2 * 8 * 4
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
