@@ -55,9 +55,12 @@ def stores_scores(platform: str, dtype, head_dim: int) -> bool:
     return form(platform, dtype, head_dim) is Form.DIRECT
 
 
-def causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array:
+def causal_attention(
+    q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window: int = 0
+) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
-    sees the keys at or before it, of its own segment where segment ids are given."""
+    sees the keys at or before it, of its own segment where segment ids are given, and
+    (a sliding `window`) fewer than `window` positions back."""
     ctx = context.current()
     platform = ctx.platform if ctx else context.platform_of(jax.devices()[0])
     chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
@@ -68,11 +71,12 @@ def causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> j
             v_BxSxHxD,
             mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
             is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
             implementation="cudnn",
         )
     if chosen is Form.BLOCKED:
-        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS)
-    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS)
+        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window)
+    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window)
 
 
 def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
@@ -82,7 +86,9 @@ def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
     return queries_BxC[:, :, None] == segment_ids_BxS[:, None, :]
 
 
-def _direct(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None) -> jax.Array:
+def _direct(
+    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window: int = 0
+) -> jax.Array:
     """Attention of the C queries at positions first.. to all S keys; the scores kept."""
     dt = q_BxCxHxD.dtype
     q_BxCxHxD = q_BxCxHxD * q_BxCxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
@@ -90,7 +96,8 @@ def _direct(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None) -> jax
     rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
     # causal: an additive mask, a constant [C, S] (no [B, H, C, S] select to undo in
     # the backward pass); with segments, [B, C, S], shared by the heads
-    visible_BxCxS = (first + jnp.arange(rows)[:, None] >= jnp.arange(seq)[None, :])[None]
+    back_CxS = first + jnp.arange(rows)[:, None] - jnp.arange(seq)[None, :]
+    visible_BxCxS = ((back_CxS >= 0) & ((back_CxS < window) if window else True))[None]
     if segment_ids_BxS is not None:
         visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
     mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
@@ -98,13 +105,13 @@ def _direct(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None) -> jax
     return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
 
 
-def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array:
+def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window=0) -> jax.Array:
     """The queries BLOCK rows at a time; each block's scores recomputed for backward."""
     b, s, h, d = q_BxSxHxD.shape
     block = max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
     q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
     one = jax.checkpoint(
-        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS),
+        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS, window),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
     firsts = jnp.arange(s // block) * block
@@ -112,11 +119,12 @@ def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None) -> jax.Array
     return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, d)
 
 
-def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B):
+def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):
     """Attention of T new queries through a KV cache: their keys and values written at
     slots slot..slot+T-1 of `cache` (k, v [B, M, K, D], K key/value heads, each serving
     H/K query heads in order), each query seeing the slots at or before its own and at or
-    after its row's first real token (`pad_B`: the left padding of each row). Returns
+    after its row's first real token (`pad_B`: the left padding of each row), and within
+    the sliding `window` if one is given. Returns
     (out [B, T, H, D], the cache with the new keys and values)."""
     cache_k, cache_v = cache
     cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxD.astype(cache_k.dtype), slot, 1)
@@ -128,9 +136,9 @@ def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B):
         "btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(q_BxTxHxD.dtype)
     ).astype(jnp.float32)
     keys_M, queries_T = jnp.arange(m), slot + jnp.arange(t)
-    visible_BxTxM = (keys_M[None, None, :] <= queries_T[None, :, None]) & (
-        keys_M[None, None, :] >= pad_B[:, None, None]
-    )
+    back_TxM = queries_T[:, None] - keys_M[None, :]
+    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
+    visible_BxTxM = visible_TxM[None] & (keys_M[None, None, :] >= pad_B[:, None, None])
     mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
     prob = jax.nn.softmax(att_BxKxGxTxM + mask_Bx1x1xTxM, axis=-1).astype(q_BxTxHxD.dtype)
     out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob, cache_v.astype(q_BxTxHxD.dtype))

@@ -72,8 +72,8 @@ def register_module(
     tiny: str | None = None,
     default: bool = False,
 ) -> None:
-    """A model whose spec is `module.SPEC`, imported when it is first needed; `default`:
-    the model of a config that names none."""
+    """A model whose spec is `module.SPEC` (or `module:NAME`'s NAME), imported when it is
+    first needed; `default`: the model of a config that names none."""
     _MODULES[name] = (module, config, tiny)
     if default:
         _DEFAULT[:] = [name]
@@ -101,8 +101,8 @@ def names() -> list[str]:
 def get(name: str) -> ModelSpec:
     _load_shipped()
     if name in _MODULES:
-        module = _MODULES[name][0]
-        register(importlib.import_module(module).SPEC)
+        module, _, attribute = _MODULES[name][0].partition(":")  # "module" or "module:NAME"
+        register(getattr(importlib.import_module(module), attribute or "SPEC"))
     if name not in _SPECS:
         raise ConfigError(f"model.name={name!r}: no such model; choose one of {names()}")
     return _SPECS[name]

@@ -55,8 +55,25 @@ class LlamaConfig(Model):
     tie_embeddings: bool = key(
         False, "the output head is the embedding table, transposed (no head of its own)"
     )
+    head_dim: Annotated[int, Range(0, 2**14, "dims per head; 0 = embed / heads")] = key(
+        0, "dims per attention head; 0 = model.embed / model.heads (Qwen3 sets its own)"
+    )
+    qkv_bias: bool = key(False, "biases on the q, k and v projections (Qwen2)")
+    qk_norm: bool = key(False, "RMSNorm on each head's q and k, before the rotation (Qwen3)")
+    sliding_window: Annotated[int, Range(0, 2**24, "tokens; 0 = no window")] = key(
+        0,
+        (
+            "each token attends to at most this many tokens, itself included (Mistral); 0 = "
+            "all before it. A window of train.seq_len or more masks nothing at that length"
+        ),
+    )
 
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
 register_module("llama", "jaxpar.models.llama", config=LlamaConfig, tiny="llama-tiny")
+# the Llama model with a family's keys, each with its own Hugging Face adapter
+for family in ("mistral", "qwen2", "qwen3"):
+    register_module(
+        family, f"jaxpar.models.llama:{family.upper()}", config=LlamaConfig, tiny=f"{family}-tiny"
+    )

@@ -9,6 +9,7 @@ their number divides it, and otherwise computed whole on every tensor device."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,13 +33,18 @@ from .common import (
     normal,
 )
 from .common import tensor_elements as tensor_elements_of
-from .llama_hf import HF
+from .llama_hf import FAMILIES, HF
+
+
+def head_size(m: LlamaConfig) -> int:
+    """Dims per head: model.head_dim, or embed / heads."""
+    return m.head_dim or m.embed // m.heads
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     """RoPE's [head_dim / 2] frequencies (float32, as transformers computes them), with
     Llama 3's scaling of the long wavelengths when rope_scaling=llama3."""
-    d = cfg.embed // cfg.heads
+    d = head_size(cfg)
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)
     inv = inv.astype(np.float32)
     if cfg.rope_scaling is RopeScaling.NONE:
@@ -78,8 +84,8 @@ def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None) -> ja
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, embed: int, eps: float, rngs: nnx.Rngs):
-        self.scale = param(rngs, nnx.initializers.ones, (embed,), (EMBED,))
+    def __init__(self, embed: int, eps: float, rngs: nnx.Rngs, names=(EMBED,)):
+        self.scale = param(rngs, nnx.initializers.ones, (embed,), names)
         self.eps = eps
 
     def __call__(self, x_BxSxE):
@@ -91,16 +97,25 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        e, h, kv, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.embed // cfg.heads
+        e, h, kv, d = cfg.embed, cfg.heads, cfg.kv_heads, head_size(cfg)
         self.wq = param(rngs, normal(0.02), (e, h, d), (EMBED, HEADS, HEAD_DIM))
         self.wk = param(rngs, normal(0.02), (e, kv, d), (EMBED, KV_HEADS, HEAD_DIM))
         self.wv = param(rngs, normal(0.02), (e, kv, d), (EMBED, KV_HEADS, HEAD_DIM))
         out_std = 0.02 / (2 * cfg.layers) ** 0.5
         self.wo = param(rngs, normal(out_std), (h, d, e), (HEADS, HEAD_DIM, EMBED))
+        if cfg.qkv_bias:  # Qwen2
+            zeros = nnx.initializers.zeros
+            self.bq = param(rngs, zeros, (h, d), (HEADS, HEAD_DIM))
+            self.bk = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
+            self.bv = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
+        if cfg.qk_norm:  # Qwen3: over each head's dims
+            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, (HEAD_DIM,))
+            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, (HEAD_DIM,))
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
+        self.window = cfg.sliding_window  # Mistral; 0: none
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
-        dt, inv_freq = x_BxSxE.dtype, np.asarray(self.inv_freq, np.float32)
+        dt = x_BxSxE.dtype
         # Each key/value head serves heads/kv_heads query heads, in order: its weights
         # are repeated to one per query head (a local slice on every tensor device), so
         # that q, k and v come from ONE product whose input gradient is one partial sum,
@@ -115,29 +130,48 @@ class Attention(nnx.Module):
             jnp.stack([self.wq[...].astype(dt), wk_ExHxD, wv_ExHxD], axis=1),
             (EMBED, QKV, HEADS, HEAD_DIM),
         )
-        qkv_BxSx3xHxD = constrain(
-            jnp.einsum("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD), (BATCH, SEQ, QKV, HEADS, HEAD_DIM)
-        )
+        qkv_BxSx3xHxD = jnp.einsum("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD)
+        if hasattr(self, "bq"):
+            bk_HxD, bv_HxD = (
+                jnp.repeat(b[...].astype(dt), group, axis=0) for b in (self.bk, self.bv)
+            )
+            qkv_BxSx3xHxD += jnp.stack([self.bq[...].astype(dt), bk_HxD, bv_HxD])[None, None]
+        qkv_BxSx3xHxD = constrain(qkv_BxSx3xHxD, (BATCH, SEQ, QKV, HEADS, HEAD_DIM))
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
         positions_BxS = None if docs is None else docs.positions
         segments_BxS = None if docs is None else docs.segment_ids
-        q_BxSxHxD = rotate(q_BxSxHxD, inv_freq, positions_BxS)
-        k_BxSxHxD = rotate(k_BxSxHxD, inv_freq, positions_BxS)
-        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS)
+        q_BxSxHxD, k_BxSxHxD = self._positioned(q_BxSxHxD, k_BxSxHxD, positions_BxS)
+        out_BxSxHxD = causal_attention(
+            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, window=self.window
+        )
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+
+    def _positioned(self, q_BxSxHxD, k_BxSxNxD, positions_BxS):
+        """q and k normed per head (qk_norm) and rotated to their positions."""
+        if hasattr(self, "q_norm"):
+            q_BxSxHxD, k_BxSxNxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxNxD)
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        return rotate(q_BxSxHxD, inv_freq, positions_BxS), rotate(
+            k_BxSxNxD, inv_freq, positions_BxS
+        )
 
     def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):
         """The attention of T new tokens through the KV cache (jaxpar.attention): k and v
         of the key/value heads alone (no repeat), as the cache holds them."""
-        dt, inv_freq = x_BxTxE.dtype, np.asarray(self.inv_freq, np.float32)
+        dt = x_BxTxE.dtype
         q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = (
             jnp.einsum("bte,ehd->bthd", x_BxTxE, w[...].astype(dt))
             for w in (self.wq, self.wk, self.wv)
         )
-        q_BxTxHxD = rotate(q_BxTxHxD, inv_freq, positions_BxT)
-        k_BxTxKxD = rotate(k_BxTxKxD, inv_freq, positions_BxT)
-        out_BxTxHxD, cache = cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B)
+        if hasattr(self, "bq"):
+            q_BxTxHxD += self.bq[...].astype(dt)[None, None]
+            k_BxTxKxD += self.bk[...].astype(dt)[None, None]
+            v_BxTxKxD += self.bv[...].astype(dt)[None, None]
+        q_BxTxHxD, k_BxTxKxD = self._positioned(q_BxTxHxD, k_BxTxKxD, positions_BxT)
+        out_BxTxHxD, cache = cached_attention(
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window=self.window
+        )
         return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.wo[...].astype(dt)), cache
 
 
@@ -215,7 +249,12 @@ class Llama(nnx.Module):
 
 
 def check(m: LlamaConfig, mesh_shape: dict) -> None:
-    if m.embed % m.heads or (m.embed // m.heads) % 2:
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim}: rotary embeddings rotate pairs of dims; give an "
+            "even head size"
+        )
+    if not m.head_dim and (m.embed % m.heads or (m.embed // m.heads) % 2):
         raise ConfigError(
             f"model.embed={m.embed} over model.heads={m.heads}: each head needs an even "
             "number of dims (rotary embeddings rotate pairs); choose embed = heads x an even "
@@ -231,9 +270,9 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
 def block_flops(m: LlamaConfig, seq_len: int) -> float:
     """Forward FLOPs of one block per token: 2 per matmul parameter (q and o, k and v
     (GQA), gate, up and down), plus the attention scores and their product with V."""
-    kv = m.kv_heads * (m.embed // m.heads)
-    matmuls = 2 * m.embed * m.embed + 2 * m.embed * kv + 3 * m.embed * m.mlp
-    return 2 * matmuls + 4 * seq_len * m.embed
+    q, kv = m.heads * head_size(m), m.kv_heads * head_size(m)
+    matmuls = 2 * m.embed * q + 2 * m.embed * kv + 3 * m.embed * m.mlp
+    return 2 * matmuls + 4 * seq_len * q
 
 
 def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True) -> float:
@@ -241,7 +280,7 @@ def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = T
     norms' outputs, q/k/v before and after rotation, the repeated k/v, the scores and
     probabilities (`scores`; else their fp32 softmax statistics, 2 16-bit units a head),
     the attention output; gate, up, silu(gate) and the product."""
-    kv = m.kv_heads * (m.embed // m.heads)
+    kv = m.kv_heads * head_size(m)
     kv_split = tensor if m.kv_heads % tensor == 0 else 1
     per_token = 3 * m.embed + (6 * m.embed + 4 * m.mlp) / tensor + 4 * kv / kv_split
     attention = 2 * m.heads * (seq_len if scores else 1) / tensor
@@ -263,7 +302,7 @@ def _kv_grads(m: LlamaConfig, t: int) -> float:
     elements (2(t-1)/t each on the wire), per block."""
     if m.kv_heads % t == 0:
         return 0.0
-    whole = m.embed * m.kv_heads * (m.embed // m.heads)  # one of wk, wv
+    whole = m.embed * m.kv_heads * head_size(m)  # one of wk, wv
     if t % m.kv_heads:
         return 2 * whole
     g = t // m.kv_heads
@@ -273,7 +312,7 @@ def _kv_grads(m: LlamaConfig, t: int) -> float:
 
 def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
     """(layers, key/value heads, head dim) of the KV cache."""
-    return m.layers, m.kv_heads, m.embed // m.heads
+    return m.layers, m.kv_heads, head_size(m)
 
 
 SPEC = ModelSpec(
@@ -289,4 +328,46 @@ SPEC = ModelSpec(
     tiny="llama-tiny",
     hf=HF,
     cache_dims=cache_dims,
+)
+
+
+# The families: the Llama model with their keys, each read and written by its adapter
+# (models/llama_hf.py), each refusing keys that are not its own.
+FAMILY_KEYS = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+
+
+def family_check(family: str):
+    """check(), and the family's keys: those it must set, none of the others'."""
+    own = FAMILY_KEYS[family]
+
+    def checked(m: LlamaConfig, mesh_shape: dict) -> None:
+        check(m, mesh_shape)
+        for key, value in own.items():
+            if value is not None and getattr(m, key) != value:
+                raise ConfigError(
+                    f"model.name={family} has model.{key}={str(value).lower()}; drop "
+                    f"model.{key}={str(getattr(m, key)).lower()}"
+                )
+        for other, keys in FAMILY_KEYS.items():
+            for key in keys.keys() - own.keys():
+                if getattr(m, key):
+                    raise ConfigError(
+                        f"model.{key}={getattr(m, key)} is {other}'s, not {family}'s; set "
+                        f"model.name={other}, or drop model.{key}"
+                    )
+
+    return checked
+
+
+SPEC = dataclasses.replace(SPEC, check=family_check("llama"))
+MISTRAL, QWEN2, QWEN3 = (
+    dataclasses.replace(
+        SPEC, name=family, check=family_check(family), tiny=f"{family}-tiny", hf=FAMILIES[family]
+    )  # fmt: skip
+    for family in ("mistral", "qwen2", "qwen3")
 )

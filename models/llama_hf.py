@@ -1,8 +1,13 @@
-"""The Hugging Face adapter of the Llama model (models/llama.py): `LlamaForCausalLM`'s
-config.json keys to and from model.*, and each of our parameter leaves with its tensor
-in the checkpoint (name and layout). jaxpar.hf reads and writes the files with it."""
+"""The Hugging Face adapters of the Llama model (models/llama.py) and its families:
+`LlamaForCausalLM`'s config.json keys to and from model.*, and each of our parameter
+leaves with its tensor in the checkpoint (name and layout); jaxpar.hf reads and writes
+the files with them. Each family is Llama's adapter and its differences:
+`MistralForCausalLM` (sliding_window), `Qwen2ForCausalLM` (q/k/v biases) and
+`Qwen3ForCausalLM` (q/k RMSNorm per head, its own head_dim)."""
 
 from __future__ import annotations
+
+import functools
 
 from jaxpar.errors import CheckpointError
 from jaxpar.hf import HFFormat, Tensor
@@ -10,8 +15,9 @@ from jaxpar.hf import HFFormat, Tensor
 from . import LlamaConfig, RopeScaling
 
 
-def config_from_hf(hf: dict) -> dict:
-    """config.json of a LlamaForCausalLM -> model.* (what jaxpar cannot express refused)."""
+def config_from_hf(hf: dict, family: str = "llama") -> dict:
+    """config.json of a LlamaForCausalLM (or of `family`'s) -> model.* (what jaxpar cannot
+    express refused)."""
     heads, embed = hf["num_attention_heads"], hf["hidden_size"]
     rope = hf.get("rope_parameters") or {
         **(hf.get("rope_scaling") or {}),
@@ -20,18 +26,20 @@ def config_from_hf(hf: dict) -> dict:
     kind = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(hf.get("attention_bias")),
+        "attention_bias": bool(hf.get("attention_bias")),  # Llama's and Qwen3's: o too
         "mlp_bias": bool(hf.get("mlp_bias")),
-        "head_dim": hf.get("head_dim", embed // heads) * heads != embed,
         "rope_type": kind not in ("default", "llama3"),
+        # Qwen2/3 window only the layers from max_window_layers on
+        "use_sliding_window": bool(hf.get("use_sliding_window")),
     }
     if any(unsupported.values()):
         key = next(k for k, bad in unsupported.items() if bad)
         raise CheckpointError(
             f"config.json: {key}={hf.get(key, rope.get('rope_type'))!r} is not supported "
-            "(jaxpar's Llama: silu, no biases, head_dim = hidden_size / heads, default or "
-            "llama3 rope)"
+            "(jaxpar's Llama family: silu, no biases but Qwen2's on q/k/v, default or llama3 "
+            "rope, a sliding window on every layer or none)"
         )
+    head_dim = hf.get("head_dim") or embed // heads
     keys = {
         "layers": hf["num_hidden_layers"],
         "embed": embed,
@@ -43,6 +51,10 @@ def config_from_hf(hf: dict) -> dict:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": RopeScaling.LLAMA3 if kind == "llama3" else RopeScaling.NONE,
+        "head_dim": 0 if head_dim * heads == embed else head_dim,
+        "qkv_bias": family == "qwen2",
+        "qk_norm": family == "qwen3",
+        "sliding_window": int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
     }
     if kind == "llama3":
         keys |= {
@@ -54,7 +66,7 @@ def config_from_hf(hf: dict) -> dict:
     return keys
 
 
-def config_to_hf(m: LlamaConfig, seq_len: int) -> dict:
+def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling is RopeScaling.LLAMA3:
         rope |= {
@@ -64,21 +76,27 @@ def config_to_hf(m: LlamaConfig, seq_len: int) -> dict:
             "high_freq_factor": m.rope_high_freq_factor,
             "original_max_position_embeddings": m.rope_original_positions,
         }
+    architecture, model_type = ARCHITECTURES[family]
+    extra = {
+        "llama": {"attention_bias": False, "mlp_bias": False},
+        "mistral": {"sliding_window": m.sliding_window or None},
+        "qwen2": {"use_sliding_window": False},
+        "qwen3": {"attention_bias": False, "use_sliding_window": False},
+    }[family]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **extra,
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": m.embed,
         "intermediate_size": m.mlp,
         "num_hidden_layers": m.layers,
         "num_attention_heads": m.heads,
         "num_key_value_heads": m.kv_heads,
-        "head_dim": m.embed // m.heads,
+        "head_dim": m.head_dim or m.embed // m.heads,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "vocab_size": m.vocab,
         "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "max_position_embeddings": max(seq_len, m.rope_original_positions),
         "rope_parameters": rope,
         "dtype": "float32",
@@ -101,7 +119,34 @@ def hf_tensors(m: LlamaConfig) -> list[Tensor]:
         Tensor("blocks/mlp/w_down", layer + "mlp.down_proj.weight", "e m", "m e"),
         Tensor("norm/scale", "model.norm.weight", "e", "e"),
     ]
+    if m.qkv_bias:
+        attn = layer + "self_attn."
+        out += [
+            Tensor("blocks/attn/bq", attn + "q_proj.bias", "(h d)", "h d"),
+            Tensor("blocks/attn/bk", attn + "k_proj.bias", "(k d)", "k d"),
+            Tensor("blocks/attn/bv", attn + "v_proj.bias", "(k d)", "k d"),
+        ]
+    if m.qk_norm:
+        out += [
+            Tensor("blocks/attn/q_norm/scale", layer + "self_attn.q_norm.weight", "d", "d"),
+            Tensor("blocks/attn/k_norm/scale", layer + "self_attn.k_norm.weight", "d", "d"),
+        ]
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
 
-HF = HFFormat("LlamaForCausalLM", config_from_hf, config_to_hf, hf_tensors)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+FAMILIES = {
+    family: HFFormat(
+        architecture,
+        functools.partial(config_from_hf, family=family),
+        functools.partial(config_to_hf, family=family),
+        hf_tensors,
+    )
+    for family, (architecture, _) in ARCHITECTURES.items()
+}
+HF = FAMILIES["llama"]
