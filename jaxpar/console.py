@@ -90,7 +90,7 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
             f"{pipe.ticks} ticks, bubble {_ratio(pipe.bubble)} "
             f"(formula {pipe.bubble_formula:.3f})"
         )
-    lines += [f"  note      {why}" for why in report.tensor_replicated]
+    lines += [f"  note      {why}" for why in report.tensor_replicated + report.model_notes]
     if report.zero_unsplit_leaves:
         first = report.zero_unsplit_leaves[0]
         lines.append(

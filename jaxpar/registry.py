@@ -19,6 +19,11 @@ def _no_check(model, mesh_shape: dict) -> None:
     del model, mesh_shape
 
 
+def _no_notes(model, seq_len: int) -> list[str]:
+    del model, seq_len
+    return []
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model as jaxpar sees it. The parameter count is not declared: it is read from
@@ -40,6 +45,9 @@ class ModelSpec:
     tensor_elements: Callable[..., float]
     # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
     check: Callable[..., None] = _no_check
+    # (model config, seq_len) -> what the start-up summary notes of this run's model (a
+    # key that does nothing at this length, ...)
+    notes: Callable[..., list[str]] = _no_notes
     # its config class: a subclass of jaxpar.Model with its own keys (None: jaxpar.Model)
     config: type | None = None
     tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`

@@ -98,6 +98,7 @@ class Report:
     zero_unsplit_leaves: list[dict]
     # dims a rule splits only where it divides, left whole here, and why (GQA's kv heads)
     tensor_replicated: list[str]
+    model_notes: list[str]  # the model's own notes on its keys (ModelSpec.notes)
     pipeline: Pipeline
     memory_per_device: DeviceMemory
     host_memory_per_device: HostMemory

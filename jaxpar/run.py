@@ -21,6 +21,7 @@ from jaxpar import (
     offload,
     preflight,
     presets,
+    registry,
     replicas,
     throughput,
 )
@@ -187,6 +188,7 @@ def describe_step(
         xla_flags=engine.compiler_options,
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
         tensor_replicated=optional_unsplit(trained.names, shapes, RULES, mesh_shape),
+        model_notes=registry.get(cfg.model.name).notes(cfg.model, cfg.train.seq_len),
         pipeline=_pipeline(
             cfg.parallel,
             cfg.train.grad_accum,

@@ -364,7 +364,16 @@ def family_check(family: str):
     return checked
 
 
-SPEC = dataclasses.replace(SPEC, check=family_check("llama"))
+def notes(m: LlamaConfig, seq_len: int) -> list[str]:
+    if m.sliding_window and m.sliding_window >= seq_len:
+        return [
+            f"model.sliding_window={m.sliding_window} masks nothing at train.seq_len={seq_len}: "
+            "every token sees all before it, as without a window"
+        ]
+    return []
+
+
+SPEC = dataclasses.replace(SPEC, check=family_check("llama"), notes=notes)
 MISTRAL, QWEN2, QWEN3 = (
     dataclasses.replace(
         SPEC, name=family, check=family_check(family), tiny=f"{family}-tiny", hf=FAMILIES[family]

@@ -201,3 +201,10 @@ def test_bad_generate_input_is_refused(make, needle, checkpoint, tmp_path, capsy
         argv += ["--prompt", "x"]
     assert cli.main([*argv, "--cpu-devices", "8"]) == 2
     one_line_error(capsys, needle)
+
+
+def test_a_window_that_masks_nothing_is_said():
+    spec = registry.get("mistral")
+    wide = presets.load("mistral-tiny", ["model.sliding_window=64"]).model
+    assert "model.sliding_window=64 masks nothing at train.seq_len=64" in spec.notes(wide, 64)[0]
+    assert spec.notes(presets.load("mistral-tiny").model, 64) == []  # 16 of 64: it masks

@@ -140,6 +140,16 @@ def test_the_mask_handed_to_cudnn_is_the_one_the_cpu_applies():
         np.testing.assert_allclose(
             attention._blocked(q, k, v, segments), want, rtol=1e-5, atol=1e-6
         )
+    # a sliding window: each query sees itself and the 4 keys before it, in every form
+    window = attention._direct(q, k, v, 0, segments, window=5)
+    local = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=(4, 0), implementation="xla"
+    )
+    np.testing.assert_allclose(window, local, rtol=1e-5, atol=1e-6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "BLOCK", 16)
+        blocked = attention._blocked(q, k, v, segments, window=5)
+    np.testing.assert_allclose(blocked, local, rtol=1e-5, atol=1e-6)
     # the second document's outputs do not depend on the first document's keys
     changed = attention._direct(q, k.at[:, :20].add(1.0), v, 0, segments)
     np.testing.assert_array_equal(changed[:, 20:], want[:, 20:])
