@@ -375,7 +375,7 @@ def _generate(args: argparse.Namespace) -> int:
     done = generate.generate(
         generate.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
     )
-    prompts.write(request, done.completions, streamed=stream is not None)
+    prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
     layout = dict(model.mesh.shape)
     bytes_ = generate.cache_bytes_per_token(model)
     print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)

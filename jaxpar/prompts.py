@@ -92,14 +92,16 @@ class Stream:
             self.shown = text
 
 
-def write(request: Request, completions: list[list[int]], streamed: bool) -> None:
-    """The completions: JSONL rows for --prompts, else text (after a stream, a newline)."""
+def write(request: Request, completions: list[list[int]], streamed: bool, chat: bool) -> None:
+    """The completions: JSONL rows for --prompts, else text: a prompt and its
+    continuation, or with a chat template the question and the answer on its own line
+    (after a stream, a newline)."""
     for row, ids in zip(request.rows, completions, strict=True):
         text = request.tokenizer.decode(ids)
         if request.jsonl:
             print(json.dumps({**row, "completion": text, "new_tokens": len(ids)}), flush=True)
         elif not streamed:
-            print(f"{row['prompt']}{text}", flush=True)
+            print(f"{row['prompt']}{chr(10) if chat else ''}{text}", flush=True)
     if streamed:
         print(flush=True)
 
