@@ -49,6 +49,7 @@ _EXPORTS = {
     "Result": ("jaxpar.trainer", "Result"),
     "restore": ("jaxpar.checkpoint", "restore"),
     "train": ("jaxpar.trainer", "train"),
+    "generate": ("jaxpar.prompts", "generate"),
     "distributed": ("jaxpar.distributed", None),
     "mesh": ("jaxpar.mesh", None),
 }

@@ -379,15 +379,15 @@ def generate_speed() -> dict:
     """`jaxpar generate`'s prefill and decode tokens/s on llama-tiny (random weights, every
     layout greedy over the same 8 prompts, 64 new tokens each), and its KV cache bytes
     per token as allocated against 2 x layers x kv_heads x head_dim x 4 bytes."""
-    from jaxpar import generate
+    from jaxpar import decoding
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in GENERATE_PROMPTS]
     results, rows = {}, []
     for name, overrides in GENERATE_LAYOUTS.items():
-        model = generate.random("llama-tiny", list(overrides))
-        decoder = generate.Decoder(model)
-        done = generate.generate(decoder, prompts, GENERATE_NEW, generate.Sampling(), set())
+        model = decoding.random("llama-tiny", list(overrides))
+        decoder = decoding.Decoder(model)
+        done = decoding.generate(decoder, prompts, GENERATE_NEW, decoding.Sampling(), set())
         cache = decoder.empty(done.rows, done.cache_slots)
         allocated = sum(x.nbytes for x in cache) / (done.rows * done.cache_slots)
         layers, kv, d = model.cache_dims

@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxpar import prompts
-    from jaxpar.generate import Sampling
+    from jaxpar.decoding import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
@@ -359,25 +359,19 @@ def _generate(args: argparse.Namespace) -> int:
     request = prompts.read(args)
     load(overrides=args.overrides)  # the overrides' keys and values, checked
     _setup_devices(args.cpu_devices)
-    from jaxpar import generate
+    from jaxpar import decoding
 
-    model = generate.load(args.source, args.overrides, args.step)
-    vocab = request.tokenizer.get_vocab_size()
-    if vocab > model.cfg.model.vocab:
-        raise ConfigError(
-            f"--tokenizer {args.tokenizer}: {vocab} ids, but the model has model.vocab="
-            f"{model.cfg.model.vocab}; give the tokenizer it was trained with"
-        )
-    ids = [request.tokenizer.encode(t, add_special_tokens=False).ids for t in request.texts]
+    model = decoding.load(args.source, args.overrides, args.step)
+    ids = prompts.ids_for(request, model, args.tokenizer)
     stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
     if stream:
         print(request.texts[0], end="", flush=True)
-    done = generate.generate(
-        generate.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
+    done = decoding.generate(
+        decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
     )
     prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
     layout = dict(model.mesh.shape)
-    bytes_ = generate.cache_bytes_per_token(model)
+    bytes_ = decoding.cache_bytes_per_token(model)
     print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
     return 0
 

@@ -1,6 +1,6 @@
 """The text side of `jaxpar generate`: prompts in (text, JSONL, through the tokenizer's
 chat template), completions out (streamed for one prompt, JSONL for a file), and the
-speeds. The decoding is jaxpar.generate's."""
+speeds; and `jaxpar.generate`, the same from Python. The decoding is jaxpar.decoding's."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxpar import chat
+from jaxpar import chat, decoding
 from jaxpar.errors import ConfigError
 from jaxpar.prepare import END_OF_TEXT
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # chat templates
+GREEDY = decoding.Sampling()
 
 
 @dataclass(frozen=True)
@@ -28,36 +29,81 @@ class Request:
 
 
 def read(args) -> Request:
-    """--tokenizer, --prompt / --prompts and --chat, read and checked."""
+    """The command's --tokenizer, --prompt / --prompts and --chat, read and checked."""
+    rows = [{"prompt": p} for p in args.prompt] if args.prompt else _lines(args.prompts)
+
+    def where(n: int) -> str:
+        return f"--prompts {args.prompts}:{n}" if args.prompts else f"--prompt {n}"
+
+    return request(args.tokenizer, rows, args.chat, bool(args.prompts), where)
+
+
+def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) -> Request:
+    """Rows ({"prompt": text} or {"messages": [...]}) as the model reads them, with the
+    tokenizer of folder `tokenizer` (and its chat template, with `chat_`)."""
     from tokenizers import Tokenizer
 
-    if not (args.tokenizer / "tokenizer.json").is_file():
+    if not (tokenizer / "tokenizer.json").is_file():
         raise ConfigError(
-            f"--tokenizer {args.tokenizer}: no tokenizer.json there; give the folder of a "
+            f"--tokenizer {tokenizer}: no tokenizer.json there; give the folder of a "
             "Hugging Face tokenizer"
         )
-    tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
-    template = chat.Template(args.tokenizer)
-    if args.chat and template.compiled is None:
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    template = chat.Template(tokenizer)
+    if chat_ and template.compiled is None:
         raise ConfigError(
-            f"--chat: {args.tokenizer} has no chat template (tokenizer_config.json's "
+            f"--chat: {tokenizer} has no chat template (tokenizer_config.json's "
             "`chat_template`); drop --chat to continue the text as it is"
         )
-    rows = [{"prompt": p} for p in args.prompt] if args.prompt else _lines(args.prompts)
     texts = []
     for n, row in enumerate(rows, 1):
-        where = f"--prompts {args.prompts}:{n}" if args.prompts else f"--prompt {n}"
-        if args.chat:
+        if chat_:
             messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
-            chat.check_row({"messages": messages}, where)
+            chat.check_row({"messages": messages}, where(n))
             texts.append(template.render(messages, generation_prompt=True))
         elif isinstance(row.get("prompt"), str):
             texts.append(row["prompt"])
         else:
-            raise ConfigError(f"generate: {where}: no string `prompt` (or `messages` with --chat)")
-    ends = END_OF_TEXT + (END_OF_TURN if args.chat else ())
+            raise ConfigError(
+                f"generate: {where(n)}: no string `prompt` (or `messages` with --chat)"
+            )
+    ends = END_OF_TEXT + (END_OF_TURN if chat_ else ())
     stop = {tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None}
-    return Request(texts, rows, tok, stop, bool(args.prompts))
+    return Request(texts, rows, tok, stop, jsonl)
+
+
+def ids_for(request: Request, model, tokenizer: Path) -> list[list[int]]:
+    """The prompts' ids, the tokenizer checked against the model's vocab."""
+    vocab = request.tokenizer.get_vocab_size()
+    if vocab > model.cfg.model.vocab:
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: {vocab} ids, but the model has model.vocab="
+            f"{model.cfg.model.vocab}; give the tokenizer it was trained with"
+        )
+    return [request.tokenizer.encode(t, add_special_tokens=False).ids for t in request.texts]
+
+
+def generate(
+    source: str,
+    prompts: list,
+    tokenizer,
+    *,
+    max_new_tokens: int = 64,
+    sampling: decoding.Sampling = GREEDY,
+    chat: bool = False,
+    overrides: list[str] = (),
+    step: int | None = None,
+    devices=None,
+) -> list[str]:
+    """`jaxpar generate` from Python: the completions (texts) of `prompts` (texts, or
+    with `chat` lists of messages too) by the model of `source` (a run directory or
+    hf:DIR), through the tokenizer in folder `tokenizer`."""
+    rows = [{"messages": p} if isinstance(p, list) else {"prompt": p} for p in prompts]
+    req = request(Path(tokenizer), rows, chat, False, lambda n: f"prompt {n}")
+    model = decoding.load(source, list(overrides), step, devices)
+    ids = ids_for(req, model, Path(tokenizer))
+    done = decoding.generate(decoding.Decoder(model), ids, max_new_tokens, sampling, req.stop)
+    return [req.tokenizer.decode(c) for c in done.completions]
 
 
 def _lines(path: Path) -> list[dict]:

@@ -54,7 +54,7 @@ class ModelSpec:
     hf: HFFormat | None = None  # its Hugging Face checkpoint format, if it has one
     # (model config) -> (layers, key/value heads, head dim) of its KV cache, for a model
     # whose module decodes through one: module.decode(tokens, positions, cache, slot,
-    # pad) -> (logits, cache) (jaxpar.generate); None: it does not generate
+    # pad) -> (logits, cache) (jaxpar.decoding); None: it does not generate
     cache_dims: Callable | None = None
 
 

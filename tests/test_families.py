@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import cli, commands, generate, hf, presets, registry  # noqa: E402
+from jaxpar import cli, commands, decoding, hf, presets, registry  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
@@ -101,8 +101,8 @@ def test_trained_and_exported_logits_are_transformers_logits(family, tmp_path, d
 def test_greedy_continuations_are_transformers_generate(family, devices):
     name, directory = family
     prompts = [[5, 17, 3], list(range(40, 61)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]
-    model = generate.load(f"hf:{directory}", ["parallel.data=1"], devices=devices[:2])
-    done = generate.generate(generate.Decoder(model), prompts, 32, generate.Sampling(), set())
+    model = decoding.load(f"hf:{directory}", ["parallel.data=1"], devices=devices[:2])
+    done = decoding.generate(decoding.Decoder(model), prompts, 32, decoding.Sampling(), set())
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])

@@ -11,7 +11,7 @@ import pytest
 from helpers import one_line_error, script
 from test_hf_input import write_checkpoint
 
-from jaxpar import cli, data, generate, presets, registry
+from jaxpar import cli, data, decoding, presets, registry
 from jaxpar.layers import scan_layers
 from jaxpar.problem import registered
 
@@ -57,12 +57,12 @@ def test_decoding_through_the_cache_equals_a_full_forward_pass():
         np.testing.assert_allclose(cached[row, pad[row] :], full, rtol=1e-5, atol=1e-5)
 
 
-GREEDY = generate.Sampling()
+GREEDY = decoding.Sampling()
 
 
 def greedy(source, *overrides, prompts=PROMPTS, new=32, sampling=GREEDY, devices=8):
-    model = generate.load(source, list(overrides), devices=jax.devices()[:devices])
-    done = generate.generate(generate.Decoder(model), prompts, new, sampling, set())
+    model = decoding.load(source, list(overrides), devices=jax.devices()[:devices])
+    done = decoding.generate(decoding.Decoder(model), prompts, new, sampling, set())
     return done, model
 
 
@@ -96,19 +96,19 @@ def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(check
 def test_the_cache_holds_the_formula_per_token(checkpoint, devices):
     """2 x layers x kv_heads x head_dim x 4 bytes a token, as allocated."""
     _, model = greedy(f"hf:{checkpoint}", new=2)
-    cache = generate.Decoder(model).empty(rows=4, slots=48)
+    cache = decoding.Decoder(model).empty(rows=4, slots=48)
     allocated = sum(x.nbytes for x in cache) / (4 * 48)
-    assert allocated == generate.cache_bytes_per_token(model) == 2 * 2 * 2 * 8 * 4
+    assert allocated == decoding.cache_bytes_per_token(model) == 2 * 2 * 2 * 8 * 4
 
 
 def test_a_fixed_seed_gives_the_same_text_and_top_k_keeps_to_the_top(devices):
     logits = jax.random.normal(jax.random.key(0), (4, 256)) * 3
-    s = generate.Sampling(temperature=1.0, top_k=5, seed=0)
-    draws = np.stack([np.asarray(generate.sample(logits, jax.random.key(i), s))
+    s = decoding.Sampling(temperature=1.0, top_k=5, seed=0)
+    draws = np.stack([np.asarray(decoding.sample(logits, jax.random.key(i), s))
                       for i in range(200)])  # fmt: skip
     top = np.asarray(jax.lax.top_k(logits, 5)[1])
     assert all(np.isin(draws[:, row], top[row]).all() for row in range(4))
-    again = np.stack([np.asarray(generate.sample(logits, jax.random.key(i), s))
+    again = np.stack([np.asarray(decoding.sample(logits, jax.random.key(i), s))
                       for i in range(200)])  # fmt: skip
     np.testing.assert_array_equal(draws, again)
     assert len(np.unique(draws[:, 0])) > 1  # it samples
@@ -118,13 +118,13 @@ def test_sampling_at_temperature_1_matches_the_distribution():
     """A chi-squared test of 20,000 draws against softmax(logits), fixed seed."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     logits = jnp.log(jnp.asarray(probs, jnp.float32))[None].repeat(20_000, axis=0)
-    draws = np.asarray(generate.sample(logits, jax.random.key(7), generate.Sampling(1.0)))
+    draws = np.asarray(decoding.sample(logits, jax.random.key(7), decoding.Sampling(1.0)))
     counts = np.bincount(draws, minlength=len(probs))
     expected = probs * len(draws)
     chi2 = np.sum((counts - expected) ** 2 / expected)
     assert chi2 < 15.09, (chi2, counts)  # chi-squared, 5 degrees of freedom: p > 0.01
     # top-p 0.7 keeps the three most likely (mass 0.8 reaches 0.7 with the third)
-    cut = generate.sample(logits, jax.random.key(7), generate.Sampling(1.0, top_p=0.7))
+    cut = decoding.sample(logits, jax.random.key(7), decoding.Sampling(1.0, top_p=0.7))
     assert set(np.unique(np.asarray(cut))) == {0, 1, 2}
 
 
@@ -208,3 +208,14 @@ def test_a_window_that_masks_nothing_is_said():
     wide = presets.load("mistral-tiny", ["model.sliding_window=64"]).model
     assert "model.sliding_window=64 masks nothing at train.seq_len=64" in spec.notes(wide, 64)[0]
     assert spec.notes(presets.load("mistral-tiny").model, 64) == []  # 16 of 64: it masks
+
+
+def test_the_python_api_gives_greedy_completions(checkpoint, tmp_path, devices):
+    import jaxpar
+
+    tokenizer = tmp_path / "tok"
+    script("make_tiny_llama").save_tokenizer(tokenizer, data.corpus_bytes().decode()[:20000], 300)
+    kw = dict(max_new_tokens=4, overrides=["parallel.data=1"], devices=devices[:2])
+    texts = jaxpar.generate(f"hf:{checkpoint}", ["Hello", "The"], tokenizer, **kw)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    assert jaxpar.generate(f"hf:{checkpoint}", ["Hello", "The"], tokenizer, **kw) == texts
