@@ -99,18 +99,12 @@ def test_trained_and_exported_logits_are_transformers_logits(family, tmp_path, d
 
 
 def test_greedy_continuations_are_transformers_generate(family, devices):
+    from test_generate import PROMPTS, transformers_greedy
+
     name, directory = family
-    prompts = [[5, 17, 3], list(range(40, 61)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]
     model = decoding.load(f"hf:{directory}", ["parallel.data=1"], devices=devices[:2])
-    done = decoding.generate(decoding.Decoder(model), prompts, 32, decoding.Sampling(), set())
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    assert done.completions == out[:, longest:].tolist()
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    assert done.completions == transformers_greedy(directory, PROMPTS, 32)
 
 
 def test_a_family_refuses_the_keys_of_another(devices, capsys):

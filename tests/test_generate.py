@@ -128,25 +128,33 @@ def test_sampling_at_temperature_1_matches_the_distribution():
     assert set(np.unique(np.asarray(cut))) == {0, 1, 2}
 
 
+def transformers_greedy(directory, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' generate(do_sample=False) of the checkpoint in `directory`, the
+    prompts left-padded into one batch: each one's new ids."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[:, longest:].tolist()
+
+
 @pytest.mark.slow
 def test_greedy_equals_transformers_generate(tmp_path):
     """A random tiny LlamaForCausalLM (GQA, Llama 3 rope scaling): three prompts of
     different lengths, batched, 32 new tokens each, token for token."""
-    torch = pytest.importorskip("torch", reason="the test extra installs torch on 3.11")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch", reason="the test extra installs torch on 3.11")
+    pytest.importorskip("transformers")
     from test_hf import save_tiny_llama
 
     directory = save_tiny_llama(tmp_path / "hf")
     done, _ = greedy(f"hf:{directory}", "parallel.data=1", devices=2)
-    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
-    longest = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    theirs = out[:, longest:].tolist()
-    assert done.completions == theirs
+    assert done.completions == transformers_greedy(directory, PROMPTS, 32)
 
 
 @pytest.mark.slow
