@@ -97,8 +97,10 @@ def test_plan_section_times_the_70b_plan(capsys):
 @pytest.mark.slow
 def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devices, monkeypatch):
     monkeypatch.setattr(bench, "GENERATE_NEW", 4)  # what is checked is the table, not timing
+    two = {k: v for k, v in bench.GENERATE_LAYOUTS.items() if k != "tensor=2"}
+    monkeypatch.setattr(bench, "GENERATE_LAYOUTS", two)
     rows = run_bench(only=["generate"])["generate"]
-    assert set(rows) == set(bench.GENERATE_LAYOUTS)
+    assert set(rows) == set(two)
     for r in rows.values():
         assert r["cache_bytes_per_token"] == r["formula_bytes_per_token"] == 2 * 4 * 2 * 8 * 4
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0

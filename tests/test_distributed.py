@@ -185,7 +185,13 @@ def _started(out, *overrides) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").exists() and len(rows(out)) >= 3):
+    # three steps logged, and a checkpoint complete (saved asynchronously: its folder
+    # appears, renamed into place, once it is whole)
+    while not (
+        (out / "metrics.jsonl").exists()
+        and len(rows(out)) >= 3
+        and any(p.name.isdigit() for p in (out / "checkpoints").glob("*"))
+    ):
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
         time.sleep(0.2)
     return launcher
