@@ -56,7 +56,8 @@ def relative(got, want) -> float:
     return float(np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want))
 
 
-@pytest.mark.parametrize("preset", ["gpt-tiny", pytest.param("llama-tiny", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
 def test_a_packed_window_equals_each_document_alone(preset):
     """Each document's per-token losses and the gradients, packed with two others into one
     window, equal those of the document run alone, unpadded (fp32)."""
@@ -171,6 +172,7 @@ def test_a_mean_of_means_would_differ_by_the_layout(chat_folder, devices):
         assert error > 100 * 1e-4, (parts, error)  # assert_same_training's rtol is 1e-4
 
 
+@pytest.mark.slow
 def test_a_row_with_nothing_trained_adds_nothing_and_no_nan():
     cfg = presets.load("gpt-tiny", [])
     problem = registered(cfg.model, SEQ)

@@ -24,6 +24,7 @@ def checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "model.vocab=512")
 
 
+@pytest.mark.slow
 def test_decoding_through_the_cache_equals_a_full_forward_pass():
     """Every step's logits, through the cache (a batch of rows of different lengths,
     left-padded), equal the logits of the whole sequence run without one (fp32, 1e-5)."""
