@@ -317,7 +317,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     the first flag, so the ones after it come back unparsed and join them here."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "bench", "inspect", "plan")
+    takes_overrides = args.command in ("train", "bench", "inspect", "plan", "generate")
     stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
     if args.command == "launch":
         args.command_args = [a for a in args.command_args if a != "--"] + rest

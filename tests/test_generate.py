@@ -182,6 +182,7 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     ("make", "needle"),
     [
         (lambda t, c: ["generate", str(t), "--prompt", "x"], "no checkpoints there"),
+        (lambda t, c: [f"hf:{c}", "parallel.tensor=abc"], "parallel.tensor='abc': expected int"),
         (lambda t, c: [f"hf:{c}", "--temperature", "-1"], "--temperature -1.0: give 0"),
         (lambda t, c: [f"hf:{c}", "--top-p", "1.5"], "--top-p 1.5: give a share"),
         (lambda t, c: [f"hf:{c}", "--chat", "--tokenizer", str(t / "plain")], "--chat: "),
