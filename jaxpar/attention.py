@@ -28,7 +28,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from jaxpar import context
+from jaxpar import context, sequence
 
 BLOCK = 512  # query rows per block of the blocked form
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -56,14 +56,37 @@ def stores_scores(platform: str, dtype, head_dim: int) -> bool:
 
 
 def causal_attention(
-    q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window: int = 0
+    q_BxSxHxD,
+    k_BxSxHxD,
+    v_BxSxHxD,
+    segment_ids_BxS=None,
+    window: int = 0,
+    *,
+    positions_BxS=None,
+    kv_group: int = 1,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
     sees the keys at or before it, of its own segment where segment ids are given, and
-    (a sliding `window`) fewer than `window` positions back."""
+    (a sliding `window`) fewer than `window` positions back.
+
+    In a step that splits sequences over `context` (jaxpar.sequence), the tokens may be
+    reordered: "before" is then by `positions_BxS` (each token's position in its
+    segment; default, its original position in the row), and k and v, repeated to one
+    head per query head, are gathered as their distinct heads (`kv_group` query heads a
+    key/value head)."""
     ctx = context.current()
     platform = ctx.platform if ctx else context.platform_of(jax.devices()[0])
     chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
+    if sequence.active() is not None:
+        if positions_BxS is None:
+            positions_BxS = sequence.positions(*q_BxSxHxD.shape[:2])
+
+        def attend(q, k, v, q_pos, k_pos, q_seg, k_seg):
+            return _positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, window)
+
+        return sequence.attention(
+            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, positions_BxS, window, kv_group, attend
+        )
     if chosen is Form.CUDNN:
         return jax.nn.dot_product_attention(
             q_BxSxHxD,
@@ -86,37 +109,85 @@ def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
     return queries_BxC[:, :, None] == segment_ids_BxS[:, None, :]
 
 
-def _direct(
-    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window: int = 0
-) -> jax.Array:
-    """Attention of the C queries at positions first.. to all S keys; the scores kept."""
+def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS) -> jax.Array:
+    """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S])."""
     dt = q_BxCxHxD.dtype
     q_BxCxHxD = q_BxCxHxD * q_BxCxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
     att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
-    rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
-    # causal: an additive mask, a constant [C, S] (no [B, H, C, S] select to undo in
-    # the backward pass); with segments, [B, C, S], shared by the heads
-    back_CxS = first + jnp.arange(rows)[:, None] - jnp.arange(seq)[None, :]
-    visible_BxCxS = ((back_CxS >= 0) & ((back_CxS < window) if window else True))[None]
-    if segment_ids_BxS is not None:
-        visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
+    # an additive mask ([C, S] constant when causal alone: no [B, H, C, S] select to
+    # undo in the backward pass), shared by the heads
     mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
     prob_BxHxCxS = jax.nn.softmax(att_BxHxCxS + mask_Bx1xCxS, axis=-1).astype(dt)
     return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
 
 
+def _direct(
+    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window: int = 0
+) -> jax.Array:
+    """Attention of the C queries at positions first.. to all S keys; the scores kept."""
+    rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
+    back_CxS = first + jnp.arange(rows)[:, None] - jnp.arange(seq)[None, :]
+    visible_BxCxS = ((back_CxS >= 0) & ((back_CxS < window) if window else True))[None]
+    if segment_ids_BxS is not None:
+        visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
+    return _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS)
+
+
 def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window=0) -> jax.Array:
     """The queries BLOCK rows at a time; each block's scores recomputed for backward."""
-    b, s, h, d = q_BxSxHxD.shape
-    block = max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
-    q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
     one = jax.checkpoint(
         lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS, window),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
-    firsts = jnp.arange(s // block) * block
-    out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, firsts))
+    s = q_BxSxHxD.shape[1]
+    block = _block(s)
+    return _by_blocks(lambda q, first: one(q, first), q_BxSxHxD, jnp.arange(s // block) * block)
+
+
+def _block(s: int) -> int:
+    return max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
+
+
+def _by_blocks(one, q_BxSxHxD, *per_block):
+    """one(q block, *per_block[i]) over the query blocks, put back together."""
+    b, s, h, d = q_BxSxHxD.shape
+    block = _block(s)
+    q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
+    out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
     return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, d)
+
+
+def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, window: int = 0):
+    """[B, C, S] bool: which keys each query sees, by the tokens' positions (and
+    segments): at or before it, within the window, in its segment."""
+    back_BxCxS = q_pos_BxC[:, :, None] - k_pos_BxS[:, None, :]
+    visible_BxCxS = (back_BxCxS >= 0) & ((back_BxCxS < window) if window else True)
+    if q_seg_BxC is not None:
+        visible_BxCxS = visible_BxCxS & (q_seg_BxC[:, :, None] == k_seg_BxS[:, None, :])
+    return visible_BxCxS
+
+
+def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) -> jax.Array:
+    """Attention of queries to keys in any order, masked by their positions: the form
+    `chosen` on local blocks (cuDNN takes the mask as its bias)."""
+    if chosen is Form.CUDNN:
+        mask = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    if chosen is Form.DIRECT:
+        return _scored(q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window))
+    b, s = q.shape[:2]
+    block = _block(s)
+    blocks = lambda x: x.reshape(b, s // block, block).swapaxes(0, 1)  # noqa: E731
+    one = jax.checkpoint(
+        lambda q, q_pos, q_seg: _scored(
+            q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
+        ),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
+    if q_seg is None:
+        return _by_blocks(lambda q, p, _: one(q, p, None), q, blocks(q_pos), segs)
+    return _by_blocks(one, q, blocks(q_pos), segs)
 
 
 def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):

@@ -1,14 +1,18 @@
 """The mesh axes, outermost to innermost (`tensor` gets neighbouring devices, the fastest
-links; `replica`, outermost, the slowest: between hosts). Declared here only, without
+links; `context`, next to it, gathers keys and values every layer; `replica`,
+outermost, the slowest: between hosts). Declared here only, without
 jax, so that the command line reads a config before jax starts: every other module
 imports these names (from here or `jaxpar.mesh`).
 
 Data parallelism runs over `replica` x `data`: the batch is split over both; ZeRO splits
 state over `data` only, within a group, and the groups are copies over `replica`
-(hybrid sharding: PyTorch HSDP, DeepSpeed hpZ, MaxText's dcn_data_parallelism)."""
+(hybrid sharding: PyTorch HSDP, DeepSpeed hpZ, MaxText's dcn_data_parallelism).
 
-REPLICA, DATA, PIPE, TENSOR = "replica", "data", "pipeline", "tensor"
-AXES = (REPLICA, DATA, PIPE, TENSOR)
+Context parallelism splits each sequence over `context` (jaxpar.sequence); parameters
+and their ZeRO shards are whole over it, the gradients summed over it by the compiler."""
+
+REPLICA, DATA, PIPE, CONTEXT, TENSOR = "replica", "data", "pipeline", "context", "tensor"
+AXES = (REPLICA, DATA, PIPE, CONTEXT, TENSOR)
 BATCH_AXES = (REPLICA, DATA)  # the axes the batch is split over
 
 

@@ -34,6 +34,11 @@ class DpCollective(enum.StrEnum):
     SERVER = "server"
 
 
+class ContextStrategy(enum.StrEnum):
+    ALL_GATHER = "all_gather"
+    ULYSSES = "ulysses"
+
+
 class DpSync(enum.StrEnum):
     GRADS = "grads"
     PARAMS = "params"
@@ -107,7 +112,32 @@ class Parallel(Section):
     )
     data: Degree = key(-1, "degree of the `data` axis; -1 = all devices left over")
     pipeline: Degree = key(1, "degree of the `pipeline` axis: stages of the layer stack")
+    context: Degree = key(
+        1, "degree of the `context` axis: each sequence split over it (context parallelism)"
+    )
     tensor: Degree = key(1, "degree of the `tensor` axis (Megatron column/row splits)")
+    context_strategy: ContextStrategy = key(
+        ContextStrategy.ALL_GATHER,
+        (
+            "how attention sees the whole sequence under context parallelism: all_gather (keys "
+            "and values gathered over context each layer) | ulysses (all-to-all from sequence "
+            "to heads and back)"
+        ),
+    )
+    context_balance: bool = key(
+        True,
+        (
+            "reorder each sequence into 2 x context chunks, device i holding chunks i and "
+            "2C-1-i, so that causal attention's work is even over context"
+        ),
+    )
+    sequence_parallel: bool = key(
+        False,
+        (
+            "Megatron sequence parallelism (needs tensor > 1): norms and residual adds split "
+            "by sequence over tensor; each tensor all-reduce becomes reduce-scatter + all-gather"
+        ),
+    )
     zero: Literal[0, 1, 2, 3] = key(
         0, "ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters"
     )

@@ -10,10 +10,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+
+if typing.TYPE_CHECKING:
+    from jaxpar.sequence import Split
 
 
 class Keep(enum.Enum):
@@ -41,6 +45,8 @@ class Context:
     # jaxpar.causal_attention picks its program by
     platform: str = "cpu"
     unroll: int = 1  # layers per iteration of scan_layers' loop (train.unroll)
+    # how sequences are split over `context` (None: whole on every device)
+    sequence: Split | None = None
 
 
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(

@@ -11,6 +11,10 @@ targets without a mask), and never where it starts a new segment: the first toke
 document is not predicted from the one before it. `trained_targets` counts the trained
 targets of a batch: the step divides the summed loss of the global batch by that count,
 whatever the layout (never a mean of per-device or per-micro-batch means).
+
+In a step that splits sequences over `context`, the inputs, targets and everything per
+token come in the step's token order (jaxpar.sequence: causal balance reorders them),
+and the inputs always have positions; `in_order` puts per-token results back.
 """
 
 from __future__ import annotations
@@ -20,25 +24,47 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpar import sequence
 from jaxpar.data import LOSS_MASK, POSITIONS, SEGMENT_IDS
 
 
 class Documents(NamedTuple):
     """The inputs' documents: what attention and position embeddings read."""
 
-    segment_ids: jax.Array  # [B, S]
+    segment_ids: jax.Array | None  # [B, S] (None: one document a row)
     positions: jax.Array  # [B, S]
 
 
+def inputs(batch: dict) -> jax.Array:
+    """[B, S] the input tokens, tokens[:, :-1]."""
+    return sequence.reordered(batch["tokens"][:, :-1])
+
+
+def targets(batch: dict) -> jax.Array:
+    """[B, S] the targets, tokens[:, 1:]."""
+    return sequence.reordered(batch["tokens"][:, 1:])
+
+
 def of_inputs(batch: dict) -> Documents | None:
-    """The documents of the inputs tokens[:, :-1] (None: one document a row)."""
+    """The documents of the inputs (None: one document a row, in order)."""
     if SEGMENT_IDS not in batch:
-        return None
-    return Documents(batch[SEGMENT_IDS][:, :-1], batch[POSITIONS][:, :-1])
+        if sequence.active() is None:
+            return None
+        return Documents(None, sequence.positions(*batch["tokens"][:, :-1].shape))
+    return Documents(
+        sequence.reordered(batch[SEGMENT_IDS][:, :-1]),
+        sequence.reordered(batch[POSITIONS][:, :-1]),
+    )
+
+
+def in_order(losses_BxS: jax.Array) -> jax.Array:
+    """Per-target results of a step that reordered its tokens, in their original order."""
+    return sequence.in_order(losses_BxS)
 
 
 def target_weights(batch: dict) -> jax.Array | None:
-    """[B, S] bool: which targets tokens[:, 1:] are trained (None: all of them)."""
+    """[B, S] bool: which targets tokens[:, 1:] are trained (None: all of them), in the
+    step's token order."""
     weights = None
     if LOSS_MASK in batch:
         weights = batch[LOSS_MASK][:, 1:] != 0
@@ -46,7 +72,7 @@ def target_weights(batch: dict) -> jax.Array | None:
         segments = batch[SEGMENT_IDS]
         same = segments[:, 1:] == segments[:, :-1]
         weights = same if weights is None else weights & same
-    return weights
+    return None if weights is None else sequence.reordered(weights)
 
 
 def trained_targets(batch: dict) -> jax.Array:

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import context, cost, pipeline, schedules, xla_flags
+from jaxpar import context, cost, pipeline, schedules, sequence, xla_flags
 from jaxpar.accumulate import accumulate
 from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
 from jaxpar.batches import batch_split
 from jaxpar.config import Offload, Parallel, Schedule, Train
 from jaxpar.problem import Problem, trained_count
-from jaxpar.sharding import RULES, LeafSpecs, only_axes
+from jaxpar.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.zero import ZeroPolicy
 
 
@@ -106,13 +106,14 @@ def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields
 
 def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> context.Context:
     return context.Context(
-        rules=RULES,
+        rules=rules_for(par.sequence_parallel),
         mesh_shape=dict(mesh.shape),
         keep=policy.keep(par.remat),
         layer=policy.layer,
         whole=policy.whole,
         platform=context.target(mesh),
         unroll=train.unroll,
+        sequence=sequence.split_of(par, dict(mesh.shape)),
     )
 
 

@@ -5,7 +5,8 @@ planner for each layout it considers."""
 
 from __future__ import annotations
 
-from jaxpar.axes import PIPE, REPLICA
+from jaxpar import sequence
+from jaxpar.axes import CONTEXT, PIPE, REPLICA
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, DpCollective, DpSync, Offload, Parallel, Remat, Schedule
 from jaxpar.errors import ConfigError
@@ -16,6 +17,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
     parallel = cfg.parallel
     batch_split(cfg.train, parallel, mesh_shape)
+    sequence.check(parallel, mesh_shape, cfg.train.seq_len, cfg.model.heads)
     if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
         raise ConfigError(
             f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
@@ -95,6 +97,10 @@ def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
             mesh_shape[PIPE] > 1,
             "a pipeline's stages step together on one model, not as copies of it; use "
             "parallel.pipeline=1 (tensor parallelism is fine)",
+        ),
+        "parallel.context": (
+            mesh_shape.get(CONTEXT, 1) > 1,
+            "each device's local steps need whole sequences of its own; use parallel.context=1",
         ),
         "parallel.replica": (
             mesh_shape.get(REPLICA, 1) > 1,

@@ -13,12 +13,16 @@ from typing import NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import CONTEXT, DATA, PIPE, TENSOR
 from jaxpar.errors import ConfigError
 
 # Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
 BATCH = "batch"
-SEQ = "seq"
+SEQ = "seq"  # an activation's sequence dim inside attention and the MLP
+# the residual stream's sequence dim (embeddings, norms, residual adds: between the
+# tensor-parallel regions), which sequence parallelism also splits over `tensor`
+SEQ_RESIDUAL = "seq_residual"
+POSITION = "position"  # a learned position table's rows (never split)
 EMBED = "embed"
 HEADS = "heads"
 KV_HEADS = "kv_heads"  # grouped-query attention's key/value heads
@@ -29,16 +33,19 @@ VOCAB = "vocab"
 LAYERS = "layers"
 STAGE = "stage"
 
-# Ordered: logical name -> mesh axis (None = never split). The only place where
-# model dims meet mesh axes. An axis is used at most once per leaf (first dim wins).
-RULES: tuple[tuple[str, str | None], ...] = (
+# Ordered: logical name -> mesh axis, or axes (None = never split). The only place
+# where model dims meet mesh axes. An axis is used at most once per leaf (first dim
+# wins). Parameters never carry the sequence names: they are whole over `context`.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (BATCH, DATA),
     (VOCAB, TENSOR),
     (HEADS, TENSOR),
     (KV_HEADS, TENSOR),
     (MLP, TENSOR),
     (EMBED, None),
-    (SEQ, None),
+    (SEQ, CONTEXT),
+    (SEQ_RESIDUAL, CONTEXT),
+    (POSITION, None),
     (HEAD_DIM, None),
     (QKV, None),
     (LAYERS, None),
@@ -52,6 +59,16 @@ WHERE_DIVISIBLE = (KV_HEADS,)
 # Dims ZeRO never splits: a layer stack is sliced per layer, so its per-layer
 # shard must not depend on the stack.
 NOT_ZERO = (LAYERS, STAGE)
+
+
+def rules_for(sequence_parallel: bool):
+    """RULES, with the residual stream's sequence dim also split over `tensor` under
+    Megatron sequence parallelism (after `context`: a device's tokens stay contiguous)."""
+    if not sequence_parallel:
+        return RULES
+    return tuple(
+        (name, (CONTEXT, TENSOR) if name == SEQ_RESIDUAL else axis) for name, axis in RULES
+    )
 
 
 def tensor_dims(names_tree, shapes_tree) -> dict[str, int]:
@@ -120,21 +137,25 @@ def compute_spec(
                 f"{path}: logical name {name!r} (dim {dim}) is not in the rules; "
                 f"use one of {sorted(table)}"
             )
-        axis = table[name]
-        if axis is None or axis in used or axis in skip_axes or mesh_shape.get(axis, 1) == 1:
+        wanted = table[name] if isinstance(table[name], tuple) else (table[name],)
+        axes = tuple(
+            a
+            for a in wanted
+            if a is not None and a not in used and a not in skip_axes and mesh_shape.get(a, 1) > 1
+        )
+        split = math.prod(mesh_shape[a] for a in axes)
+        if not axes or (size % split and name in WHERE_DIVISIBLE):
             spec.append(None)
             continue
-        if size % mesh_shape[axis] and name in WHERE_DIVISIBLE:
-            spec.append(None)
-            continue
-        if size % mesh_shape[axis]:
+        if size % split:
+            shown = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
             raise ConfigError(
                 f"{path}: shape {shape} dim {dim} ({name}={size}) is not divisible by "
-                f"{axis}={mesh_shape[axis]} (rule {name} -> {axis}); the leaf would stay "
-                f"replicated. Choose parallel.{axis} dividing {size}, or change {name}"
+                f"{shown} (rule {name} -> {' x '.join(axes)}); the leaf would stay "
+                f"replicated. Choose parallel.{axes[0]} dividing {size}, or change {name}"
             )
-        used.add(axis)
-        spec.append(axis)
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
 
 

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar import documents
+from jaxpar import documents, sequence
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.problem import Stages
-from jaxpar.sharding import BATCH, EMBED, MLP, SEQ
+from jaxpar.sharding import BATCH, EMBED, MLP, SEQ, SEQ_RESIDUAL
 
 
 def normal(std: float):
@@ -47,7 +47,7 @@ class FeedForward(nnx.Module):
         h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
         y_BxSxE = h_BxSxM @ self.w_out[...].astype(dt)
         y_BxSxE = y_BxSxE + _last(self.b_out, y_BxSxE)
-        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 def _last(vector: nnx.Param, like: jax.Array) -> jax.Array:
@@ -60,7 +60,7 @@ def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Arra
     vocab-parallel embedding (each shard looks up its rows, one all-reduce sums them)."""
     vocab = table_VxE.shape[0]
     onehot_BxSxV = jax.nn.one_hot(tokens_BxS, vocab, dtype=dtype)
-    return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ, EMBED))
+    return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array, batch: dict) -> jax.Array:
@@ -70,17 +70,28 @@ def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array, batch: dict) -> jax.Array
 
 def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
     """The pipeline's first piece: tokens[:, :-1] -> residual stream."""
-    return model.embed(batch["tokens"][:, :-1], documents.of_inputs(batch))
+    return model.embed(documents.inputs(batch), documents.of_inputs(batch))
 
 
 def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
     """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:],
     zero where the target is not trained (jaxpar.documents)."""
     logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
-    losses_BxS = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxSxV, batch["tokens"][:, 1:]
-    )
-    return documents.masked(losses_BxS, batch)
+    losses_BxS = cross_entropy(logits_BxSxV, documents.targets(batch))
+    return documents.in_order(documents.masked(losses_BxS, batch))
+
+
+def cross_entropy(logits_BxSxV, targets_BxS) -> jax.Array:
+    """Per-token cross-entropy. Where the step splits sequences over `context`, the
+    target's logit is picked by a one-hot product rather than a gather (the same
+    values): XLA's SPMD partitioner aborts on that gather when the sequence is split
+    over `context` and the vocab over `tensor` (jax 0.10: a Check failure in
+    spmd_partitioner_util.cc), and outside it the gather is cheaper."""
+    if sequence.active() is None:
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
+    onehot_BxSxV = jax.nn.one_hot(targets_BxS, logits_BxSxV.shape[-1], dtype=logits_BxSxV.dtype)
+    picked_BxS = jnp.sum(onehot_BxSxV * logits_BxSxV, axis=-1)
+    return jax.nn.logsumexp(logits_BxSxV, axis=-1) - picked_BxS
 
 
 def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:

@@ -13,7 +13,7 @@ from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
 from jaxpar.registry import ModelSpec
-from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, QKV, SEQ, VOCAB
+from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
 
 from .common import (
     FeedForward,
@@ -43,16 +43,22 @@ class Attention(nnx.Module):
             (HEADS, HEAD_DIM, EMBED),
         )
 
-    def __call__(self, x_BxSxE, segment_ids_BxS=None):
+    def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
         qkv_BxSx3xHxD = constrain(
             jnp.einsum("bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt)),
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        out_BxSxHxD = causal_attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS)
+        out_BxSxHxD = causal_attention(
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            None if docs is None else docs.segment_ids,
+            positions_BxS=None if docs is None else docs.positions,
+        )
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
-        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 class Block(nnx.Module):
@@ -63,15 +69,14 @@ class Block(nnx.Module):
         self.mlp = FeedForward(cfg.embed, cfg.mlp, cfg.layers, rngs)
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
-        segments_BxS = None if docs is None else docs.segment_ids
-        x_BxSxE = x_BxSxE + self.attn(self.ln1(x_BxSxE), segments_BxS)
+        x_BxSxE = x_BxSxE + self.attn(self.ln1(x_BxSxE), docs)
         return x_BxSxE + self.mlp(self.ln2(x_BxSxE))
 
 
 class GPT(nnx.Module):
     def __init__(self, cfg: Model, seq_len: int, rngs: nnx.Rngs):
         self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
-        self.positions = param(rngs, normal(0.01), (seq_len, cfg.embed), (SEQ, EMBED))
+        self.positions = param(rngs, normal(0.01), (seq_len, cfg.embed), (POSITION, EMBED))
         self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
         self.ln_f = LayerNorm(cfg.embed, rngs)
         self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))

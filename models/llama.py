@@ -22,7 +22,18 @@ from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_cached, stack
 from jaxpar.registry import ModelSpec
-from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, VOCAB
+from jaxpar.sharding import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MLP,
+    QKV,
+    SEQ,
+    SEQ_RESIDUAL,
+    VOCAB,
+)
 
 from . import LlamaConfig, RopeScaling
 from .common import (
@@ -142,10 +153,16 @@ class Attention(nnx.Module):
         segments_BxS = None if docs is None else docs.segment_ids
         q_BxSxHxD, k_BxSxHxD = self._positioned(q_BxSxHxD, k_BxSxHxD, positions_BxS)
         out_BxSxHxD = causal_attention(
-            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, window=self.window
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            segments_BxS,
+            window=self.window,
+            positions_BxS=positions_BxS,
+            kv_group=group,
         )
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
-        return constrain(y_BxSxE, (BATCH, SEQ, EMBED))
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
     def _positioned(self, q_BxSxHxD, k_BxSxNxD, positions_BxS):
         """q and k normed per head (qk_norm) and rotated to their positions."""
@@ -195,7 +212,7 @@ class SwiGLU(nnx.Module):
         gate_up_BxSx2xM = jnp.einsum("bse,etm->bstm", x_BxSxE, w_Ex2xM)
         gate_BxSxM, up_BxSxM = gate_up_BxSx2xM[:, :, 0], gate_up_BxSx2xM[:, :, 1]
         h_BxSxM = constrain(jax.nn.silu(gate_BxSxM) * up_BxSxM, (BATCH, SEQ, MLP))
-        return constrain(h_BxSxM @ self.w_down[...].astype(dt), (BATCH, SEQ, EMBED))
+        return constrain(h_BxSxM @ self.w_down[...].astype(dt), (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 class Block(nnx.Module):

@@ -1,0 +1,203 @@
+"""Context parallelism: each sequence split over the `context` axis.
+
+Every device of a `context` group holds S / C of the tokens of each of its rows. The
+residual stream, norms, MLPs and the loss are per token and need nothing from the
+others (their sequence dims are named `seq`/`seq_residual`, which RULES split over
+`context`); attention needs every key and value before its queries, and gets them by
+`parallel.context_strategy`:
+
+- `all_gather`: each layer gathers the keys and values over `context` (their distinct
+  heads only, under grouped-query attention) and computes its own queries' attention;
+  autodiff turns the gather into a reduce-scatter of their gradients (MaxText's default).
+- `ulysses`: an all-to-all from sequence-split to head-split for q, k and v, attention
+  over the whole sequence for 1/C of the heads, and an all-to-all back (DeepSpeed
+  Ulysses); key/value heads fewer than C are repeated to C first.
+
+Both run in a shard_map manual over `context` and `tensor` inside the step's, so that
+the collectives are the ones written here and the attention kernel (cuDNN's too) gets
+whole local blocks and an explicit mask.
+
+Causal balance (`parallel.context_balance`): under a causal mask the device holding a
+sequence's last chunk would do most of the work, so each batch's tokens are reordered
+into 2C chunks, device i holding chunks i and 2C-1-i. The targets, positions, segment
+ids and loss mask move with their tokens (jaxpar.documents reads them through `order`);
+attention masks by the tokens' original positions; per-token losses are put back in
+order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxpar import context
+from jaxpar.axes import CONTEXT, TENSOR
+from jaxpar.config import ContextStrategy, Parallel
+from jaxpar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the step splits sequences (the running Context's `sequence`)."""
+
+    degree: int  # C: the context axis' size
+    strategy: ContextStrategy
+    balance: bool  # dual-chunk reorder
+
+
+def split_of(par: Parallel, mesh_shape: dict) -> Split | None:
+    c = mesh_shape.get(CONTEXT, 1)
+    return Split(c, par.context_strategy, par.context_balance) if c > 1 else None
+
+
+def order(seq: int, split: Split) -> np.ndarray:
+    """[seq] the original position of each slot: chunks (0, 2C-1, 1, 2C-2, ...) when
+    balanced, so that contiguous slices of S / C hold chunks i and 2C-1-i; else 0..S-1."""
+    if not split.balance:
+        return np.arange(seq)
+    c = split.degree
+    chunks = np.arange(seq).reshape(2 * c, seq // (2 * c))
+    return np.concatenate([chunks[j] for i in range(c) for j in (i, 2 * c - 1 - i)])
+
+
+def active() -> Split | None:
+    """The running step's split, if it splits sequences."""
+    ctx = context.current()
+    return None if ctx is None else ctx.sequence
+
+
+def reordered(x_BxS: jax.Array) -> jax.Array:
+    """A per-token array (tokens, targets, positions, ...) in the step's token order."""
+    split = active()
+    if split is None or not split.balance:
+        return x_BxS
+    return x_BxS[:, order(x_BxS.shape[1], split)]
+
+
+def in_order(x_BxS: jax.Array) -> jax.Array:
+    """A per-token result back in the original token order."""
+    split = active()
+    if split is None or not split.balance:
+        return x_BxS
+    return x_BxS[:, np.argsort(order(x_BxS.shape[1], split))]
+
+
+def positions(rows: int, seq: int) -> jax.Array:
+    """[rows, seq] the original positions of the step's tokens (no documents)."""
+    split = active()
+    where = np.arange(seq) if split is None else order(seq, split)
+    return jnp.broadcast_to(jnp.asarray(where, jnp.int32), (rows, seq))
+
+
+def check(par: Parallel, mesh_shape: dict, seq_len: int, heads: int | None) -> None:
+    """The context layout against the sequence length and the heads, before compiling."""
+    c, t = mesh_shape.get(CONTEXT, 1), mesh_shape.get(TENSOR, 1)
+    if par.sequence_parallel and t == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true with parallel.tensor=1: sequence parallelism "
+            "splits what tensor parallelism leaves whole on every tensor device; set "
+            "parallel.tensor > 1, or drop parallel.sequence_parallel"
+        )
+    if c == 1:
+        return
+    chunks = 2 * c if par.context_balance else c
+    if seq_len % chunks:
+        how = (
+            f"2 x parallel.context = {chunks} chunks (parallel.context_balance=true)"
+            if par.context_balance
+            else f"parallel.context={c} parts"
+        )
+        raise ConfigError(
+            f"train.seq_len={seq_len} does not split into {how}; choose train.seq_len a "
+            f"multiple of {chunks}, e.g. {chunks * max(1, round(seq_len / chunks))}"
+        )
+    if par.sequence_parallel and (seq_len // c) % t:
+        raise ConfigError(
+            f"train.seq_len={seq_len} over parallel.context={c} leaves {seq_len // c} tokens "
+            f"a device, which parallel.tensor={t} cannot split (sequence_parallel=true); "
+            f"choose train.seq_len a multiple of {c * t}"
+        )
+    if par.context_strategy is ContextStrategy.ULYSSES:
+        if heads is None:
+            raise ConfigError(
+                "parallel.context_strategy=ulysses splits attention heads over context, and "
+                "this model has no attention heads; use context_strategy=all_gather"
+            )
+        if heads % (c * t):
+            raise ConfigError(
+                f"parallel.context_strategy=ulysses: model.heads={heads} is not divisible by "
+                f"parallel.context={c} x parallel.tensor={t} = {c * t} (each context device "
+                "takes an equal share of each tensor device's heads); choose degrees whose "
+                f"product divides {heads}, or context_strategy=all_gather"
+            )
+
+
+def _distinct(local_heads: int, group: int) -> int:
+    """How many distinct key/value heads serve a device's `local_heads` query heads
+    (`group` query heads a key/value head, in order)."""
+    if group > 1 and local_heads % group == 0:
+        return local_heads // group
+    if group > 1 and group % local_heads == 0:
+        return 1
+    return local_heads
+
+
+def kv_heads_moved(local_heads: int, group: int, split: Split) -> int:
+    """Key/value heads a device sends each layer (per tensor device): the distinct ones
+    of its query heads, and under Ulysses a multiple of C of them (fewer than C are
+    repeated to C), so that each context device receives whole ones."""
+    distinct = _distinct(local_heads, group)
+    if split.strategy is ContextStrategy.ULYSSES and distinct % split.degree:
+        return split.degree if split.degree % distinct == 0 else local_heads
+    return distinct
+
+
+def _kv(x_BxSxHxD, group: int, moved: int) -> jax.Array:
+    """The `moved` key/value heads of a device's repeated ones (one per query head)."""
+    heads = x_BxSxHxD.shape[2]
+    distinct = _distinct(heads, group)
+    x = x_BxSxHxD[:, :, :: heads // distinct]
+    return x if moved == distinct else jnp.repeat(x, moved // distinct, axis=2)
+
+
+def attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS, window, group, attend):
+    """Causal attention of the step's sequence-split q, k and v ([B, S, H, D], k and v
+    repeated to one head per query head, `group` query heads a key/value head) by
+    the split's strategy; `attend(q, k, v, q_pos, k_pos, q_seg, k_seg)` is the local
+    attention, masked by original positions."""
+    split = active()
+    in_spec = PartitionSpec(None, CONTEXT, TENSOR, None)
+
+    def local(q, k, v, segments, positions):
+        moved = kv_heads_moved(q.shape[2], group, split)
+        k, v = (_kv(x, group, moved) for x in (k, v))
+        if split.strategy is ContextStrategy.ALL_GATHER:
+            k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+            k, v = (jnp.repeat(x, q.shape[2] // moved, axis=2) for x in (k, v))
+            rows = q.shape[1]
+            first = jax.lax.axis_index(CONTEXT) * rows
+            q_pos, q_seg = (
+                None if x is None else jax.lax.dynamic_slice_in_dim(x, first, rows, axis=1)
+                for x in (positions, segments)
+            )
+            return attend(q, k, v, q_pos, positions, q_seg, segments)
+        q, k, v = (
+            jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
+            for x in (q, k, v)
+        )
+        k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+        out = attend(q, k, v, positions, positions, segments, segments)
+        return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)
+
+    whole = PartitionSpec()
+    return jax.shard_map(
+        local,
+        in_specs=(in_spec, in_spec, in_spec, whole, whole),
+        out_specs=in_spec,
+        axis_names={CONTEXT, TENSOR},
+        check_vma=False,
+    )(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS)
