@@ -79,13 +79,21 @@ def causal_attention(
     chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
     if sequence.active() is not None:
         if positions_BxS is None:
-            positions_BxS = sequence.positions(*q_BxSxHxD.shape[:2])
+            rows, part = q_BxSxHxD.shape[:2]
+            positions_BxS = sequence.positions(rows, part * sequence.active().degree)
 
         def attend(q, k, v, q_pos, k_pos, q_seg, k_seg):
             return _positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, window)
 
         return sequence.attention(
-            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, positions_BxS, window, kv_group, attend
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            segment_ids_BxS,
+            positions_BxS,
+            window,
+            kv_group,
+            attend,
         )
     if chosen is Form.CUDNN:
         return jax.nn.dot_product_attention(

@@ -12,8 +12,19 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.axes import DATA, REPLICA, TENSOR
-from jaxpar.config import Config, DpSync, Offload, Optimizer, Precision, ReduceDtype, Train
+from jaxpar import sequence
+from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.config import (
+    Config,
+    ContextStrategy,
+    DpSync,
+    Offload,
+    Optimizer,
+    Precision,
+    ReduceDtype,
+    Remat,
+    Train,
+)
 from jaxpar.sharding import LeafSpecs
 from jaxpar.zero import stack_dims
 
@@ -159,10 +170,87 @@ def state_formula(
     return 4 * psi + k * psi / (n if zero else 1)
 
 
-def minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
+@dataclass(frozen=True)
+class AttentionDims:
+    """What context parallelism moves per layer: a model's attention layers and heads
+    (ModelSpec.attention_dims)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def forward_passes(cfg: Config) -> int:
+    """How often a layer's forward runs per micro-batch: twice where its backward
+    recomputes it (parallel.remat, ZeRO-3's re-gathered layers)."""
+    par = cfg.parallel
+    return 2 if par.remat is not Remat.NONE or par.zero >= 3 else 1
+
+
+def context_bytes(
+    cfg: Config, specs, shapes, mesh_shape: dict, attention: AttentionDims | None, documents: bool
+) -> float:
+    """Textbook wire bytes per device per step on `context` (jaxpar.sequence): per
+    attention layer and pass (each forward, `forward_passes`, and the backward),
+    all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
+    each (forward a gather, backward a reduce-scatter), plus with documents their int32
+    segment ids and positions (forward only); Ulysses four all-to-alls, (C-1)/C of q,
+    k, v and the output on the device; and once a step the gradients, as `data` leaves
+    them (ZeRO>=1: the optimizer's split), all-reduced: 2(C-1)/C."""
+    c = mesh_shape.get(CONTEXT, 1)
+    if c == 1:
+        return 0.0
+    par, train = cfg.parallel, cfg.train
+    share = (c - 1) / c
+    grads = sum(local_elems(shape, s.opt, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    total = 2 * share * grads * reduce_bytes(train)
+    if attention is None:
+        return total
+    split = sequence.Split(c, par.context_strategy, par.context_balance)
+    t = mesh_shape.get(TENSOR, 1)
+    tokens = train.batch_size // (mesh_shape.get(REPLICA, 1) * mesh_shape.get(DATA, 1))
+    tokens *= train.seq_len  # this device's rows, whole, over the step
+    local = attention.heads // t
+    moved = sequence.kv_heads_moved(local, attention.heads // attention.kv_heads, split)
+    layers = attention.layers
+    f = forward_passes(cfg)
+    cb = dtype_bytes(train.precision)
+    if par.context_strategy is ContextStrategy.ALL_GATHER:
+        per_pass = 2 * share * tokens * moved * attention.head_dim * cb
+        total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
+        return total
+    per_pass = share * tokens / c * attention.head_dim * cb * (2 * local + 2 * moved)
+    total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
+    return total
+
+
+def minimum(
+    cfg: Config,
+    specs,
+    trained,
+    mesh_shape: dict,
+    tensor_elements,
+    attention: AttentionDims | None = None,
+    documents: bool = False,
+) -> dict:
     """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
     engine lays it out: pipeline-staged where there is a pipeline): what the ledger
-    reports for a run and the planner predicts for a candidate."""
+    reports for a run and the planner predicts for a candidate. With a pipeline, the
+    attention's context collectives run in every tick of the schedule's loop, idle
+    ones too: no per-micro-batch figure (as for `tensor`)."""
+    c = mesh_shape.get(CONTEXT, 1)
+    if tensor_elements:  # each device holds 1/C of the tokens
+        tensor_elements = tensor_elements / c
+    return {
+        **_minimum(cfg, specs, trained, mesh_shape, tensor_elements),
+        CONTEXT: None
+        if c > 1 and mesh_shape.get(PIPE, 1) > 1
+        else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents),
+    }
+
+
+def _minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
     return minimum_bytes(
         specs,
         trained.shapes,

@@ -13,8 +13,8 @@ targets of a batch: the step divides the summed loss of the global batch by that
 whatever the layout (never a mean of per-device or per-micro-batch means).
 
 In a step that splits sequences over `context`, the inputs, targets and everything per
-token come in the step's token order (jaxpar.sequence: causal balance reorders them),
-and the inputs always have positions; `in_order` puts per-token results back.
+token are this device's tokens, in the step's token order (jaxpar.sequence: causal
+balance reorders them), and the inputs always have positions.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class Documents(NamedTuple):
 
 def inputs(batch: dict) -> jax.Array:
     """[B, S] the input tokens, tokens[:, :-1]."""
-    return sequence.reordered(batch["tokens"][:, :-1])
+    return sequence.local(batch["tokens"][:, :-1])
 
 
 def targets(batch: dict) -> jax.Array:
     """[B, S] the targets, tokens[:, 1:]."""
-    return sequence.reordered(batch["tokens"][:, 1:])
+    return sequence.local(batch["tokens"][:, 1:])
 
 
 def of_inputs(batch: dict) -> Documents | None:
@@ -52,14 +52,9 @@ def of_inputs(batch: dict) -> Documents | None:
             return None
         return Documents(None, sequence.positions(*batch["tokens"][:, :-1].shape))
     return Documents(
-        sequence.reordered(batch[SEGMENT_IDS][:, :-1]),
-        sequence.reordered(batch[POSITIONS][:, :-1]),
+        sequence.local(batch[SEGMENT_IDS][:, :-1]),
+        sequence.local(batch[POSITIONS][:, :-1]),
     )
-
-
-def in_order(losses_BxS: jax.Array) -> jax.Array:
-    """Per-target results of a step that reordered its tokens, in their original order."""
-    return sequence.in_order(losses_BxS)
 
 
 def target_weights(batch: dict) -> jax.Array | None:
@@ -72,7 +67,7 @@ def target_weights(batch: dict) -> jax.Array | None:
         segments = batch[SEGMENT_IDS]
         same = segments[:, 1:] == segments[:, :-1]
         weights = same if weights is None else weights & same
-    return None if weights is None else sequence.reordered(weights)
+    return None if weights is None else sequence.local(weights)
 
 
 def trained_targets(batch: dict) -> jax.Array:

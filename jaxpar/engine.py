@@ -2,9 +2,10 @@
 parameter averaging): the Engine they return, the metrics a step reports, the ZeRO
 policy, the forward/backward on this device's rows, the held-out loss, and jitting.
 
-Forward/backward runs inside a shard_map that is manual over `replica`, `data` and
-`pipeline` (`tensor` stays with the compiler, which splits the model per the rules), so
-each device holds its local gradients and the reductions are placed by hand.
+Forward/backward runs inside a shard_map that is manual over `replica`, `data`,
+`pipeline` and `context` (`tensor` stays with the compiler, which splits the model per
+the rules), so each device holds its local gradients and the reductions are placed by
+hand.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import context, cost, pipeline, schedules, sequence, xla_flags
 from jaxpar.accumulate import accumulate
-from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
+from jaxpar.axes import BATCH_AXES, DATA, MANUAL_AXES, PIPE
 from jaxpar.batches import batch_split
 from jaxpar.config import Offload, Parallel, Schedule, Train
 from jaxpar.problem import Problem, trained_count
@@ -167,7 +168,7 @@ def evaluator(
         with context.active(ctx):
             micro = _micro_batches(train, par, mesh, batch)
             sums = jax.lax.map(lambda mb: loss_sum(params, mb), micro)
-        return jax.lax.psum(jnp.sum(sums), (REPLICA, DATA, PIPE))
+        return jax.lax.psum(jnp.sum(sums), MANUAL_AXES)
 
     def mean_loss(params, batch):
         total = jax.shard_map(
@@ -175,7 +176,7 @@ def evaluator(
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
             out_specs=PartitionSpec(),
-            axis_names={REPLICA, DATA, PIPE},
+            axis_names=set(MANUAL_AXES),
             check_vma=False,
         )(params, batch)
         return total / at_least_one(trained_count(given, batch))

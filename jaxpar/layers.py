@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import context
-from jaxpar.axes import DATA
+from jaxpar.axes import MANUAL_AXES
 from jaxpar.context import Keep
 from jaxpar.offload import HOST, LAYER_INPUT
 from jaxpar.sharding import LAYERS, compute_spec
@@ -55,8 +55,8 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     ctx = context.current()
     if ctx is None:
         return x
-    # `data` is manual inside the step: each device already holds its own batch rows.
-    spec = compute_spec(names, x.shape, ctx.rules, ctx.mesh_shape, skip_axes=(DATA,))
+    # the manual axes: each device already holds its own rows, stage and tokens
+    spec = compute_spec(names, x.shape, ctx.rules, ctx.mesh_shape, skip_axes=MANUAL_AXES)
     return jax.lax.with_sharding_constraint(x, spec)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import cost, schedules
-from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
 from jaxpar.hlo import Collective, collectives, loop_trip_counts
 from jaxpar.pipeline import Layout
 from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
@@ -187,9 +187,12 @@ def comm(
 ) -> Comm:
     """Wire bytes against the textbook minimum, on the axes that have one; `process_of`
     is each mesh position's process; `assumed` says what the minimum counts."""
-    wire = {axis: led.wire_bytes({axis}) for axis in (REPLICA, DATA, TENSOR)}
-    # (replica: only where the mesh has replicas)
-    known = [a for a in wire if minimum[a] is not None and (a != REPLICA or minimum[a] or wire[a])]
+    wire = {axis: led.wire_bytes({axis}) for axis in (REPLICA, DATA, CONTEXT, TENSOR)}
+    # (replica and context: only where the mesh has them)
+    optional = (REPLICA, CONTEXT)
+    known = [
+        a for a in wire if minimum[a] is not None and (a not in optional or minimum[a] or wire[a])
+    ]
     total_min = sum(minimum[a] for a in known)
     return Comm(
         wire_bytes_per_device=led.wire_bytes(),

@@ -56,6 +56,9 @@ class ModelSpec:
     # whose module decodes through one: module.decode(tokens, positions, cache, slot,
     # pad) -> (logits, cache) (jaxpar.decoding); None: it does not generate
     cache_dims: Callable | None = None
+    # (model config) -> jaxpar.cost.AttentionDims: its attention layers and heads, what
+    # context parallelism's textbook bytes count; None: no attention (or not declared)
+    attention_dims: Callable | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

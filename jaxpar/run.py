@@ -28,13 +28,14 @@ from jaxpar import (
 from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, DpSync, Parallel
+from jaxpar.data import SEGMENT_IDS
 from jaxpar.engine import Engine
 from jaxpar.local_sgd import SYNC_SCOPE
 from jaxpar.local_sgd import build as build_averaging
 from jaxpar.mesh import describe
 from jaxpar.problem import Problem, loss_elements
 from jaxpar.report import Pipeline, ReplicaCheck, Report
-from jaxpar.sharding import RULES, optional_unsplit, unsplit_leaves
+from jaxpar.sharding import optional_unsplit, rules_for, unsplit_leaves
 from jaxpar.step import build as build_grad_sync
 
 
@@ -169,7 +170,11 @@ def describe_step(
     tensor = problem.tensor_elements
     t = mesh_shape[TENSOR]
     tensor_elements = tensor(split.accum, t) if tensor and mesh_shape[PIPE] == 1 else None
-    minimum = cost.minimum(cfg, engine.specs, trained, mesh_shape, tensor_elements)
+    spec = registry.get(cfg.model.name)
+    attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
+    minimum = cost.minimum(
+        cfg, engine.specs, trained, mesh_shape, tensor_elements, attention, SEGMENT_IDS in batch
+    )
     formula = cost.model_state(cfg, engine.specs, trained.shapes, mesh_shape)
     device, host = ledger.memory(
         step.executable,
@@ -187,8 +192,10 @@ def describe_step(
         compile_s=round(step.seconds, 3),
         xla_flags=engine.compiler_options,
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
-        tensor_replicated=optional_unsplit(trained.names, shapes, RULES, mesh_shape),
-        model_notes=registry.get(cfg.model.name).notes(cfg.model, cfg.train.seq_len),
+        tensor_replicated=optional_unsplit(
+            trained.names, shapes, rules_for(par.sequence_parallel), mesh_shape
+        ),
+        model_notes=spec.notes(cfg.model, cfg.train.seq_len),
         pipeline=_pipeline(
             cfg.parallel,
             cfg.train.grad_accum,

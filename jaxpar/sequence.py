@@ -13,16 +13,17 @@ others (their sequence dims are named `seq`/`seq_residual`, which RULES split ov
   over the whole sequence for 1/C of the heads, and an all-to-all back (DeepSpeed
   Ulysses); key/value heads fewer than C are repeated to C first.
 
-Both run in a shard_map manual over `context` and `tensor` inside the step's, so that
-the collectives are the ones written here and the attention kernel (cuDNN's too) gets
-whole local blocks and an explicit mask.
+`context` is manual in the step's shard_map: each device computes on its own tokens
+alone, and the collectives are the ones written here; attention runs in a shard_map
+manual over `tensor` too, so that the kernel (cuDNN's too) gets whole local blocks of
+heads and an explicit mask.
 
 Causal balance (`parallel.context_balance`): under a causal mask the device holding a
 sequence's last chunk would do most of the work, so each batch's tokens are reordered
 into 2C chunks, device i holding chunks i and 2C-1-i. The targets, positions, segment
-ids and loss mask move with their tokens (jaxpar.documents reads them through `order`);
-attention masks by the tokens' original positions; per-token losses are put back in
-order.
+ids and loss mask move with their tokens (jaxpar.documents reads them through `local`);
+attention masks by the tokens' original positions. A loss sums over tokens, so their
+order never shows.
 """
 
 from __future__ import annotations
@@ -70,27 +71,23 @@ def active() -> Split | None:
     return None if ctx is None else ctx.sequence
 
 
-def reordered(x_BxS: jax.Array) -> jax.Array:
-    """A per-token array (tokens, targets, positions, ...) in the step's token order."""
+def local(x_BxS: jax.Array) -> jax.Array:
+    """This device's tokens of a whole per-token array of the batch (tokens, targets,
+    positions, ...), in the step's token order: its S / C slots."""
     split = active()
-    if split is None or not split.balance:
+    if split is None:
         return x_BxS
-    return x_BxS[:, order(x_BxS.shape[1], split)]
-
-
-def in_order(x_BxS: jax.Array) -> jax.Array:
-    """A per-token result back in the original token order."""
-    split = active()
-    if split is None or not split.balance:
-        return x_BxS
-    return x_BxS[:, np.argsort(order(x_BxS.shape[1], split))]
+    seq = x_BxS.shape[1]
+    part = seq // split.degree
+    first = jax.lax.axis_index(CONTEXT) * part
+    ordered = x_BxS[:, order(seq, split)] if split.balance else x_BxS
+    return jax.lax.dynamic_slice_in_dim(ordered, first, part, axis=1)
 
 
 def positions(rows: int, seq: int) -> jax.Array:
-    """[rows, seq] the original positions of the step's tokens (no documents)."""
-    split = active()
-    where = np.arange(seq) if split is None else order(seq, split)
-    return jnp.broadcast_to(jnp.asarray(where, jnp.int32), (rows, seq))
+    """[rows, S / C] the original positions of this device's tokens (one document a row;
+    `seq`: the whole row's length)."""
+    return local(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)))
 
 
 def check(par: Parallel, mesh_shape: dict, seq_len: int, heads: int | None) -> None:
@@ -164,27 +161,31 @@ def _kv(x_BxSxHxD, group: int, moved: int) -> jax.Array:
     return x if moved == distinct else jnp.repeat(x, moved // distinct, axis=2)
 
 
-def attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS, window, group, attend):
-    """Causal attention of the step's sequence-split q, k and v ([B, S, H, D], k and v
-    repeated to one head per query head, `group` query heads a key/value head) by
+def attention(q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, positions_BxC, window, group, attend):
+    """Causal attention of this device's S / C tokens' q, k and v ([B, C, H, D], k
+    and v repeated to one head per query head, `group` query heads a key/value head) by
     the split's strategy; `attend(q, k, v, q_pos, k_pos, q_seg, k_seg)` is the local
-    attention, masked by original positions."""
+    attention, masked by original positions. The whole row's positions are known
+    without documents; with them, they and the segment ids are gathered too."""
     split = active()
-    in_spec = PartitionSpec(None, CONTEXT, TENSOR, None)
+    rows, part = positions_BxC.shape
+    if segments_BxC is None:
+        whole = order(part * split.degree, split)
+        positions_BxS = jnp.broadcast_to(jnp.asarray(whole, jnp.int32), (rows, whole.size))
+    else:
+        segments_BxS, positions_BxS = (
+            jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+            for x in (segments_BxC, positions_BxC)
+        )
+    heads = PartitionSpec(None, None, TENSOR, None)
 
-    def local(q, k, v, segments, positions):
+    def per_tensor(q, k, v, segments, positions, q_segments, q_positions):
         moved = kv_heads_moved(q.shape[2], group, split)
         k, v = (_kv(x, group, moved) for x in (k, v))
         if split.strategy is ContextStrategy.ALL_GATHER:
             k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
             k, v = (jnp.repeat(x, q.shape[2] // moved, axis=2) for x in (k, v))
-            rows = q.shape[1]
-            first = jax.lax.axis_index(CONTEXT) * rows
-            q_pos, q_seg = (
-                None if x is None else jax.lax.dynamic_slice_in_dim(x, first, rows, axis=1)
-                for x in (positions, segments)
-            )
-            return attend(q, k, v, q_pos, positions, q_seg, segments)
+            return attend(q, k, v, q_positions, positions, q_segments, segments)
         q, k, v = (
             jax.lax.all_to_all(x, CONTEXT, split_axis=2, concat_axis=1, tiled=True)
             for x in (q, k, v)
@@ -193,11 +194,19 @@ def attention(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS, wind
         out = attend(q, k, v, positions, positions, segments, segments)
         return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)
 
-    whole = PartitionSpec()
+    whole = (PartitionSpec(),) * 4
     return jax.shard_map(
-        local,
-        in_specs=(in_spec, in_spec, in_spec, whole, whole),
-        out_specs=in_spec,
-        axis_names={CONTEXT, TENSOR},
+        per_tensor,
+        in_specs=(heads, heads, heads, *whole),
+        out_specs=heads,
+        axis_names={TENSOR},
         check_vma=False,
-    )(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS)
+    )(
+        q_BxCxHxD,
+        k_BxCxHxD,
+        v_BxCxHxD,
+        None if segments_BxC is None else segments_BxS,
+        positions_BxS,
+        segments_BxC,
+        positions_BxC,
+    )

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import cost, offload, optim, pipeline, schedules
 from jaxpar import state as state_lib
-from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
+from jaxpar.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
 from jaxpar.config import Config, Offload, Parallel, Train
 from jaxpar.engine import (
     Engine,
@@ -122,16 +122,17 @@ def _local_grads(
     problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
 ):
     """(compute params, global batch, its trained loss elements) -> (global mean loss,
-    this device's reduced gradients), as a shard_map manual over `replica`, `data` and
-    `pipeline`."""
+    this device's reduced gradients), as a shard_map manual over `replica`, `data`,
+    `pipeline` and `context`."""
     value_and_grad, pipe = local_value_and_grad(problem, train, par, mesh, policy, layout)
 
     def local(params, batch, count):
         loss, grads = value_and_grad(params, batch, count)
         if pipe is not None:  # leaves every stage holds got their gradient on one stage
             grads = schedules.reduce_shared(pipe, grads, policy.specs)
-        grads = policy.finish(grads)
-        return jax.lax.psum(loss, (REPLICA, DATA, PIPE)), grads
+        # each device's tokens' part: summed over `context` once, as `data` leaves it
+        grads = jax.lax.psum(policy.finish(grads), CONTEXT)
+        return jax.lax.psum(loss, MANUAL_AXES), grads
 
     def grads_of(params, batch, count):
         return jax.shard_map(
@@ -139,7 +140,7 @@ def _local_grads(
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(PartitionSpec(), manual(policy.specs, "opt")),
-            axis_names={REPLICA, DATA, PIPE},
+            axis_names=set(MANUAL_AXES),
             check_vma=False,
         )(params, batch, count)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar import documents, sequence
+from jaxpar import documents
 from jaxpar.config import Model
 from jaxpar.layers import constrain, param, scan_layers
 from jaxpar.problem import Stages
@@ -42,6 +42,7 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
+        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         h_BxSxM = x_BxSxE @ self.w_in[...].astype(dt)
         h_BxSxM = jax.nn.gelu(h_BxSxM + _last(self.b_in, h_BxSxM))
         h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
@@ -77,21 +78,10 @@ def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.nd
     """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:],
     zero where the target is not trained (jaxpar.documents)."""
     logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
-    losses_BxS = cross_entropy(logits_BxSxV, documents.targets(batch))
-    return documents.in_order(documents.masked(losses_BxS, batch))
-
-
-def cross_entropy(logits_BxSxV, targets_BxS) -> jax.Array:
-    """Per-token cross-entropy. Where the step splits sequences over `context`, the
-    target's logit is picked by a one-hot product rather than a gather (the same
-    values): XLA's SPMD partitioner aborts on that gather when the sequence is split
-    over `context` and the vocab over `tensor` (jax 0.10: a Check failure in
-    spmd_partitioner_util.cc), and outside it the gather is cheaper."""
-    if sequence.active() is None:
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
-    onehot_BxSxV = jax.nn.one_hot(targets_BxS, logits_BxSxV.shape[-1], dtype=logits_BxSxV.dtype)
-    picked_BxS = jnp.sum(onehot_BxSxV * logits_BxSxV, axis=-1)
-    return jax.nn.logsumexp(logits_BxSxV, axis=-1) - picked_BxS
+    losses_BxS = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxSxV, documents.targets(batch)
+    )
+    return documents.masked(losses_BxS, batch)
 
 
 def next_token_loss(model: nnx.Module, batch: dict) -> jnp.ndarray:

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxpar.attention import causal_attention
 from jaxpar.config import Model
+from jaxpar.cost import AttentionDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_layers, stack
@@ -45,6 +46,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
+        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         qkv_BxSx3xHxD = constrain(
             jnp.einsum("bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt)),
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
@@ -91,7 +93,8 @@ class GPT(nnx.Module):
         return x_BxSxE + jnp.take(table_SxE, docs.positions, axis=0)
 
     def logits(self, x_BxSxE):
-        logits_BxSxV = self.ln_f(x_BxSxE) @ self.head[...].astype(x_BxSxE.dtype)
+        x_BxSxE = constrain(self.ln_f(x_BxSxE), (BATCH, SEQ, EMBED))
+        logits_BxSxV = x_BxSxE @ self.head[...].astype(x_BxSxE.dtype)
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
     def __call__(self, tokens_BxS):
@@ -133,4 +136,5 @@ SPEC = ModelSpec(
     tensor_elements=lambda m, rows, seq_len, tensor: tensor_elements(m, 4, rows, seq_len),
     check=check,
     tiny="gpt-tiny",
+    attention_dims=lambda m: AttentionDims(m.layers, m.heads, m.heads, m.embed // m.heads),
 )

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.attention import cached_attention, causal_attention
+from jaxpar.cost import AttentionDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, param, scan_cached, stack
@@ -127,6 +128,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
+        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         # Each key/value head serves heads/kv_heads query heads, in order: its weights
         # are repeated to one per query head (a local slice on every tensor device), so
         # that q, k and v come from ONE product whose input gradient is one partial sum,
@@ -161,6 +163,7 @@ class Attention(nnx.Module):
             positions_BxS=positions_BxS,
             kv_group=group,
         )
+        out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
         y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
@@ -203,6 +206,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
+        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         # gate and up as one product: one partial sum (one all-reduce) for the input
         # gradient
         w_Ex2xM = constrain(
@@ -260,7 +264,7 @@ class Llama(nnx.Module):
         return self.logits(x_BxTxE), cache
 
     def logits(self, x_BxSxE):
-        x_BxSxE = self.norm(x_BxSxE)
+        x_BxSxE = constrain(self.norm(x_BxSxE), (BATCH, SEQ, EMBED))
         head_ExV = self.tokens[...].T if self.tied else self.head[...]
         return constrain(x_BxSxE @ head_ExV.astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
 
@@ -327,6 +331,10 @@ def _kv_grads(m: LlamaConfig, t: int) -> float:
     return 2 * wire / (2 * (t - 1) / t)
 
 
+def attention_dims(m: LlamaConfig) -> AttentionDims:
+    return AttentionDims(m.layers, m.heads, m.kv_heads, head_size(m))
+
+
 def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
     """(layers, key/value heads, head dim) of the KV cache."""
     return m.layers, m.kv_heads, head_size(m)
@@ -345,6 +353,7 @@ SPEC = ModelSpec(
     tiny="llama-tiny",
     hf=HF,
     cache_dims=cache_dims,
+    attention_dims=attention_dims,
 )
 
 
