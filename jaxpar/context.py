@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 
-if typing.TYPE_CHECKING:
-    from jaxpar.sequence import Split
+from jaxpar.config import ContextStrategy
 
 
 class Keep(enum.Enum):
@@ -28,6 +26,15 @@ class Keep(enum.Enum):
     INPUT = "input"  # remat=full: recompute the rest
     INPUT_ON_HOST = "input on host"  # remat=offload
     MATMULS = "matmuls"  # ZeRO-3 without remat: the matmul outputs, not gathered weights
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a step splits sequences over `context` (jaxpar.sequence)."""
+
+    degree: int  # C: the context axis' size
+    strategy: ContextStrategy
+    balance: bool  # the dual-chunk reorder
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The one device mesh: axes `replica`, `data`, `pipeline`, `tensor` (outermost to innermost)."""
+"""The one device mesh: axes `replica`, `data`, `pipeline`, `context`, `tensor` (outermost to
+innermost)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.axes import AXES, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import AXES, CONTEXT, DATA, PIPE, REPLICA, TENSOR
 from jaxpar.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,7 +27,9 @@ def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
             "degree may take the remaining devices"
         )
     fixed = math.prod(d for d in degrees.values() if d != -1)
-    shown = " * ".join(f"{a}({d})" for a, d in degrees.items() if a != REPLICA or d != 1)
+    shown = " * ".join(
+        f"{a}({d})" for a, d in degrees.items() if a not in (REPLICA, CONTEXT) or d != 1
+    )
     if rest:
         if devices % fixed:
             raise ConfigError(
@@ -65,23 +68,26 @@ def build_mesh(parallel: Parallel, devices: list | None = None) -> Mesh:
 
 
 def _check_inside_process(degrees: dict[str, int], local: int) -> None:
-    inner = degrees[PIPE] * degrees[TENSOR]
+    inner = degrees[PIPE] * degrees[CONTEXT] * degrees[TENSOR]
+    shown = f"parallel.pipeline({degrees[PIPE]}) * parallel.tensor({degrees[TENSOR]})"
+    if degrees[CONTEXT] > 1:
+        shown += f" * parallel.context({degrees[CONTEXT]})"
     if inner <= local and local % inner:
         raise ConfigError(
-            f"parallel.pipeline({degrees[PIPE]}) * parallel.tensor({degrees[TENSOR]}) = "
-            f"{inner} does not divide the {local} devices of a process, so some pipeline or "
-            "tensor groups would span two processes (slow links) although they need not; "
-            f"choose degrees whose product divides {local}"
+            f"{shown} = {inner} does not divide the {local} devices of a process, so some "
+            "pipeline, context or tensor groups would span two processes (slow links) "
+            f"although they need not; choose degrees whose product divides {local}"
         )
     if inner > local and jax.process_index() == 0:
         print(
-            f"jaxpar: note: parallel.pipeline * parallel.tensor = {inner} is more than the "
-            f"{local} devices of a process: those collectives cross processes"
+            f"jaxpar: note: {shown} = {inner} is more than the {local} devices of a process: "
+            "those collectives cross processes"
         )
     group = degrees[DATA] * inner
     if degrees[REPLICA] > 1 and inner <= local < group and jax.process_index() == 0:
         print(
-            f"jaxpar: note: a ZeRO group, data({degrees[DATA]}) * pipeline * tensor = {group}, "
+            f"jaxpar: note: a ZeRO group, data({degrees[DATA]}) * pipeline * context * tensor "
+            f"= {group}, "
             f"is more than the {local} devices of a process: its reductions cross processes; "
             f"parallel.replica={degrees[REPLICA] * group // local} keeps each group in one"
         )

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import attention, cost, pipeline, registry
-from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
 from jaxpar.batches import batch_split
-from jaxpar.config import Config, Offload, Remat, Train
+from jaxpar.config import Config, ContextStrategy, Offload, Remat, Train
 from jaxpar.errors import ConfigError
 from jaxpar.mesh_rules import check_train
 from jaxpar.metrics import human_bytes, table
@@ -87,6 +87,8 @@ class Candidate:
         parts = [f"dp{self.mesh[DATA]}", f"pp{self.mesh[PIPE]}", f"tp{self.mesh[TENSOR]}"]
         if self.mesh.get(REPLICA, 1) > 1:
             parts.insert(0, f"r{self.mesh[REPLICA]}")
+        if self.mesh.get(CONTEXT, 1) > 1:
+            parts.insert(-1, f"cp{self.mesh[CONTEXT]} {p.context_strategy}")
         parts += [f"zero{p.zero}"]
         if p.offload is not Offload.NONE:
             parts.append(f"offload={p.offload}")
@@ -111,6 +113,7 @@ class Workload:
     layer_elements: Callable[[int], float]
     boundary_elements: float  # the activation between two layers, per row
     check: Callable[[dict], None]  # the model's dims against a mesh shape (ConfigError)
+    attention: cost.AttentionDims | None = None  # what context parallelism moves
 
 
 def of_config(cfg: Config, platform: str = "cuda") -> Workload:
@@ -131,6 +134,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
         layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor, scores) / 2,
         boundary_elements=s * m.embed,
         check=check,
+        attention=spec.attention_dims(m) if spec.attention_dims else None,
     )
 
 
@@ -187,10 +191,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
     """Every valid layout of base's model and batch (parallel.* and train.grad_accum);
     pipelines only for a model that can be cut into stages."""
     n = machine.devices
-    for t in (x for x in range(1, machine.per_host + 1) if machine.per_host % x == 0):
-        deepest = min(work.layers, n // t) if pipelines else 1
-        for p in (x for x in range(1, deepest + 1) if (n // t) % x == 0):
-            dp = n // (t * p)
+    for t, c, strategy in _inside_host(machine.per_host, work.attention is not None):
+        deepest = min(work.layers, n // (t * c)) if pipelines else 1
+        for p in (x for x in range(1, deepest + 1) if (n // (t * c)) % x == 0):
+            dp = n // (t * p * c)
             zeros = (0, 1, 2, 3) if dp > 1 else (0,)
             # replica: 1, or one ZeRO group per host (hybrid sharding across hosts)
             replicas = (
@@ -220,6 +224,8 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     replica=r,
                     data=d,
                     pipeline=p,
+                    context=c,
+                    context_strategy=strategy,
                     tensor=t,
                     zero=zero,
                     offload=offload,
@@ -231,7 +237,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 cfg = dataclasses.replace(
                     base, parallel=par, train=dataclasses.replace(base.train, grad_accum=accum)
                 )
-                mesh = {REPLICA: r, DATA: d, PIPE: p, TENSOR: t}
+                mesh = {REPLICA: r, DATA: d, PIPE: p, CONTEXT: c, TENSOR: t}
                 try:
                     work.check(mesh)
                     check_train(cfg, mesh)
@@ -240,11 +246,24 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 yield cfg, mesh
 
 
+def _inside_host(per_host: int, attention: bool):
+    """(tensor, context, strategy) degrees that fit inside a host together (both move
+    activations every layer: the fast links): context only for a model with attention,
+    with each strategy."""
+    for t in (x for x in range(1, per_host + 1) if per_host % x == 0):
+        yield t, 1, ContextStrategy.ALL_GATHER
+        if not attention:
+            continue
+        for c in (x for x in range(2, per_host // t + 1) if (per_host // t) % x == 0):
+            for strategy in ContextStrategy:
+                yield t, c, strategy
+
+
 def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) -> Candidate:
     """One layout's memory, traffic and step time, per device; `trained` is the problem
     in the layout of its pipeline (pipeline.in_stages)."""
     par, train = cfg.parallel, cfg.train
-    d, p, t = mesh[DATA], mesh[PIPE], mesh[TENSOR]
+    d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
     pairs = cost.leaf_pairs(specs, trained.shapes)
@@ -253,8 +272,10 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
     layers = math.ceil(work.layers / p)
-    # kept for the backward pass: each layer's input (recomputed) or all it computes
+    # kept for the backward pass: each layer's input (recomputed) or all it computes, of
+    # this device's 1/C of the tokens
     kept = work.boundary_elements if par.remat is not Remat.NONE else work.layer_elements(t)
+    kept /= c
     acts = alive * layers * split.micro * kept * compute_bytes
     names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
     one_layer = sum(
@@ -274,10 +295,11 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     )
     minimum = cost.minimum(cfg, specs, trained, mesh, tensor_elements if t > 1 else 0)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
-    hand_over = split.micro * work.boundary_elements * compute_bytes
+    hand_over = split.micro * work.boundary_elements / c * compute_bytes
     comm = {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
+        CONTEXT: cost.context_bytes(cfg, specs, trained.shapes, mesh, work.attention, False),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
     }
@@ -286,8 +308,9 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     # where it holds more devices than one host has
     spans = {
         TENSOR: t > inside,
-        PIPE: p * t > inside,
-        DATA: d * p * t > inside,
+        CONTEXT: c * t > inside,
+        PIPE: p * c * t > inside,
+        DATA: d * p * c * t > inside,
         REPLICA: mesh.get(REPLICA, 1) > 1,
     }
     comm_s = sum(
@@ -346,6 +369,11 @@ def _unsplit_fits(c: Candidate, ranked: list[Candidate]) -> bool:
 
 
 RULES = (  # (test on the winner, the machine and the plan's fits, the rule), most specific first
+    (
+        lambda c, m, r: c.mesh.get(CONTEXT, 1) > 1,
+        "a sequence's activations do not fit on a device (or barely): context parallel inside "
+        "the host, each device holding 1/context of every sequence",
+    ),
     (
         lambda c, m, r: c.mesh[PIPE] > 1 and m.hosts > 1,
         "many hosts with slow links between them: pipeline parallel across hosts, data "

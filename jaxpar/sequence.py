@@ -28,8 +28,6 @@ order never shows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,16 +36,8 @@ from jax.sharding import PartitionSpec
 from jaxpar import context
 from jaxpar.axes import CONTEXT, TENSOR
 from jaxpar.config import ContextStrategy, Parallel
+from jaxpar.context import Split
 from jaxpar.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Split:
-    """How the step splits sequences (the running Context's `sequence`)."""
-
-    degree: int  # C: the context axis' size
-    strategy: ContextStrategy
-    balance: bool  # dual-chunk reorder
 
 
 def split_of(par: Parallel, mesh_shape: dict) -> Split | None:

@@ -130,8 +130,9 @@ def _local_grads(
         loss, grads = value_and_grad(params, batch, count)
         if pipe is not None:  # leaves every stage holds got their gradient on one stage
             grads = schedules.reduce_shared(pipe, grads, policy.specs)
-        # each device's tokens' part: summed over `context` once, as `data` leaves it
-        grads = jax.lax.psum(policy.finish(grads), CONTEXT)
+        grads = policy.finish(grads)
+        if mesh.shape[CONTEXT] > 1:  # each device's tokens' part, summed once, as data leaves it
+            grads = jax.lax.psum(grads, CONTEXT)
         return jax.lax.psum(loss, MANUAL_AXES), grads
 
     def grads_of(params, batch, count):

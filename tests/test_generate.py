@@ -89,7 +89,13 @@ def test_greedy_output_is_the_same_in_every_layout(checkpoint, devices):
 
 def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(checkpoint, devices):
     done, model = greedy(f"hf:{checkpoint}", new=2)
-    assert dict(model.mesh.shape) == {"replica": 1, "data": 4, "pipeline": 1, "tensor": 2}
+    assert dict(model.mesh.shape) == {
+        "replica": 1,
+        "data": 4,
+        "pipeline": 1,
+        "context": 1,
+        "tensor": 2,
+    }
     assert done.rows == 4  # 3 prompts, padded to the data degree
     assert (done.prompt_slots, done.cache_slots) == (32, 48)  # the buckets
 
