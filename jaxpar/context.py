@@ -54,6 +54,8 @@ class Context:
     unroll: int = 1  # layers per iteration of scan_layers' loop (train.unroll)
     # how sequences are split over `context` (None: whole on every device)
     sequence: Split | None = None
+    # Megatron sequence parallelism: the residual stream split by sequence over `tensor`
+    sequence_parallel: bool = False
 
 
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(

@@ -115,6 +115,7 @@ def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> con
         platform=context.target(mesh),
         unroll=train.unroll,
         sequence=sequence.split_of(par, dict(mesh.shape)),
+        sequence_parallel=par.sequence_parallel,
     )
 
 

@@ -80,6 +80,21 @@ def positions(rows: int, seq: int) -> jax.Array:
     return local(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)))
 
 
+def score_blocks(seq: int, split: Split, block: int) -> list[int]:
+    """Per context device, the [block x block] tiles of its queries' causal scores that
+    are not wholly masked (the work a blocked kernel does), its queries in slot order
+    against the keys in original order."""
+    where = order(seq, split)
+    part = seq // split.degree
+    counts = []
+    for device in range(split.degree):
+        queries = where[device * part : (device + 1) * part].reshape(-1, block)
+        # a tile (query tile, key tile k) has a visible score if some query >= k's first key
+        firsts = np.arange(0, seq, block)
+        counts.append(int(sum((q.max() >= firsts).sum() for q in queries)))
+    return counts
+
+
 def check(par: Parallel, mesh_shape: dict, seq_len: int, heads: int | None) -> None:
     """The context layout against the sequence length and the heads, before compiling."""
     c, t = mesh_shape.get(CONTEXT, 1), mesh_shape.get(TENSOR, 1)

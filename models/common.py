@@ -9,9 +9,9 @@ from flax import nnx
 
 from jaxpar import documents
 from jaxpar.config import Model
-from jaxpar.layers import constrain, param, scan_layers
+from jaxpar.layers import constrain, dense, param, scan_layers
 from jaxpar.problem import Stages
-from jaxpar.sharding import BATCH, EMBED, MLP, SEQ, SEQ_RESIDUAL
+from jaxpar.sharding import BATCH, EMBED, MLP, SEQ, SEQ_RESIDUAL, VOCAB
 
 
 def normal(std: float):
@@ -42,11 +42,10 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
-        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
-        h_BxSxM = x_BxSxE @ self.w_in[...].astype(dt)
+        h_BxSxM = dense("bse,em->bsm", x_BxSxE, self.w_in[...].astype(dt), (EMBED, MLP))
         h_BxSxM = jax.nn.gelu(h_BxSxM + _last(self.b_in, h_BxSxM))
         h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
-        y_BxSxE = h_BxSxM @ self.w_out[...].astype(dt)
+        y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_out[...].astype(dt), (MLP, EMBED))
         y_BxSxE = y_BxSxE + _last(self.b_out, y_BxSxE)
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
@@ -61,7 +60,8 @@ def embed_tokens(table_VxE: nnx.Param, tokens_BxS: jax.Array, dtype) -> jax.Arra
     vocab-parallel embedding (each shard looks up its rows, one all-reduce sums them)."""
     vocab = table_VxE.shape[0]
     onehot_BxSxV = jax.nn.one_hot(tokens_BxS, vocab, dtype=dtype)
-    return constrain(onehot_BxSxV @ table_VxE[...].astype(dtype), (BATCH, SEQ_RESIDUAL, EMBED))
+    x_BxSxE = dense("bsv,ve->bse", onehot_BxSxV, table_VxE[...].astype(dtype), (VOCAB, EMBED))
+    return constrain(x_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 def apply_layer(layer: nnx.Module, x_BxSxE: jax.Array, batch: dict) -> jax.Array:

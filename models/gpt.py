@@ -12,7 +12,7 @@ from jaxpar.config import Model
 from jaxpar.cost import AttentionDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, param, scan_layers, stack
+from jaxpar.layers import constrain, dense, param, scan_layers, stack
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
 
@@ -46,9 +46,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
-        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         qkv_BxSx3xHxD = constrain(
-            jnp.einsum("bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt)),
+            dense(
+                "bse,ethd->bsthd", x_BxSxE, self.wqkv[...].astype(dt), (EMBED, QKV, HEADS, HEAD_DIM)
+            ),
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
@@ -59,7 +60,10 @@ class Attention(nnx.Module):
             None if docs is None else docs.segment_ids,
             positions_BxS=None if docs is None else docs.positions,
         )
-        y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
+        out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
+        y_BxSxE = dense(
+            "bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
+        )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
@@ -93,8 +97,10 @@ class GPT(nnx.Module):
         return x_BxSxE + jnp.take(table_SxE, docs.positions, axis=0)
 
     def logits(self, x_BxSxE):
-        x_BxSxE = constrain(self.ln_f(x_BxSxE), (BATCH, SEQ, EMBED))
-        logits_BxSxV = x_BxSxE @ self.head[...].astype(x_BxSxE.dtype)
+        x_BxSxE = self.ln_f(x_BxSxE)
+        logits_BxSxV = dense(
+            "bse,ev->bsv", x_BxSxE, self.head[...].astype(x_BxSxE.dtype), (EMBED, VOCAB)
+        )
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
     def __call__(self, tokens_BxS):

@@ -21,7 +21,7 @@ from jaxpar.attention import cached_attention, causal_attention
 from jaxpar.cost import AttentionDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, param, scan_cached, stack
+from jaxpar.layers import constrain, dense, param, scan_cached, stack
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import (
     BATCH,
@@ -128,7 +128,6 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
-        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         # Each key/value head serves heads/kv_heads query heads, in order: its weights
         # are repeated to one per query head (a local slice on every tensor device), so
         # that q, k and v come from ONE product whose input gradient is one partial sum,
@@ -143,7 +142,7 @@ class Attention(nnx.Module):
             jnp.stack([self.wq[...].astype(dt), wk_ExHxD, wv_ExHxD], axis=1),
             (EMBED, QKV, HEADS, HEAD_DIM),
         )
-        qkv_BxSx3xHxD = jnp.einsum("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD)
+        qkv_BxSx3xHxD = dense("bse,ethd->bsthd", x_BxSxE, w_Ex3xHxD, (EMBED, QKV, HEADS, HEAD_DIM))
         if hasattr(self, "bq"):
             bk_HxD, bv_HxD = (
                 jnp.repeat(b[...].astype(dt), group, axis=0) for b in (self.bk, self.bv)
@@ -164,7 +163,9 @@ class Attention(nnx.Module):
             kv_group=group,
         )
         out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
-        y_BxSxE = jnp.einsum("bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt))
+        y_BxSxE = dense(
+            "bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
+        )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
     def _positioned(self, q_BxSxHxD, k_BxSxNxD, positions_BxS):
@@ -206,17 +207,17 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
-        x_BxSxE = constrain(x_BxSxE, (BATCH, SEQ, EMBED))  # sequence parallel: gathered
         # gate and up as one product: one partial sum (one all-reduce) for the input
         # gradient
         w_Ex2xM = constrain(
             jnp.stack([self.w_gate[...].astype(dt), self.w_up[...].astype(dt)], axis=1),
             (EMBED, QKV, MLP),
         )
-        gate_up_BxSx2xM = jnp.einsum("bse,etm->bstm", x_BxSxE, w_Ex2xM)
+        gate_up_BxSx2xM = dense("bse,etm->bstm", x_BxSxE, w_Ex2xM, (EMBED, QKV, MLP))
         gate_BxSxM, up_BxSxM = gate_up_BxSx2xM[:, :, 0], gate_up_BxSx2xM[:, :, 1]
         h_BxSxM = constrain(jax.nn.silu(gate_BxSxM) * up_BxSxM, (BATCH, SEQ, MLP))
-        return constrain(h_BxSxM @ self.w_down[...].astype(dt), (BATCH, SEQ_RESIDUAL, EMBED))
+        y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_down[...].astype(dt), (MLP, EMBED))
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 class Block(nnx.Module):
@@ -264,9 +265,10 @@ class Llama(nnx.Module):
         return self.logits(x_BxTxE), cache
 
     def logits(self, x_BxSxE):
-        x_BxSxE = constrain(self.norm(x_BxSxE), (BATCH, SEQ, EMBED))
+        x_BxSxE = self.norm(x_BxSxE)
         head_ExV = self.tokens[...].T if self.tied else self.head[...]
-        return constrain(x_BxSxE @ head_ExV.astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
+        logits_BxSxV = dense("bse,ev->bsv", x_BxSxE, head_ExV.astype(x_BxSxE.dtype), (EMBED, VOCAB))
+        return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
 
 def check(m: LlamaConfig, mesh_shape: dict) -> None:

@@ -72,6 +72,42 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
     "tensor-vocab": (["parallel.tensor=8", "model.vocab=260"], ["model.vocab=260"]),
     "stages": (["parallel.pipeline=8"], ["parallel.pipeline=8", "layers"]),
     "two-rest": (["parallel.tensor=-1"], ["parallel.data", "parallel.tensor", "-1"]),
+    "context-seq": (
+        ["parallel.context=8", "parallel.data=1", "train.seq_len=72"],
+        ["train.seq_len=72", "2 x parallel.context = 16 chunks", "multiple of 16"],
+    ),
+    "context-seq-unbalanced": (
+        [
+            "parallel.context=8",
+            "parallel.data=1",
+            "train.seq_len=60",
+            "parallel.context_balance=false",
+        ],
+        ["train.seq_len=60", "parallel.context=8 parts"],
+    ),
+    "ulysses-heads": (
+        [
+            "parallel.context=4",
+            "parallel.tensor=2",
+            "parallel.data=1",
+            "model.heads=4",
+            "parallel.context_strategy=ulysses",
+        ],
+        ["context_strategy=ulysses", "model.heads=4", "context=4 x parallel.tensor=2 = 8"],
+    ),
+    "sp-without-tensor": (
+        ["parallel.sequence_parallel=true"],
+        ["sequence_parallel=true", "parallel.tensor=1"],
+    ),
+    "context-strategy": (["parallel.context_strategy=ring"], ["parallel.context_strategy", "ring"]),
+    "context-product": (
+        ["parallel.context=3", "parallel.data=2"],
+        ["context(3)", "= 6 != 8 devices"],
+    ),
+    "context-local-sgd": (
+        ["parallel.context=2", "parallel.dp_sync=params"],
+        ["dp_sync=params", "parallel.context=2"],
+    ),
     "empty-key": ([".=1"], ["'.=1'", "empty part"]),
     "no-section": (["steps=1"], ["'steps=1'", "SECTION.KEY=VALUE"]),
     "section-value": (["train=1"], ["'train=1'", "SECTION.KEY=VALUE"]),

@@ -120,6 +120,15 @@ LAYOUTS = {
         ["parallel.data=8", "parallel.zero=0"],
     ),
     "tp4 -> one device": (["parallel.data=1", "parallel.tensor=4"], ["parallel.data=1"]),
+    "cp4 zero3 -> dp2 cp2 tp2 sp": (
+        ["parallel.data=2", "parallel.context=4", "parallel.zero=3"],
+        [
+            "parallel.data=2",
+            "parallel.context=2",
+            "parallel.tensor=2",
+            "parallel.sequence_parallel=true",
+        ],
+    ),
     "offloaded 1f1b -> zero3 offloaded params": (
         [
             "parallel.data=2",

@@ -121,6 +121,10 @@ LAYOUTS = {
                   "parallel.microbatches=4"),
     "accum4": ("parallel.data=1", "train.grad_accum=4"),
     "zero3": ("parallel.data=8", "parallel.zero=3"),
+    # each sequence split over context: documents' ids and positions gathered with K/V
+    "context4": ("parallel.data=2", "parallel.context=4"),
+    "context2-ulysses-sp": ("parallel.data=2", "parallel.context=2", "parallel.tensor=2",
+                            "parallel.context_strategy=ulysses", "parallel.sequence_parallel=true"),
 }  # fmt: skip
 
 

@@ -76,6 +76,7 @@ LAYOUTS = {
     "data8": ("parallel.data=8",),
     "data4-tensor2": ("parallel.data=4", "parallel.tensor=2"),
     "pipeline2": ("parallel.data=4", "parallel.pipeline=2", "parallel.microbatches=2"),
+    "context4": ("parallel.data=2", "parallel.context=4"),
 }
 
 
@@ -89,7 +90,7 @@ def test_loaded_weights_give_transformers_logits_in_every_layout(name, checkpoin
     s = commands.setup(
         cfg,
         devices[
-            : math.prod(s for s in (cfg.parallel.data, cfg.parallel.pipeline, cfg.parallel.tensor))
+            : math.prod(getattr(cfg.parallel, a) for a in ("data", "pipeline", "context", "tensor"))
         ],
     )
     params = hf.initial_params(

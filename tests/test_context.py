@@ -1,0 +1,136 @@
+"""Long sequences: context parallelism (each sequence split over `context`, by all_gather
+or Ulysses, causally balanced or not) and Megatron sequence parallelism, proven equal to
+one device, at the textbook bytes, with activations falling as 1/C."""
+
+import numpy as np
+import pytest
+from helpers import assert_same_training, compile_only, reference, run
+
+from jaxpar import planner, presets, sequence
+from jaxpar.context import Split
+from jaxpar.problem import registered
+
+CP = "parallel.context"
+ULYSSES = "parallel.context_strategy=ulysses"
+UNBALANCED = "parallel.context_balance=false"
+SP = "parallel.sequence_parallel=true"
+
+LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every other axis
+    "gpt cp2 dp4": ("gpt-tiny", (f"{CP}=2", "parallel.data=4")),
+    "gpt cp4 dp2 unbalanced": ("gpt-tiny", (f"{CP}=4", "parallel.data=2", UNBALANCED)),
+    "gpt cp8": ("gpt-tiny", (f"{CP}=8", "parallel.data=1")),
+    "gpt cp8 ulysses": ("gpt-tiny", (f"{CP}=8", "parallel.data=1", ULYSSES)),
+    "gpt cp2 ulysses unbalanced dp4": (
+        "gpt-tiny", (f"{CP}=2", "parallel.data=4", ULYSSES, UNBALANCED)
+    ),
+    "gpt cp2 tp2 sp zero3": (
+        "gpt-tiny", (f"{CP}=2", "parallel.tensor=2", "parallel.data=2", SP, "parallel.zero=3")
+    ),
+    "gpt cp2 pp2 dp2": (
+        "gpt-tiny", (f"{CP}=2", "parallel.pipeline=2", "parallel.data=2", "parallel.microbatches=2")
+    ),
+    "gpt tp2 sp": ("gpt-tiny", ("parallel.tensor=2", "parallel.data=4", SP)),
+    # GQA: 8 heads over 2 key/value heads; Ulysses at C=4 repeats them to 4
+    "llama cp4 ulysses dp2": ("llama-tiny", (f"{CP}=4", "parallel.data=2", ULYSSES)),
+    "llama cp4 tp2 sp": ("llama-tiny", (f"{CP}=4", "parallel.tensor=2", "parallel.data=1", SP)),
+    "llama cp2 tp2 ulysses zero3 remat accum2": (
+        "llama-tiny",
+        (f"{CP}=2", "parallel.tensor=2", "parallel.data=2", ULYSSES, "parallel.zero=3",
+         "parallel.remat=full", "train.grad_accum=2"),
+    ),
+    "llama cp2 pp2 tp2 1f1b": (
+        "llama-tiny",
+        (f"{CP}=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.data=1",
+         "parallel.microbatches=4"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_context_layout_trains_as_one_device(name, devices):
+    preset, overrides = LAYOUTS[name]
+    assert_same_training(run(preset, list(overrides), steps=4), reference(preset, steps=4))
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_balance_evens_the_causal_work(degree):
+    """The unmasked [128 x 128] score tiles of each context device's queries: with the
+    dual-chunk reorder within 10% of the mean; in order, the last device does most."""
+    balanced = sequence.score_blocks(8192, Split(degree, "all_gather", True), 128)
+    assert max(balanced) <= 1.1 * np.mean(balanced) and min(balanced) >= 0.9 * np.mean(balanced)
+    in_order = sequence.score_blocks(8192, Split(degree, "all_gather", False), 128)
+    assert max(in_order) > 1.4 * np.mean(in_order)
+    assert sum(balanced) == sum(in_order)  # the same work, spread
+
+
+def test_the_order_keeps_each_chunk_pair_on_its_device():
+    where = sequence.order(16, Split(2, "all_gather", True))
+    assert where.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(where) == list(range(16))
+
+
+FIXED = ("parallel.data=1", "train.batch_size=2", "train.seq_len=1024")
+
+
+@pytest.mark.slow
+def test_activation_memory_falls_as_one_over_context(devices):
+    """The compiled step's temporaries at a fixed sequence length, C = 1, 2, 4, 8: each
+    device keeps 1/C of every sequence's activations (and scores)."""
+    temp = {
+        c: compile_only("llama-tiny", (*FIXED, f"{CP}={c}")).memory_per_device.temp
+        for c in (1, 2, 4, 8)
+    }
+    for c in (2, 4, 8):
+        assert temp[c] == pytest.approx(temp[1] / c, rel=0.1), temp
+
+
+COMM = {
+    "all_gather": (f"{CP}=4", "parallel.data=2"),
+    "all_gather remat": (f"{CP}=2", "parallel.data=4", "parallel.remat=full", "parallel.zero=1"),
+    "ulysses": (f"{CP}=4", "parallel.data=2", ULYSSES),
+    "ulysses tensor": (f"{CP}=2", "parallel.tensor=2", "parallel.data=2", ULYSSES),
+    "all_gather zero3 accum": (
+        f"{CP}=2", "parallel.data=4", "parallel.zero=3", "train.grad_accum=2"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMM)
+def test_context_bytes_are_the_textbook_minimum(name, devices):
+    """comm.by_axis.context: K/V gathers (forward, and again where recomputed) and their
+    reduce-scatters, or Ulysses' four all-to-alls a pass, and the gradients once a
+    step, each (C-1)/C; GQA moves the distinct key/value heads only."""
+    comm = compile_only("llama-tiny", COMM[name]).comm
+    context = comm.by_axis["context"]
+    assert context.wire == pytest.approx(context.minimum, rel=0.02)
+    assert "context" in comm.ratio_axes
+
+
+def test_sequence_parallel_moves_what_tensor_parallel_moves_in_less_memory(devices):
+    """Megatron sequence parallelism: norms and residual adds split by sequence over
+    tensor. Its tensor bytes are tensor parallelism's, and its activations are fewer."""
+    tp = compile_only("llama-tiny", ("parallel.data=4", "parallel.tensor=2"))
+    sp = compile_only("llama-tiny", ("parallel.data=4", "parallel.tensor=2", SP))
+    assert sp.comm.by_axis["tensor"].minimum == tp.comm.by_axis["tensor"].minimum
+    assert sp.comm.by_axis["tensor"].wire == pytest.approx(tp.comm.by_axis["tensor"].wire, rel=0.02)
+    assert sp.memory_per_device.temp < tp.memory_per_device.temp
+
+
+@pytest.mark.slow
+def test_the_plan_for_an_8b_llama_at_32k_on_64_gpus_splits_the_context():
+    """The README's plan: Llama-3.1-8B's dims at 32k tokens on 8 hosts of 8 80 GB GPUs.
+    The fastest layout that fits splits the sequence; whole sequences need their
+    activations recomputed, or offloaded state, and are slower."""
+    cfg = presets.load("llama3-8b")
+    work = planner.of_config(cfg)
+    plan = planner.make_plan(
+        cfg, registered(cfg.model, cfg.train.seq_len), planner.machine(64, "80GB", hosts=8), work
+    )
+    best = plan.ranked[0]
+    assert cfg.train.seq_len == 32768 and best.mesh["context"] > 1
+    assert "context parallel" in plan.rule()
+    whole = [c for c in plan.ranked if c.mesh["context"] == 1]
+    assert whole and whole[0].step_s > best.step_s
+    assert whole[0].activations > best.activations
