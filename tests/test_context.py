@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_same_training, compile_only, reference, run
 
-from jaxpar import planner, presets, sequence
+from jaxpar import attention, planner, presets, sequence
 from jaxpar.context import Split
 from jaxpar.problem import registered
 
@@ -68,6 +68,21 @@ def test_the_order_keeps_each_chunk_pair_on_its_device():
     where = sequence.order(16, Split(2, "all_gather", True))
     assert where.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert sorted(where) == list(range(16))
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_the_positions_mask_is_the_causal_mask_of_the_reordered_tokens(balance):
+    """Each device's mask, built from its queries' and all keys' original positions,
+    is the causal mask with rows and columns moved as the tokens were."""
+    seq, split = 32, Split(4, "all_gather", balance)
+    where = sequence.order(seq, split)
+    positions = np.broadcast_to(where, (1, seq))
+    part = seq // split.degree
+    causal = np.tril(np.ones((seq, seq), bool))
+    for device in range(split.degree):
+        rows = slice(device * part, (device + 1) * part)
+        got = attention.visible_by_positions(positions[:, rows], positions)[0]
+        np.testing.assert_array_equal(got, causal[where[rows]][:, where])
 
 
 FIXED = ("parallel.data=1", "train.batch_size=2", "train.seq_len=1024")

@@ -126,6 +126,29 @@ def test_packed_documents_reach_the_cudnn_kernel_as_its_mask(devices, cudnn_prob
     assert set(sxs(text, seq)) == {f"16x{seq}x{seq}", f"16x1x{seq}x{seq}"}
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_context_parallel_attention_reaches_cudnn_with_its_positions_mask(
+    devices, cudnn_probe, strategy
+):
+    """Split over context=2 (tokens reordered for balance), each device's attention is
+    cuDNN's masked kernel, forward and backward, on whole local blocks: all_gather its
+    S/2 queries against the gathered S keys, Ulysses all S against all S for half the
+    heads; the mask is causal by the tokens' original positions ([rows, 1, queries,
+    keys], shared by the heads), and no per-head score buffer."""
+    seq = 1024
+    text, _ = lowered_step(
+        "llama-tiny", "parallel.data=1", "parallel.context=2", f"train.seq_len={seq}",
+        "train.precision=bf16", f"parallel.context_strategy={strategy}", platform="cuda",
+        devices=2,
+    )  # fmt: skip
+    assert sorted(set(fused_kernels(text))) == sorted(CUDNN_MASKED)
+    queries = seq // 2 if strategy == "all_gather" else seq
+    masks = {
+        t for t in re.findall(r"tensor<([0-9x]+)x\w+>", text) if t.endswith(f"{queries}x{seq}")
+    }
+    assert masks == {f"16x{queries}x{seq}", f"16x1x{queries}x{seq}"}
+
+
 def test_the_mask_handed_to_cudnn_is_the_one_the_cpu_applies():
     """jax's reference attention with the mask the cuDNN path receives, and the blocked
     form with segment ids, equal the direct form: each query sees its own document only."""
