@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.axes import DATA, REPLICA
+from jaxpar.axes import BATCH_AXES, CONTEXT, DATA, REPLICA, TENSOR
 from jaxpar.metrics import human_bytes, table
 from jaxpar.run import Run
 from jaxpar.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
@@ -82,9 +82,10 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
     panels = [
         (f"{r['path']} {list(r['shape'])}\nstorage {_spec(r['storage'])}", r["shape"], r["storage"])
         for r in largest
-    ] + [(f"batch {list(batch.shape)}", batch.shape, run.engine.batch_sharding.spec)]
+    ] + [_batch_panel(run, batch.shape)]
     replicas, data = mesh.shape[REPLICA], mesh.shape[DATA]
-    grid = mesh.devices.reshape(replicas * data, -1)  # (replica, data) x (pipeline, tensor)
+    # (replica, data) x (pipeline, context, tensor)
+    grid = mesh.devices.reshape(replicas * data, -1)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), dpi=110)
     for ax, (title, shape, spec) in zip(np.atleast_1d(axes), panels, strict=True):
         blocks = NamedSharding(mesh, spec).devices_indices_map(tuple(shape))
@@ -101,13 +102,7 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
         ax.set_xlim(0, grid.shape[1])
         ax.set_ylim(-grid.shape[0], 0)
         ax.set_xticks([k + 0.5 for k in range(grid.shape[1])])
-        ax.set_xticklabels(
-            [
-                f"p{k // mesh.shape['tensor']} t{k % mesh.shape['tensor']}"
-                for k in range(grid.shape[1])
-            ],
-            fontsize=7,
-        )
+        ax.set_xticklabels([_column(mesh, k) for k in range(grid.shape[1])], fontsize=7)
         ax.set_yticks([-k - 0.5 for k in range(grid.shape[0])])
         ax.set_yticklabels(
             [
@@ -121,6 +116,23 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _batch_panel(run: Run, shape) -> tuple[str, tuple, PartitionSpec]:
+    """The batch's rows over the data axes; with context, each row's S tokens split
+    over it too (the slots in the step's order: balanced, chunks i and 2C-1-i)."""
+    if run.mesh.shape[CONTEXT] == 1:
+        return f"batch {list(shape)}", shape, run.engine.batch_sharding.spec
+    seq = run.cfg.train.seq_len
+    order = "balanced: chunks i, 2C-1-i" if run.cfg.parallel.context_balance else "in order"
+    title = f"batch inputs [{shape[0]}, {seq}]\nrows over data, tokens over context ({order})"
+    return title, (shape[0], seq), PartitionSpec(BATCH_AXES, CONTEXT)
+
+
+def _column(mesh, k: int) -> str:
+    """A grid column's (pipeline, context, tensor) coordinates."""
+    c, t = mesh.shape[CONTEXT], mesh.shape[TENSOR]
+    return f"p{k // (c * t)}" + (f" c{k // t % c}" if c > 1 else "") + f" t{k % t}"
 
 
 def _slices(index: tuple, shape) -> str:

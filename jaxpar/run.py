@@ -25,7 +25,7 @@ from jaxpar import (
     replicas,
     throughput,
 )
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import CONTEXT, DATA, PIPE, TENSOR
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, DpSync, Parallel
 from jaxpar.data import SEGMENT_IDS
@@ -257,6 +257,13 @@ def strategy_name(cfg: Config, mesh_shape: dict) -> str:
             f"{p.schedule} m={p.microbatches}"
             + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
         )
+    if mesh_shape.get(CONTEXT, 1) > 1:
+        p = cfg.parallel
+        extras.insert(
+            0, f"context {p.context_strategy}" + (" balanced" if p.context_balance else "")
+        )
+    if cfg.parallel.sequence_parallel:
+        extras.insert(0, "sequence parallel")
     if cfg.train.grad_accum > 1:
         extras.append(f"grad_accum={cfg.train.grad_accum}")
     if cfg.parallel.dp_sync is DpSync.PARAMS:
