@@ -92,6 +92,26 @@ REMAT = {
     mode: ("parallel.data=8", "parallel.zero=1", f"parallel.remat={mode}")
     for mode in ("none", "full", "offload")
 }
+# Long sequences on 8 devices at two lengths, 8 rows a step: whole sequences over data,
+# then each split over context (each strategy), and with tensor + sequence parallelism.
+CONTEXT_LENGTHS = (256, 1024)
+CONTEXT_LAYOUTS = {
+    "data=8": ("parallel.data=8",),
+    "context=8 all_gather": ("parallel.data=1", "parallel.context=8"),
+    "context=8 ulysses": (
+        "parallel.data=1", "parallel.context=8", "parallel.context_strategy=ulysses"
+    ),
+    "data=2 context=4": ("parallel.data=2", "parallel.context=4"),
+    "context=4 tensor=2 sp": (
+        "parallel.data=1", "parallel.context=4", "parallel.tensor=2",
+        "parallel.sequence_parallel=true",
+    ),
+}  # fmt: skip
+CONTEXT = {
+    f"S={seq} {name}": (*overrides, f"train.seq_len={seq}", "train.batch_size=8")
+    for seq in CONTEXT_LENGTHS
+    for name, overrides in CONTEXT_LAYOUTS.items()
+}
 # Checkpointing overhead on data=8 ZeRO-3 (nothing replicated: the state on disk is the
 # ledger's per-device state times the devices).
 CHECKPOINTS = {
@@ -283,6 +303,16 @@ OFFLOAD_COLUMNS = {
     "host params": _bytes(lambda rep: rep.host_memory_per_device.params),
     "host opt state": _bytes(lambda rep: rep.host_memory_per_device.opt_state),
 }
+CONTEXT_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "tokens/s": STRATEGY_COLUMNS["tokens/s"],
+    "device temp": _bytes(lambda rep: rep.memory_per_device.temp),
+    "context wire": _bytes(lambda rep: rep.comm.by_axis["context"].wire),
+    "context min": _bytes(lambda rep: rep.comm.by_axis["context"].minimum or 0),
+    "tensor wire": _bytes(lambda rep: rep.comm.by_axis["tensor"].wire),
+    "comm/step": STRATEGY_COLUMNS["comm/step"],
+    "ratio": STRATEGY_COLUMNS["ratio "],
+}
 CHECKPOINT_COLUMNS = {
     "trainer step ms": lambda r: f"{r['step_s'] * r['trainer_over_bare'] * 1e3:.1f}",
     "blocking ms/save": lambda r: (
@@ -453,6 +483,12 @@ def run_bench(
             "parallel.remat",
             REMAT,
             REMAT_COLUMNS,
+        ),
+        "context": (
+            f"long sequences, {where}, 8 rows a step, ZeRO-0",
+            "sequence layout",
+            CONTEXT,
+            CONTEXT_COLUMNS,
         ),
         "checkpoint": (
             f"checkpointing, {where}, data=8, ZeRO-3 (orbax, asynchronous)",

@@ -22,12 +22,27 @@ def test_remat_section(devices, capsys, monkeypatch):
     assert "parallel.remat" in out and "host activations" in out
 
 
+@pytest.mark.slow
+def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
+    layouts = {k: v for k, v in bench.CONTEXT.items() if k.startswith("S=256")}
+    monkeypatch.setattr(bench, "CONTEXT", layouts)
+    rows = run_bench(steps=2, only=["context"])["context"]
+    assert list(rows) == list(layouts)
+    for name, r in rows.items():
+        context = r["report"].comm.by_axis["context"]
+        assert context.wire == pytest.approx(context.minimum, rel=0.02), name
+        assert r["tokens_per_s"] > 0
+    assert "long sequences" in capsys.readouterr().out
+
+
 def test_unknown_section_exits_2():
     done = jaxpar_command("bench", "--only", "strategies", "warp")
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp hosts offload remat checkpoint compile plan generate"
+        "choose from strategies schedules dp hosts offload remat context checkpoint compile plan "
+        "generate"
     )
 
 
