@@ -41,8 +41,8 @@ def test_unknown_section_exits_2():
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp hosts offload remat context checkpoint compile plan "
-        "generate"
+        "choose from strategies schedules dp hosts offload remat context checkpoint longest "
+        "compile plan generate"
     )
 
 
