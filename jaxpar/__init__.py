@@ -1,5 +1,6 @@
-"""jaxpar: data (server, ring, XLA), tensor, pipeline (GPipe, 1F1B, interleaved) and
-ZeRO 0-3 parallelism with ZeRO-Offload, for JAX/Flax models, on one named mesh.
+"""jaxpar: data (server, ring, XLA), tensor (with sequence parallelism), pipeline (GPipe,
+1F1B, interleaved), context (all_gather, Ulysses) and ZeRO 0-3 parallelism with
+ZeRO-Offload, for JAX/Flax models, on one named mesh.
 
 The names below are imported when first used, so that `import jaxpar` (and the `jaxpar`
 command's help and config checks) does not start jax.
@@ -18,7 +19,7 @@ _EXPORTS = {
     **{
         name: ("jaxpar.sharding", name)
         for name in ("BATCH", "EMBED", "HEAD_DIM", "HEADS", "LAYERS", "MLP", "QKV", "SEQ")
-        + ("STAGE", "VOCAB")
+        + ("SEQ_RESIDUAL", "STAGE", "VOCAB")
     },
     **{
         name: ("jaxpar.config", name)
@@ -36,6 +37,7 @@ _EXPORTS = {
     "to_nnx": ("jaxpar.export", "to_nnx"),
     "causal_attention": ("jaxpar.attention", "causal_attention"),
     "constrain": ("jaxpar.layers", "constrain"),
+    "dense": ("jaxpar.layers", "dense"),
     "param": ("jaxpar.layers", "param"),
     "scan_layers": ("jaxpar.layers", "scan_layers"),
     "stack": ("jaxpar.layers", "stack"),
