@@ -371,8 +371,9 @@ def _unsplit_fits(c: Candidate, ranked: list[Candidate]) -> bool:
 RULES = (  # (test on the winner, the machine and the plan's fits, the rule), most specific first
     (
         lambda c, m, r: c.mesh.get(CONTEXT, 1) > 1,
-        "a sequence's activations do not fit on a device (or barely): context parallel inside "
-        "the host, each device holding 1/context of every sequence",
+        "long sequences: split over context inside the host, each device keeps the "
+        "activations of 1/context of every sequence, for fewer bytes than the other splits "
+        "would move",
     ),
     (
         lambda c, m, r: c.mesh[PIPE] > 1 and m.hosts > 1,

@@ -145,7 +145,7 @@ def test_the_plan_for_an_8b_llama_at_32k_on_64_gpus_splits_the_context():
     )
     best = plan.ranked[0]
     assert cfg.train.seq_len == 32768 and best.mesh["context"] > 1
-    assert "context parallel" in plan.rule()
+    assert "split over context" in plan.rule()
     whole = [c for c in plan.ranked if c.mesh["context"] == 1]
     assert whole and whole[0].step_s > best.step_s
     assert whole[0].activations > best.activations
