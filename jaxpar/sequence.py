@@ -1,10 +1,9 @@
 """Context parallelism: each sequence split over the `context` axis.
 
-Every device of a `context` group holds S / C of the tokens of each of its rows. The
-residual stream, norms, MLPs and the loss are per token and need nothing from the
-others (their sequence dims are named `seq`/`seq_residual`, which RULES split over
-`context`); attention needs every key and value before its queries, and gets them by
-`parallel.context_strategy`:
+Every device of a `context` group holds S / C of the tokens of each of its rows (`local`
+takes them from the batch). The residual stream, norms, MLPs and the loss are per token
+and need nothing from the others; attention needs every key and value before its
+queries, and gets them by `parallel.context_strategy`:
 
 - `all_gather`: each layer gathers the keys and values over `context` (their distinct
   heads only, under grouped-query attention) and computes its own queries' attention;

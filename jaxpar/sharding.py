@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.axes import CONTEXT, DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, PIPE, TENSOR
 from jaxpar.errors import ConfigError
 
 # Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
@@ -33,18 +33,19 @@ VOCAB = "vocab"
 LAYERS = "layers"
 STAGE = "stage"
 
-# Ordered: logical name -> mesh axis, or axes (None = never split). The only place
-# where model dims meet mesh axes. An axis is used at most once per leaf (first dim
-# wins). Parameters never carry the sequence names: they are whole over `context`.
-RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+# Ordered: logical name -> mesh axis (None = never split). The only place where
+# model dims meet mesh axes. An axis is used at most once per leaf (first dim wins).
+# (The sequence is split over `context` by the step itself, which is manual over it:
+# jaxpar.sequence.)
+RULES: tuple[tuple[str, str | None], ...] = (
     (BATCH, DATA),
     (VOCAB, TENSOR),
     (HEADS, TENSOR),
     (KV_HEADS, TENSOR),
     (MLP, TENSOR),
     (EMBED, None),
-    (SEQ, CONTEXT),
-    (SEQ_RESIDUAL, CONTEXT),
+    (SEQ, None),
+    (SEQ_RESIDUAL, None),
     (POSITION, None),
     (HEAD_DIM, None),
     (QKV, None),
@@ -62,13 +63,11 @@ NOT_ZERO = (LAYERS, STAGE)
 
 
 def rules_for(sequence_parallel: bool):
-    """RULES, with the residual stream's sequence dim also split over `tensor` under
-    Megatron sequence parallelism (after `context`: a device's tokens stay contiguous)."""
+    """RULES, with the residual stream's sequence dim split over `tensor` under Megatron
+    sequence parallelism."""
     if not sequence_parallel:
         return RULES
-    return tuple(
-        (name, (CONTEXT, TENSOR) if name == SEQ_RESIDUAL else axis) for name, axis in RULES
-    )
+    return tuple((name, TENSOR if name == SEQ_RESIDUAL else axis) for name, axis in RULES)
 
 
 def tensor_dims(names_tree, shapes_tree) -> dict[str, int]:
@@ -137,25 +136,21 @@ def compute_spec(
                 f"{path}: logical name {name!r} (dim {dim}) is not in the rules; "
                 f"use one of {sorted(table)}"
             )
-        wanted = table[name] if isinstance(table[name], tuple) else (table[name],)
-        axes = tuple(
-            a
-            for a in wanted
-            if a is not None and a not in used and a not in skip_axes and mesh_shape.get(a, 1) > 1
-        )
-        split = math.prod(mesh_shape[a] for a in axes)
-        if not axes or (size % split and name in WHERE_DIVISIBLE):
+        axis = table[name]
+        if axis is None or axis in used or axis in skip_axes or mesh_shape.get(axis, 1) == 1:
             spec.append(None)
             continue
-        if size % split:
-            shown = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
+        if size % mesh_shape[axis] and name in WHERE_DIVISIBLE:
+            spec.append(None)
+            continue
+        if size % mesh_shape[axis]:
             raise ConfigError(
                 f"{path}: shape {shape} dim {dim} ({name}={size}) is not divisible by "
-                f"{shown} (rule {name} -> {' x '.join(axes)}); the leaf would stay "
-                f"replicated. Choose parallel.{axes[0]} dividing {size}, or change {name}"
+                f"{axis}={mesh_shape[axis]} (rule {name} -> {axis}); the leaf would stay "
+                f"replicated. Choose parallel.{axis} dividing {size}, or change {name}"
             )
-        used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else axes)
+        used.add(axis)
+        spec.append(axis)
     return PartitionSpec(*spec)
 
 
