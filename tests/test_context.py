@@ -38,10 +38,13 @@ LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every 
         (f"{CP}=2", "parallel.tensor=2", "parallel.data=2", ULYSSES, "parallel.zero=3",
          "parallel.remat=full", "train.grad_accum=2"),
     ),
-    "llama cp2 pp2 tp2 1f1b": (
+    "llama cp2 ulysses pp2 tp2 1f1b": (
         "llama-tiny",
-        (f"{CP}=2", "parallel.pipeline=2", "parallel.tensor=2", "parallel.data=1",
+        (f"{CP}=2", ULYSSES, "parallel.pipeline=2", "parallel.tensor=2", "parallel.data=1",
          "parallel.microbatches=4"),
+    ),
+    "gpt cp2 replica2 dp2 zero2": (
+        "gpt-tiny", (f"{CP}=2", "parallel.replica=2", "parallel.data=2", "parallel.zero=2")
     ),
 }  # fmt: skip
 
