@@ -1,7 +1,7 @@
 """Collectives over a manual axis (`data`, `pipeline`) on leaves that other axes split.
 
-The step runs forward/backward inside a shard_map that is manual over `data` and
-`pipeline`, so gradients are local and their reductions are ours to place. A
+The step runs forward/backward inside a shard_map that is manual over `data`,
+`pipeline` and `context`, so gradients are local and their reductions are ours to place. A
 collective there must see each device's block of the remaining (compiler-managed)
 axes too: XLA otherwise gathers the `tensor` split first and moves T times the bytes.
 So every collective runs in a nested shard_map, manual over the remaining axes as well.

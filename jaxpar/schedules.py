@@ -2,7 +2,7 @@
 
 Every schedule is a tick table built on the host, [ticks, p, (action, micro-batch,
 chunk)], which the executor reads on the device and from which the ledger measures the
-bubble. Executors run inside the step's shard_map (manual over `data` and `pipeline`);
+bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline` and `context`);
 `value_and_grad` is the one entry for all of them:
 - gpipe / interleaved: a forward loop of v*m + p - 1 ticks in which every device runs
   one chunk on one micro-batch and hands the result to the next device (ppermute);
