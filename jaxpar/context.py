@@ -35,6 +35,7 @@ class Split:
     degree: int  # C: the context axis' size
     strategy: ContextStrategy
     balance: bool  # the dual-chunk reorder
+    seq_len: int = 0  # train.seq_len: what a device's loss must cover 1/C of (0: unchecked)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> con
         whole=policy.whole,
         platform=context.target(mesh),
         unroll=train.unroll,
-        sequence=sequence.split_of(par, dict(mesh.shape)),
+        sequence=sequence.split_of(par, dict(mesh.shape), train.seq_len),
         sequence_parallel=par.sequence_parallel,
     )
 
@@ -158,7 +158,8 @@ def evaluator(
     if layout is None:
 
         def loss_sum(params, mb):
-            return jnp.sum(problem.loss(policy.compute_view(params), mb).astype(jnp.float32))
+            losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
+            return jnp.sum(losses.astype(jnp.float32))
 
     else:
         forward = Schedule.INTERLEAVED if par.schedule is Schedule.INTERLEAVED else Schedule.GPIPE
@@ -198,7 +199,7 @@ def local_value_and_grad(
 
         @jax.value_and_grad
         def value_and_grad(params, mb, count):
-            losses = problem.loss(policy.compute_view(params), mb)
+            losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
             return jnp.sum(losses.astype(jnp.float32)) / count
 
     else:

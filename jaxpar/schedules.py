@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import collectives
+from jaxpar import collectives, sequence
 from jaxpar.axes import PIPE
 from jaxpar.config import Schedule
 from jaxpar.pipeline import Layout
@@ -206,7 +206,7 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
         last = valid & (c == p * v - 1)
         loss = loss + jax.lax.cond(
             last,
-            lambda: jnp.sum(parts.post(params, y, mb).astype(jnp.float32)),
+            lambda: jnp.sum(sequence.per_token(parts.post(params, y, mb)).astype(jnp.float32)),
             lambda: jnp.zeros((), jnp.float32),
         )
         # Round the ring only when chunks wrap round it (interleaved).
@@ -252,7 +252,8 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
         return parts.chunk(local, x, active, mb)
 
     def post_loss(r, y, mb):
-        return jnp.sum(parts.post(whole(r), y, mb).astype(jnp.float32)) / count
+        losses = sequence.per_token(parts.post(whole(r), y, mb))
+        return jnp.sum(losses.astype(jnp.float32)) / count
 
     def forward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n

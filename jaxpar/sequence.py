@@ -39,9 +39,29 @@ from jaxpar.context import Split
 from jaxpar.errors import ConfigError
 
 
-def split_of(par: Parallel, mesh_shape: dict) -> Split | None:
+def split_of(par: Parallel, mesh_shape: dict, seq_len: int) -> Split | None:
     c = mesh_shape.get(CONTEXT, 1)
-    return Split(c, par.context_strategy, par.context_balance) if c > 1 else None
+    return Split(c, par.context_strategy, par.context_balance, seq_len) if c > 1 else None
+
+
+def per_token(losses: jax.Array) -> jax.Array:
+    """A model's losses, checked (while tracing) to be one per target of this device's
+    S / C tokens where the step splits sequences: a model that read its batch's tokens
+    itself, not through jaxpar.documents, would compute every token on every context
+    device (and attend to the wrong keys)."""
+    split = active()
+    if split is None or not split.seq_len:
+        return losses
+    if losses.ndim < 2 or losses.shape[1] * split.degree != split.seq_len:
+        raise ConfigError(
+            f"parallel.context={split.degree}: the model's loss has shape {losses.shape}, not "
+            f"one per target of this device's {split.seq_len // split.degree} tokens "
+            f"([rows, {split.seq_len // split.degree}]); a model split over context reads "
+            "its batch through jaxpar.documents (inputs, targets, of_inputs) and attends "
+            "through jaxpar.causal_attention, as the shipped ones do; or use "
+            "parallel.context=1"
+        )
+    return losses
 
 
 def order(seq: int, split: Split) -> np.ndarray:
