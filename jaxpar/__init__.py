@@ -18,8 +18,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS = {
     **{
         name: ("jaxpar.sharding", name)
-        for name in ("BATCH", "EMBED", "HEAD_DIM", "HEADS", "LAYERS", "MLP", "QKV", "SEQ")
-        + ("SEQ_RESIDUAL", "STAGE", "VOCAB")
+        for name in ("BATCH", "EMBED", "EXPERTS", "HEAD_DIM", "HEADS", "LAYERS", "MLP", "QKV")
+        + ("SEQ", "SEQ_RESIDUAL", "STAGE", "VOCAB")
     },
     **{
         name: ("jaxpar.config", name)
@@ -36,6 +36,7 @@ _EXPORTS = {
     "load_exported": ("jaxpar.export", "load"),
     "to_nnx": ("jaxpar.export", "to_nnx"),
     "causal_attention": ("jaxpar.attention", "causal_attention"),
+    "batch_sum": ("jaxpar.layers", "batch_sum"),
     "constrain": ("jaxpar.layers", "constrain"),
     "dense": ("jaxpar.layers", "dense"),
     "param": ("jaxpar.layers", "param"),

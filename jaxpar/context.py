@@ -57,6 +57,9 @@ class Context:
     sequence: Split | None = None
     # Megatron sequence parallelism: the residual stream split by sequence over `tensor`
     sequence_parallel: bool = False
+    # the manual axes over which one step's batch is split, whose devices' sums make the
+    # batch's (jaxpar.batch_sum); none where each copy trains alone (parallel.dp_sync=params)
+    batch_axes: tuple[str, ...] = ()
 
 
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(

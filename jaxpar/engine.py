@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import context, cost, pipeline, schedules, sequence, xla_flags
 from jaxpar.accumulate import accumulate
-from jaxpar.axes import BATCH_AXES, DATA, MANUAL_AXES, PIPE
+from jaxpar.axes import BATCH_AXES, CONTEXT, DATA, MANUAL_AXES, PIPE, REPLICA
 from jaxpar.batches import batch_split
-from jaxpar.config import Offload, Parallel, Schedule, Train
+from jaxpar.config import DpSync, Offload, Parallel, Schedule, Train
 from jaxpar.problem import Problem, trained_count
 from jaxpar.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.zero import ZeroPolicy
@@ -116,6 +116,7 @@ def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> con
         unroll=train.unroll,
         sequence=sequence.split_of(par, dict(mesh.shape), train.seq_len),
         sequence_parallel=par.sequence_parallel,
+        batch_axes=() if par.dp_sync is DpSync.PARAMS else (REPLICA, DATA, CONTEXT),
     )
 
 

@@ -17,6 +17,7 @@ dims, slicing only the first dim of each group (the others are read whole).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -37,9 +38,20 @@ class Tensor:
     """One of our parameter leaves and the Hugging Face tensor it is."""
 
     key: str  # our leaf, e.g. "blocks/attn/wq"
-    name: str  # the file's name for it; "{layer}" in it: one tensor per layer of a stack
+    # the file's name for it; each "{...}" in it (e.g. "{layer}", "{expert}"): one tensor
+    # per index of one of our leaf's leading dims, in order (a stack of layers, of experts)
+    name: str
     file_dims: str  # its dims in the file, e.g. "(h d) e"
-    our_dims: str  # ours without the layer stack, e.g. "e h d"
+    our_dims: str  # ours without the stacked dims, e.g. "e h d"
+
+    @property
+    def stacked(self) -> list[str]:
+        """The placeholders of `name`, one a leading dim of our leaf."""
+        return re.findall(r"\{(\w+)\}", self.name)
+
+    def file_name(self, index: tuple[int, ...]) -> str:
+        """The file's tensor at `index` of our stacked dims."""
+        return self.name.format(**dict(zip(self.stacked, index, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,9 @@ class HFFormat:
     config_to_hf: Callable[..., dict]  # (model config, seq_len) -> config.json
     tensors: Callable[..., list[Tensor]]  # (model config) -> the leaves and their tensors
     ignore: str = r"rotary_emb\.inv_freq$"  # tensors in a file that are not parameters
+    # model keys config.json suggests for training (not the architecture): a value the
+    # user sets is taken instead, not refused
+    training: tuple[str, ...] = ()
 
 
 def _groups(dims: str) -> list[list[str]]:
@@ -214,7 +229,8 @@ def read_config(directory: Path) -> dict:
 
 def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:
     """The model keys of `directory`'s config.json, for a model config whose keys in
-    `explicit` (key -> value) the user set: each of those must agree."""
+    `explicit` (key -> value) the user set: each of those must agree (or is a training
+    key, and is taken)."""
     hf = read_config(directory)
     arch = hf.get("architectures") or [hf.get("model_type", "?")]
     if fmt.architecture not in arch:
@@ -224,7 +240,9 @@ def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:
         )
     keys = fmt.config_from_hf(hf)
     for key, value in explicit.items():
-        if key in keys and keys[key] != value:
+        if key in fmt.training:
+            keys[key] = value
+        elif key in keys and keys[key] != value:
             raise ConfigError(
                 f"model.{key}={value} disagrees with model.init=hf:{directory}, whose "
                 f"config.json gives {keys[key]}; drop model.{key}, or use another checkpoint"
@@ -246,8 +264,8 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     names = {}  # file tensor -> (its Tensor, our leaf's shape)
     for key, t in tensors.items():
         shape = tuple(shapes[key].shape)
-        stacked = [t.name.format(layer=i) for i in range(shape[0])] if "{layer}" in t.name else []
-        names |= {n: (t, shape) for n in stacked or [t.name]}
+        stacked = shape[: len(t.stacked)]
+        names |= {t.file_name(i): (t, shape) for i in np.ndindex(stacked)}
     missing = [n for n in names if n not in reader.where]
     if missing:
         raise CheckpointError(f"{where}: no tensor {missing[0]} ({len(missing)} missing)")
@@ -270,14 +288,14 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
 
         def shard(index) -> np.ndarray:
             idx = [slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
-            if "{layer}" not in t.name:
-                block = _block(reader, t.name, t, sizes, dict(zip(ours, idx, strict=True)))
-            else:
-                region = dict(zip(ours, idx[1:], strict=True))
-                layers = range(idx[0].start, idx[0].stop)
-                block = np.stack(
-                    [_block(reader, t.name.format(layer=i), t, sizes, region) for i in layers]
-                )
+            n = len(t.stacked)
+            region = dict(zip(ours, idx[n:], strict=True))
+            stacked = [range(s.start, s.stop) for s in idx[:n]]
+            blocks = [
+                _block(reader, t.file_name(i), t, sizes, region)
+                for i in itertools.product(*stacked)
+            ]
+            block = np.stack(blocks).reshape(tuple(map(len, stacked)) + blocks[0].shape)
             return block.astype(target.dtype, copy=False)
 
         return jax.make_array_from_callback(shape, target.sharding, shard)
@@ -297,10 +315,8 @@ def export(fmt: HFFormat, model, seq_len: int, params: dict, to: Path) -> int:
     tensors = {}
     for t in fmt.tensors(model):
         ours = np.asarray(params[t.key])
-        if "{layer}" in t.name:
-            tensors |= {t.name.format(layer=i): to_file(t, x) for i, x in enumerate(ours)}
-        else:
-            tensors[t.name] = to_file(t, ours)
+        stacked = ours.shape[: len(t.stacked)]
+        tensors |= {t.file_name(i): to_file(t, ours[i]) for i in np.ndindex(stacked)}
     to.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(to / "model.safetensors"), metadata={"format": "pt"})
     (to / "config.json").write_text(json.dumps(fmt.config_to_hf(model, seq_len), indent=2) + "\n")

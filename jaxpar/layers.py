@@ -5,6 +5,10 @@
 - `dense(spec, x, w, names)`: einsum(spec, x, w) with a weight whose dims carry logical
   names; under sequence parallelism, the gather of x's sequence over `tensor` before a
   column-split product and the reduce-scatter after a row-split one, placed by hand.
+- `batch_sum(x)`: x summed over the devices that share this step's batch (a statistic of
+  the whole batch, e.g. the load of a mixture's experts); x itself outside a step.
+- `tensor_parallel(fn, x, whole, weights, names)`: fn(x, whole, *weights) on each tensor
+  device's slices of the weights, its output's partial sums summed over `tensor` once.
 - `stack(make_layer, n, rngs)`: n layers stacked on a leading `layers` dim.
 - `scan_layers(stack, carry, fn)`: run a stacked NNX module layer by layer. Inside a
   jaxpar step it makes each layer's parameters ready just before use (the ZeRO-3
@@ -13,7 +17,8 @@
   `offload` keeps that input in host memory; and runs `train.unroll` layers per loop
   iteration.
 
-`constrain` and `scan_layers` read the running step's `jaxpar.context.Context`, and nothing else.
+`constrain`, `batch_sum`, `dense`, `tensor_parallel` and `scan_layers` read the running step's
+`jaxpar.context.Context`, and nothing else.
 """
 
 from __future__ import annotations
@@ -64,6 +69,15 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def batch_sum(x: jax.Array) -> jax.Array:
+    """x summed over every device holding a part of this step's batch (its rows over
+    replica and data, its tokens over context): a statistic of the whole batch."""
+    ctx = context.current()
+    if ctx is None or not ctx.batch_axes:
+        return x
+    return jax.lax.psum(x, ctx.batch_axes)
+
+
 def dense(spec: str, x: jax.Array, w: jax.Array, names: tuple[str, ...]) -> jax.Array:
     """einsum(spec, x, w), x an activation [batch, seq, ...] and w a weight with logical
     `names`. Under Megatron sequence parallelism (the residual stream split by sequence
@@ -97,6 +111,40 @@ def dense(spec: str, x: jax.Array, w: jax.Array, names: tuple[str, ...]) -> jax.
     return jax.shard_map(
         row, in_specs=(on(x_dims, split), on(w_dims, split)), out_specs=seq, axis_names={TENSOR}
     )(x, w)
+
+
+def tensor_parallel(fn: Callable, x: jax.Array, whole, weights: tuple, names: tuple):
+    """fn(x, whole, *weights) for a block whose every path from x to its output
+    contracts a dim of its weights that the rules split over `tensor` (Megatron's f and
+    g around an MLP): each tensor device runs fn on its slices of the weights, with x
+    whole (under sequence parallelism gathered first) and `whole` (a pytree) as it is on
+    every device; the output's partial sums are summed over `tensor` once, after fn
+    (reduce-scattered over the sequence under sequence parallelism), however fn moves
+    its partial results around, and x's gradient likewise. Plainly fn(x, whole,
+    *weights) where `tensor` is 1, or outside a step."""
+    ctx = context.current()
+    if ctx is None or ctx.mesh_shape.get(TENSOR, 1) == 1:
+        return fn(x, whole, *weights)
+    specs = tuple(
+        compute_spec(n, w.shape, ctx.rules, ctx.mesh_shape, skip_axes=MANUAL_AXES)
+        for w, n in zip(weights, names, strict=True)
+    )
+    sp = ctx.sequence_parallel
+
+    def local(x, whole, *weights):
+        if sp:
+            x = jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
+        else:  # x's gradient: one sum of every device's part, here (not at fn's first use)
+            x = jax.lax.pcast(x, TENSOR, to="varying")
+        y = fn(x, whole, *weights)
+        if sp:
+            return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(y, TENSOR)
+
+    x_spec = PartitionSpec(None, TENSOR) if sp else PartitionSpec()
+    return jax.shard_map(
+        local, in_specs=(x_spec, PartitionSpec(), *specs), out_specs=x_spec, axis_names={TENSOR}
+    )(x, whole, *weights)
 
 
 def _checkpointed(body, keep: Keep):

@@ -29,6 +29,7 @@ KV_HEADS = "kv_heads"  # grouped-query attention's key/value heads
 HEAD_DIM = "head_dim"
 QKV = "qkv"  # the parts of a fused projection: query/key/value, or gate/up
 MLP = "mlp"
+EXPERTS = "experts"  # a mixture's experts, and the router's logits over them
 VOCAB = "vocab"
 LAYERS = "layers"
 STAGE = "stage"
@@ -49,6 +50,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (POSITION, None),
     (HEAD_DIM, None),
     (QKV, None),
+    (EXPERTS, None),
     (LAYERS, None),
     (STAGE, PIPE),
 )

@@ -67,13 +67,39 @@ class LlamaConfig(Model):
             "all before it. A window of train.seq_len or more masks nothing at that length"
         ),
     )
+    experts: Annotated[int, Range(0, 2**12, "experts; 0 = a dense MLP")] = key(
+        0,
+        (
+            "a sparse mixture of experts in every block's feed-forward (Mixtral): this many "
+            "SwiGLU experts of model.mlp hidden dims each; 0 = one dense MLP"
+        ),
+    )
+    experts_per_token: Annotated[int, Range(1, 2**12, "experts a token is sent to")] = key(
+        2, "model.experts > 0: the k experts the router sends each token to (top-k)"
+    )
+    capacity_factor: Annotated[float, Range(0, 2**12, "a positive factor", True)] = key(
+        1.25,
+        (
+            "model.experts > 0: each expert takes ceil(factor x seq_len x k / experts) tokens "
+            "of a sequence, the rest of its tokens dropped (passed on by the residual); a "
+            "factor of experts / k or more drops none (dropless)"
+        ),
+    )
+    router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
+        0.0,
+        (
+            "model.experts > 0: the weight of the load-balance loss (Switch / Mixtral: experts "
+            "x sum of each expert's share of the tokens x its mean router probability, over "
+            "the trained tokens of the whole batch and all layers) added to the loss"
+        ),
+    )
 
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
 register_module("llama", "jaxpar.models.llama", config=LlamaConfig, tiny="llama-tiny")
 # the Llama model with a family's keys, each with its own Hugging Face adapter
-for family in ("mistral", "qwen2", "qwen3"):
+for family in ("mistral", "qwen2", "qwen3", "mixtral"):
     register_module(
         family, f"jaxpar.models.llama:{family.upper()}", config=LlamaConfig, tiny=f"{family}-tiny"
     )

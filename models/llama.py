@@ -5,7 +5,10 @@ or not. No biases. Layers are stacked and scanned.
 
 Tensor parallel as Megatron: q/k/v, gate and up column-split, o and down row-split, the
 embedding and head split over vocab; the key/value heads are split over `tensor` where
-their number divides it, and otherwise computed whole on every tensor device."""
+their number divides it, and otherwise computed whole on every tensor device.
+
+With model.experts > 0 (Mixtral), each block's MLP is a sparse mixture of SwiGLU experts
+(models/moe.py), each expert split over `tensor` as the MLP is."""
 
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from flax import nnx
 
 from jaxpar.attention import cached_attention, causal_attention
 from jaxpar.cost import AttentionDims
+from jaxpar import documents
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, dense, param, scan_cached, stack
+from jaxpar.layers import constrain, dense, param, scan_cached, scan_layers, stack
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import (
     BATCH,
@@ -38,14 +42,17 @@ from jaxpar.sharding import (
 
 from . import LlamaConfig, RopeScaling
 from .common import (
+    embed_inputs,
     embed_tokens,
     flops_per_token,
     language_model_stages,
     next_token_loss,
     normal,
+    token_losses,
 )
 from .common import tensor_elements as tensor_elements_of
 from .llama_hf import FAMILIES, HF
+from .moe import Load, MoE, balance_loss, capacity
 
 
 def head_size(m: LlamaConfig) -> int:
@@ -225,18 +232,29 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
-        self.mlp = SwiGLU(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.experts else SwiGLU(cfg, rngs)
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
+        return self.routed(x_BxSxE, docs)[0]
+
+    def routed(self, x_BxSxE, docs: Documents | None = None, dropless: bool = False):
+        """(the block's output, its experts' Load; None for a dense MLP)."""
         x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), docs)
-        return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
+        y_BxSxE, load = self.feed_forward(self.mlp_norm(x_BxSxE), dropless)
+        return x_BxSxE + y_BxSxE, load
+
+    def feed_forward(self, x_BxSxE, dropless: bool = False):
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x_BxSxE, dropless)
+        return self.mlp(x_BxSxE), None
 
     def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
         y_BxTxE, cache = self.attn.decode(
             self.attn_norm(x_BxTxE), positions_BxT, cache, slot, pad_B
         )
         x_BxTxE = x_BxTxE + y_BxTxE
-        return x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE)), cache
+        # every token to its experts while decoding, as transformers does
+        return x_BxTxE + self.feed_forward(self.mlp_norm(x_BxTxE), dropless=True)[0], cache
 
 
 class Llama(nnx.Module):
@@ -246,6 +264,8 @@ class Llama(nnx.Module):
         self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
         self.norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.tied = cfg.tie_embeddings
+        self.experts, self.router_aux_loss = cfg.experts, cfg.router_aux_loss
+        self.depth = cfg.layers
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
@@ -271,6 +291,33 @@ class Llama(nnx.Module):
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
 
+def loss(model: Llama, batch: dict) -> jax.Array:
+    """next_token_loss; with experts, each trained token's loss plus its part of the
+    load-balance loss (model.router_aux_loss x moe.balance_loss), the experts' Load
+    carried through the layer scan."""
+    if not model.experts:
+        return next_token_loss(model, batch)
+    docs = documents.of_inputs(batch)
+    x_BxSxE = embed_inputs(model, batch)
+    rows, seq = x_BxSxE.shape[:2]
+
+    def layer(block, carry):
+        x_BxSxE, load = carry
+        x_BxSxE, more = block.routed(x_BxSxE, docs)
+        return x_BxSxE, load + more
+
+    start = (x_BxSxE, Load.zeros(rows, seq, model.experts))
+    x_BxSxE, load = scan_layers(model.blocks, start, layer)
+    losses_BxS = token_losses(model, x_BxSxE, batch)
+    if not model.router_aux_loss:
+        return losses_BxS
+    trained_BxS = documents.target_weights(batch)
+    if trained_BxS is None:
+        trained_BxS = jnp.ones((rows, seq), bool)
+    balance_BxS = balance_loss(load, trained_BxS, model.depth)
+    return documents.masked(losses_BxS + model.router_aux_loss * balance_BxS, batch)
+
+
 def check(m: LlamaConfig, mesh_shape: dict) -> None:
     if m.head_dim % 2:
         raise ConfigError(
@@ -288,13 +335,37 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
             f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}: each "
             "key/value head serves an equal group of query heads"
         )
+    if m.experts:
+        check_experts(m, mesh_shape)
+    elif m.router_aux_loss:
+        raise ConfigError(
+            f"model.router_aux_loss={m.router_aux_loss:g} weighs the balance of a mixture of "
+            "experts; model.experts=0 has none: set model.experts, or drop the key"
+        )
+
+
+def check_experts(m: LlamaConfig, mesh_shape: dict) -> None:
+    if m.experts_per_token > m.experts:
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token} > model.experts={m.experts}: a "
+            f"token goes to k of the experts; choose k <= {m.experts}"
+        )
+    for axis in ("pipeline", "context"):
+        if mesh_shape.get(axis, 1) > 1:
+            raise ConfigError(
+                f"parallel.{axis}={mesh_shape[axis]} with model.experts={m.experts}: a mixture "
+                f"of experts is not yet built to run split over {axis}; use parallel.{axis}=1 "
+                "(data, replica, tensor and ZeRO work)"
+            )
 
 
 def block_flops(m: LlamaConfig, seq_len: int) -> float:
     """Forward FLOPs of one block per token: 2 per matmul parameter (q and o, k and v
-    (GQA), gate, up and down), plus the attention scores and their product with V."""
+    (GQA), gate, up and down; with experts, the router and k experts' gate, up and down:
+    the active FLOPs), plus the attention scores and their product with V."""
     q, kv = m.heads * head_size(m), m.kv_heads * head_size(m)
-    matmuls = 2 * m.embed * q + 2 * m.embed * kv + 3 * m.embed * m.mlp
+    mlp = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp) if m.experts else 3 * m.embed * m.mlp
+    matmuls = 2 * m.embed * q + 2 * m.embed * kv + mlp
     return 2 * matmuls + 4 * seq_len * q
 
 
@@ -302,10 +373,15 @@ def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = T
     """What a block keeps for its backward pass per sequence, 16-bit: the input and both
     norms' outputs, q/k/v before and after rotation, the repeated k/v, the scores and
     probabilities (`scores`; else their fp32 softmax statistics, 2 16-bit units a head),
-    the attention output; gate, up, silu(gate) and the product."""
+    the attention output; gate, up, silu(gate) and the product (with experts: of each
+    slot of their capacity, and each slot's input, the router's logits and probabilities)."""
     kv = m.kv_heads * head_size(m)
     kv_split = tensor if m.kv_heads % tensor == 0 else 1
-    per_token = 3 * m.embed + (6 * m.embed + 4 * m.mlp) / tensor + 4 * kv / kv_split
+    mlp = 4 * m.mlp / tensor
+    if m.experts:
+        slots = m.experts * capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
+        mlp = slots / seq_len * (m.embed + mlp) + 2 * m.experts
+    per_token = 3 * m.embed + 6 * m.embed / tensor + mlp + 4 * kv / kv_split
     attention = 2 * m.heads * (seq_len if scores else 1) / tensor
     return 2 * seq_len * (per_token + attention)
 
@@ -345,7 +421,7 @@ def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
 SPEC = ModelSpec(
     name="llama",
     build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
-    loss=next_token_loss,
+    loss=loss,
     stages=lambda m, seq_len: language_model_stages(m, block_flops(m, seq_len)),
     flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
     activation_bytes=activation_bytes,
@@ -366,6 +442,7 @@ FAMILY_KEYS = {
     "mistral": {"sliding_window": None},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "mixtral": {"sliding_window": None, "experts": None, "router_aux_loss": None},
 }
 
 
@@ -375,6 +452,11 @@ def family_check(family: str):
 
     def checked(m: LlamaConfig, mesh_shape: dict) -> None:
         check(m, mesh_shape)
+        if family == "mixtral" and not m.experts:
+            raise ConfigError(
+                "model.name=mixtral is a mixture of experts: set model.experts (Mixtral 8x7B: "
+                "8, with model.experts_per_token=2)"
+            )
         for key, value in own.items():
             if value is not None and getattr(m, key) != value:
                 raise ConfigError(
@@ -402,9 +484,9 @@ def notes(m: LlamaConfig, seq_len: int) -> list[str]:
 
 
 SPEC = dataclasses.replace(SPEC, check=family_check("llama"), notes=notes)
-MISTRAL, QWEN2, QWEN3 = (
+MISTRAL, QWEN2, QWEN3, MIXTRAL = (
     dataclasses.replace(
         SPEC, name=family, check=family_check(family), tiny=f"{family}-tiny", hf=FAMILIES[family]
     )  # fmt: skip
-    for family in ("mistral", "qwen2", "qwen3")
+    for family in ("mistral", "qwen2", "qwen3", "mixtral")
 )

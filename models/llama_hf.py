@@ -2,8 +2,10 @@
 `LlamaForCausalLM`'s config.json keys to and from model.*, and each of our parameter
 leaves with its tensor in the checkpoint (name and layout); jaxpar.hf reads and writes
 the files with them. Each family is Llama's adapter and its differences:
-`MistralForCausalLM` (sliding_window), `Qwen2ForCausalLM` (q/k/v biases) and
-`Qwen3ForCausalLM` (q/k RMSNorm per head, its own head_dim)."""
+`MistralForCausalLM` (sliding_window), `Qwen2ForCausalLM` (q/k/v biases),
+`Qwen3ForCausalLM` (q/k RMSNorm per head, its own head_dim) and `MixtralForCausalLM`
+(a sliding window or none, and a mixture of experts in every block: its router and each
+expert's w1 (gate), w3 (up) and w2 (down) in the file, stacked over experts in ours)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def config_from_hf(hf: dict, family: str = "llama") -> dict:
         "rope_type": kind not in ("default", "llama3"),
         # Qwen2/3 window only the layers from max_window_layers on
         "use_sliding_window": bool(hf.get("use_sliding_window")),
+        # noise on the router's input while training: not deterministic, not reproduced
+        "router_jitter_noise": bool(hf.get("router_jitter_noise")),
     }
     if any(unsupported.values()):
         key = next(k for k, bad in unsupported.items() if bad)
@@ -54,8 +58,19 @@ def config_from_hf(hf: dict, family: str = "llama") -> dict:
         "head_dim": 0 if head_dim * heads == embed else head_dim,
         "qkv_bias": family == "qwen2",
         "qk_norm": family == "qwen3",
-        "sliding_window": int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
+        "sliding_window": (
+            int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0
+        ),
     }
+    if family == "mixtral":
+        keys |= {
+            "experts": hf["num_local_experts"],
+            "experts_per_token": hf["num_experts_per_tok"],
+            # transformers adds the load-balance loss only with output_router_logits
+            "router_aux_loss": (
+                float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+            ),
+        }
     if kind == "llama3":
         keys |= {
             "rope_factor": float(rope["factor"]),
@@ -82,6 +97,14 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
         "mistral": {"sliding_window": m.sliding_window or None},
         "qwen2": {"use_sliding_window": False},
         "qwen3": {"attention_bias": False, "use_sliding_window": False},
+        "mixtral": {
+            "sliding_window": m.sliding_window or None,
+            "num_local_experts": m.experts,
+            "num_experts_per_tok": m.experts_per_token,
+            "router_aux_loss_coef": m.router_aux_loss,
+            "output_router_logits": m.router_aux_loss > 0,
+            "router_jitter_noise": 0.0,
+        },
     }[family]
     return {
         **extra,
@@ -114,9 +137,7 @@ def hf_tensors(m: LlamaConfig) -> list[Tensor]:
         Tensor("blocks/attn/wv", layer + "self_attn.v_proj.weight", "(k d) e", "e k d"),
         Tensor("blocks/attn/wo", layer + "self_attn.o_proj.weight", "e (h d)", "h d e"),
         Tensor("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
-        Tensor("blocks/mlp/w_gate", layer + "mlp.gate_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_up", layer + "mlp.up_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_down", layer + "mlp.down_proj.weight", "e m", "m e"),
+        *(_experts(layer) if m.experts else _mlp(layer)),
         Tensor("norm/scale", "model.norm.weight", "e", "e"),
     ]
     if m.qkv_bias:
@@ -134,11 +155,32 @@ def hf_tensors(m: LlamaConfig) -> list[Tensor]:
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
 
+def _mlp(layer: str) -> list[Tensor]:
+    return [
+        Tensor("blocks/mlp/w_gate", layer + "mlp.gate_proj.weight", "m e", "e m"),
+        Tensor("blocks/mlp/w_up", layer + "mlp.up_proj.weight", "m e", "e m"),
+        Tensor("blocks/mlp/w_down", layer + "mlp.down_proj.weight", "e m", "m e"),
+    ]
+
+
+def _experts(layer: str) -> list[Tensor]:
+    """Mixtral's router and experts (one tensor per layer and expert in the file)."""
+    moe = layer + "block_sparse_moe."
+    expert = moe + "experts.{expert}."
+    return [
+        Tensor("blocks/mlp/router", moe + "gate.weight", "x e", "e x"),
+        Tensor("blocks/mlp/w_gate", expert + "w1.weight", "m e", "e m"),
+        Tensor("blocks/mlp/w_up", expert + "w3.weight", "m e", "e m"),
+        Tensor("blocks/mlp/w_down", expert + "w2.weight", "e m", "m e"),
+    ]
+
+
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
 }
 FAMILIES = {
     family: HFFormat(
@@ -146,6 +188,7 @@ FAMILIES = {
         functools.partial(config_from_hf, family=family),
         functools.partial(config_to_hf, family=family),
         hf_tensors,
+        training=("router_aux_loss",),
     )
     for family, (architecture, _) in ARCHITECTURES.items()
 }

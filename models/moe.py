@@ -1,0 +1,149 @@
+"""A sparse mixture of experts in place of a block's MLP (Mixtral's): a router (one
+product to `experts` logits, a softmax in fp32, the top k, their weights renormalized
+over the k), SwiGLU experts stacked as one [experts, ...] parameter per weight, and the
+Switch / Mixtral load-balance loss, returned with the output (not collected from the
+layer's intermediates, which a layer scan would lose).
+
+Dispatch by fixed capacity, a sequence at a time: each expert takes
+ceil(capacity_factor x seq x k / experts) of a sequence's tokens, every token's first
+choice before any second choice, in sequence order; a token past its expert's capacity
+skips that expert (its share of the output is 0, the residual carries it on). A group
+of one sequence makes the drops the same in every layout of the batch. The tokens are
+gathered into [rows, experts, capacity, embed], the experts applied as one batched
+product, and each token's outputs gathered back and weighted."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.layers import batch_sum, constrain, param, tensor_parallel
+from jaxpar.sharding import BATCH, EMBED, EXPERTS, MLP, SEQ, SEQ_RESIDUAL
+
+from . import LlamaConfig
+from .common import normal
+
+
+class Routing(NamedTuple):
+    """Where a layer sends each of a sequence's tokens ([rows, seq, k] but `probs`)."""
+
+    experts: jax.Array  # int32: the k experts chosen, most probable first
+    weights: jax.Array  # fp32: their probabilities renormalized over the k
+    slot: jax.Array  # int32: the token's place among its expert's tokens of the sequence
+    keep: jax.Array  # bool: slot < capacity (else dropped)
+    probs: jax.Array  # [rows, seq, experts] fp32: the router's softmax
+
+
+class Load(NamedTuple):
+    """A sparse layer's routing, per token, summed over the layers (for the
+    load-balance loss and the metrics)."""
+
+    probs: jax.Array  # [rows, seq, experts] fp32: router probabilities
+    chosen: jax.Array  # [rows, seq, experts] fp32: 1 where an expert is among the k
+    kept: jax.Array  # [rows, seq] fp32: choices within capacity
+
+    @staticmethod
+    def zeros(rows: int, seq: int, experts: int) -> Load:
+        per_expert = jnp.zeros((rows, seq, experts), jnp.float32)
+        return Load(per_expert, per_expert, jnp.zeros((rows, seq), jnp.float32))
+
+    def __add__(self, other: Load) -> Load:
+        return Load(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def capacity(seq: int, experts: int, k: int, factor: float) -> int:
+    """Slots per expert for a sequence of `seq` tokens: ceil(factor seq k / experts), at
+    most seq (no token goes to one expert twice; factor >= experts / k is dropless)."""
+    return min(seq, math.ceil(factor * seq * k / experts))
+
+
+def route(logits_BxSxX: jax.Array, k: int, slots: int) -> Routing:
+    """Top-k routing of each sequence's tokens into `slots` places per expert."""
+    probs_BxSxX = jax.nn.softmax(logits_BxSxX.astype(jnp.float32), axis=-1)
+    top_BxSxK, experts_BxSxK = jax.lax.top_k(probs_BxSxX, k)
+    weights_BxSxK = top_BxSxK / jnp.sum(top_BxSxK, -1, keepdims=True)
+    rows, seq, n = probs_BxSxX.shape
+    # claims in priority order: every token's first choice, then every second choice
+    claims_BxKSxX = jax.nn.one_hot(
+        experts_BxSxK.transpose(0, 2, 1).reshape(rows, k * seq), n, dtype=jnp.int32
+    )
+    earlier_BxKSxX = jnp.cumsum(claims_BxKSxX, axis=1) - claims_BxKSxX
+    slot_BxKxS = jnp.sum(earlier_BxKSxX * claims_BxKSxX, -1).reshape(rows, k, seq)
+    slot_BxSxK = slot_BxKxS.transpose(0, 2, 1)
+    return Routing(experts_BxSxK, weights_BxSxK, slot_BxSxK, slot_BxSxK < slots, probs_BxSxX)
+
+
+class MoE(nnx.Module):
+    """The mixture's feed-forward: [rows, seq, embed] -> (the same, its Load)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        e, m, n = cfg.embed, cfg.mlp, cfg.experts
+        self.router = param(rngs, normal(0.02), (e, n), (EMBED, EXPERTS))
+        self.w_gate = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
+        self.w_up = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
+        out_std = 0.02 / (2 * cfg.layers) ** 0.5
+        self.w_down = param(rngs, normal(out_std), (n, m, e), (EXPERTS, MLP, EMBED))
+        self.k = cfg.experts_per_token
+        self.capacity_factor = cfg.capacity_factor
+
+    def __call__(self, x_BxSxE: jax.Array, dropless: bool = False) -> tuple[jax.Array, Load]:
+        dt = x_BxSxE.dtype
+        seq, n = x_BxSxE.shape[1], self.router.shape[-1]
+        slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
+        logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
+        r = route(constrain(logits_BxSxX, (BATCH, SEQ, EXPERTS)), self.k, slots)
+        experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
+        # each expert's hidden dims split over `tensor`: one sum of the combined output
+        routed = r._replace(probs=None)
+        y_BxSxE = tensor_parallel(functools.partial(mix, slots), x_BxSxE, routed, experts, names)
+        chosen_BxSxX = jnp.sum(jax.nn.one_hot(r.experts, n, dtype=jnp.float32), axis=2)
+        load = Load(r.probs, chosen_BxSxX, jnp.sum(r.keep, -1).astype(jnp.float32))
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
+
+
+def mix(slots: int, x_BxSxE, r: Routing, gate_XxExM, up_XxExM, down_XxMxE):
+    """Each token's k experts' outputs, weighted and summed: the tokens gathered into
+    their experts' slots, the experts applied as one batched product, the outputs
+    gathered back."""
+    rows, seq, _ = x_BxSxE.shape
+    n = gate_XxExM.shape[0]
+    # each expert's slots: the token in it (seq: none, a row of zeros); out of capacity,
+    # the write is dropped
+    row = jnp.arange(rows)[:, None, None]
+    token = jnp.broadcast_to(jnp.arange(seq)[None, :, None], r.slot.shape)
+    token_BxXxC = (
+        jnp.full((rows, n, slots), seq, jnp.int32).at[row, r.experts, r.slot].set(token, mode="drop")
+    )
+    padded_BxSxE = jnp.concatenate([x_BxSxE, jnp.zeros_like(x_BxSxE[:, :1])], axis=1)
+    in_BxXxCxE = jax.vmap(lambda x, t: x[t])(padded_BxSxE, token_BxXxC)
+    gate_BxXxCxM = jnp.einsum("bxce,xem->bxcm", in_BxXxCxE, gate_XxExM)
+    up_BxXxCxM = jnp.einsum("bxce,xem->bxcm", in_BxXxCxE, up_XxExM)
+    h_BxXxCxM = jax.nn.silu(gate_BxXxCxM) * up_BxXxCxM
+    out_BxXxCxE = jnp.einsum("bxcm,xme->bxce", h_BxXxCxM, down_XxMxE)
+    # each token's k outputs, weighted (a dropped one: weight 0)
+    flat_BxXCxE = out_BxXxCxE.reshape(rows, n * slots, -1)
+    where_BxSxK = r.experts * slots + jnp.minimum(r.slot, slots - 1)
+    picked_BxSxKxE = jax.vmap(lambda o, i: o[i])(flat_BxXCxE, where_BxSxK)
+    weights_BxSxK = jnp.where(r.keep, r.weights, 0.0).astype(x_BxSxE.dtype)
+    return jnp.einsum("bske,bsk->bse", picked_BxSxKxE, weights_BxSxK)
+
+
+def balance_loss(load: Load, trained_BxS: jax.Array, layers: int) -> jax.Array:
+    """[rows, seq] each token's part of the load-balance loss, experts x sum_i f_i P_i
+    (Mixtral's, as `transformers` computes it over all layers at once): f_i the share of
+    the batch's trained tokens' choices (of all `layers`) that went to expert i, P_i its
+    mean router probability. f counts the whole batch, on every device (batch_sum), and
+    is a constant; P_i is a mean over tokens, so the loss's mean over the trained tokens
+    is each token's experts x sum_i f_i p_ti / layers."""
+    n = load.probs.shape[-1]
+    trained_BxS = trained_BxS.astype(jnp.float32)
+    counts_X = batch_sum(jnp.einsum("bsx,bs->x", load.chosen, trained_BxS))
+    tokens = batch_sum(jnp.sum(trained_BxS))
+    share_X = counts_X / jnp.maximum(tokens * layers, 1.0)
+    return n * jnp.einsum("bsx,x->bs", load.probs, share_X) / layers

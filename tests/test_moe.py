@@ -1,0 +1,178 @@
+"""The mixture of experts (models/moe.py) against a dense reference: every token through
+its k experts by a loop over the experts, no capacity; its routing's capacity against a
+plain loop over the claims; its layouts against one device; its load-balance loss
+against transformers' (test_mixtral.py)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_same_training, run
+from helpers import reference as shared_reference
+
+from jaxpar import presets
+from jaxpar.models import moe
+
+E, K, ROWS, SEQ, EMBED = 4, 2, 3, 16, 64
+
+
+def layer(capacity_factor: float) -> moe.MoE:
+    cfg = presets.load("mixtral-tiny", [f"model.capacity_factor={capacity_factor}"]).model
+    return moe.MoE(cfg, nnx.Rngs(0))
+
+
+def inputs(seed: int = 1) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (ROWS, SEQ, EMBED), jnp.float32)
+
+
+def swiglu(x, gate, up, down):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def loop(params: dict, x: jax.Array, keep=None) -> jax.Array:
+    """The truth: every expert applied to every token, each token's output the sum of its
+    k experts' weighted by the router's renormalized top-k probabilities (times `keep`,
+    [rows, seq, k], where given)."""
+    probs = jax.nn.softmax(x @ params["router"], axis=-1)
+    top, chosen = jax.lax.top_k(probs, K)
+    weights = top / top.sum(-1, keepdims=True)
+    if keep is not None:
+        weights = jnp.where(keep, weights, 0.0)
+    y = jnp.zeros_like(x)
+    for e in range(E):
+        out = swiglu(x, params["w_gate"][e], params["w_up"][e], params["w_down"][e])
+        y += jnp.sum(jnp.where(chosen == e, weights, 0.0), -1)[..., None] * out
+    return y
+
+
+def params_of(m: moe.MoE) -> dict:
+    return {k: getattr(m, k)[...] for k in ("router", "w_gate", "w_up", "w_down")}
+
+
+def apply(m: moe.MoE, params: dict, x: jax.Array, dropless: bool = False) -> jax.Array:
+    graphdef, state = nnx.split(m)
+    flat = [(path, var.replace(params[path[0]])) for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))(x, dropless)[0]
+
+
+def output_and_grads(fn, params, x):
+    """fn's output, and the gradients of a fixed random projection of it w.r.t. the
+    parameters and the input."""
+    probe = jax.random.normal(jax.random.key(7), x.shape)
+    return fn(params, x), jax.grad(lambda p, x: jnp.sum(fn(p, x) * probe), (0, 1))(params, x)
+
+
+def assert_close(got, want, tol=1e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        err = float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+        assert err < tol, err
+
+
+def test_capacity_is_the_factor_of_an_even_share_at_most_the_sequence():
+    assert moe.capacity(64, 4, 2, 1.25) == math.ceil(1.25 * 64 * 2 / 4) == 40
+    assert moe.capacity(64, 4, 2, 2.0) == moe.capacity(64, 4, 2, 9.0) == 64  # dropless
+
+
+def test_routing_fills_each_expert_first_choices_first_in_sequence_order():
+    logits = jax.random.normal(jax.random.key(3), (ROWS, SEQ, E))
+    slots = 5
+    r = moe.route(logits, K, slots)
+    experts = np.asarray(r.experts)
+    for b in range(ROWS):
+        taken = [0] * E
+        for j in range(K):  # every first choice before any second one
+            for s in range(SEQ):
+                e = experts[b, s, j]
+                assert r.slot[b, s, j] == taken[e]
+                assert bool(r.keep[b, s, j]) == (taken[e] < slots)
+                taken[e] += 1
+    np.testing.assert_allclose(np.asarray(r.weights).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_without_drops_output_and_gradients_equal_the_loop():
+    m = layer(capacity_factor=E / K)  # dropless
+    params = params_of(m)
+    got = output_and_grads(lambda p, x: apply(m, p, x), params, inputs())
+    want = output_and_grads(loop, params, inputs())
+    assert_close(got, want)
+
+
+def test_with_drops_equal_the_loop_given_the_same_drop_mask():
+    m = layer(capacity_factor=0.5)
+    params = params_of(m)
+    x = inputs()
+    slots = moe.capacity(SEQ, E, K, 0.5)
+    keep = moe.route(x @ params["router"], K, slots).keep
+    assert 0 < float(jnp.mean(~keep))  # some are dropped
+    got = output_and_grads(lambda p, x: apply(m, p, x), params, x)
+    want = output_and_grads(lambda p, x: loop(p, x, keep), params, x)
+    assert_close(got, want)
+    # while decoding nothing is dropped
+    assert_close(apply(m, params, x, dropless=True), loop(params, x))
+
+
+def drop_rate(capacity_factor: float, seq: int = 256) -> float:
+    """The share of choices dropped, for a router that favours some experts (as an
+    untrained one does by chance; a uniform one drops little)."""
+    favour = jnp.array([[[1.0, 0.5, 0.0, -0.5]]])
+    logits = jax.random.normal(jax.random.key(5), (8, seq, E)) + favour
+    slots = moe.capacity(seq, E, K, capacity_factor)
+    return 1.0 - float(jnp.mean(moe.route(logits, K, slots).keep))
+
+
+DROPS = (0.5, 1.0, 1.25, 1.5, E / K)  # README's table
+
+
+def test_the_drop_rate_falls_as_the_capacity_factor_grows_and_is_zero_dropless():
+    rates = [drop_rate(f) for f in DROPS]
+    assert all(a > b for a, b in zip(rates, rates[1:], strict=False)), rates
+    assert rates[0] >= 0.5 - 1e-6 and rates[-1] == 0.0, rates
+
+
+def test_the_balance_loss_is_the_number_of_choices_when_the_router_is_uniform():
+    rows, seq = 2, 8
+    load = moe.Load(
+        probs=jnp.full((rows, seq, E), 1 / E),
+        chosen=jnp.broadcast_to(jnp.array([1.0, 1.0, 0.0, 0.0]), (rows, seq, E)),
+        kept=jnp.full((rows, seq), float(K)),
+    )
+    per_token = moe.balance_loss(load, jnp.ones((rows, seq), bool), layers=1)
+    # all tokens to experts 0 and 1 (f = 1, 1, 0, 0), uniform probabilities: E x 2 / E
+    np.testing.assert_allclose(per_token, K, rtol=1e-6)
+
+
+# ---- layouts: a few steps of mixtral-tiny (its load-balance loss on) equal one device
+
+STEPS = 4
+LAYOUTS = {
+    "dp8": ("parallel.data=8",),
+    "dp4-tp2-zero3": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+    "dp2-zero2-accum2": ("parallel.data=2", "parallel.zero=2", "train.grad_accum=2"),
+    "replica2-dp2-tp2-zero1-remat": (
+        "parallel.replica=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=1",
+        "parallel.remat=full",
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return shared_reference("mixtral-tiny", steps=STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_mixture_trains_in_every_layout_as_on_one_device(name, reference):
+    overrides = list(LAYOUTS[name])
+    if "accum" in name:
+        # the balance loss is over each micro-batch (its rows on all devices), which
+        # holds other rows on one device: without it, one big batch is the truth
+        overrides.append(NO_BALANCE[0])
+        reference = shared_reference("mixtral-tiny", NO_BALANCE, steps=STEPS)
+    assert_same_training(run("mixtral-tiny", overrides, steps=STEPS), reference)
+
+
+NO_BALANCE = ("model.router_aux_loss=0",)
