@@ -108,6 +108,30 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["parallel.context=2", "parallel.dp_sync=params"],
         ["dp_sync=params", "parallel.context=2"],
     ),
+    "experts-k": (
+        ["model.name=mixtral", "model.experts=4", "model.experts_per_token=5"],
+        ["model.experts_per_token=5 > model.experts=4", "choose k <= 4"],
+    ),
+    "experts-pipeline": (
+        ["model.name=mixtral", "model.experts=4", "parallel.pipeline=2", "parallel.data=4"],
+        ["parallel.pipeline=2 with model.experts=4", "parallel.pipeline=1"],
+    ),
+    "experts-context": (
+        ["model.name=mixtral", "model.experts=4", "parallel.context=2", "parallel.data=4"],
+        ["parallel.context=2 with model.experts=4"],
+    ),
+    "experts-dense-llama": (
+        ["model.name=llama", "model.experts=4"],
+        ["model.experts=4 is mixtral's, not llama's; set model.name=mixtral"],
+    ),
+    "mixtral-without-experts": (
+        ["model.name=mixtral"],
+        ["model.name=mixtral is a mixture of experts", "set model.experts"],
+    ),
+    "balance-without-experts": (
+        ["model.name=llama", "model.router_aux_loss=0.01"],
+        ["model.router_aux_loss=0.01", "model.experts=0 has none"],
+    ),
     "empty-key": ([".=1"], ["'.=1'", "empty part"]),
     "no-section": (["steps=1"], ["'steps=1'", "SECTION.KEY=VALUE"]),
     "section-value": (["train=1"], ["'train=1'", "SECTION.KEY=VALUE"]),

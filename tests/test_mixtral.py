@@ -1,0 +1,132 @@
+"""Mixtral (the Llama model with a mixture of experts) against `transformers` itself: the
+first step's loss with the load-balance loss on both, in two layouts; logits after
+training and exporting; greedy continuations token for token; a checkpoint whose expert
+count disagrees with the user's, refused."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+
+import jaxpar  # noqa: E402
+from jaxpar import cli, commands, decoding, hf, presets, registry  # noqa: E402
+
+pytestmark = pytest.mark.slow  # trains, and runs transformers
+
+BALANCE = 0.02  # router_aux_loss_coef, on in both
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random tiny Mixtral (4 experts, top-2, GQA) saved by transformers; as Mixtral's
+    own, without output_router_logits (transformers then trains without the balance)."""
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+        router_aux_loss_coef=BALANCE, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)  # the router too: its choices are far from uniform
+    directory = tmp_path_factory.mktemp("mixtral") / "hf"
+    model.save_pretrained(directory)
+    return directory
+
+
+def theirs(directory, tokens: np.ndarray):
+    """transformers' (logits, load-balance loss) of `tokens`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    return out.logits.numpy(), float(out.aux_loss)
+
+
+DROPLESS = "model.capacity_factor=2"  # experts / k: transformers drops nothing
+ON = f"model.router_aux_loss={BALANCE}"  # a training key: taken over config.json's
+
+
+def test_the_balance_is_off_as_in_transformers_unless_asked_for(checkpoint):
+    def loaded(*overrides):  # as the command line gives them
+        cfg = presets.load("mixtral-tiny", [f"model.init=hf:{checkpoint}", *overrides])
+        return presets.resolve_init(
+            cfg, {o.split("=")[0].removeprefix("model.") for o in overrides}
+        ).model
+
+    assert (loaded().experts, loaded().router_aux_loss) == (4, 0.0)
+    assert loaded(ON).router_aux_loss == BALANCE
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.data=1",), ("parallel.data=4", "parallel.tensor=2"), ("parallel.data=8",)],
+)
+def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
+    cfg = presets.load(
+        "mixtral-tiny",
+        [f"model.init=hf:{checkpoint}", DROPLESS, ON, *layout, "train.steps=1", "train.lr=1e-12"],
+    )
+    cfg = presets.resolve_init(cfg, {"router_aux_loss"})
+    assert (cfg.model.experts, cfg.model.router_aux_loss) == (4, BALANCE)
+    n = math.prod((cfg.parallel.data, cfg.parallel.tensor))
+    s = commands.setup(cfg, devices[:n])
+    params = hf.initial_params(registry.get("mixtral").hf, cfg.model, checkpoint, s.problem.shapes)
+    result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
+    tokens = s.batches(0)["tokens"]
+    logits, balance = theirs(checkpoint, tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(
+        torch.tensor(logits).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
+    ).item()
+    assert result.losses[0] == pytest.approx(loss + BALANCE * balance, rel=1e-5)
+    assert BALANCE * balance > 1e-5 * loss  # the balance loss is seen, not lost in rounding
+
+
+def our_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
+    spec = registry.get(cfg.model.name)
+    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
+    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
+    return np.asarray(model.logits(x))
+
+
+def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path, devices):
+    """Three steps (data=4 x tensor=2, ZeRO-3), `jaxpar export --format hf`, loaded back
+    by transformers: its logits within 1e-4 of their scale of jaxpar's."""
+    run = tmp_path / "run"
+    argv = ["train", "--config", "mixtral-tiny", f"model.init=hf:{checkpoint}", DROPLESS, ON,
+            "parallel.data=4", "parallel.tensor=2", "parallel.zero=3", "train.steps=3",
+            "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["architectures"] == ["MixtralForCausalLM"]
+    assert (exported["num_local_experts"], exported["num_experts_per_tok"]) == (4, 2)
+    assert exported["router_aux_loss_coef"] == BALANCE and exported["output_router_logits"]
+    params, meta = jaxpar.checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"])
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+    want, _ = theirs(tmp_path / "out", tokens)
+    err = np.abs(our_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+
+
+def test_greedy_continuations_are_transformers_generate(checkpoint, devices):
+    from test_generate import PROMPTS, transformers_greedy
+
+    model = decoding.load(f"hf:{checkpoint}", ["parallel.data=1"], devices=devices[:2])
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    assert done.completions == transformers_greedy(checkpoint, PROMPTS, 32)
+
+
+def test_a_checkpoint_with_other_experts_than_set_is_refused(checkpoint, capsys, tmp_path):
+    argv = ["train", "--config", "mixtral-tiny", f"model.init=hf:{checkpoint}",
+            "model.experts=8", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.experts=8 disagrees with model.init=hf:" in err, err
+    assert "config.json gives 4" in err
