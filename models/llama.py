@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import documents
 from jaxpar.attention import cached_attention, causal_attention
 from jaxpar.cost import AttentionDims
-from jaxpar import documents
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, dense, param, scan_cached, scan_layers, stack
@@ -364,7 +364,9 @@ def block_flops(m: LlamaConfig, seq_len: int) -> float:
     (GQA), gate, up and down; with experts, the router and k experts' gate, up and down:
     the active FLOPs), plus the attention scores and their product with V."""
     q, kv = m.heads * head_size(m), m.kv_heads * head_size(m)
-    mlp = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp) if m.experts else 3 * m.embed * m.mlp
+    mlp = 3 * m.embed * m.mlp
+    if m.experts:
+        mlp = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp)
     matmuls = 2 * m.embed * q + 2 * m.embed * kv + mlp
     return 2 * matmuls + 4 * seq_len * q
 

@@ -63,13 +63,12 @@ def config_from_hf(hf: dict, family: str = "llama") -> dict:
         ),
     }
     if family == "mixtral":
+        balance = float(hf.get("router_aux_loss_coef", 0.0))
         keys |= {
             "experts": hf["num_local_experts"],
             "experts_per_token": hf["num_experts_per_tok"],
             # transformers adds the load-balance loss only with output_router_logits
-            "router_aux_loss": (
-                float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-            ),
+            "router_aux_loss": balance if hf.get("output_router_logits") else 0.0,
         }
     if kind == "llama3":
         keys |= {

@@ -117,9 +117,8 @@ def mix(slots: int, x_BxSxE, r: Routing, gate_XxExM, up_XxExM, down_XxMxE):
     # the write is dropped
     row = jnp.arange(rows)[:, None, None]
     token = jnp.broadcast_to(jnp.arange(seq)[None, :, None], r.slot.shape)
-    token_BxXxC = (
-        jnp.full((rows, n, slots), seq, jnp.int32).at[row, r.experts, r.slot].set(token, mode="drop")
-    )
+    empty_BxXxC = jnp.full((rows, n, slots), seq, jnp.int32)
+    token_BxXxC = empty_BxXxC.at[row, r.experts, r.slot].set(token, mode="drop")
     padded_BxSxE = jnp.concatenate([x_BxSxE, jnp.zeros_like(x_BxSxE[:, :1])], axis=1)
     in_BxXxCxE = jax.vmap(lambda x, t: x[t])(padded_BxSxE, token_BxXxC)
     gate_BxXxCxM = jnp.einsum("bxce,xem->bxcm", in_BxXxCxE, gate_XxExM)
