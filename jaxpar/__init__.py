@@ -36,6 +36,7 @@ _EXPORTS = {
     "load_exported": ("jaxpar.export", "load"),
     "to_nnx": ("jaxpar.export", "to_nnx"),
     "causal_attention": ("jaxpar.attention", "causal_attention"),
+    "report": ("jaxpar.context", "report"),
     "batch_sum": ("jaxpar.layers", "batch_sum"),
     "constrain": ("jaxpar.layers", "constrain"),
     "dense": ("jaxpar.layers", "dense"),

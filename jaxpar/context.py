@@ -2,7 +2,9 @@
 
 While a step traces the model it installs a `Context`; the helpers that models call
 (`jaxpar.constrain`, `jaxpar.scan_layers`) read it, and nothing else does. Outside a
-step there is none, and those helpers leave their input as it is.
+step there is none, and those helpers leave their input as it is. The other way, a
+model's loss may `report` scalars (a mixture's balance, its drops) that the training
+step collects into its metrics.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
     "jaxpar_context", default=None
 )
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxpar_target", default=None)
+_REPORTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxpar_reports", default=None
+)
 
 
 def current() -> Context | None:
@@ -79,6 +84,25 @@ def active(ctx: Context):
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def reporting():
+    """Collect what the model reports (`report`) while it computes one micro-batch's loss:
+    the dict yielded fills as it does."""
+    reports: dict = {}
+    token = _REPORTS.set(reports)
+    try:
+        yield reports
+    finally:
+        _REPORTS.reset(token)
+
+
+def report(name: str, value) -> None:
+    """A scalar for this step's metrics (`jaxpar.report`); nothing while none are collected."""
+    reports = _REPORTS.get()
+    if reports is not None:
+        reports[name] = value
 
 
 def platform_of(device: jax.Device) -> str:

@@ -38,6 +38,8 @@ class StepMetrics(NamedTuple):
     grad_norm: jax.Array
     skipped: jax.Array  # steps skipped as not finite so far
     targets: jax.Array  # the global batch's trained loss elements (the loss's divisor)
+    # what the model reported (jaxpar.report), the mean over micro-batches and devices
+    reports: dict = {}  # noqa: RUF012 (a NamedTuple's default, never mutated)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,11 @@ def _micro_batches(train: Train, par: Parallel, mesh: Mesh, batch):
     return jax.tree.map(lambda x: x.reshape((train.grad_accum, rows) + x.shape[1:]), batch)
 
 
+def per_micro_batch(reports: dict, train: Train) -> dict:
+    """The model's reports summed over the micro-batches, as their mean."""
+    return {name: value / train.grad_accum for name, value in reports.items()}
+
+
 def at_least_one(count) -> jax.Array:
     """A loss's divisor: where nothing in the batch is trained, 1 (the loss and its
     gradient are then 0, not NaN)."""
@@ -191,21 +198,27 @@ def local_value_and_grad(
     problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
 ):
     """((params, this device's rows, the trained loss elements of the batch they are
-    part of) -> (its loss sum / that count, its gradients, accumulated over
-    train.grad_accum micro-batches), the pipeline or None), with the model's context
-    active; for a shard_map manual over the batch axes."""
+    part of) -> ((its loss sum / that count, the model's reports summed), its gradients,
+    accumulated over train.grad_accum micro-batches), the pipeline or None), with the
+    model's context active; for a shard_map manual over the batch axes. (A pipeline's
+    stages report nothing.)"""
     ctx = _context(train, par, mesh, policy)
     pipe = None
     if layout is None:
 
-        @jax.value_and_grad
+        @functools.partial(jax.value_and_grad, has_aux=True)
         def value_and_grad(params, mb, count):
-            losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
-            return jnp.sum(losses.astype(jnp.float32)) / count
+            with context.reporting() as reports:
+                losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
+            return jnp.sum(losses.astype(jnp.float32)) / count, reports
 
     else:
         pipe = schedules.Pipe(problem, layout, par.schedule, par.microbatches)
-        value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
+        staged = schedules.value_and_grad(pipe, policy.compute_view)
+
+        def value_and_grad(params, mb, count):
+            loss, grads = staged(params, mb, count)
+            return (loss, {}), grads
 
     def local(params, batch, count):
         count = at_least_one(count)

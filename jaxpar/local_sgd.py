@@ -36,6 +36,7 @@ from jaxpar.engine import (
     evaluator,
     jitted,
     local_value_and_grad,
+    per_micro_batch,
     zero_policy,
 )
 from jaxpar.problem import Problem, trained_count
@@ -111,7 +112,8 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         mine = jax.tree.map(lambda x: x[0], local.params)
         # each copy's loss is over its own rows' trained elements
         count = trained_count(problem, batch)
-        loss, grads = value_and_grad(mine, batch, count)
+        (loss, reports), grads = value_and_grad(mine, batch, count)
+        reports = jax.lax.pmean(per_micro_batch(reports, cfg.train), DATA)
         grads, norm = clip(grads)
         # the global batch's loss: the copies' sums over all their trained elements
         loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
@@ -134,7 +136,8 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
 
         mine, params, outer_opt = jax.lax.cond(sync, average, lambda *a: a, mine, params, outer_opt)
         local = Local(params=jax.tree.map(lambda x: x[None], mine), opt=opt)
-        return local, params, outer_opt, loss, jax.lax.pmean(norm, DATA), applied, finite
+        norm = jax.lax.pmean(norm, DATA)
+        return local, params, outer_opt, loss, norm, applied, finite, reports
 
     def train_step(state: TrainState, batch):
         specs_in = (
@@ -149,14 +152,15 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             functools.partial(device_step, total=cfg.train.steps),
             mesh=mesh,
             in_specs=specs_in,
-            out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 4),
+            out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 5),
             axis_names={REPLICA, DATA, PIPE},
             check_vma=False,
         )(state.local, state.params, state.opt, batch, state.step, state.skipped)
-        local, params, outer_opt, loss, norm, applied, finite = out
+        local, params, outer_opt, loss, norm, applied, finite, reports = out
         new = state.replace(params=params, opt=outer_opt, local=local)
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
-        metrics = (loss, schedule(state.step), norm, new.skipped, trained_count(problem, batch))
+        count = trained_count(problem, batch)
+        metrics = (loss, schedule(state.step), norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics)
 
     def mean_grads(state: TrainState, batch):

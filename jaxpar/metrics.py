@@ -57,7 +57,8 @@ class MetricsLog:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         if self._events:
-            for tag in TENSORBOARD_TAGS:
+            # and what the model reported (jaxpar.report: "moe/dropped", ...)
+            for tag in [*TENSORBOARD_TAGS, *(k for k in row if "/" in k)]:
                 if row.get(tag) is not None:
                     self._events.add_scalar(tag, row[tag], row["step"])
             self._events.flush()

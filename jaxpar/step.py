@@ -31,6 +31,7 @@ from jaxpar.engine import (
     jitted,
     local_value_and_grad,
     manual,
+    per_micro_batch,
     zero_policy,
 )
 from jaxpar.problem import Problem, trained_count
@@ -75,10 +76,11 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     def train_step(state: TrainState, batch):
         # the loss is the global batch's summed loss over its trained elements' count
         count = trained_count(problem, batch)
-        loss, grads = grads_of(state.compute_params, batch, count)
+        (loss, reports), grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
         new = new.advanced(applied, finite, cfg.train.on_nonfinite)
-        return new, StepMetrics(loss, schedule(state.step), grad_norm, new.skipped, count)
+        metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
+        return new, StepMetrics(*metrics)
 
     return jitted(
         mesh,
@@ -121,19 +123,20 @@ def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
 def _local_grads(
     problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
 ):
-    """(compute params, global batch, its trained loss elements) -> (global mean loss,
-    this device's reduced gradients), as a shard_map manual over `replica`, `data`,
-    `pipeline` and `context`."""
+    """(compute params, global batch, its trained loss elements) -> ((global mean loss,
+    the model's reports), this device's reduced gradients), as a shard_map manual over
+    `replica`, `data`, `pipeline` and `context`."""
     value_and_grad, pipe = local_value_and_grad(problem, train, par, mesh, policy, layout)
 
     def local(params, batch, count):
-        loss, grads = value_and_grad(params, batch, count)
+        (loss, reports), grads = value_and_grad(params, batch, count)
         if pipe is not None:  # leaves every stage holds got their gradient on one stage
             grads = schedules.reduce_shared(pipe, grads, policy.specs)
         grads = policy.finish(grads)
         if mesh.shape[CONTEXT] > 1:  # each device's tokens' part, summed once, as data leaves it
             grads = jax.lax.psum(grads, CONTEXT)
-        return jax.lax.psum(loss, MANUAL_AXES), grads
+        reports = jax.lax.pmean(per_micro_batch(reports, train), MANUAL_AXES)
+        return (jax.lax.psum(loss, MANUAL_AXES), reports), grads
 
     def grads_of(params, batch, count):
         return jax.shard_map(

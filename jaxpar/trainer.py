@@ -364,6 +364,7 @@ class _Rows:
             "skipped": int(host.skipped),
             "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
             **({} if eval_loss is None else {"eval_loss": eval_loss}),
+            **{name: float(value) for name, value in sorted(host.reports.items())},
         }
         self.log.write(row)
         speed = (

@@ -52,7 +52,7 @@ from .common import (
 )
 from .common import tensor_elements as tensor_elements_of
 from .llama_hf import FAMILIES, HF
-from .moe import Load, MoE, balance_loss, capacity
+from .moe import Load, MoE, balance_loss, capacity, report_load
 
 
 def head_size(m: LlamaConfig) -> int:
@@ -294,7 +294,7 @@ class Llama(nnx.Module):
 def loss(model: Llama, batch: dict) -> jax.Array:
     """next_token_loss; with experts, each trained token's loss plus its part of the
     load-balance loss (model.router_aux_loss x moe.balance_loss), the experts' Load
-    carried through the layer scan."""
+    carried through the layer scan, and the step's metrics of it reported."""
     if not model.experts:
         return next_token_loss(model, batch)
     docs = documents.of_inputs(batch)
@@ -309,12 +309,13 @@ def loss(model: Llama, batch: dict) -> jax.Array:
     start = (x_BxSxE, Load.zeros(rows, seq, model.experts))
     x_BxSxE, load = scan_layers(model.blocks, start, layer)
     losses_BxS = token_losses(model, x_BxSxE, batch)
-    if not model.router_aux_loss:
-        return losses_BxS
     trained_BxS = documents.target_weights(batch)
     if trained_BxS is None:
         trained_BxS = jnp.ones((rows, seq), bool)
     balance_BxS = balance_loss(load, trained_BxS, model.depth)
+    report_load(load, trained_BxS, balance_BxS)
+    if not model.router_aux_loss:
+        return losses_BxS
     return documents.masked(losses_BxS + model.router_aux_loss * balance_BxS, batch)
 
 

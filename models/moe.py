@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.context import report
 from jaxpar.layers import batch_sum, constrain, param, tensor_parallel
 from jaxpar.sharding import BATCH, EMBED, EXPERTS, MLP, SEQ, SEQ_RESIDUAL
 
@@ -146,3 +147,17 @@ def balance_loss(load: Load, trained_BxS: jax.Array, layers: int) -> jax.Array:
     tokens = batch_sum(jnp.sum(trained_BxS))
     share_X = counts_X / jnp.maximum(tokens * layers, 1.0)
     return n * jnp.einsum("bsx,x->bs", load.probs, share_X) / layers
+
+
+def report_load(load: Load, trained_BxS: jax.Array, balance_BxS: jax.Array) -> None:
+    """The step's metrics of a mixture, over the whole batch (jaxpar.report): its
+    load-balance loss (unweighted), the share of the k choices of every token and layer
+    dropped for capacity, and the busiest expert's share of the choices over the mean
+    expert's (1: even; all layers together)."""
+    trained_BxS = trained_BxS.astype(jnp.float32)
+    tokens = jnp.maximum(batch_sum(jnp.sum(trained_BxS)), 1.0)
+    report("moe/balance_loss", batch_sum(jnp.sum(balance_BxS * trained_BxS)) / tokens)
+    layers_choices = batch_sum(jnp.sum(load.chosen))  # k a token and layer
+    report("moe/dropped", 1.0 - batch_sum(jnp.sum(load.kept)) / layers_choices)
+    per_expert_X = batch_sum(jnp.sum(load.chosen, axis=(0, 1)))
+    report("moe/load_max_over_mean", jnp.max(per_expert_X) / jnp.mean(per_expert_X))

@@ -3,6 +3,7 @@ its k experts by a loop over the experts, no capacity; its routing's capacity ag
 plain loop over the claims; its layouts against one device; its load-balance loss
 against transformers' (test_mixtral.py)."""
 
+import json
 import math
 
 import jax
@@ -176,3 +177,28 @@ def test_a_mixture_trains_in_every_layout_as_on_one_device(name, reference):
 
 
 NO_BALANCE = ("model.router_aux_loss=0",)
+
+
+@pytest.mark.slow
+def test_the_metrics_report_the_whole_batch_in_any_layout(devices, tmp_path):
+    """metrics.jsonl and TensorBoard get the balance loss, the share dropped and the
+    busiest expert's load, the same under data=4 tensor=2 as on one device: statistics
+    of the whole batch, not of one device's rows."""
+    from test_observe import events
+
+    from jaxpar import cli
+
+    one = run("mixtral-tiny", ["parallel.data=1", "train.log_every=1"], steps=2).rows
+    out = tmp_path / "dp4-tp2"
+    argv = ["train", "--config", "mixtral-tiny", *LAYOUTS["dp4-tp2-zero3"], "train.steps=2"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    split = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    reported = ("moe/balance_loss", "moe/dropped", "moe/load_max_over_mean")
+    for mine, theirs in zip(split, one, strict=True):
+        for key in reported:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+    first = one[0]
+    assert 0 < first["moe/dropped"] < 0.5 and first["moe/load_max_over_mean"] >= 1.0
+    assert first["moe/balance_loss"] >= 1.0  # E sum f_i P_i: K at even load, at least ~1
+    logged = events(out / "tensorboard")
+    assert all(key in logged for key in reported), sorted(logged)
