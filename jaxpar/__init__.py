@@ -43,6 +43,7 @@ _EXPORTS = {
     "param": ("jaxpar.layers", "param"),
     "scan_layers": ("jaxpar.layers", "scan_layers"),
     "stack": ("jaxpar.layers", "stack"),
+    "tensor_parallel": ("jaxpar.layers", "tensor_parallel"),
     "build_mesh": ("jaxpar.mesh", "build_mesh"),
     "plan": ("jaxpar.planner", "plan"),
     "Problem": ("jaxpar.problem", "Problem"),

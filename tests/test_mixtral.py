@@ -65,7 +65,8 @@ def test_the_balance_is_off_as_in_transformers_unless_asked_for(checkpoint):
 
 @pytest.mark.parametrize(
     "layout",
-    [("parallel.data=1",), ("parallel.data=4", "parallel.tensor=2"), ("parallel.data=8",)],
+    # (data=8 equals one device with the balance on: test_moe.py)
+    [("parallel.data=1",), ("parallel.data=4", "parallel.tensor=2")],
 )
 def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     cfg = presets.load(
