@@ -10,16 +10,28 @@ state over `data` only, within a group, and the groups are copies over `replica`
 
 Context parallelism splits each sequence over `context` (jaxpar.sequence); parameters
 and their ZeRO shards are whole over it, and each step's gradients, once reduced over
-`data`, are summed over it once."""
+`data`, are summed over it once.
 
-REPLICA, DATA, PIPE, CONTEXT, TENSOR = "replica", "data", "pipeline", "context", "tensor"
-AXES = (REPLICA, DATA, PIPE, CONTEXT, TENSOR)
-BATCH_AXES = (REPLICA, DATA)  # the axes the batch is split over
+Expert parallelism splits a mixture's experts over `expert` (jaxpar.models.moe: tokens
+go to their experts' devices by all-to-all). Everywhere else `expert` is a data axis
+like `replica`: the batch is split over it, and the other parameters and their ZeRO
+shards are copies over it whose gradients are summed over it once a step."""
+
+import math
+
+REPLICA, DATA, EXPERT = "replica", "data", "expert"
+PIPE, CONTEXT, TENSOR = "pipeline", "context", "tensor"
+AXES = (REPLICA, DATA, EXPERT, PIPE, CONTEXT, TENSOR)
+BATCH_AXES = (REPLICA, DATA, EXPERT)  # the axes the batch is split over
 # the axes a step's shard_map places by hand (`tensor` stays with the compiler): each
-# device computes on its own rows (replica, data), stage (pipeline) and tokens (context)
-MANUAL_AXES = (REPLICA, DATA, PIPE, CONTEXT)
+# device computes on its own rows (replica, data, expert), stage (pipeline) and tokens
+# (context)
+MANUAL_AXES = (REPLICA, DATA, EXPERT, PIPE, CONTEXT)
+# the axes shown only where their degree is more than 1
+OPTIONAL_AXES = (REPLICA, EXPERT, CONTEXT)
 
 
 def data_parallel(mesh_shape: dict) -> int:
-    """The data-parallel degree: replica x data (each shard of the batch one device's)."""
-    return mesh_shape.get(REPLICA, 1) * mesh_shape.get(DATA, 1)
+    """The data-parallel degree: replica x data x expert (each shard of the batch one
+    device's)."""
+    return math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.axes import DATA, REPLICA, data_parallel
+from jaxpar.axes import BATCH_AXES, DATA, data_parallel
 from jaxpar.config import Parallel, Train
 from jaxpar.errors import ConfigError
 
@@ -25,15 +25,17 @@ class BatchSplit:
 
 
 def batch_split(train: Train, parallel: Parallel, mesh_shape: dict) -> BatchSplit:
-    """THE batch arithmetic: global batch -> data shards (replica x data) -> accumulation
-    -> pipeline."""
+    """THE batch arithmetic: global batch -> data shards (replica x data x expert) ->
+    accumulation -> pipeline."""
     data = data_parallel(mesh_shape)
     parts = data * train.grad_accum * parallel.microbatches
     if train.batch_size % parts:
-        shards = f"replica({mesh_shape[REPLICA]}) * " if mesh_shape.get(REPLICA, 1) > 1 else ""
+        shards = "".join(
+            f"{a}({mesh_shape[a]}) * " if a == DATA or mesh_shape.get(a, 1) > 1 else ""
+            for a in BATCH_AXES
+        )
         raise ConfigError(
             f"train.batch_size={train.batch_size} does not split into {shards}"
-            f"data({mesh_shape[DATA]}) * "
             f"train.grad_accum({train.grad_accum}) * parallel.microbatches"
             f"({parallel.microbatches}) = {parts} equal parts; use a multiple of {parts}"
         )

@@ -111,6 +111,13 @@ class Parallel(Section):
         ),
     )
     data: Degree = key(-1, "degree of the `data` axis; -1 = all devices left over")
+    expert: Degree = key(
+        1,
+        (
+            "degree of the `expert` axis: a mixture's experts split over it, tokens sent to "
+            "them by all-to-all (expert parallelism); a data axis for everything else"
+        ),
+    )
     pipeline: Degree = key(1, "degree of the `pipeline` axis: stages of the layer stack")
     context: Degree = key(
         1, "degree of the `context` axis: each sequence split over it (context parallelism)"

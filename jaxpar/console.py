@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxpar import xla_flags
-from jaxpar.axes import REPLICA
+from jaxpar.axes import EXPERT, REPLICA
 from jaxpar.metrics import human_bytes, table
 from jaxpar.report import Report
 from jaxpar.throughput import shown
@@ -29,8 +29,8 @@ def _comm(report: Report, minimum: str) -> str:
 
 
 def _mesh(mesh: dict) -> str:
-    """The axes, `replica` only where there are replicas."""
-    return " x ".join(f"{a}={n}" for a, n in mesh.items() if a != REPLICA or n > 1)
+    """The axes, `replica` and `expert` only where they are more than 1."""
+    return " x ".join(f"{a}={n}" for a, n in mesh.items() if a not in (REPLICA, EXPERT) or n > 1)
 
 
 def startup(report: Report, params: int, platform: str, source: str) -> str:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import sequence
-from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR, data_parallel
 from jaxpar.config import (
     Config,
     ContextStrategy,
@@ -181,6 +181,44 @@ class AttentionDims:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class ExpertDims:
+    """What expert parallelism moves per layer: a mixture's sparse layers, experts, the
+    slots of each for a sequence (its capacity) and the token width
+    (ModelSpec.expert_dims)."""
+
+    layers: int
+    experts: int
+    slots: int
+    embed: int
+
+
+def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDims | None) -> float:
+    """Textbook wire bytes per device per step on `expert` (jaxpar.models.moe): per sparse
+    layer, each forward pass (`forward_passes`) sends the dispatched slots of this
+    device's rows, [rows, experts, slots, embed], to the experts' devices and their
+    outputs back (two all-to-alls), and the backward pass the same two again: (X-1)/X of
+    them each. Once a step, the other leaves' gradients as `data` leaves them (a 1/data
+    slice where ZeRO splits them) all-reduced over `expert`, 2(X-1)/X, as over `replica`."""
+    x = mesh_shape.get(EXPERT, 1)
+    if x == 1:
+        return 0.0
+    n, share = mesh_shape.get(DATA, 1), (x - 1) / x
+    total = 0.0
+    for s, shape in leaf_pairs(specs, shapes):
+        if EXPERT in s.compute:
+            continue
+        local = local_elems(shape, s.compute, mesh_shape)
+        part = local if cfg.parallel.zero == 0 or s.dim is None else local / n
+        total += 2 * share * reduce_bytes(cfg.train) * part
+    if experts is None:
+        return total
+    rows = cfg.train.batch_size // data_parallel(mesh_shape)
+    slots = rows * experts.experts * experts.slots * experts.embed
+    passes = 2 * forward_passes(cfg) + 2
+    return total + experts.layers * passes * share * slots * dtype_bytes(cfg.train.precision)
+
+
 def forward_passes(cfg: Config) -> int:
     """How often a layer's forward runs per micro-batch: twice where its backward
     recomputes it (parallel.remat, ZeRO-3's re-gathered layers)."""
@@ -233,6 +271,7 @@ def minimum(
     tensor_elements,
     attention: AttentionDims | None = None,
     documents: bool = False,
+    experts: ExpertDims | None = None,
 ) -> dict:
     """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
     engine lays it out: pipeline-staged where there is a pipeline): what the ledger
@@ -247,6 +286,7 @@ def minimum(
         CONTEXT: None
         if c > 1 and mesh_shape.get(PIPE, 1) > 1
         else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents),
+        EXPERT: expert_bytes(cfg, specs, trained.shapes, mesh_shape, experts),
     }
 
 

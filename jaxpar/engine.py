@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import context, cost, pipeline, schedules, sequence, xla_flags
 from jaxpar.accumulate import accumulate
-from jaxpar.axes import BATCH_AXES, CONTEXT, DATA, MANUAL_AXES, PIPE, REPLICA
+from jaxpar.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, MANUAL_AXES, PIPE
 from jaxpar.batches import batch_split
 from jaxpar.config import DpSync, Offload, Parallel, Schedule, Train
 from jaxpar.problem import Problem, trained_count
@@ -118,7 +118,7 @@ def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> con
         unroll=train.unroll,
         sequence=sequence.split_of(par, dict(mesh.shape), train.seq_len),
         sequence_parallel=par.sequence_parallel,
-        batch_axes=() if par.dp_sync is DpSync.PARAMS else (REPLICA, DATA, CONTEXT),
+        batch_axes=() if par.dp_sync is DpSync.PARAMS else (*BATCH_AXES, CONTEXT),
     )
 
 
@@ -140,10 +140,10 @@ def at_least_one(count) -> jax.Array:
 
 
 def manual(specs, field: str):
-    """The part of each leaf's spec that a shard_map manual over `data` and `pipeline`
-    sees (the other axes stay with the compiler)."""
+    """The part of each leaf's spec that a shard_map manual over `data`, `expert` and
+    `pipeline` sees (the other axes stay with the compiler)."""
     return jax.tree.map(
-        lambda s: only_axes(getattr(s, field), (DATA, PIPE)),
+        lambda s: only_axes(getattr(s, field), (DATA, EXPERT, PIPE)),
         specs,
         is_leaf=lambda x: isinstance(x, LeafSpecs),
     )

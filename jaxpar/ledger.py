@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import cost, schedules
-from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import CONTEXT, DATA, EXPERT, OPTIONAL_AXES, PIPE, REPLICA, TENSOR
 from jaxpar.hlo import Collective, collectives, loop_trip_counts
 from jaxpar.pipeline import Layout
 from jaxpar.report import AxisComm, Comm, DeviceMemory, HostMemory, KindTotals, Pipeline, StateBytes
@@ -187,9 +187,8 @@ def comm(
 ) -> Comm:
     """Wire bytes against the textbook minimum, on the axes that have one; `process_of`
     is each mesh position's process; `assumed` says what the minimum counts."""
-    wire = {axis: led.wire_bytes({axis}) for axis in (REPLICA, DATA, CONTEXT, TENSOR)}
-    # (replica and context: only where the mesh has them)
-    optional = (REPLICA, CONTEXT)
+    wire = {axis: led.wire_bytes({axis}) for axis in (REPLICA, DATA, EXPERT, CONTEXT, TENSOR)}
+    optional = OPTIONAL_AXES  # only where the mesh has them
     known = [
         a for a in wire if minimum[a] is not None and (a not in optional or minimum[a] or wire[a])
     ]

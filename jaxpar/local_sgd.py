@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import optim
 from jaxpar import state as state_lib
-from jaxpar.axes import BATCH_AXES, DATA, PIPE, REPLICA
+from jaxpar.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
 from jaxpar.config import Config, Parallel
 from jaxpar.engine import (
     StepMetrics,
@@ -153,7 +153,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             mesh=mesh,
             in_specs=specs_in,
             out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 5),
-            axis_names={REPLICA, DATA, PIPE},
+            axis_names={REPLICA, DATA, EXPERT, PIPE},
             check_vma=False,
         )(state.local, state.params, state.opt, batch, state.step, state.skipped)
         local, params, outer_opt, loss, norm, applied, finite, reports = out
@@ -176,7 +176,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             mesh=mesh,
             in_specs=(manual(local_specs), PartitionSpec(BATCH_AXES)),
             out_specs=manual(compute),
-            axis_names={REPLICA, DATA, PIPE},
+            axis_names={REPLICA, DATA, EXPERT, PIPE},
             check_vma=False,
         )(state.local, batch)
 

@@ -1,5 +1,5 @@
-"""The one device mesh: axes `replica`, `data`, `pipeline`, `context`, `tensor` (outermost to
-innermost)."""
+"""The one device mesh: axes `replica`, `data`, `expert`, `pipeline`, `context`, `tensor`
+(outermost to innermost)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.axes import AXES, CONTEXT, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import AXES, CONTEXT, DATA, OPTIONAL_AXES, PIPE, REPLICA, TENSOR
 from jaxpar.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,9 +27,7 @@ def resolve_degrees(parallel: Parallel, devices: int) -> dict[str, int]:
             "degree may take the remaining devices"
         )
     fixed = math.prod(d for d in degrees.values() if d != -1)
-    shown = " * ".join(
-        f"{a}({d})" for a, d in degrees.items() if a not in (REPLICA, CONTEXT) or d != 1
-    )
+    shown = " * ".join(f"{a}({d})" for a, d in degrees.items() if a not in OPTIONAL_AXES or d != 1)
     if rest:
         if devices % fixed:
             raise ConfigError(

@@ -6,7 +6,7 @@ planner for each layout it considers."""
 from __future__ import annotations
 
 from jaxpar import sequence
-from jaxpar.axes import CONTEXT, PIPE, REPLICA
+from jaxpar.axes import CONTEXT, EXPERT, PIPE, REPLICA
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, DpCollective, DpSync, Offload, Parallel, Remat, Schedule
 from jaxpar.errors import ConfigError
@@ -34,6 +34,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
     pipelined = mesh_shape[PIPE] > 1
     _check_dp_sync(parallel, mesh_shape)
+    _check_expert(cfg, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
@@ -76,6 +77,29 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
 
 
+def _check_expert(cfg: Config, mesh_shape: dict) -> None:
+    """The `expert` axis splits a mixture's experts (model.experts), evenly."""
+    x, experts = mesh_shape.get(EXPERT, 1), getattr(cfg.model, "experts", 0)
+    if x == 1:
+        return
+    if not experts:
+        raise ConfigError(
+            f"parallel.expert={x} splits a mixture's experts; model.name={cfg.model.name} has "
+            "none (model.experts=0): put those devices on parallel.data, or train a mixture "
+            "(model.name=mixtral with model.experts)"
+        )
+    if experts % x:
+        raise ConfigError(
+            f"model.experts={experts} is not divisible by parallel.expert={x}: each expert "
+            f"device holds an equal share of the experts; choose a degree dividing {experts}"
+        )
+    if cfg.parallel.dp_collective is not DpCollective.XLA:
+        raise ConfigError(
+            f"parallel.dp_collective={cfg.parallel.dp_collective} with parallel.expert={x}: "
+            "the ring and the server reduce over data alone; use parallel.dp_collective=xla"
+        )
+
+
 def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
     """Parameter averaging runs a whole model and optimizer per data-parallel device."""
     if parallel.dp_sync is DpSync.GRADS:
@@ -97,6 +121,10 @@ def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
             mesh_shape[PIPE] > 1,
             "a pipeline's stages step together on one model, not as copies of it; use "
             "parallel.pipeline=1 (tensor parallelism is fine)",
+        ),
+        "parallel.expert": (
+            mesh_shape.get(EXPERT, 1) > 1,
+            "each device's local steps need every expert of its own; use parallel.expert=1",
         ),
         "parallel.context": (
             mesh_shape.get(CONTEXT, 1) > 1,

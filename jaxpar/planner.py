@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar import attention, cost, pipeline, registry
-from jaxpar.axes import CONTEXT, DATA, PIPE, REPLICA, TENSOR
+from jaxpar.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, ContextStrategy, Offload, Remat, Train
 from jaxpar.errors import ConfigError
@@ -85,6 +85,8 @@ class Candidate:
     def label(self) -> str:
         p, t = self.cfg.parallel, self.cfg.train
         parts = [f"dp{self.mesh[DATA]}", f"pp{self.mesh[PIPE]}", f"tp{self.mesh[TENSOR]}"]
+        if self.mesh.get(EXPERT, 1) > 1:
+            parts.insert(1, f"ep{self.mesh[EXPERT]}")
         if self.mesh.get(REPLICA, 1) > 1:
             parts.insert(0, f"r{self.mesh[REPLICA]}")
         if self.mesh.get(CONTEXT, 1) > 1:
@@ -114,6 +116,7 @@ class Workload:
     boundary_elements: float  # the activation between two layers, per row
     check: Callable[[dict], None]  # the model's dims against a mesh shape (ConfigError)
     attention: cost.AttentionDims | None = None  # what context parallelism moves
+    experts: cost.ExpertDims | None = None  # what expert parallelism moves
 
 
 def of_config(cfg: Config, platform: str = "cuda") -> Workload:
@@ -135,6 +138,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
         boundary_elements=s * m.embed,
         check=check,
         attention=spec.attention_dims(m) if spec.attention_dims else None,
+        experts=spec.expert_dims(m, s) if spec.expert_dims else None,
     )
 
 
@@ -200,7 +204,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
             replicas = (
                 (1, machine.hosts) if 1 < machine.hosts < dp and dp % machine.hosts == 0 else (1,)
             )
-            for r, zero, offload, micro, remat, accum in itertools.product(
+            # expert: its degrees dividing the data-parallel devices and the experts
+            experts = work.experts.experts if work.experts else 1
+            for x, r, zero, offload, micro, remat, accum in itertools.product(
+                [x for x in range(1, dp + 1) if dp % x == 0 and experts % x == 0],
                 replicas,
                 zeros,
                 tuple(Offload),
@@ -208,9 +215,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 (Remat.NONE, Remat.FULL),
                 (1, 2, 4, 8),
             ):
-                d = dp // r
+                d = dp // (r * x)
                 if (
-                    (offload is Offload.OPTIMIZER and zero == 0)
+                    dp % (r * x)
+                    or (offload is Offload.OPTIMIZER and zero == 0)
                     # replicas of ZeRO-0 groups split one all-reduce in two: never better
                     or (r > 1 and zero == 0)
                     # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
@@ -223,6 +231,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     base.parallel,
                     replica=r,
                     data=d,
+                    expert=x,
                     pipeline=p,
                     context=c,
                     context_strategy=strategy,
@@ -237,7 +246,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 cfg = dataclasses.replace(
                     base, parallel=par, train=dataclasses.replace(base.train, grad_accum=accum)
                 )
-                mesh = {REPLICA: r, DATA: d, PIPE: p, CONTEXT: c, TENSOR: t}
+                mesh = {REPLICA: r, DATA: d, EXPERT: x, PIPE: p, CONTEXT: c, TENSOR: t}
                 try:
                     work.check(mesh)
                     check_train(cfg, mesh)
@@ -293,12 +302,15 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         if trained.tensor_elements
         else None
     )
-    minimum = cost.minimum(cfg, specs, trained, mesh, tensor_elements if t > 1 else 0)
+    minimum = cost.minimum(
+        cfg, specs, trained, mesh, tensor_elements if t > 1 else 0, experts=work.experts
+    )
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
     hand_over = split.micro * work.boundary_elements / c * compute_bytes
     comm = {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
+        EXPERT: minimum[EXPERT],
         CONTEXT: cost.context_bytes(cfg, specs, trained.shapes, mesh, work.attention, False),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
@@ -310,7 +322,8 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         TENSOR: t > inside,
         CONTEXT: c * t > inside,
         PIPE: p * c * t > inside,
-        DATA: d * p * c * t > inside,
+        EXPERT: mesh.get(EXPERT, 1) * p * c * t > inside,
+        DATA: d * mesh.get(EXPERT, 1) * p * c * t > inside,
         REPLICA: mesh.get(REPLICA, 1) > 1,
     }
     comm_s = sum(
@@ -374,6 +387,12 @@ RULES = (  # (test on the winner, the machine and the plan's fits, the rule), mo
         "long sequences: split over context inside the host, each device keeps the "
         "activations of 1/context of every sequence, for fewer bytes than the other splits "
         "would move",
+    ),
+    (
+        lambda c, m, r: c.mesh.get(EXPERT, 1) > 1,
+        "a mixture of experts: split the experts over expert, each device keeping "
+        "experts / expert of them and receiving its tokens by all-to-all, for fewer bytes "
+        "than gathering every expert's weights (ZeRO) and less state than copies of them",
     ),
     (
         lambda c, m, r: c.mesh[PIPE] > 1 and m.hosts > 1,

@@ -59,6 +59,9 @@ class ModelSpec:
     # (model config) -> jaxpar.cost.AttentionDims: its attention layers and heads, what
     # context parallelism's textbook bytes count; None: no attention (or not declared)
     attention_dims: Callable | None = None
+    # (model config, seq_len) -> jaxpar.cost.ExpertDims of its mixture of experts, what
+    # expert parallelism's textbook bytes count; None (or returning None): no experts
+    expert_dims: Callable | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -172,8 +172,10 @@ def describe_step(
     tensor_elements = tensor(split.accum, t) if tensor and mesh_shape[PIPE] == 1 else None
     spec = registry.get(cfg.model.name)
     attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
+    experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None
+    documents = SEGMENT_IDS in batch
     minimum = cost.minimum(
-        cfg, engine.specs, trained, mesh_shape, tensor_elements, attention, SEGMENT_IDS in batch
+        cfg, engine.specs, trained, mesh_shape, tensor_elements, attention, documents, experts
     )
     formula = cost.model_state(cfg, engine.specs, trained.shapes, mesh_shape)
     device, host = ledger.memory(

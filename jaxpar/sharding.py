@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.axes import DATA, PIPE, TENSOR
+from jaxpar.axes import DATA, EXPERT, PIPE, TENSOR
 from jaxpar.errors import ConfigError
 
 # Logical names of dims. Import these: a typo is an ImportError, not a silent replica.
@@ -29,7 +29,8 @@ KV_HEADS = "kv_heads"  # grouped-query attention's key/value heads
 HEAD_DIM = "head_dim"
 QKV = "qkv"  # the parts of a fused projection: query/key/value, or gate/up
 MLP = "mlp"
-EXPERTS = "experts"  # a mixture's experts, and the router's logits over them
+EXPERTS = "experts"  # a mixture's experts (their weights' leading dim)
+ROUTES = "routes"  # the router's logits over the experts (every device routes its tokens)
 VOCAB = "vocab"
 LAYERS = "layers"
 STAGE = "stage"
@@ -50,7 +51,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (POSITION, None),
     (HEAD_DIM, None),
     (QKV, None),
-    (EXPERTS, None),
+    (EXPERTS, EXPERT),
+    (ROUTES, None),
     (LAYERS, None),
     (STAGE, PIPE),
 )

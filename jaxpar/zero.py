@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar import collectives, dp
-from jaxpar.axes import DATA, REPLICA
+from jaxpar.axes import DATA, EXPERT, REPLICA
 from jaxpar.config import DpCollective, Remat
 from jaxpar.context import Keep
 from jaxpar.sharding import NOT_ZERO, LeafSpecs, leaf_key
@@ -144,7 +144,9 @@ class ZeroPolicy:
         """The step's one reduction of the accumulated gradients over `data`: sum what
         ZeRO leaves whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced
         already. Then, with replicas, each device's part (a 1/data slice where ZeRO
-        splits) is summed over `replica`: the slow links carry 1/data of the gradient."""
+        splits) is summed over `replica`: the slow links carry 1/data of the gradient; and
+        over `expert`, but for the experts' weights, which are split over it (each
+        device's experts got every device's tokens by all-to-all)."""
         todo = _leaves_map(
             lambda s: dp.SUM if s.dim is None else dp.SCATTER if self.stage == 1 else None,
             self.specs,
@@ -152,6 +154,9 @@ class ZeroPolicy:
         grads = self._reduce(grads, todo)
         if jax.lax.axis_size(REPLICA) > 1:
             grads = self._reduce(grads, _leaves_map(lambda s: dp.SUM, self.specs), REPLICA)
+        if jax.lax.axis_size(EXPERT) > 1:  # all but the experts' own, split over it
+            split = _leaves_map(lambda s: None if EXPERT in s.compute else dp.SUM, self.specs)
+            grads = self._reduce(grads, split, EXPERT)
         return grads
 
     def _reduce(self, grads, todo, axis: str = DATA):

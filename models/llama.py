@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxpar import documents
 from jaxpar.attention import cached_attention, causal_attention
-from jaxpar.cost import AttentionDims
+from jaxpar.cost import AttentionDims, ExpertDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, dense, param, scan_cached, scan_layers, stack
@@ -416,6 +416,13 @@ def attention_dims(m: LlamaConfig) -> AttentionDims:
     return AttentionDims(m.layers, m.heads, m.kv_heads, head_size(m))
 
 
+def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
+    if not m.experts:
+        return None
+    slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
+    return ExpertDims(m.layers, m.experts, slots, m.embed)
+
+
 def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
     """(layers, key/value heads, head dim) of the KV cache."""
     return m.layers, m.kv_heads, head_size(m)
@@ -435,6 +442,7 @@ SPEC = ModelSpec(
     hf=HF,
     cache_dims=cache_dims,
     attention_dims=attention_dims,
+    expert_dims=expert_dims,
 )
 
 

@@ -23,8 +23,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.context import report
-from jaxpar.layers import batch_sum, constrain, param, tensor_parallel
-from jaxpar.sharding import BATCH, EMBED, EXPERTS, MLP, SEQ, SEQ_RESIDUAL
+from jaxpar.layers import (
+    batch_sum,
+    constrain,
+    from_experts,
+    param,
+    tensor_parallel,
+    to_experts,
+)
+from jaxpar.sharding import BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
 
 from . import LlamaConfig
 from .common import normal
@@ -84,7 +91,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         e, m, n = cfg.embed, cfg.mlp, cfg.experts
-        self.router = param(rngs, normal(0.02), (e, n), (EMBED, EXPERTS))
+        self.router = param(rngs, normal(0.02), (e, n), (EMBED, ROUTES))
         self.w_gate = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
         self.w_up = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
         out_std = 0.02 / (2 * cfg.layers) ** 0.5
@@ -97,23 +104,24 @@ class MoE(nnx.Module):
         seq, n = x_BxSxE.shape[1], self.router.shape[-1]
         slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
         logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
-        r = route(constrain(logits_BxSxX, (BATCH, SEQ, EXPERTS)), self.k, slots)
+        r = route(constrain(logits_BxSxX, (BATCH, SEQ, ROUTES)), self.k, slots)
         experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
         # each expert's hidden dims split over `tensor`: one sum of the combined output
         routed = r._replace(probs=None)
-        y_BxSxE = tensor_parallel(functools.partial(mix, slots), x_BxSxE, routed, experts, names)
+        mixed = functools.partial(mix, slots, n)
+        y_BxSxE = tensor_parallel(mixed, x_BxSxE, routed, experts, names)
         chosen_BxSxX = jnp.sum(jax.nn.one_hot(r.experts, n, dtype=jnp.float32), axis=2)
         load = Load(r.probs, chosen_BxSxX, jnp.sum(r.keep, -1).astype(jnp.float32))
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
 
 
-def mix(slots: int, x_BxSxE, r: Routing, gate_XxExM, up_XxExM, down_XxMxE):
+def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMxE):
     """Each token's k experts' outputs, weighted and summed: the tokens gathered into
-    their experts' slots, the experts applied as one batched product, the outputs
-    gathered back."""
+    their n experts' slots, sent to the devices of their experts (the L here: n, or
+    n / X under expert parallelism), the experts applied as one batched product, the
+    outputs sent back and gathered to their tokens."""
     rows, seq, _ = x_BxSxE.shape
-    n = gate_XxExM.shape[0]
     # each expert's slots: the token in it (seq: none, a row of zeros); out of capacity,
     # the write is dropped
     row = jnp.arange(rows)[:, None, None]
@@ -122,10 +130,11 @@ def mix(slots: int, x_BxSxE, r: Routing, gate_XxExM, up_XxExM, down_XxMxE):
     token_BxXxC = empty_BxXxC.at[row, r.experts, r.slot].set(token, mode="drop")
     padded_BxSxE = jnp.concatenate([x_BxSxE, jnp.zeros_like(x_BxSxE[:, :1])], axis=1)
     in_BxXxCxE = jax.vmap(lambda x, t: x[t])(padded_BxSxE, token_BxXxC)
-    gate_BxXxCxM = jnp.einsum("bxce,xem->bxcm", in_BxXxCxE, gate_XxExM)
-    up_BxXxCxM = jnp.einsum("bxce,xem->bxcm", in_BxXxCxE, up_XxExM)
-    h_BxXxCxM = jax.nn.silu(gate_BxXxCxM) * up_BxXxCxM
-    out_BxXxCxE = jnp.einsum("bxcm,xme->bxce", h_BxXxCxM, down_XxMxE)
+    in_GxLxCxE = to_experts(in_BxXxCxE)  # G: the rows of every device sending here
+    gate_GxLxCxM = jnp.einsum("glce,lem->glcm", in_GxLxCxE, gate_LxExM)
+    up_GxLxCxM = jnp.einsum("glce,lem->glcm", in_GxLxCxE, up_LxExM)
+    h_GxLxCxM = jax.nn.silu(gate_GxLxCxM) * up_GxLxCxM
+    out_BxXxCxE = from_experts(jnp.einsum("glcm,lme->glce", h_GxLxCxM, down_LxMxE))
     # each token's k outputs, weighted (a dropped one: weight 0)
     flat_BxXCxE = out_BxXxCxE.reshape(rows, n * slots, -1)
     where_BxSxK = r.experts * slots + jnp.minimum(r.slot, slots - 1)

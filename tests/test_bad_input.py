@@ -128,6 +128,24 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.name=mixtral"],
         ["model.name=mixtral is a mixture of experts", "set model.experts"],
     ),
+    "expert-dense": (
+        ["parallel.expert=2", "parallel.data=4"],
+        ["parallel.expert=2 splits a mixture's experts", "model.name=gpt has none"],
+    ),
+    "expert-divides": (
+        ["model.name=mixtral", "model.experts=6", "parallel.expert=4", "parallel.data=2"],
+        ["model.experts=6 is not divisible by parallel.expert=4"],
+    ),
+    "expert-ring": (
+        ["model.name=mixtral", "model.experts=4", "parallel.expert=2", "parallel.data=4"]
+        + ["parallel.dp_collective=ring"],
+        ["parallel.dp_collective=ring with parallel.expert=2", "dp_collective=xla"],
+    ),
+    "expert-local-sgd": (
+        ["model.name=mixtral", "model.experts=4", "parallel.expert=2", "parallel.data=4"]
+        + ["parallel.dp_sync=params"],
+        ["parallel.expert", "every expert of its own"],
+    ),
     "balance-without-experts": (
         ["model.name=llama", "model.router_aux_loss=0.01"],
         ["model.router_aux_loss=0.01", "model.experts=0 has none"],

@@ -36,7 +36,14 @@ def test_train_writes_run_directory(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(REQUIRED_ROW <= set(r) for r in rows)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["mesh"] == {"replica": 1, "data": 4, "pipeline": 1, "context": 1, "tensor": 2}
+    assert summary["mesh"] == {
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "pipeline": 1,
+        "context": 1,
+        "tensor": 2,
+    }
     assert summary["devices"] == 8
     assert summary["config"]["parallel"]["zero"] == 1
     assert summary["final_loss"] == rows[-1]["loss"]

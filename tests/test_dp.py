@@ -89,7 +89,7 @@ def test_bucket_packing():
 def test_reduce_equals_psum_and_psum_scatter_on_integers(devices, mode, bucket_bytes):
     """dp.reduce on data=4 x tensor=2: a tensor-split leaf reduce-scattered along its ZeRO
     dim, a replicated one summed, one left alone; exactly the jax.lax twins."""
-    mesh = jax.make_mesh((1, 4, 1, 1, 2), AXES, axis_types=(AxisType.Auto,) * 5, devices=devices)
+    mesh = jax.make_mesh((1, 4, 1, 1, 1, 2), AXES, axis_types=(AxisType.Auto,) * 6, devices=devices)
 
     def leaf(compute, dim):
         return LeafSpecs(compute, compute, compute, compute, dim)

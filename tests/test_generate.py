@@ -92,6 +92,7 @@ def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(check
     assert dict(model.mesh.shape) == {
         "replica": 1,
         "data": 4,
+        "expert": 1,
         "pipeline": 1,
         "context": 1,
         "tensor": 2,
