@@ -1,5 +1,5 @@
 """jaxpar: data (server, ring, XLA), tensor (with sequence parallelism), pipeline (GPipe,
-1F1B, interleaved), context (all_gather, Ulysses) and ZeRO 0-3 parallelism with
+1F1B, interleaved), context (all_gather, Ulysses), expert and ZeRO 0-3 parallelism with
 ZeRO-Offload, for JAX/Flax models, on one named mesh.
 
 The names below are imported when first used, so that `import jaxpar` (and the `jaxpar`
@@ -43,6 +43,8 @@ _EXPORTS = {
     "param": ("jaxpar.layers", "param"),
     "scan_layers": ("jaxpar.layers", "scan_layers"),
     "stack": ("jaxpar.layers", "stack"),
+    "to_experts": ("jaxpar.layers", "to_experts"),
+    "from_experts": ("jaxpar.layers", "from_experts"),
     "tensor_parallel": ("jaxpar.layers", "tensor_parallel"),
     "build_mesh": ("jaxpar.mesh", "build_mesh"),
     "plan": ("jaxpar.planner", "plan"),

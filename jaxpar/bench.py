@@ -112,6 +112,14 @@ CONTEXT = {
     for seq in CONTEXT_LENGTHS
     for name, overrides in CONTEXT_LAYOUTS.items()
 }
+# A mixture of experts in the base model's blocks (8 experts, top 2), its experts split
+# over expert = 1, 2, 4, 8 (the rest of the 8 devices on data), ZeRO-0.
+EXPERTS = {
+    f"expert={x}": (
+        "model.name=mixtral", "model.experts=8", f"parallel.data={8 // x}", f"parallel.expert={x}"
+    )
+    for x in (1, 2, 4, 8)
+}  # fmt: skip
 # Checkpointing overhead on data=8 ZeRO-3 (nothing replicated: the state on disk is the
 # ledger's per-device state times the devices).
 CHECKPOINTS = {
@@ -310,6 +318,16 @@ CONTEXT_COLUMNS = {
     "context wire": _bytes(lambda rep: rep.comm.by_axis["context"].wire),
     "context min": _bytes(lambda rep: rep.comm.by_axis["context"].minimum or 0),
     "tensor wire": _bytes(lambda rep: rep.comm.by_axis["tensor"].wire),
+    "comm/step": STRATEGY_COLUMNS["comm/step"],
+    "ratio": STRATEGY_COLUMNS["ratio "],
+}
+EXPERT_COLUMNS = {
+    "step ms": STRATEGY_COLUMNS["step ms"],
+    "tokens/s": STRATEGY_COLUMNS["tokens/s"],
+    "device params": _bytes(lambda rep: rep.memory_per_device.params),
+    "device opt state": _bytes(lambda rep: rep.memory_per_device.opt_state),
+    "expert wire": _bytes(lambda rep: rep.comm.by_axis["expert"].wire),
+    "expert min": _bytes(lambda rep: rep.comm.by_axis["expert"].minimum or 0),
     "comm/step": STRATEGY_COLUMNS["comm/step"],
     "ratio": STRATEGY_COLUMNS["ratio "],
 }
@@ -545,6 +563,12 @@ def run_bench(
             "sequence layout",
             CONTEXT,
             CONTEXT_COLUMNS,
+        ),
+        "experts": (
+            f"mixture of experts (model.name=mixtral, 8 experts, top 2), {where}, ZeRO-0",
+            "experts over",
+            EXPERTS,
+            EXPERT_COLUMNS,
         ),
         "checkpoint": (
             f"checkpointing, {where}, data=8, ZeRO-3 (orbax, asynchronous)",

@@ -36,12 +36,27 @@ def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, c
     assert "long sequences" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_experts_section_splits_the_experts_at_the_textbook_bytes(devices, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
+    monkeypatch.setattr(bench, "EXPERTS", {k: bench.EXPERTS[k] for k in ("expert=1", "expert=4")})
+    rows = run_bench(steps=2, only=["experts"])["experts"]
+    one, four = (rows[k]["report"] for k in ("expert=1", "expert=4"))
+    assert one.comm.by_axis["expert"].wire == 0
+    expert = four.comm.by_axis["expert"]
+    assert expert.minimum > 0 and expert.wire == pytest.approx(expert.minimum, rel=0.02)
+    # the experts' weights are most of the model: split over 4, the device holds far less
+    assert four.memory_per_device.params < 0.5 * one.memory_per_device.params
+    assert "mixture of experts" in capsys.readouterr().out
+
+
 def test_unknown_section_exits_2():
     done = jaxpar_command("bench", "--only", "strategies", "warp")
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "jaxpar: error: jaxpar bench --only warp: no such section; "
-        "choose from strategies schedules dp hosts offload remat context checkpoint longest "
+        "choose from strategies schedules dp hosts offload remat context experts checkpoint "
+        "longest "
         "compile plan generate"
     )
 

@@ -271,3 +271,30 @@ def test_the_plan_for_mixtral_8x7b_on_64_gpus_splits_the_experts():
     assert "split the experts over expert" in plan.rule()
     whole = [c for c in plan.ranked if c.mesh["expert"] == 1]
     assert whole and whole[0].step_s > best.step_s
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_into_another_expert_degree(devices, tmp_path):
+    """Saved with the experts over expert=4 (ZeRO-3 over data=2), restored over expert=2
+    x tensor=2 (ZeRO-1): every leaf as saved, each where the new plan puts it."""
+    from helpers import _setup
+    from test_checkpoint import assert_identical
+
+    import jaxpar
+    from jaxpar.run import build
+
+    steps = ["train.steps=2", "checkpoint.every=2"]
+    cfg, s = _setup(
+        "mixtral-tiny", ["parallel.data=2", "parallel.expert=4", "parallel.zero=3", *steps]
+    )
+    saved = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=tmp_path, quiet=True)
+    layout = ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2", "parallel.zero=1"]
+    cfg, s = _setup("mixtral-tiny", [*layout, *steps])
+    state = jaxpar.restore(tmp_path / "checkpoints", s.problem, cfg, s.mesh)
+    engine = build(s.problem, cfg, s.mesh)
+    assert int(state.step) == 2
+    assert_identical(engine.export(state.params), saved.params)
+    for got, want in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(engine.state_shardings.params), strict=True
+    ):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
