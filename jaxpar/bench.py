@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar import checkpoint, config, ledger, metrics, presets, registry
+from jaxpar import checkpoint, config, hlo, ledger, metrics, presets, registry
 from jaxpar.commands import setup
 from jaxpar.mesh import describe
 from jaxpar.problem import registered
@@ -381,7 +381,8 @@ def compile_seconds(base: Base) -> dict:
             cfg = presets.load(base.preset, [*base.overrides, *overrides, f"model.layers={layers}"])
             s = setup(cfg)
             step = prepare(cfg, s.problem, s.mesh, s.batches(0), base.force).step
-            results[name][layers] = {"seconds": step.seconds, "hlo_lines": step.hlo.count("\n")}
+            lines = hlo.program_lines(step.hlo)
+            results[name][layers] = {"seconds": step.seconds, "hlo_lines": lines}
         print(f"compiled {name}", flush=True)
     first, last = COMPILE_DEPTHS[0], COMPILE_DEPTHS[-1]
     rows = [

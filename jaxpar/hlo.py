@@ -223,3 +223,14 @@ def _rate(line: str, rates: dict[str, float]) -> float:
     name = re.search(r'op_name="([^"]*)"', line)
     scopes = name.group(1).split("/") if name else []
     return next((rate for scope, rate in rates.items() if scope in scopes), 1.0)
+
+
+# The source-location tables of an HLO module's text: they name whatever Python the
+# process traced, so the same program prints longer after another model was traced.
+SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program_lines(hlo_text: str) -> int:
+    """Lines of the module's program: its text without the source-location tables."""
+    blocks = hlo_text.split("\n\n")
+    return sum(b.count("\n") + 1 for b in blocks if b.split("\n", 1)[0] not in SOURCE_TABLES)
