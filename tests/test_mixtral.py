@@ -1,7 +1,7 @@
 """Mixtral (the Llama model with a mixture of experts) against `transformers` itself: the
-first step's loss with the load-balance loss on both, in two layouts; logits after
-training and exporting; greedy continuations token for token; a checkpoint whose expert
-count disagrees with the user's, refused."""
+first step's loss with the load-balance loss on both, on one device and with the experts
+split over `expert`; logits after training and exporting; greedy continuations token for
+token; a checkpoint whose expert count disagrees with the user's, refused."""
 
 import json
 import math
@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
 from jaxpar import cli, commands, decoding, hf, presets, registry  # noqa: E402
+from jaxpar.axes import AXES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
@@ -66,7 +67,11 @@ def test_the_balance_is_off_as_in_transformers_unless_asked_for(checkpoint):
 @pytest.mark.parametrize(
     "layout",
     # (data=8 equals one device with the balance on: test_moe.py)
-    [("parallel.data=1",), ("parallel.data=4", "parallel.tensor=2")],
+    [
+        ("parallel.data=1",),
+        ("parallel.data=2", "parallel.expert=4"),
+        ("parallel.expert=2", "parallel.data=2", "parallel.tensor=2"),
+    ],
 )
 def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     cfg = presets.load(
@@ -75,7 +80,7 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     )
     cfg = presets.resolve_init(cfg, {"router_aux_loss"})
     assert (cfg.model.experts, cfg.model.router_aux_loss) == (4, BALANCE)
-    n = math.prod((cfg.parallel.data, cfg.parallel.tensor))
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     s = commands.setup(cfg, devices[:n])
     params = hf.initial_params(registry.get("mixtral").hf, cfg.model, checkpoint, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
