@@ -198,8 +198,9 @@ def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDi
     layer, each forward pass (`forward_passes`) sends the dispatched slots of this
     device's rows, [rows, experts, slots, embed], to the experts' devices and their
     outputs back (two all-to-alls), and the backward pass the same two again: (X-1)/X of
-    them each. Once a step, the other leaves' gradients as `data` leaves them (a 1/data
-    slice where ZeRO splits them) all-reduced over `expert`, 2(X-1)/X, as over `replica`."""
+    them each; a pipeline stage holds 1/pipeline of the layers. Once a step, the other
+    leaves' gradients as `data` leaves them (a 1/data slice where ZeRO splits them)
+    all-reduced over `expert`, 2(X-1)/X, as over `replica`."""
     x = mesh_shape.get(EXPERT, 1)
     if x == 1:
         return 0.0
@@ -216,7 +217,8 @@ def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDi
     rows = cfg.train.batch_size // data_parallel(mesh_shape)
     slots = rows * experts.experts * experts.slots * experts.embed
     passes = 2 * forward_passes(cfg) + 2
-    return total + experts.layers * passes * share * slots * dtype_bytes(cfg.train.precision)
+    layers = experts.layers / mesh_shape.get(PIPE, 1)
+    return total + layers * passes * share * slots * dtype_bytes(cfg.train.precision)
 
 
 def forward_passes(cfg: Config) -> int:
@@ -276,17 +278,20 @@ def minimum(
     """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
     engine lays it out: pipeline-staged where there is a pipeline): what the ledger
     reports for a run and the planner predicts for a candidate. With a pipeline, the
-    attention's context collectives run in every tick of the schedule's loop, idle
-    ones too: no per-micro-batch figure (as for `tensor`)."""
+    attention's context collectives and a mixture's all-to-alls run in every tick of the
+    schedule's loop, idle ones too: no per-micro-batch figure (as for `tensor`)."""
+    staged = mesh_shape.get(PIPE, 1) > 1
     c = mesh_shape.get(CONTEXT, 1)
     if tensor_elements:  # each device holds 1/C of the tokens
         tensor_elements = tensor_elements / c
     return {
         **_minimum(cfg, specs, trained, mesh_shape, tensor_elements),
         CONTEXT: None
-        if c > 1 and mesh_shape.get(PIPE, 1) > 1
+        if c > 1 and staged
         else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents),
-        EXPERT: expert_bytes(cfg, specs, trained.shapes, mesh_shape, experts),
+        EXPERT: None
+        if experts and staged and mesh_shape.get(EXPERT, 1) > 1
+        else expert_bytes(cfg, specs, trained.shapes, mesh_shape, experts),
     }
 
 

@@ -200,8 +200,7 @@ def local_value_and_grad(
     """((params, this device's rows, the trained loss elements of the batch they are
     part of) -> ((its loss sum / that count, the model's reports summed), its gradients,
     accumulated over train.grad_accum micro-batches), the pipeline or None), with the
-    model's context active; for a shard_map manual over the batch axes. (A pipeline's
-    stages report nothing.)"""
+    model's context active; for a shard_map manual over the batch axes."""
     ctx = _context(train, par, mesh, policy)
     pipe = None
     if layout is None:
@@ -214,11 +213,7 @@ def local_value_and_grad(
 
     else:
         pipe = schedules.Pipe(problem, layout, par.schedule, par.microbatches)
-        staged = schedules.value_and_grad(pipe, policy.compute_view)
-
-        def value_and_grad(params, mb, count):
-            loss, grads = staged(params, mb, count)
-            return (loss, {}), grads
+        value_and_grad = schedules.value_and_grad(pipe, policy.compute_view)
 
     def local(params, batch, count):
         count = at_least_one(count)

@@ -310,7 +310,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     comm = {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
-        EXPERT: minimum[EXPERT],
+        EXPERT: cost.expert_bytes(cfg, specs, trained.shapes, mesh, work.experts),
         CONTEXT: cost.context_bytes(cfg, specs, trained.shapes, mesh, work.attention, False),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,

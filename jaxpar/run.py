@@ -235,9 +235,12 @@ def _pipeline(
     if layout is None:
         layers = problem.shapes[parts.stack_keys[0]].shape[0] if parts else 0
         return Pipeline(stages=[list(range(layers))], schedule=None, bubble=0.0, bubble_formula=0.0)
-    # one micro-batch's activation at a chunk boundary
+    # one micro-batch's activation at a chunk boundary: the residual stream at the compute
+    # precision, what rides beside it (a mixture's routing sums) as it is
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype), batch)
-    h = jax.eval_shape(parts.pre, problem.shapes, micro)
+    residual, *beside = jax.tree.leaves(jax.eval_shape(parts.pre, problem.shapes, micro))
+    handed = math.prod(residual.shape) * compute_bytes
+    handed += sum(math.prod(x.shape) * x.dtype.itemsize for x in beside)
     return ledger.pipeline_report(
         layout,
         par.schedule,
@@ -245,7 +248,7 @@ def _pipeline(
         accum,
         hlo,
         led,
-        math.prod(h.shape) * compute_bytes,
+        handed,
     )
 
 

@@ -18,6 +18,9 @@ What a chunk reads of its micro-batch besides the activation (the documents' seg
 ids and positions, jaxpar.documents) travels with no hand-over: every stage holds the
 whole micro-batch (the batch is split over `data`, not `pipeline`) and the tick table
 says which micro-batch each stage runs, so each stage takes its own copy's rows.
+
+The activation handed on is any pytree (a mixture of experts hands its routing's sums
+on beside the residual stream).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import collectives, sequence
+from jaxpar import collectives, context, sequence
 from jaxpar.axes import PIPE
 from jaxpar.config import Schedule
 from jaxpar.pipeline import Layout
@@ -149,20 +152,45 @@ class Pipe:
 
 
 def value_and_grad(pipe: Pipe, prepare):
-    """(stored params, micro-batch, count) -> (this device's summed loss / count, local
-    gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
+    """(stored params, micro-batch, count) -> ((this device's summed loss / count, what
+    the model reported (jaxpar.report), its mean over the micro-batches, on every stage),
+    local gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
     what the forward pass reads (jaxpar.zero.ZeroPolicy.compute_view)."""
     if pipe.schedule is Schedule.ONE_F_ONE_B:
-        return lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)
-    return jax.value_and_grad(
-        lambda params, batch, count: _circular_loss(pipe, prepare(params), batch, count)
-    )
+        run = lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)  # noqa: E731
+    else:
+        run = jax.value_and_grad(
+            lambda params, batch, count: _circular_loss(pipe, prepare(params), batch, count),
+            has_aux=True,
+        )
+
+    def staged(params, batch, count):
+        (loss, reports), grads = run(params, batch, count)
+        # the last stage's alone (the others ran no loss), shared with every stage, as
+        # the mean over the micro-batches
+        m = pipe.microbatches
+        return (loss, jax.tree.map(lambda r: jax.lax.psum(r, PIPE) / m, reports)), grads
+
+    return staged
 
 
 def forward_loss(pipe: Pipe, prepare, params, batch):
     """(stored params, micro-batch) -> this device's summed loss (zero but on the last
     chunk's device): the forward ticks alone, for a gpipe or interleaved `pipe`."""
-    return _circular_loss(pipe, prepare(params), batch, 1)
+    return _circular_loss(pipe, prepare(params), batch, 1)[0]
+
+
+def _reported_post(parts, params, y, mb):
+    """(the summed losses of a micro-batch, what the model reported computing them)."""
+    with context.reporting() as reports:
+        losses = sequence.per_token(parts.post(params, y, mb))
+    return jnp.sum(losses.astype(jnp.float32)), dict(reports)
+
+
+def _no_reports(parts, params, y_shape, mb) -> dict:
+    """Zeros in the shape of what `_reported_post` reports (for the ticks that run none)."""
+    shapes = jax.eval_shape(lambda y: _reported_post(parts, params, y, mb)[1], y_shape)
+    return _zeros(shapes)
 
 
 def _split(params: dict, keys) -> tuple[dict, dict]:
@@ -179,13 +207,27 @@ def _take(tree, i):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
+def _zeros(shapes, lead: tuple[int, ...] = ()):
+    """Zeros of an activation's ShapeDtypeStructs, with `lead` dims before each leaf's."""
+    return jax.tree.map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
+
+
+def _put(buffers, slot, value):
+    """buffers[slot] = value, leaf by leaf (in the buffers' dtypes)."""
+    return jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), buffers, value)
+
+
+def _select(which, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(which, x, y), a, b)
+
+
 def _chunk_of(stack: dict, k, slots: int) -> dict:
     return {key: jax.lax.dynamic_slice_in_dim(x[0], k * slots, slots) for key, x in stack.items()}
 
 
 def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
-    """gpipe / interleaved: the summed loss of this device's last-chunk micro-batches
-    (zero elsewhere); differentiate it for the backward pass."""
+    """gpipe / interleaved: (the summed loss of this device's last-chunk micro-batches
+    (zero elsewhere), their reports summed); differentiate it for the backward pass."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p, v, slots = layout.stages, layout.virtual, layout.slots
     table = jnp.asarray(pipe.table)
@@ -195,8 +237,10 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
     mbs = _micro(batch, m)
     h_shape = jax.eval_shape(lambda: parts.pre(params, _take(mbs, 0)))
 
+    none = _no_reports(parts, params, h_shape, _take(mbs, 0))
+
     def tick(carry, t):
-        recv, loss = carry
+        recv, loss, reports = carry
         valid, i, k = table[t, stage, 0] == FWD, table[t, stage, 1], table[t, stage, 2]
         c = k * p + stage
         mb = _take(mbs, i)
@@ -204,33 +248,36 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
         active = jax.lax.dynamic_slice_in_dim(active_all, k * slots, slots) & valid
         y = parts.chunk(_chunk_of(stack, k, slots), x, active, mb)
         last = valid & (c == p * v - 1)
-        loss = loss + jax.lax.cond(
+        value, more = jax.lax.cond(
             last,
-            lambda: jnp.sum(sequence.per_token(parts.post(params, y, mb)).astype(jnp.float32)),
-            lambda: jnp.zeros((), jnp.float32),
+            lambda: _reported_post(parts, params, y, mb),
+            lambda: (jnp.zeros((), jnp.float32), none),
         )
+        loss, reports = loss + value, jax.tree.map(jnp.add, reports, more)
         # Round the ring only when chunks wrap round it (interleaved).
         send = jax.lax.ppermute(y, PIPE, [(s, (s + 1) % p) for s in range(p - (v == 1))])
-        return (send, loss), None
+        return (send, loss, reports), None
 
-    init = (jnp.zeros(h_shape.shape, h_shape.dtype), jnp.zeros((), jnp.float32))
+    init = (_zeros(h_shape), jnp.zeros((), jnp.float32), none)
     with jax.named_scope(TICKS_SCOPE):
-        (_, loss), _ = jax.lax.scan(tick, init, jnp.arange(len(pipe.table)))
-    return loss / count
+        (_, loss, reports), _ = jax.lax.scan(tick, init, jnp.arange(len(pipe.table)))
+    return loss / count, reports
 
 
 class _Slots(NamedTuple):
     """What a 1F1B device carries from tick to tick."""
 
-    acts: jax.Array  # [slots, *activation]: stage inputs kept for their backward
-    gins: jax.Array  # [slots, *activation]: output gradients handed back, not yet used
+    acts: object  # [slots, *activation] a leaf: stage inputs kept for their backward
+    gins: object  # [slots, *activation] a leaf: output gradients handed back, not yet used
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
     loss: jax.Array  # this device's summed loss so far
+    reports: dict  # what the model reported, summed so far (jaxpar.report)
 
 
 def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
-    """1f1b: (this device's summed loss / count, gradients of all local parameters)."""
+    """1f1b: ((this device's summed loss / count, its reports summed), gradients of all
+    local parameters)."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p = layout.stages
     table, slots_n = one_f_one_b(p, m)
@@ -245,38 +292,41 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     mbs = _micro(batch, m)
     whole = lambda r: {**stack, **r}  # noqa: E731  (pre/post read only `rest`)
     h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), _take(mbs, 0)))
-    zeros_h = jnp.zeros(h_shape.shape, h_shape.dtype)
+    zeros_h = _zeros(h_shape)
 
     def run_chunk(local_stack, x, mb):
         local = prepare({key: val[0] for key, val in local_stack.items()})
         return parts.chunk(local, x, active, mb)
 
     def post_loss(r, y, mb):
-        losses = sequence.per_token(parts.post(whole(r), y, mb))
-        return jnp.sum(losses.astype(jnp.float32)) / count
+        value, reports = _reported_post(parts, whole(r), y, mb)
+        return value / count, reports
 
     def forward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
-        x = jax.lax.cond(stage == 0, lambda: parts.pre(whole(rest), mb), lambda: state.acts[slot])
-        acts = state.acts.at[slot].set(x)
+        x = jax.lax.cond(
+            stage == 0, lambda: parts.pre(whole(rest), mb), lambda: _take(state.acts, slot)
+        )
+        acts = _put(state.acts, slot, x)
         y = run_chunk(stack, x, mb)
 
         def last(args):
-            gins, g_rest, loss = args
-            value, vjp = jax.vjp(post_loss, rest, y, mb)
+            gins, g_rest, loss, reports = args
+            value, vjp, more = jax.vjp(post_loss, rest, y, mb, has_aux=True)
             d_rest, d_y, _ = vjp(jnp.ones((), jnp.float32))
             g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
-            return gins.at[slot].set(d_y.astype(gins.dtype)), g_rest, loss + value
+            reports = jax.tree.map(jnp.add, reports, more)
+            return _put(gins, slot, d_y), g_rest, loss + value, reports
 
-        gins, g_rest, loss = jax.lax.cond(
-            stage == p - 1, last, lambda args: args, (state.gins, state.g_rest, state.loss)
-        )
-        return state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss), y, zeros_h
+        carried = (state.gins, state.g_rest, state.loss, state.reports)
+        gins, g_rest, loss, reports = jax.lax.cond(stage == p - 1, last, lambda a: a, carried)
+        state = state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports)
+        return state, y, zeros_h
 
     def backward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
-        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, state.acts[slot])
-        d_stack, d_x = vjp(state.gins[slot])
+        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
+        d_stack, d_x = vjp(_take(state.gins, slot))
         g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
 
         def first(g_rest):
@@ -308,26 +358,28 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
         # File what the neighbours handed over, by the table's record of what they ran.
         prev_kind, prev_i = table_j[t, stage - 1, 0], table_j[t, stage - 1, 1]
         slot = prev_i % slots_n
-        acts = acts.at[slot].set(jnp.where((stage > 0) & (prev_kind == FWD), got_f, acts[slot]))
+        acts = _put(acts, slot, _select((stage > 0) & (prev_kind == FWD), got_f, _take(acts, slot)))
         nxt = jnp.minimum(stage + 1, p - 1)
         next_kind, next_i = table_j[t, nxt, 0], table_j[t, nxt, 1]
         slot = next_i % slots_n
-        gins = gins.at[slot].set(jnp.where((stage < p - 1) & (next_kind == BWD), got_b, gins[slot]))
+        got = (stage < p - 1) & (next_kind == BWD)
+        gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
         return state._replace(acts=acts, gins=gins), None
 
-    buffers = jnp.zeros((slots_n, *h_shape.shape), h_shape.dtype)
+    buffers = _zeros(h_shape, (slots_n,))
     state = _Slots(
         acts=buffers,
         gins=buffers,
         g_stack=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
         g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
         loss=jnp.zeros((), jnp.float32),
+        reports=_no_reports(parts, whole(rest), h_shape, _take(mbs, 0)),
     )
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(len(table)))
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
     (g_rest_storage,) = rest_vjp(grads)
-    return state.loss, {**state.g_stack, **g_rest_storage}
+    return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}
 
 
 def reduce_shared(pipe: Pipe, grads: dict, specs: dict) -> dict:

@@ -74,6 +74,14 @@ class LlamaConfig(Model):
             "SwiGLU experts of model.mlp hidden dims each; 0 = one dense MLP"
         ),
     )
+    moe_every: Annotated[int, Range(1, 2**12, "layers")] = key(
+        1,
+        (
+            "model.experts > 0: every n-th block's feed-forward is the mixture (blocks n, 2n, "
+            "...; Qwen-MoE's decoder_sparse_step), the others dense; 1 = every block. "
+            "model.layers must be a multiple of it"
+        ),
+    )
     experts_per_token: Annotated[int, Range(1, 2**12, "experts a token is sent to")] = key(
         2, "model.experts > 0: the k experts the router sends each token to (top-k)"
     )

@@ -8,7 +8,8 @@ embedding and head split over vocab; the key/value heads are split over `tensor`
 their number divides it, and otherwise computed whole on every tensor device.
 
 With model.experts > 0 (Mixtral), each block's MLP is a sparse mixture of SwiGLU experts
-(models/moe.py), each expert split over `tensor` as the MLP is."""
+(models/moe.py), each expert split over `tensor` as the MLP is; with model.moe_every = n,
+every n-th block's (the stack then scans groups of n blocks)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jaxpar.cost import AttentionDims, ExpertDims
 from jaxpar.documents import Documents
 from jaxpar.errors import ConfigError
 from jaxpar.layers import constrain, dense, param, scan_cached, scan_layers, stack
+from jaxpar.problem import Stages
 from jaxpar.registry import ModelSpec
 from jaxpar.sharding import (
     BATCH,
@@ -237,15 +239,16 @@ class Block(nnx.Module):
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         return self.routed(x_BxSxE, docs)[0]
 
-    def routed(self, x_BxSxE, docs: Documents | None = None, dropless: bool = False):
-        """(the block's output, its experts' Load; None for a dense MLP)."""
+    def routed(self, x_BxSxE, docs: Documents | None = None, trained_BxS=None):
+        """(the block's output, its experts' Load (None for a dense MLP)); `trained_BxS`:
+        which tokens' targets are trained (None: all)."""
         x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), docs)
-        y_BxSxE, load = self.feed_forward(self.mlp_norm(x_BxSxE), dropless)
+        y_BxSxE, load = self.feed_forward(self.mlp_norm(x_BxSxE), trained_BxS)
         return x_BxSxE + y_BxSxE, load
 
-    def feed_forward(self, x_BxSxE, dropless: bool = False):
+    def feed_forward(self, x_BxSxE, trained_BxS=None, dropless: bool = False):
         if isinstance(self.mlp, MoE):
-            return self.mlp(x_BxSxE, dropless)
+            return self.mlp(x_BxSxE, trained_BxS, dropless)
         return self.mlp(x_BxSxE), None
 
     def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
@@ -257,15 +260,51 @@ class Block(nnx.Module):
         return x_BxTxE + self.feed_forward(self.mlp_norm(x_BxTxE), dropless=True)[0], cache
 
 
+class Group(nnx.Module):
+    """model.moe_every = n > 1: n blocks, the first n - 1 with a dense MLP, the last with
+    the mixture; the unit the layer stack scans and a pipeline stage holds."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dense = dataclasses.replace(cfg, experts=0)
+        self.dense = nnx.List([Block(dense, rngs) for _ in range(cfg.moe_every - 1)])
+        self.sparse = Block(cfg, rngs)
+
+    def __call__(self, x_BxSxE, docs: Documents | None = None):
+        return self.routed(x_BxSxE, docs)[0]
+
+    def routed(self, x_BxSxE, docs: Documents | None = None, trained_BxS=None):
+        for block in self.dense:
+            x_BxSxE = block(x_BxSxE, docs)
+        return self.sparse.routed(x_BxSxE, docs, trained_BxS)
+
+    def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
+        """As Block.decode, `cache`'s leaves [n, ...]: the group's blocks' caches."""
+        blocks, caches = [*self.dense, self.sparse], []
+        for i, block in enumerate(blocks):
+            x_BxTxE, c = block.decode(
+                x_BxTxE, jax.tree.map(lambda a, i=i: a[i], cache), positions_BxT, slot, pad_B
+            )
+            caches.append(c)
+        return x_BxTxE, jax.tree.map(lambda *cs: jnp.stack(cs), *caches)
+
+
+def sparse_every(m: LlamaConfig) -> int:
+    """Blocks per sparse block: model.moe_every for a mixture, else 1."""
+    return m.moe_every if m.experts else 1
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, seq_len: int, rngs: nnx.Rngs):
         del seq_len  # positions are rotary: any length
         self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
-        self.blocks = stack(lambda r: Block(cfg, r), cfg.layers, rngs)
+        n = self.every = sparse_every(cfg)
+        unit = Group if n > 1 else Block
+        self.blocks = stack(lambda r: unit(cfg, r), cfg.layers // n, rngs)
         self.norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.tied = cfg.tie_embeddings
-        self.experts, self.router_aux_loss = cfg.experts, cfg.router_aux_loss
-        self.depth = cfg.layers
+        self.experts, self.experts_per_token = cfg.experts, cfg.experts_per_token
+        self.router_aux_loss = cfg.router_aux_loss
+        self.sparse_layers = cfg.layers // n  # the load-balance loss's layers
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
@@ -276,12 +315,15 @@ class Llama(nnx.Module):
     def decode(self, tokens_BxT, positions_BxT, cache, slot, pad_B):
         """(logits [B, T, V] of T new tokens at cache slots slot.., the cache with their
         keys and values): `cache` is (k, v), each [layers, B, M, kv_heads, head_dim]."""
-        x_BxTxE, cache = scan_cached(
+        n = self.every  # a Group's blocks: their caches side by side
+        grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), cache)
+        x_BxTxE, grouped = scan_cached(
             self.blocks,
             self.embed(tokens_BxT),
-            cache,
+            grouped if n > 1 else cache,
             lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
         )
+        cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grouped) if n > 1 else grouped
         return self.logits(x_BxTxE), cache
 
     def logits(self, x_BxSxE):
@@ -294,29 +336,53 @@ class Llama(nnx.Module):
 def loss(model: Llama, batch: dict) -> jax.Array:
     """next_token_loss; with experts, each trained token's loss plus its part of the
     load-balance loss (model.router_aux_loss x moe.balance_loss), the experts' Load
-    carried through the layer scan, and the step's metrics of it reported."""
+    carried through the layer scan beside the residual stream, and the step's metrics of
+    it reported."""
     if not model.experts:
         return next_token_loss(model, batch)
-    docs = documents.of_inputs(batch)
+    carry = mixture_embed(model, batch)
+    carry = scan_layers(model.blocks, carry, lambda block, c: mixture_layer(block, c, batch))
+    return mixture_losses(model, carry, batch)
+
+
+# A mixture's pipeline pieces (and its loss's): the activation is (residual, Load).
+
+
+def mixture_embed(model: Llama, batch: dict) -> tuple[jax.Array, Load]:
     x_BxSxE = embed_inputs(model, batch)
-    rows, seq = x_BxSxE.shape[:2]
+    return x_BxSxE, Load.zeros(x_BxSxE.shape[0], model.experts)
 
-    def layer(block, carry):
-        x_BxSxE, load = carry
-        x_BxSxE, more = block.routed(x_BxSxE, docs)
-        return x_BxSxE, load + more
 
-    start = (x_BxSxE, Load.zeros(rows, seq, model.experts))
-    x_BxSxE, load = scan_layers(model.blocks, start, layer)
+def mixture_layer(block: Block, carry: tuple, batch: dict) -> tuple[jax.Array, Load]:
+    x_BxSxE, load = carry
+    docs, trained_BxS = documents.of_inputs(batch), documents.target_weights(batch)
+    x_BxSxE, more = block.routed(x_BxSxE, docs, trained_BxS)
+    return x_BxSxE, load + more
+
+
+def mixture_losses(model: Llama, carry: tuple, batch: dict) -> jax.Array:
+    x_BxSxE, load = carry
     losses_BxS = token_losses(model, x_BxSxE, batch)
-    trained_BxS = documents.target_weights(batch)
-    if trained_BxS is None:
-        trained_BxS = jnp.ones((rows, seq), bool)
-    balance_BxS = balance_loss(load, trained_BxS, model.depth)
-    report_load(load, trained_BxS, balance_BxS)
+    k = model.experts_per_token
+    balance_B = balance_loss(load, k, model.sparse_layers)
+    report_load(load, balance_B, k, model.sparse_layers)
     if not model.router_aux_loss:
         return losses_BxS
-    return documents.masked(losses_BxS + model.router_aux_loss * balance_BxS, batch)
+    # each row's part spread over its trained tokens (the engine sums them)
+    trained_BxS = documents.target_weights(batch)
+    if trained_BxS is None:
+        trained_BxS = jnp.ones(losses_BxS.shape, bool)
+    w_BxS = trained_BxS.astype(jnp.float32)
+    share_BxS = w_BxS / jnp.maximum(jnp.sum(w_BxS, -1, keepdims=True), 1.0)
+    return losses_BxS + model.router_aux_loss * balance_B[:, None] * share_BxS
+
+
+def stages(m: LlamaConfig, seq_len: int) -> Stages:
+    """The pipeline's pieces: a mixture hands its Load on from stage to stage."""
+    plain = language_model_stages(m, sparse_every(m) * block_flops(m, seq_len))
+    if not m.experts:
+        return plain
+    return dataclasses.replace(plain, pre=mixture_embed, layer=mixture_layer, post=mixture_losses)
 
 
 def check(m: LlamaConfig, mesh_shape: dict) -> None:
@@ -338,6 +404,11 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
         )
     if m.experts:
         check_experts(m, mesh_shape)
+    elif m.moe_every != 1:
+        raise ConfigError(
+            f"model.moe_every={m.moe_every} places a mixture of experts among the blocks; "
+            "model.experts=0 has none: set model.experts, or drop the key"
+        )
     elif m.router_aux_loss:
         raise ConfigError(
             f"model.router_aux_loss={m.router_aux_loss:g} weighs the balance of a mixture of "
@@ -351,23 +422,30 @@ def check_experts(m: LlamaConfig, mesh_shape: dict) -> None:
             f"model.experts_per_token={m.experts_per_token} > model.experts={m.experts}: a "
             f"token goes to k of the experts; choose k <= {m.experts}"
         )
-    for axis in ("pipeline", "context"):
-        if mesh_shape.get(axis, 1) > 1:
-            raise ConfigError(
-                f"parallel.{axis}={mesh_shape[axis]} with model.experts={m.experts}: a mixture "
-                f"of experts is not yet built to run split over {axis}; use parallel.{axis}=1 "
-                "(data, replica, tensor and ZeRO work)"
-            )
+    if m.moe_every > m.layers or m.layers % m.moe_every:
+        fits = [n for n in range(1, m.layers + 1) if m.layers % n == 0]
+        raise ConfigError(
+            f"model.moe_every={m.moe_every} with model.layers={m.layers}: every n-th block is "
+            f"sparse, in groups of n that fill the layers; choose n among {fits}"
+        )
+    if mesh_shape.get("context", 1) > 1:
+        raise ConfigError(
+            f"parallel.context={mesh_shape['context']} with model.experts={m.experts}: a "
+            "mixture of experts is not yet built to run split over context; use "
+            "parallel.context=1 (data, replica, expert, tensor, pipeline and ZeRO work)"
+        )
 
 
 def block_flops(m: LlamaConfig, seq_len: int) -> float:
     """Forward FLOPs of one block per token: 2 per matmul parameter (q and o, k and v
     (GQA), gate, up and down; with experts, the router and k experts' gate, up and down:
-    the active FLOPs), plus the attention scores and their product with V."""
+    the active FLOPs, of the mean block where some are dense), plus the attention scores
+    and their product with V."""
     q, kv = m.heads * head_size(m), m.kv_heads * head_size(m)
     mlp = 3 * m.embed * m.mlp
-    if m.experts:
-        mlp = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp)
+    if m.experts:  # the mean block's: n - 1 dense, one sparse
+        sparse = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp)
+        mlp = ((m.moe_every - 1) * mlp + sparse) / m.moe_every
     matmuls = 2 * m.embed * q + 2 * m.embed * kv + mlp
     return 2 * matmuls + 4 * seq_len * q
 
@@ -381,9 +459,10 @@ def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = T
     kv = m.kv_heads * head_size(m)
     kv_split = tensor if m.kv_heads % tensor == 0 else 1
     mlp = 4 * m.mlp / tensor
-    if m.experts:
+    if m.experts:  # the mean block's: n - 1 dense, one sparse
         slots = m.experts * capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
-        mlp = slots / seq_len * (m.embed + mlp) + 2 * m.experts
+        sparse = slots / seq_len * (m.embed + mlp) + 2 * m.experts
+        mlp = ((m.moe_every - 1) * mlp + sparse) / m.moe_every
     per_token = 3 * m.embed + 6 * m.embed / tensor + mlp + 4 * kv / kv_split
     attention = 2 * m.heads * (seq_len if scores else 1) / tensor
     return 2 * seq_len * (per_token + attention)
@@ -420,7 +499,7 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
     if not m.experts:
         return None
     slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
-    return ExpertDims(m.layers, m.experts, slots, m.embed)
+    return ExpertDims(m.layers // m.moe_every, m.experts, slots, m.embed)
 
 
 def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
@@ -432,7 +511,7 @@ SPEC = ModelSpec(
     name="llama",
     build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
     loss=loss,
-    stages=lambda m, seq_len: language_model_stages(m, block_flops(m, seq_len)),
+    stages=stages,
     flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
     activation_bytes=activation_bytes,
     tensor_elements=tensor_elements,

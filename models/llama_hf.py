@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from jaxpar.errors import CheckpointError
+from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.hf import HFFormat, Tensor
 
 from . import LlamaConfig, RopeScaling
@@ -127,6 +127,11 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
 
 def hf_tensors(m: LlamaConfig) -> list[Tensor]:
     """Each leaf and its tensor: nn.Linear stores [out, in]; q/k/v/o by head, in order."""
+    if m.experts and m.moe_every != 1:
+        raise ConfigError(
+            f"model.moe_every={m.moe_every}: Mixtral's checkpoints have a mixture in every "
+            "block; only model.moe_every=1 reads or writes one"
+        )
     layer = "model.layers.{layer}."
     out = [
         Tensor("tokens", "model.embed_tokens.weight", "v e", "v e"),

@@ -48,17 +48,19 @@ class Routing(NamedTuple):
 
 
 class Load(NamedTuple):
-    """A sparse layer's routing, per token, summed over the layers (for the
-    load-balance loss and the metrics)."""
+    """A sparse layer's routing of each row, summed over the row's tokens and over the
+    layers: what the load-balance loss and the metrics need, small enough to hand on
+    from one pipeline stage to the next beside the residual stream."""
 
-    probs: jax.Array  # [rows, seq, experts] fp32: router probabilities
-    chosen: jax.Array  # [rows, seq, experts] fp32: 1 where an expert is among the k
-    kept: jax.Array  # [rows, seq] fp32: choices within capacity
+    probs: jax.Array  # [rows, experts] fp32: the trained tokens' router probabilities
+    trained: jax.Array  # [rows, experts] fp32: the trained tokens' choices of each expert
+    chosen: jax.Array  # [rows, experts] fp32: every token's choices of each expert
+    kept: jax.Array  # [rows] fp32: every token's choices within capacity
 
     @staticmethod
-    def zeros(rows: int, seq: int, experts: int) -> Load:
-        per_expert = jnp.zeros((rows, seq, experts), jnp.float32)
-        return Load(per_expert, per_expert, jnp.zeros((rows, seq), jnp.float32))
+    def zeros(rows: int, experts: int) -> Load:
+        per_expert = jnp.zeros((rows, experts), jnp.float32)
+        return Load(per_expert, per_expert, per_expert, jnp.zeros((rows,), jnp.float32))
 
     def __add__(self, other: Load) -> Load:
         return Load(*(a + b for a, b in zip(self, other, strict=True)))
@@ -99,7 +101,11 @@ class MoE(nnx.Module):
         self.k = cfg.experts_per_token
         self.capacity_factor = cfg.capacity_factor
 
-    def __call__(self, x_BxSxE: jax.Array, dropless: bool = False) -> tuple[jax.Array, Load]:
+    def __call__(
+        self, x_BxSxE: jax.Array, trained_BxS: jax.Array | None = None, dropless: bool = False
+    ) -> tuple[jax.Array, Load]:
+        """(the output, the Load of its routing); `trained_BxS` weighs each token in the
+        balance loss (its target is trained; None: all are)."""
         dt = x_BxSxE.dtype
         seq, n = x_BxSxE.shape[1], self.router.shape[-1]
         slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
@@ -112,7 +118,15 @@ class MoE(nnx.Module):
         mixed = functools.partial(mix, slots, n)
         y_BxSxE = tensor_parallel(mixed, x_BxSxE, routed, experts, names)
         chosen_BxSxX = jnp.sum(jax.nn.one_hot(r.experts, n, dtype=jnp.float32), axis=2)
-        load = Load(r.probs, chosen_BxSxX, jnp.sum(r.keep, -1).astype(jnp.float32))
+        w_BxS = jnp.ones(x_BxSxE.shape[:2], jnp.float32)
+        if trained_BxS is not None:
+            w_BxS = trained_BxS.astype(jnp.float32)
+        load = Load(
+            probs=jnp.einsum("bsx,bs->bx", r.probs, w_BxS),
+            trained=jnp.einsum("bsx,bs->bx", chosen_BxSxX, w_BxS),
+            chosen=jnp.sum(chosen_BxSxX, 1),
+            kept=jnp.sum(r.keep, (1, 2)).astype(jnp.float32),
+        )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
 
 
@@ -143,30 +157,29 @@ def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMx
     return jnp.einsum("bske,bsk->bse", picked_BxSxKxE, weights_BxSxK)
 
 
-def balance_loss(load: Load, trained_BxS: jax.Array, layers: int) -> jax.Array:
-    """[rows, seq] each token's part of the load-balance loss, experts x sum_i f_i P_i
+def balance_loss(load: Load, k: int, layers: int) -> jax.Array:
+    """[rows] each row's part of the summed load-balance loss, experts x sum_i f_i P_i
     (Mixtral's, as `transformers` computes it over all layers at once): f_i the share of
-    the batch's trained tokens' choices (of all `layers`) that went to expert i, P_i its
-    mean router probability. f counts the whole batch, on every device (batch_sum), and
-    is a constant; P_i is a mean over tokens, so the loss's mean over the trained tokens
-    is each token's experts x sum_i f_i p_ti / layers."""
+    the batch's trained tokens' choices (of all `layers`, k a token) that went to expert
+    i, P_i its router probability's mean over them. f counts the whole batch, on every
+    device (batch_sum), and is a constant; P_i is a mean over tokens and layers, so a
+    row's part is experts x sum_i f_i (the row's summed probabilities) / layers, and the
+    engine's division by the batch's trained tokens makes the mean."""
     n = load.probs.shape[-1]
-    trained_BxS = trained_BxS.astype(jnp.float32)
-    counts_X = batch_sum(jnp.einsum("bsx,bs->x", load.chosen, trained_BxS))
-    tokens = batch_sum(jnp.sum(trained_BxS))
-    share_X = counts_X / jnp.maximum(tokens * layers, 1.0)
-    return n * jnp.einsum("bsx,x->bs", load.probs, share_X) / layers
+    counts_X = batch_sum(jnp.sum(load.trained, 0))
+    tokens_x_layers = jnp.sum(counts_X) / k
+    share_X = counts_X / jnp.maximum(tokens_x_layers, 1.0)
+    return n * jnp.einsum("bx,x->b", load.probs, share_X) / layers
 
 
-def report_load(load: Load, trained_BxS: jax.Array, balance_BxS: jax.Array) -> None:
+def report_load(load: Load, balance_B: jax.Array, k: int, layers: int) -> None:
     """The step's metrics of a mixture, over the whole batch (jaxpar.report): its
     load-balance loss (unweighted), the share of the k choices of every token and layer
     dropped for capacity, and the busiest expert's share of the choices over the mean
     expert's (1: even; all layers together)."""
-    trained_BxS = trained_BxS.astype(jnp.float32)
-    tokens = jnp.maximum(batch_sum(jnp.sum(trained_BxS)), 1.0)
-    report("moe/balance_loss", batch_sum(jnp.sum(balance_BxS * trained_BxS)) / tokens)
-    layers_choices = batch_sum(jnp.sum(load.chosen))  # k a token and layer
-    report("moe/dropped", 1.0 - batch_sum(jnp.sum(load.kept)) / layers_choices)
-    per_expert_X = batch_sum(jnp.sum(load.chosen, axis=(0, 1)))
+    tokens = jnp.maximum(batch_sum(jnp.sum(load.trained)) / (k * layers), 1.0)
+    report("moe/balance_loss", batch_sum(jnp.sum(balance_B)) / tokens)
+    choices = batch_sum(jnp.sum(load.chosen))  # k a token and layer
+    report("moe/dropped", 1.0 - batch_sum(jnp.sum(load.kept)) / choices)
+    per_expert_X = batch_sum(jnp.sum(load.chosen, 0))
     report("moe/load_max_over_mean", jnp.max(per_expert_X) / jnp.mean(per_expert_X))

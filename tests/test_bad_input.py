@@ -112,9 +112,17 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.name=mixtral", "model.experts=4", "model.experts_per_token=5"],
         ["model.experts_per_token=5 > model.experts=4", "choose k <= 4"],
     ),
-    "experts-pipeline": (
-        ["model.name=mixtral", "model.experts=4", "parallel.pipeline=2", "parallel.data=4"],
-        ["parallel.pipeline=2 with model.experts=4", "parallel.pipeline=1"],
+    "moe-every-out-of-range": (
+        ["model.name=mixtral", "model.experts=4", "model.layers=4", "model.moe_every=3"],
+        ["model.moe_every=3 with model.layers=4", "choose n among [1, 2, 4]"],
+    ),
+    "moe-every-dense": (
+        ["model.name=llama", "model.moe_every=2"],
+        ["model.moe_every=2 places a mixture", "model.experts=0 has none"],
+    ),
+    "moe-every-zero": (
+        ["model.name=mixtral", "model.experts=4", "model.moe_every=0"],
+        ["model.moe_every"],
     ),
     "experts-context": (
         ["model.name=mixtral", "model.experts=4", "parallel.context=2", "parallel.data=4"],

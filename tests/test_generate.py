@@ -25,13 +25,21 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_decoding_through_the_cache_equals_a_full_forward_pass():
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("llama-tiny", []),
+        # a mixture in every second block (groups of a dense and a sparse block), dropless
+        ("mixtral-tiny", ["model.moe_every=2", "model.capacity_factor=4"]),
+    ],
+)
+def test_decoding_through_the_cache_equals_a_full_forward_pass(preset, overrides):
     """Every step's logits, through the cache (a batch of rows of different lengths,
     left-padded), equal the logits of the whole sequence run without one (fp32, 1e-5)."""
-    cfg = presets.load("llama-tiny", [])
+    cfg = presets.load(preset, overrides)
     problem = registered(cfg.model, 64)
     model = problem.module(problem.init(jax.random.key(0)))
-    layers, kv, d = registry.get("llama").cache_dims(cfg.model)
+    layers, kv, d = registry.get(cfg.model.name).cache_dims(cfg.model)
     rows, slots, prompt = 3, 32, 16
     ids = np.random.default_rng(0).integers(0, 256, (rows, slots)).astype(np.int32)
     pad = np.array([0, 5, 11], np.int32)

@@ -136,3 +136,12 @@ def test_a_checkpoint_with_other_experts_than_set_is_refused(checkpoint, capsys,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.experts=8 disagrees with model.init=hf:" in err, err
     assert "config.json gives 4" in err
+
+
+def test_a_mixture_in_every_second_block_is_no_mixtral_checkpoint(checkpoint, capsys, tmp_path):
+    """Mixtral's files have a mixture in every block: moe_every=2 reads none (nor writes)."""
+    argv = ["train", "--config", "mixtral-tiny", f"model.init=hf:{checkpoint}",
+            "model.moe_every=2", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.moe_every=2: Mixtral's checkpoints" in err, err

@@ -57,7 +57,7 @@ def params_of(m: moe.MoE) -> dict:
 def apply(m: moe.MoE, params: dict, x: jax.Array, dropless: bool = False) -> jax.Array:
     graphdef, state = nnx.split(m)
     flat = [(path, var.replace(params[path[0]])) for path, var in nnx.to_flat_state(state)]
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))(x, dropless)[0]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))(x, dropless=dropless)[0]
 
 
 def output_and_grads(fn, params, x):
@@ -136,14 +136,16 @@ def test_the_drop_rate_falls_as_the_capacity_factor_grows_and_is_zero_dropless()
 
 def test_the_balance_loss_is_the_number_of_choices_when_the_router_is_uniform():
     rows, seq = 2, 8
+    picks = jnp.array([1.0, 1.0, 0.0, 0.0]) * seq  # every token to experts 0 and 1
     load = moe.Load(
-        probs=jnp.full((rows, seq, E), 1 / E),
-        chosen=jnp.broadcast_to(jnp.array([1.0, 1.0, 0.0, 0.0]), (rows, seq, E)),
-        kept=jnp.full((rows, seq), float(K)),
+        probs=jnp.full((rows, E), seq / E),
+        trained=jnp.broadcast_to(picks, (rows, E)),
+        chosen=jnp.broadcast_to(picks, (rows, E)),
+        kept=jnp.full((rows,), float(K * seq)),
     )
-    per_token = moe.balance_loss(load, jnp.ones((rows, seq), bool), layers=1)
-    # all tokens to experts 0 and 1 (f = 1, 1, 0, 0), uniform probabilities: E x 2 / E
-    np.testing.assert_allclose(per_token, K, rtol=1e-6)
+    summed = moe.balance_loss(load, K, layers=1)
+    # f = 1, 1, 0, 0 and uniform probabilities: E x 2 / E a token
+    np.testing.assert_allclose(summed / seq, K, rtol=1e-6)
 
 
 # ---- layouts: a few steps of mixtral-tiny (its load-balance loss on) equal one device
@@ -160,7 +162,32 @@ LAYOUTS = {
         "parallel.replica=2", "parallel.expert=2", "parallel.data=2", "parallel.zero=1",
         "parallel.remat=full",
     ),
+    # a pipeline hands each micro-batch's routing sums on with its residual stream
+    "pp2-gpipe-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.microbatches=2",
+        "parallel.schedule=gpipe",
+    ),
+    "pp2-expert2-tp2-1f1b-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
+        "parallel.microbatches=2", "parallel.schedule=1f1b",
+    ),
+    "pp2-dp2-expert2-zero3-interleaved": (
+        "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.zero=3",
+        "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+    ),
+    # a mixture in every second block: the stack scans (dense, sparse) pairs
+    "every2-expert4-dp2-tp-zero3": (
+        "model.moe_every=2", "parallel.data=1", "parallel.expert=4", "parallel.tensor=2",
+        "parallel.zero=3",
+    ),
+    "every2-pp2-gpipe-m2": (
+        "model.moe_every=2", "parallel.data=1", "parallel.pipeline=2",
+        "parallel.microbatches=2", "parallel.schedule=gpipe",
+    ),
 }  # fmt: skip
+# The balance loss is over each micro-batch (its rows on all devices). One device with
+# the same micro-batches: where they are the same rows (one batch device).
+SAME_MICRO_BATCHES = ("pp2-gpipe-m2", "every2-pp2-gpipe-m2")
 
 
 @pytest.fixture(scope="module")
@@ -172,29 +199,46 @@ def reference(devices):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_mixture_trains_in_every_layout_as_on_one_device(name, reference):
     overrides = list(LAYOUTS[name])
-    if "accum" in name:
-        # the balance loss is over each micro-batch (its rows on all devices), which
-        # holds other rows on one device: without it, one big batch is the truth
+    model = tuple(o for o in overrides if o.startswith("model."))
+    if name in SAME_MICRO_BATCHES:
+        reference = shared_reference("mixtral-tiny", (*model, "train.grad_accum=2"), steps=STEPS)
+    elif "accum" in name or "pp" in name:
+        # micro-batches of rows that one device's would not group: without the balance
+        # loss, one big batch is the truth
         overrides.append(NO_BALANCE[0])
-        reference = shared_reference("mixtral-tiny", NO_BALANCE, steps=STEPS)
+        reference = shared_reference("mixtral-tiny", (*model, *NO_BALANCE), steps=STEPS)
+    elif model:
+        reference = shared_reference("mixtral-tiny", model, steps=STEPS)
     assert_same_training(run("mixtral-tiny", overrides, steps=STEPS), reference)
 
 
 NO_BALANCE = ("model.router_aux_loss=0",)
 
 
+METRICS = {  # a layout, and one device's run with the same micro-batches
+    "dp4-tp2-zero3": (LAYOUTS["dp4-tp2-zero3"], ()),
+    "pp2-tp4-1f1b-m2": (
+        ("parallel.data=1", "parallel.pipeline=2", "parallel.tensor=4", "parallel.microbatches=2"),
+        ("train.grad_accum=2",),
+    ),
+}
+
+
 @pytest.mark.slow
-def test_the_metrics_report_the_whole_batch_in_any_layout(devices, tmp_path):
+@pytest.mark.parametrize("name", METRICS)
+def test_the_metrics_report_the_whole_batch_in_any_layout(name, devices, tmp_path):
     """metrics.jsonl and TensorBoard get the balance loss, the share dropped and the
-    busiest expert's load, the same under data=4 tensor=2 as on one device: statistics
-    of the whole batch, not of one device's rows."""
+    busiest expert's load, the same under data=4 tensor=2, or from a pipeline's last
+    stage, as on one device: statistics of the whole batch (each micro-batch's, their
+    mean), not of one device's rows."""
     from test_observe import events
 
     from jaxpar import cli
 
-    one = run("mixtral-tiny", ["parallel.data=1", "train.log_every=1"], steps=2).rows
-    out = tmp_path / "dp4-tp2"
-    argv = ["train", "--config", "mixtral-tiny", *LAYOUTS["dp4-tp2-zero3"], "train.steps=2"]
+    layout, same = METRICS[name]
+    one = run("mixtral-tiny", ["parallel.data=1", "train.log_every=1", *same], steps=2).rows
+    out = tmp_path / name
+    argv = ["train", "--config", "mixtral-tiny", *layout, "train.steps=2"]
     assert cli.main([*argv, "--out", str(out)]) == 0
     split = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     reported = ("moe/balance_loss", "moe/dropped", "moe/load_max_over_mean")
@@ -256,8 +300,10 @@ def test_the_expert_axis_moves_the_textbook_bytes(name, devices):
 @pytest.mark.slow
 def test_the_plan_for_mixtral_8x7b_on_64_gpus_splits_the_experts():
     """The README's plan: llama-moe (Mixtral-8x7B's dims) on 8 hosts of 8 80 GB GPUs.
-    The fastest layout that fits splits the experts, faster than the best that does not
-    (which moves every expert's weights, or holds copies of them)."""
+    Without a pipeline (which the planner puts over the slow links), the fastest layout
+    that fits splits the experts, faster than the best that does not (which moves every
+    expert's weights, or holds copies of them); with one, a layout that splits the
+    experts is among the candidates, priced."""
     from jaxpar import planner
     from jaxpar.problem import registered
 
@@ -266,11 +312,13 @@ def test_the_plan_for_mixtral_8x7b_on_64_gpus_splits_the_experts():
     plan = planner.make_plan(
         cfg, registered(cfg.model, cfg.train.seq_len), planner.machine(64, "80GB", hosts=8), work
     )
-    best = plan.ranked[0]
+    flat = [c for c in plan.ranked if c.mesh["pipeline"] == 1]
+    best = flat[0]
     assert best.mesh["expert"] > 1 and best.minimum["expert"] > 0
-    assert "split the experts over expert" in plan.rule()
-    whole = [c for c in plan.ranked if c.mesh["expert"] == 1]
+    whole = [c for c in flat if c.mesh["expert"] == 1]
     assert whole and whole[0].step_s > best.step_s
+    both = [c for c in plan.ranked if c.mesh["pipeline"] > 1 and c.mesh["expert"] > 1]
+    assert both and both[0].comm["expert"] > 0 and both[0].step_s < whole[0].step_s
 
 
 @pytest.mark.slow
