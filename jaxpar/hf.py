@@ -43,6 +43,10 @@ class Tensor:
     name: str
     file_dims: str  # its dims in the file, e.g. "(h d) e"
     our_dims: str  # ours without the stacked dims, e.g. "e h d"
+    # "{layer}" of a leaf stacked by groups of blocks (model.moe_every): the file's layer
+    # at our index i is i x every + offset
+    every: int = 1
+    offset: int = 0
 
     @property
     def stacked(self) -> list[str]:
@@ -51,7 +55,10 @@ class Tensor:
 
     def file_name(self, index: tuple[int, ...]) -> str:
         """The file's tensor at `index` of our stacked dims."""
-        return self.name.format(**dict(zip(self.stacked, index, strict=True)))
+        at = dict(zip(self.stacked, index, strict=True))
+        if "layer" in at:
+            at["layer"] = at["layer"] * self.every + self.offset
+        return self.name.format(**at)
 
 
 @dataclass(frozen=True)

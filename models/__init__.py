@@ -78,12 +78,20 @@ class LlamaConfig(Model):
         1,
         (
             "model.experts > 0: every n-th block's feed-forward is the mixture (blocks n, 2n, "
-            "...; Qwen-MoE's decoder_sparse_step), the others dense; 1 = every block. "
+            "...; Qwen3-MoE's decoder_sparse_step), the others dense; 1 = every block. "
             "model.layers must be a multiple of it"
         ),
     )
     experts_per_token: Annotated[int, Range(1, 2**12, "experts a token is sent to")] = key(
         2, "model.experts > 0: the k experts the router sends each token to (top-k)"
+    )
+    router_renormalize: bool = key(
+        True,
+        (
+            "model.experts > 0: the k chosen experts' weights renormalized to sum to 1 "
+            "(Mixtral; Qwen3-MoE's norm_topk_prob); false: their router probabilities as they "
+            "are"
+        ),
     )
     capacity_factor: Annotated[float, Range(0, 2**12, "a positive factor", True)] = key(
         1.25,
@@ -107,7 +115,7 @@ register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
 register_module("llama", "jaxpar.models.llama", config=LlamaConfig, tiny="llama-tiny")
 # the Llama model with a family's keys, each with its own Hugging Face adapter
-for family in ("mistral", "qwen2", "qwen3", "mixtral"):
+for family in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
     register_module(
         family, f"jaxpar.models.llama:{family.upper()}", config=LlamaConfig, tiny=f"{family}-tiny"
     )

@@ -533,7 +533,9 @@ FAMILY_KEYS = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "mixtral": {"sliding_window": None, "experts": None, "router_aux_loss": None},
+    "qwen3_moe": {"qk_norm": True, "experts": None, "router_aux_loss": None},
 }
+MIXTURES = {"mixtral": "Mixtral 8x7B: 8", "qwen3_moe": "Qwen3-30B-A3B: 128, with 8 a token"}
 
 
 def family_check(family: str):
@@ -542,10 +544,10 @@ def family_check(family: str):
 
     def checked(m: LlamaConfig, mesh_shape: dict) -> None:
         check(m, mesh_shape)
-        if family == "mixtral" and not m.experts:
+        if family in MIXTURES and not m.experts:
             raise ConfigError(
-                "model.name=mixtral is a mixture of experts: set model.experts (Mixtral 8x7B: "
-                "8, with model.experts_per_token=2)"
+                f"model.name={family} is a mixture of experts: set model.experts "
+                f"({MIXTURES[family]}, with model.experts_per_token)"
             )
         for key, value in own.items():
             if value is not None and getattr(m, key) != value:
@@ -574,9 +576,9 @@ def notes(m: LlamaConfig, seq_len: int) -> list[str]:
 
 
 SPEC = dataclasses.replace(SPEC, check=family_check("llama"), notes=notes)
-MISTRAL, QWEN2, QWEN3, MIXTRAL = (
+MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE = (
     dataclasses.replace(
         SPEC, name=family, check=family_check(family), tiny=f"{family}-tiny", hf=FAMILIES[family]
     )  # fmt: skip
-    for family in ("mistral", "qwen2", "qwen3", "mixtral")
+    for family in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 )

@@ -3,9 +3,11 @@
 leaves with its tensor in the checkpoint (name and layout); jaxpar.hf reads and writes
 the files with them. Each family is Llama's adapter and its differences:
 `MistralForCausalLM` (sliding_window), `Qwen2ForCausalLM` (q/k/v biases),
-`Qwen3ForCausalLM` (q/k RMSNorm per head, its own head_dim) and `MixtralForCausalLM`
+`Qwen3ForCausalLM` (q/k RMSNorm per head, its own head_dim), `MixtralForCausalLM`
 (a sliding window or none, and a mixture of experts in every block: its router and each
-expert's w1 (gate), w3 (up) and w2 (down) in the file, stacked over experts in ours)."""
+expert's w1 (gate), w3 (up) and w2 (down) in the file, stacked over experts in ours) and
+`Qwen3MoeForCausalLM` (Qwen3's attention, a mixture in every decoder_sparse_step-th
+block, renormalized or not: norm_topk_prob)."""
 
 from __future__ import annotations
 
@@ -57,19 +59,21 @@ def config_from_hf(hf: dict, family: str = "llama") -> dict:
         "rope_scaling": RopeScaling.LLAMA3 if kind == "llama3" else RopeScaling.NONE,
         "head_dim": 0 if head_dim * heads == embed else head_dim,
         "qkv_bias": family == "qwen2",
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         "sliding_window": (
             int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0
         ),
     }
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe"):
         balance = float(hf.get("router_aux_loss_coef", 0.0))
         keys |= {
-            "experts": hf["num_local_experts"],
+            "experts": hf.get("num_experts") or hf["num_local_experts"],
             "experts_per_token": hf["num_experts_per_tok"],
             # transformers adds the load-balance loss only with output_router_logits
             "router_aux_loss": balance if hf.get("output_router_logits") else 0.0,
         }
+    if family == "qwen3_moe":
+        keys |= _qwen3_moe(hf)
     if kind == "llama3":
         keys |= {
             "rope_factor": float(rope["factor"]),
@@ -78,6 +82,30 @@ def config_from_hf(hf: dict, family: str = "llama") -> dict:
             "rope_original_positions": int(rope["original_max_position_embeddings"]),
         }
     return keys
+
+
+def _qwen3_moe(hf: dict) -> dict:
+    """Qwen3-MoE's mixture keys: one hidden size for its experts and dense blocks alike
+    (jaxpar's model.mlp), sparse blocks by decoder_sparse_step only."""
+    step, dense, expert = (
+        hf.get("decoder_sparse_step", 1), hf["intermediate_size"], hf["moe_intermediate_size"]
+    )  # fmt: skip
+    if hf.get("mlp_only_layers"):
+        raise CheckpointError(
+            f"config.json: mlp_only_layers={hf['mlp_only_layers']} is not supported (jaxpar "
+            "places its sparse blocks by decoder_sparse_step alone: model.moe_every)"
+        )
+    if step > 1 and dense != expert:
+        raise CheckpointError(
+            f"config.json: decoder_sparse_step={step} with intermediate_size={dense} and "
+            f"moe_intermediate_size={expert}: jaxpar's dense blocks and experts share "
+            "model.mlp; only decoder_sparse_step=1 (no dense block) or equal sizes are read"
+        )
+    return {
+        "mlp": expert,
+        "moe_every": step,
+        "router_renormalize": bool(hf.get("norm_topk_prob", False)),
+    }
 
 
 def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
@@ -104,6 +132,18 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
             "output_router_logits": m.router_aux_loss > 0,
             "router_jitter_noise": 0.0,
         },
+        "qwen3_moe": {
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "num_experts": m.experts,
+            "num_experts_per_tok": m.experts_per_token,
+            "moe_intermediate_size": m.mlp,
+            "decoder_sparse_step": m.moe_every,
+            "mlp_only_layers": [],
+            "norm_topk_prob": m.router_renormalize,
+            "router_aux_loss_coef": m.router_aux_loss,
+            "output_router_logits": m.router_aux_loss > 0,
+        },
     }[family]
     return {
         **extra,
@@ -125,73 +165,91 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: str = "llama") -> dict:
     }
 
 
-def hf_tensors(m: LlamaConfig) -> list[Tensor]:
-    """Each leaf and its tensor: nn.Linear stores [out, in]; q/k/v/o by head, in order."""
-    if m.experts and m.moe_every != 1:
+def hf_tensors(m: LlamaConfig, family: str = "llama") -> list[Tensor]:
+    """Each leaf and its tensor: nn.Linear stores [out, in]; q/k/v/o by head, in order.
+    With model.moe_every = n > 1 the blocks are stacked by groups of n (models/llama.py's
+    Group): a leaf of the group's i-th block holds the file's layers i, n + i, ..."""
+    if family == "mixtral" and m.moe_every != 1:
         raise ConfigError(
             f"model.moe_every={m.moe_every}: Mixtral's checkpoints have a mixture in every "
             "block; only model.moe_every=1 reads or writes one"
         )
-    layer = "model.layers.{layer}."
-    out = [
-        Tensor("tokens", "model.embed_tokens.weight", "v e", "v e"),
-        Tensor("blocks/attn_norm/scale", layer + "input_layernorm.weight", "e", "e"),
-        Tensor("blocks/attn/wq", layer + "self_attn.q_proj.weight", "(h d) e", "e h d"),
-        Tensor("blocks/attn/wk", layer + "self_attn.k_proj.weight", "(k d) e", "e k d"),
-        Tensor("blocks/attn/wv", layer + "self_attn.v_proj.weight", "(k d) e", "e k d"),
-        Tensor("blocks/attn/wo", layer + "self_attn.o_proj.weight", "e (h d)", "h d e"),
-        Tensor("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
-        *(_experts(layer) if m.experts else _mlp(layer)),
-        Tensor("norm/scale", "model.norm.weight", "e", "e"),
-    ]
-    if m.qkv_bias:
-        attn = layer + "self_attn."
-        out += [
-            Tensor("blocks/attn/bq", attn + "q_proj.bias", "(h d)", "h d"),
-            Tensor("blocks/attn/bk", attn + "k_proj.bias", "(k d)", "k d"),
-            Tensor("blocks/attn/bv", attn + "v_proj.bias", "(k d)", "k d"),
-        ]
-    if m.qk_norm:
-        out += [
-            Tensor("blocks/attn/q_norm/scale", layer + "self_attn.q_norm.weight", "d", "d"),
-            Tensor("blocks/attn/k_norm/scale", layer + "self_attn.k_norm.weight", "d", "d"),
-        ]
+    if family == "mixtral" and not m.router_renormalize:
+        raise ConfigError(
+            "model.router_renormalize=false: Mixtral always renormalizes its experts' "
+            "weights; drop it, or use model.name=qwen3_moe (norm_topk_prob)"
+        )
+    out = [Tensor("tokens", "model.embed_tokens.weight", "v e", "v e")]
+    n = m.moe_every if m.experts else 1
+    if n == 1:
+        out += _block("blocks/", m, family, bool(m.experts))
+    else:
+        for i in range(n - 1):
+            out += _block(f"blocks/dense/{i}/", m, family, False, every=n, offset=i)
+        out += _block("blocks/sparse/", m, family, True, every=n, offset=n - 1)
+    out.append(Tensor("norm/scale", "model.norm.weight", "e", "e"))
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
 
-def _mlp(layer: str) -> list[Tensor]:
-    return [
-        Tensor("blocks/mlp/w_gate", layer + "mlp.gate_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_up", layer + "mlp.up_proj.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_down", layer + "mlp.down_proj.weight", "e m", "m e"),
+def _block(
+    ours: str, m: LlamaConfig, family: str, sparse: bool, every: int = 1, offset: int = 0
+) -> list[Tensor]:
+    """One block's leaves (`ours`: their path's prefix) and the file's tensors of them."""
+    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
+    names = [
+        ("attn_norm/scale", layer + "input_layernorm.weight", "e", "e"),
+        ("attn/wq", attn + "q_proj.weight", "(h d) e", "e h d"),
+        ("attn/wk", attn + "k_proj.weight", "(k d) e", "e k d"),
+        ("attn/wv", attn + "v_proj.weight", "(k d) e", "e k d"),
+        ("attn/wo", attn + "o_proj.weight", "e (h d)", "h d e"),
+        ("mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
     ]
+    if sparse:  # the router, then each expert's gate, up and down
+        moe = layer + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+        expert = moe + "experts.{expert}."
+        gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else PROJECTIONS
+        names += [
+            ("mlp/router", moe + "gate.weight", "x e", "e x"),
+            ("mlp/w_gate", f"{expert}{gate}.weight", "m e", "e m"),
+            ("mlp/w_up", f"{expert}{up}.weight", "m e", "e m"),
+            ("mlp/w_down", f"{expert}{down}.weight", "e m", "m e"),
+        ]
+    else:
+        gate, up, down = PROJECTIONS
+        names += [
+            ("mlp/w_gate", f"{layer}mlp.{gate}.weight", "m e", "e m"),
+            ("mlp/w_up", f"{layer}mlp.{up}.weight", "m e", "e m"),
+            ("mlp/w_down", f"{layer}mlp.{down}.weight", "e m", "m e"),
+        ]
+    if m.qkv_bias:
+        names += [
+            ("attn/bq", attn + "q_proj.bias", "(h d)", "h d"),
+            ("attn/bk", attn + "k_proj.bias", "(k d)", "k d"),
+            ("attn/bv", attn + "v_proj.bias", "(k d)", "k d"),
+        ]
+    if m.qk_norm:
+        names += [
+            ("attn/q_norm/scale", attn + "q_norm.weight", "d", "d"),
+            ("attn/k_norm/scale", attn + "k_norm.weight", "d", "d"),
+        ]
+    return [Tensor(ours + key, *rest, every=every, offset=offset) for key, *rest in names]
 
 
-def _experts(layer: str) -> list[Tensor]:
-    """Mixtral's router and experts (one tensor per layer and expert in the file)."""
-    moe = layer + "block_sparse_moe."
-    expert = moe + "experts.{expert}."
-    return [
-        Tensor("blocks/mlp/router", moe + "gate.weight", "x e", "e x"),
-        Tensor("blocks/mlp/w_gate", expert + "w1.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_up", expert + "w3.weight", "m e", "e m"),
-        Tensor("blocks/mlp/w_down", expert + "w2.weight", "e m", "m e"),
-    ]
-
-
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 FAMILIES = {
     family: HFFormat(
         architecture,
         functools.partial(config_from_hf, family=family),
         functools.partial(config_to_hf, family=family),
-        hf_tensors,
+        functools.partial(hf_tensors, family=family),
         training=("router_aux_loss",),
     )
     for family, (architecture, _) in ARCHITECTURES.items()

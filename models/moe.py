@@ -1,8 +1,8 @@
 """A sparse mixture of experts in place of a block's MLP (Mixtral's): a router (one
 product to `experts` logits, a softmax in fp32, the top k, their weights renormalized
-over the k), SwiGLU experts stacked as one [experts, ...] parameter per weight, and the
-Switch / Mixtral load-balance loss, returned with the output (not collected from the
-layer's intermediates, which a layer scan would lose).
+over the k or, Qwen3-MoE's choice, not), SwiGLU experts stacked as one [experts, ...]
+parameter per weight, and the Switch / Mixtral load-balance loss, returned with the
+output (not collected from the layer's intermediates, which a layer scan would lose).
 
 Dispatch by fixed capacity, a sequence at a time: each expert takes
 ceil(capacity_factor x seq x k / experts) of a sequence's tokens, every token's first
@@ -72,11 +72,14 @@ def capacity(seq: int, experts: int, k: int, factor: float) -> int:
     return min(seq, math.ceil(factor * seq * k / experts))
 
 
-def route(logits_BxSxX: jax.Array, k: int, slots: int) -> Routing:
-    """Top-k routing of each sequence's tokens into `slots` places per expert."""
+def route(logits_BxSxX: jax.Array, k: int, slots: int, renormalize: bool = True) -> Routing:
+    """Top-k routing of each sequence's tokens into `slots` places per expert; the k
+    weights renormalized over the k, or (not `renormalize`) their probabilities."""
     probs_BxSxX = jax.nn.softmax(logits_BxSxX.astype(jnp.float32), axis=-1)
     top_BxSxK, experts_BxSxK = jax.lax.top_k(probs_BxSxX, k)
-    weights_BxSxK = top_BxSxK / jnp.sum(top_BxSxK, -1, keepdims=True)
+    weights_BxSxK = top_BxSxK
+    if renormalize:
+        weights_BxSxK = top_BxSxK / jnp.sum(top_BxSxK, -1, keepdims=True)
     rows, seq, n = probs_BxSxX.shape
     # claims in priority order: every token's first choice, then every second choice
     claims_BxKSxX = jax.nn.one_hot(
@@ -100,6 +103,7 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, normal(out_std), (n, m, e), (EXPERTS, MLP, EMBED))
         self.k = cfg.experts_per_token
         self.capacity_factor = cfg.capacity_factor
+        self.renormalize = cfg.router_renormalize
 
     def __call__(
         self, x_BxSxE: jax.Array, trained_BxS: jax.Array | None = None, dropless: bool = False
@@ -110,7 +114,8 @@ class MoE(nnx.Module):
         seq, n = x_BxSxE.shape[1], self.router.shape[-1]
         slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
         logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
-        r = route(constrain(logits_BxSxX, (BATCH, SEQ, ROUTES)), self.k, slots)
+        logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
+        r = route(logits_BxSxX, self.k, slots, self.renormalize)
         experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
         # each expert's hidden dims split over `tensor`: one sum of the combined output

@@ -136,6 +136,10 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.name=mixtral"],
         ["model.name=mixtral is a mixture of experts", "set model.experts"],
     ),
+    "qwen3-moe-without-experts": (
+        ["model.name=qwen3_moe", "model.qk_norm=true"],
+        ["model.name=qwen3_moe is a mixture of experts", "Qwen3-30B-A3B: 128"],
+    ),
     "expert-dense": (
         ["parallel.expert=2", "parallel.data=4"],
         ["parallel.expert=2 splits a mixture's experts", "model.name=gpt has none"],
