@@ -185,12 +185,27 @@ class AttentionDims:
 class ExpertDims:
     """What expert parallelism moves per layer: a mixture's sparse layers, experts, the
     slots of each for a sequence (its capacity) and the token width
-    (ModelSpec.expert_dims)."""
+    (ModelSpec.expert_dims); the experts a token is sent to, whose ids context
+    parallelism gathers; the forward FLOPs of one slot through its expert."""
 
     layers: int
     experts: int
     slots: int
     embed: int
+    per_token: int
+    slot_flops: float
+
+    def held(self, context: int) -> int:
+        """Each expert's slots of a sequence a device runs: split over `context`, each
+        device its ceil(1/C) of them."""
+        return -(-self.slots // context)
+
+    def idle_flops(self, seq_len: int, context: int) -> float:
+        """Forward and backward FLOPs per sequence of the slots beyond its tokens' k
+        choices (which the model's FLOPs count): the capacity's spare slots, run on
+        zeros."""
+        spare = context * self.experts * self.held(context) - self.per_token * seq_len
+        return 3 * self.layers * self.slot_flops * max(spare, 0)
 
 
 def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDims | None) -> float:
@@ -215,7 +230,8 @@ def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDi
     if experts is None:
         return total
     rows = cfg.train.batch_size // data_parallel(mesh_shape)
-    slots = rows * experts.experts * experts.slots * experts.embed
+    held = experts.held(mesh_shape.get(CONTEXT, 1))
+    slots = rows * experts.experts * held * experts.embed
     passes = 2 * forward_passes(cfg) + 2
     layers = experts.layers / mesh_shape.get(PIPE, 1)
     return total + layers * passes * share * slots * dtype_bytes(cfg.train.precision)
@@ -229,14 +245,22 @@ def forward_passes(cfg: Config) -> int:
 
 
 def context_bytes(
-    cfg: Config, specs, shapes, mesh_shape: dict, attention: AttentionDims | None, documents: bool
+    cfg: Config,
+    specs,
+    shapes,
+    mesh_shape: dict,
+    attention: AttentionDims | None,
+    documents: bool,
+    experts: ExpertDims | None = None,
 ) -> float:
     """Textbook wire bytes per device per step on `context` (jaxpar.sequence): per
     attention layer and pass (each forward, `forward_passes`, and the backward),
     all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
     each (forward a gather, backward a reduce-scatter), plus with documents their int32
     segment ids and positions (forward only); Ulysses four all-to-alls, (C-1)/C of q,
-    k, v and the output on the device; and once a step the gradients, as `data` leaves
+    k, v and the output on the device; per sparse layer, a mixture's input gathered
+    each pass and its output reduce-scattered forward and backward (jaxpar.models.moe),
+    (C-1)/C of [rows, S, embed] each; and once a step the gradients, as `data` leaves
     them (ZeRO>=1: the optimizer's split), all-reduced: 2(C-1)/C."""
     c = mesh_shape.get(CONTEXT, 1)
     if c == 1:
@@ -249,13 +273,15 @@ def context_bytes(
         return total
     split = sequence.Split(c, par.context_strategy, par.context_balance)
     t = mesh_shape.get(TENSOR, 1)
-    tokens = train.batch_size // (mesh_shape.get(REPLICA, 1) * mesh_shape.get(DATA, 1))
+    tokens = train.batch_size // data_parallel(mesh_shape)
     tokens *= train.seq_len  # this device's rows, whole, over the step
     local = attention.heads // t
     moved = sequence.kv_heads_moved(local, attention.heads // attention.kv_heads, split)
     layers = attention.layers
     f = forward_passes(cfg)
     cb = dtype_bytes(train.precision)
+    if experts:  # a recomputed forward's output is not needed: scattered once forward
+        total += experts.layers * (f + 3) * share * tokens * experts.embed * cb
     if par.context_strategy is ContextStrategy.ALL_GATHER:
         per_pass = 2 * share * tokens * moved * attention.head_dim * cb
         total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
@@ -288,7 +314,7 @@ def minimum(
         **_minimum(cfg, specs, trained, mesh_shape, tensor_elements),
         CONTEXT: None
         if c > 1 and staged
-        else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents),
+        else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents, experts),
         EXPERT: None
         if experts and staged and mesh_shape.get(EXPERT, 1) > 1
         else expert_bytes(cfg, specs, trained.shapes, mesh_shape, experts),

@@ -112,7 +112,7 @@ class Workload:
     layers: int  # in the stack a pipeline cuts
     flops_per_row: float  # forward and backward, without recomputation
     # (tensor degree) -> elements one layer keeps for its backward pass per row
-    layer_elements: Callable[[int], float]
+    layer_elements: Callable[[int, int], float]  # (tensor, context) -> a device's, a layer
     boundary_elements: float  # the activation between two layers, per row
     check: Callable[[dict], None]  # the model's dims against a mesh shape (ConfigError)
     attention: cost.AttentionDims | None = None  # what context parallelism moves
@@ -134,7 +134,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     return Workload(
         layers=m.layers,
         flops_per_row=spec.flops_per_token(m, s) * s,
-        layer_elements=lambda tensor: spec.activation_bytes(m, s, tensor, scores) / 2,
+        layer_elements=lambda t, c: spec.activation_bytes(m, s, t, scores, c) / 2,
         boundary_elements=s * m.embed,
         check=check,
         attention=spec.attention_dims(m) if spec.attention_dims else None,
@@ -159,7 +159,7 @@ def of_problem(problem, batch) -> Workload:
     return Workload(
         layers=layers,
         flops_per_row=6 * params * loss_elements(problem, one),
-        layer_elements=lambda tensor: values / layers / tensor,
+        layer_elements=lambda tensor, context: values / layers / tensor / context,
         boundary_elements=carry,
         check=lambda mesh: None,
     )
@@ -283,8 +283,10 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     layers = math.ceil(work.layers / p)
     # kept for the backward pass: each layer's input (recomputed) or all it computes, of
     # this device's 1/C of the tokens
-    kept = work.boundary_elements if par.remat is not Remat.NONE else work.layer_elements(t)
-    kept /= c
+    if par.remat is not Remat.NONE:
+        kept = work.boundary_elements / c
+    else:
+        kept = work.layer_elements(t, c)
     acts = alive * layers * split.micro * kept * compute_bytes
     names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
     one_layer = sum(
@@ -311,7 +313,9 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
         EXPERT: cost.expert_bytes(cfg, specs, trained.shapes, mesh, work.experts),
-        CONTEXT: cost.context_bytes(cfg, specs, trained.shapes, mesh, work.attention, False),
+        CONTEXT: cost.context_bytes(
+            cfg, specs, trained.shapes, mesh, work.attention, False, work.experts
+        ),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
     }
@@ -334,7 +338,10 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
-    flops = work.flops_per_row * train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
+    flops = work.flops_per_row
+    if work.experts:  # the experts run on every slot they hold, empty ones too
+        flops += work.experts.idle_flops(train.seq_len, c)
+    flops *= train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
     # a pipeline runs at its slowest device's pace (the bubble stretches that below)
     share = slowest_stage_share(trained, work.layers, p)
     per_stage = math.prod(mesh.values()) // p  # devices sharing each stage's work

@@ -36,9 +36,10 @@ class ModelSpec:
     stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
     # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
     flops_per_token: Callable[..., float]
-    # (model config, seq_len, tensor degree, scores) -> bytes one layer keeps for its
-    # backward pass per sequence, in a 16-bit compute dtype (planner); `scores`: whether
-    # the attention keeps its [S, S] scores (jaxpar.attention.stores_scores)
+    # (model config, seq_len, tensor degree, scores, context degree) -> bytes one layer
+    # keeps for its backward pass per sequence on a device holding 1/context of its
+    # tokens, in a 16-bit compute dtype (planner); `scores`: whether the attention keeps
+    # its [S, S] scores (jaxpar.attention.stores_scores)
     activation_bytes: Callable[..., float]
     # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
     # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)

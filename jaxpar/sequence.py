@@ -93,6 +93,40 @@ def local(x_BxS: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(ordered, first, part, axis=1)
 
 
+def whole(x_BxS: jax.Array) -> jax.Array:
+    """`local` undone: the whole rows, in their original order, of a per-token array of
+    which each context device holds its S / C slots (an all_gather over `context`, then
+    the reorder undone); unchanged where the step splits no sequence."""
+    split = active()
+    if split is None:
+        return x_BxS
+    gathered = jax.lax.all_gather(x_BxS, CONTEXT, axis=1, tiled=True)
+    if not split.balance:
+        return gathered
+    return gathered[:, np.argsort(order(gathered.shape[1], split))]
+
+
+def scatter_sum(x_BxS: jax.Array) -> jax.Array:
+    """Whole rows in original order, each context device's part of a sum, -> the sum at
+    this device's S / C slots (`local` of it): a reduce-scatter over `context`;
+    unchanged where the step splits no sequence."""
+    split = active()
+    if split is None:
+        return x_BxS
+    ordered = x_BxS[:, order(x_BxS.shape[1], split)] if split.balance else x_BxS
+    return jax.lax.psum_scatter(ordered, CONTEXT, scatter_dimension=1, tiled=True)
+
+
+def share(n: int) -> tuple[jax.Array | int, int]:
+    """(first, count): this context device's ceil(n / C) of n items (the last device's
+    may run past n); (0, n) where the step splits no sequence."""
+    split = active()
+    if split is None:
+        return 0, n
+    count = -(-n // split.degree)
+    return jax.lax.axis_index(CONTEXT) * count, count
+
+
 def positions(rows: int, seq: int) -> jax.Array:
     """[rows, S / C] the original positions of this device's tokens (one document a row;
     `seq`: the whole row's length)."""

@@ -122,13 +122,16 @@ def block_flops(m: Model, seq_len: int) -> float:
     return 2 * (4 * m.embed**2 + 2 * m.embed * m.mlp) + 4 * seq_len * m.embed
 
 
-def activation_bytes(m: Model, seq_len: int, tensor: int, scores: bool = True) -> float:
+def activation_bytes(
+    m: Model, seq_len: int, tensor: int, scores: bool = True, context: int = 1
+) -> float:
     """Korthikanti et al.: 34 s h + 5 a s^2 bytes per layer and sequence in 16-bit, the
-    tensor-split parts divided by the degree. A fused or blocked attention (`scores`
-    False) keeps no [S, S] scores, only their fp32 softmax statistics, 4 a s bytes."""
+    tensor-split parts divided by the degree, a context device's 1/context of them (its
+    queries' scores against every key). A fused or blocked attention (`scores` False)
+    keeps no [S, S] scores, only their fp32 softmax statistics, 4 a s bytes."""
     s = seq_len
     kept = 5 * m.heads * s * s if scores else 4 * m.heads * s
-    return s * m.embed * (10 + 24 / tensor) + kept / tensor
+    return (s * m.embed * (10 + 24 / tensor) + kept / tensor) / context
 
 
 SPEC = ModelSpec(

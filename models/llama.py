@@ -403,7 +403,7 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
             "key/value head serves an equal group of query heads"
         )
     if m.experts:
-        check_experts(m, mesh_shape)
+        check_experts(m)
     elif m.moe_every != 1:
         raise ConfigError(
             f"model.moe_every={m.moe_every} places a mixture of experts among the blocks; "
@@ -416,7 +416,7 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
         )
 
 
-def check_experts(m: LlamaConfig, mesh_shape: dict) -> None:
+def check_experts(m: LlamaConfig) -> None:
     if m.experts_per_token > m.experts:
         raise ConfigError(
             f"model.experts_per_token={m.experts_per_token} > model.experts={m.experts}: a "
@@ -427,12 +427,6 @@ def check_experts(m: LlamaConfig, mesh_shape: dict) -> None:
         raise ConfigError(
             f"model.moe_every={m.moe_every} with model.layers={m.layers}: every n-th block is "
             f"sparse, in groups of n that fill the layers; choose n among {fits}"
-        )
-    if mesh_shape.get("context", 1) > 1:
-        raise ConfigError(
-            f"parallel.context={mesh_shape['context']} with model.experts={m.experts}: a "
-            "mixture of experts is not yet built to run split over context; use "
-            "parallel.context=1 (data, replica, expert, tensor, pipeline and ZeRO work)"
         )
 
 
@@ -450,22 +444,31 @@ def block_flops(m: LlamaConfig, seq_len: int) -> float:
     return 2 * matmuls + 4 * seq_len * q
 
 
-def activation_bytes(m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True) -> float:
-    """What a block keeps for its backward pass per sequence, 16-bit: the input and both
-    norms' outputs, q/k/v before and after rotation, the repeated k/v, the scores and
-    probabilities (`scores`; else their fp32 softmax statistics, 2 16-bit units a head),
-    the attention output; gate, up, silu(gate) and the product (with experts: of each
-    slot of their capacity, and each slot's input, the router's logits and probabilities)."""
+def activation_bytes(
+    m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True, context: int = 1
+) -> float:
+    """What a block keeps for its backward pass per sequence (a device's 1/context of
+    its tokens), 16-bit: the input and both norms' outputs, q/k/v before and after
+    rotation, the repeated k/v, the scores against every key and probabilities (`scores`;
+    else their fp32 softmax statistics, 2 16-bit units a head), the attention output;
+    gate, up, silu(gate) and the product (with experts: of each slot the device runs,
+    1/context of the capacity, and each slot's input, the router's logits and
+    probabilities; split over context, of the whole sequence, gathered, and the
+    output's part)."""
+    tokens = seq_len / context
     kv = m.kv_heads * head_size(m)
     kv_split = tensor if m.kv_heads % tensor == 0 else 1
     mlp = 4 * m.mlp / tensor
     if m.experts:  # the mean block's: n - 1 dense, one sparse
-        slots = m.experts * capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
-        sparse = slots / seq_len * (m.embed + mlp) + 2 * m.experts
+        slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
+        held = -(-slots // context)
+        sparse = m.experts * held / tokens * (m.embed + mlp) + 2 * m.experts * context
+        if context > 1:
+            sparse += 2 * m.embed * context
         mlp = ((m.moe_every - 1) * mlp + sparse) / m.moe_every
     per_token = 3 * m.embed + 6 * m.embed / tensor + mlp + 4 * kv / kv_split
     attention = 2 * m.heads * (seq_len if scores else 1) / tensor
-    return 2 * seq_len * (per_token + attention)
+    return 2 * tokens * (per_token + attention)
 
 
 def tensor_elements(m: LlamaConfig, rows: int, seq_len: int, tensor: int) -> float:
@@ -499,7 +502,9 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
     if not m.experts:
         return None
     slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
-    return ExpertDims(m.layers // m.moe_every, m.experts, slots, m.embed)
+    return ExpertDims(
+        m.layers // m.moe_every, m.experts, slots, m.embed, m.experts_per_token, 6 * m.embed * m.mlp
+    )
 
 
 def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:

@@ -10,7 +10,10 @@ choice before any second choice, in sequence order; a token past its expert's ca
 skips that expert (its share of the output is 0, the residual carries it on). A group
 of one sequence makes the drops the same in every layout of the batch. The tokens are
 gathered into [rows, experts, capacity, embed], the experts applied as one batched
-product, and each token's outputs gathered back and weighted."""
+product, and each token's outputs gathered back and weighted. Where the step splits
+sequences over context, each layer gathers the sequence's tokens, routes it whole,
+runs 1/C of every expert's slots, and sums the outputs back to the tokens' devices
+(jaxpar.sequence.whole, share, scatter_sum)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import sequence
 from jaxpar.context import report
 from jaxpar.layers import (
     batch_sum,
@@ -111,42 +115,54 @@ class MoE(nnx.Module):
         """(the output, the Load of its routing); `trained_BxS` weighs each token in the
         balance loss (its target is trained; None: all are)."""
         dt = x_BxSxE.dtype
-        seq, n = x_BxSxE.shape[1], self.router.shape[-1]
+        n = self.router.shape[-1]
+        # split over context: every device routes the whole sequence (its tokens gathered)
+        # as one device would, and runs its share of each expert's slots
+        whole_BxSxE = sequence.whole(x_BxSxE)
+        seq = whole_BxSxE.shape[1]
         slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
-        logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
+        logits_BxSxX = jnp.einsum("bse,ex->bsx", whole_BxSxE, self.router[...].astype(dt))
         logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
         r = route(logits_BxSxX, self.k, slots, self.renormalize)
+        first, held = sequence.share(slots)
+        slot_BxSxK = r.slot - first
+        mine_BxSxK = r.keep & (slot_BxSxK >= 0) & (slot_BxSxK < held)
         experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
         # each expert's hidden dims split over `tensor`: one sum of the combined output
-        routed = r._replace(probs=None)
-        mixed = functools.partial(mix, slots, n)
-        y_BxSxE = tensor_parallel(mixed, x_BxSxE, routed, experts, names)
-        chosen_BxSxX = jnp.sum(jax.nn.one_hot(r.experts, n, dtype=jnp.float32), axis=2)
+        routed = Routing(r.experts, r.weights, slot_BxSxK, mine_BxSxK, None)
+        mixed = functools.partial(mix, held, n)
+        part_BxSxE = tensor_parallel(mixed, whole_BxSxE, routed, experts, names)
+        y_BxSxE = sequence.scatter_sum(part_BxSxE)  # each token's outputs, summed
+        # this device's tokens' routing
+        probs_BxSxX = sequence.local(r.probs)
+        chosen_BxSxX = jax.nn.one_hot(sequence.local(r.experts), n, dtype=jnp.float32).sum(2)
         w_BxS = jnp.ones(x_BxSxE.shape[:2], jnp.float32)
         if trained_BxS is not None:
             w_BxS = trained_BxS.astype(jnp.float32)
         load = Load(
-            probs=jnp.einsum("bsx,bs->bx", r.probs, w_BxS),
+            probs=jnp.einsum("bsx,bs->bx", probs_BxSxX, w_BxS),
             trained=jnp.einsum("bsx,bs->bx", chosen_BxSxX, w_BxS),
             chosen=jnp.sum(chosen_BxSxX, 1),
-            kept=jnp.sum(r.keep, (1, 2)).astype(jnp.float32),
+            kept=jnp.sum(sequence.local(r.keep), (1, 2)).astype(jnp.float32),
         )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
 
 
 def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMxE):
     """Each token's k experts' outputs, weighted and summed: the tokens gathered into
-    their n experts' slots, sent to the devices of their experts (the L here: n, or
-    n / X under expert parallelism), the experts applied as one batched product, the
-    outputs sent back and gathered to their tokens."""
+    their n experts' `slots` slots (a choice not `r.keep`, or out of them: skipped),
+    sent to the devices of their experts (the L here: n, or n / X under expert
+    parallelism), the experts applied as one batched product, the outputs sent back and
+    gathered to their tokens."""
     rows, seq, _ = x_BxSxE.shape
     # each expert's slots: the token in it (seq: none, a row of zeros); out of capacity,
     # the write is dropped
     row = jnp.arange(rows)[:, None, None]
     token = jnp.broadcast_to(jnp.arange(seq)[None, :, None], r.slot.shape)
     empty_BxXxC = jnp.full((rows, n, slots), seq, jnp.int32)
-    token_BxXxC = empty_BxXxC.at[row, r.experts, r.slot].set(token, mode="drop")
+    slot_BxSxK = jnp.where(r.keep, r.slot, slots)
+    token_BxXxC = empty_BxXxC.at[row, r.experts, slot_BxSxK].set(token, mode="drop")
     padded_BxSxE = jnp.concatenate([x_BxSxE, jnp.zeros_like(x_BxSxE[:, :1])], axis=1)
     in_BxXxCxE = jax.vmap(lambda x, t: x[t])(padded_BxSxE, token_BxXxC)
     in_GxLxCxE = to_experts(in_BxXxCxE)  # G: the rows of every device sending here
@@ -156,7 +172,7 @@ def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMx
     out_BxXxCxE = from_experts(jnp.einsum("glcm,lme->glce", h_GxLxCxM, down_LxMxE))
     # each token's k outputs, weighted (a dropped one: weight 0)
     flat_BxXCxE = out_BxXxCxE.reshape(rows, n * slots, -1)
-    where_BxSxK = r.experts * slots + jnp.minimum(r.slot, slots - 1)
+    where_BxSxK = r.experts * slots + jnp.clip(r.slot, 0, slots - 1)
     picked_BxSxKxE = jax.vmap(lambda o, i: o[i])(flat_BxXCxE, where_BxSxK)
     weights_BxSxK = jnp.where(r.keep, r.weights, 0.0).astype(x_BxSxE.dtype)
     return jnp.einsum("bske,bsk->bse", picked_BxSxKxE, weights_BxSxK)

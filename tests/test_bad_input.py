@@ -124,10 +124,6 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.name=mixtral", "model.experts=4", "model.moe_every=0"],
         ["model.moe_every"],
     ),
-    "experts-context": (
-        ["model.name=mixtral", "model.experts=4", "parallel.context=2", "parallel.data=4"],
-        ["parallel.context=2 with model.experts=4"],
-    ),
     "experts-dense-llama": (
         ["model.name=llama", "model.experts=4"],
         ["model.experts=4 is mixtral's, not llama's; set model.name=mixtral"],

@@ -175,6 +175,16 @@ LAYOUTS = {
         "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.zero=3",
         "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
     ),
+    # sequences split over context: each expert keeps the tokens it keeps on one device
+    "ctx2-dp4": ("parallel.context=2", "parallel.data=4"),
+    "ctx4-expert2-unbalanced-ulysses": (
+        "parallel.context=4", "parallel.expert=2", "parallel.data=1",
+        "parallel.context_balance=false", "parallel.context_strategy=ulysses",
+    ),
+    "pp2-ctx2-tp2-gpipe-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.context=2", "parallel.tensor=2",
+        "parallel.microbatches=2", "parallel.schedule=gpipe",
+    ),
     # a mixture in every second block: the stack scans (dense, sparse) pairs
     "every2-expert4-dp2-tp-zero3": (
         "model.moe_every=2", "parallel.data=1", "parallel.expert=4", "parallel.tensor=2",
@@ -187,7 +197,7 @@ LAYOUTS = {
 }  # fmt: skip
 # The balance loss is over each micro-batch (its rows on all devices). One device with
 # the same micro-batches: where they are the same rows (one batch device).
-SAME_MICRO_BATCHES = ("pp2-gpipe-m2", "every2-pp2-gpipe-m2")
+SAME_MICRO_BATCHES = ("pp2-gpipe-m2", "pp2-ctx2-tp2-gpipe-m2", "every2-pp2-gpipe-m2")
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +227,7 @@ NO_BALANCE = ("model.router_aux_loss=0",)
 
 METRICS = {  # a layout, and one device's run with the same micro-batches
     "dp4-tp2-zero3": (LAYOUTS["dp4-tp2-zero3"], ()),
+    "ctx2-expert2-dp2": (("parallel.context=2", "parallel.expert=2", "parallel.data=2"), ()),
     "pp2-tp4-1f1b-m2": (
         ("parallel.data=1", "parallel.pipeline=2", "parallel.tensor=4", "parallel.microbatches=2"),
         ("train.grad_accum=2",),
@@ -228,9 +239,9 @@ METRICS = {  # a layout, and one device's run with the same micro-batches
 @pytest.mark.parametrize("name", METRICS)
 def test_the_metrics_report_the_whole_batch_in_any_layout(name, devices, tmp_path):
     """metrics.jsonl and TensorBoard get the balance loss, the share dropped and the
-    busiest expert's load, the same under data=4 tensor=2, or from a pipeline's last
-    stage, as on one device: statistics of the whole batch (each micro-batch's, their
-    mean), not of one device's rows."""
+    busiest expert's load, the same under data=4 tensor=2, with sequences split over
+    context, or from a pipeline's last stage, as on one device: statistics of the whole
+    batch (each micro-batch's, their mean), not of one device's rows or tokens."""
     from test_observe import events
 
     from jaxpar import cli
@@ -279,18 +290,25 @@ EXPERT_COMM = {
     "expert2-dp2-tp2-zero3": (
         "parallel.expert=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3",
     ),
+    # a device's kept tokens of an expert fill at most its own S / C slots; context also
+    # gathers the routing's expert ids
+    "ctx2-expert2-dp2-remat": (
+        "parallel.context=2", "parallel.expert=2", "parallel.data=2", "parallel.remat=full",
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", EXPERT_COMM)
 def test_the_expert_axis_moves_the_textbook_bytes(name, devices):
     """The dispatch and combine all-to-alls, forward and backward, and the other leaves'
-    gradients summed over `expert`, against cost.expert_bytes."""
+    gradients summed over `expert`, against cost.expert_bytes (and `context`'s against
+    cost.context_bytes)."""
     comm = compile_only("mixtral-tiny", EXPERT_COMM[name]).comm
     expert = comm.by_axis["expert"]
     assert expert.minimum > 0 and expert.wire == pytest.approx(expert.minimum, rel=0.02), comm
-    data = comm.by_axis["data"]
-    assert data.wire == pytest.approx(data.minimum, rel=0.02), comm
+    for axis in ("data", "context"):
+        wire, minimum = comm.by_axis[axis].wire, comm.by_axis[axis].minimum
+        assert wire == pytest.approx(minimum, rel=0.02), (axis, comm)
     # with tensor too, x's gradient is summed a second time a layer (jaxpar.tensor_parallel
     # runs unchecked under expert parallelism): 1.23 x the tensor minimum, measured
     tensor = comm.by_axis["tensor"]

@@ -255,7 +255,7 @@ def test_the_activation_count_keeps_the_scores_only_where_attention_stores_them(
     preset = {"gpt": "gpt-tiny", "llama": "llama-tiny"}[name]
     cfg = presets.load(preset, ["train.seq_len=4096", "train.precision=bf16"])
     a, s = cfg.model.heads, 4096
-    kept = {p: planner.of_config(cfg, p).layer_elements(1) for p in ("cpu", "cuda")}
+    kept = {p: planner.of_config(cfg, p).layer_elements(1, 1) for p in ("cpu", "cuda")}
     scores, stats = {"gpt": (5 * a * s * s, 4 * a * s), "llama": (4 * a * s * s, 4 * a * s)}[name]
     assert kept["cpu"] - kept["cuda"] == pytest.approx((scores - stats) / 2)
     # at S=4096 the scores are nearly all of it

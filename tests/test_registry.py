@@ -60,8 +60,8 @@ SPEC = jaxpar.ModelSpec(
     loss=loss,
     stages=lambda m, seq_len: None,
     flops_per_token=lambda m, seq_len: 6 * (m.layers * 2 * m.embed * m.mlp + 2 * m.vocab * m.embed),
-    activation_bytes=lambda m, seq_len, tensor, scores: (
-        seq_len * (2 * m.embed + 2 * m.mlp / tensor)
+    activation_bytes=lambda m, seq_len, tensor, scores, context: (
+        seq_len / context * (2 * m.embed + 2 * m.mlp / tensor)
     ),
     # each block 1 each way; embedding, head
     tensor_elements=lambda m, rows, seq_len, t: (2 * m.layers + 2) * rows * seq_len * m.embed,
