@@ -144,6 +144,18 @@ def test_a_masked_loss_is_the_same_in_every_layout(name, chat_folder, devices):
 
 
 @pytest.mark.slow
+def test_a_masked_mixture_is_the_same_over_experts_and_context(chat_folder, devices):
+    """A mixture of experts on chat data (its balance loss over the trained tokens only),
+    its experts split over expert=2 and each packed sequence over context=2: one
+    device's losses and parameters."""
+    layout = ("parallel.data=2", "parallel.expert=2", "parallel.context=2")
+    assert_same_training(
+        run("mixtral-tiny", [*chat_run(chat_folder), *layout]),
+        reference("mixtral-tiny", chat_run(chat_folder)),
+    )
+
+
+@pytest.mark.slow
 def test_a_mean_of_means_would_differ_by_the_layout(chat_folder, devices):
     """The loss the layouts agree on is the global batch's sum over its trained targets by
     their global count. A mean of the 8 devices' means (data=8), or of 4 micro-batches'
