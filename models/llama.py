@@ -316,14 +316,16 @@ class Llama(nnx.Module):
         """(logits [B, T, V] of T new tokens at cache slots slot.., the cache with their
         keys and values): `cache` is (k, v), each [layers, B, M, kv_heads, head_dim]."""
         n = self.every  # a Group's blocks: their caches side by side
-        grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), cache)
-        x_BxTxE, grouped = scan_cached(
+        if n > 1:
+            cache = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), cache)
+        x_BxTxE, cache = scan_cached(
             self.blocks,
             self.embed(tokens_BxT),
-            grouped if n > 1 else cache,
+            cache,
             lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
         )
-        cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grouped) if n > 1 else grouped
+        if n > 1:
+            cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)
         return self.logits(x_BxTxE), cache
 
     def logits(self, x_BxSxE):
