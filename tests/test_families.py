@@ -38,8 +38,10 @@ def family(request, tmp_path_factory):
     torch.manual_seed(0)
     model = model_class(config_class(**COMMON, **extra))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)  # biases and norms too: a wrong mapping shows
+        # biases and norms too: a wrong mapping shows; the norms' scales near 1, so that
+        # each block's output counts in the logits
+        for key, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in key else 0.0, 0.1)
     directory = tmp_path_factory.mktemp(name) / "hf"
     model.save_pretrained(directory)
     return name, directory

@@ -37,8 +37,10 @@ def save_tiny_llama(directory: Path, tie: bool = False) -> Path:
         )  # fmt: skip
     )
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)  # far from the init, so that a wrong mapping shows
+        # far from the init, so that a wrong mapping shows; the norms' scales near 1, so
+        # that each block's output counts in the logits
+        for key, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in key else 0.0, 0.1)
     model.save_pretrained(directory)
     return directory
 
