@@ -5,7 +5,7 @@ jax, so that the command line reads a config before jax starts: every other modu
 imports these names (from here or `jaxpar.mesh`).
 
 Data parallelism runs over `replica` x `data`: the batch is split over both; ZeRO splits
-state over `data` only, within a group, and the groups are copies over `replica`
+state over `data` (and `expert`), within a group, and the groups are copies over `replica`
 (hybrid sharding: PyTorch HSDP, DeepSpeed hpZ, MaxText's dcn_data_parallelism).
 
 Context parallelism splits each sequence over `context` (jaxpar.sequence); parameters
@@ -14,8 +14,9 @@ and their ZeRO shards are whole over it, and each step's gradients, once reduced
 
 Expert parallelism splits a mixture's experts over `expert` (jaxpar.models.moe: tokens
 go to their experts' devices by all-to-all). Everywhere else `expert` is a data axis
-like `replica`: the batch is split over it, and the other parameters and their ZeRO
-shards are copies over it whose gradients are summed over it once a step."""
+like `data`: the batch is split over it, and ZeRO splits the other parameters' state
+over `data` x `expert` (the experts' own over `data`: they are split over `expert`
+already)."""
 
 import math
 

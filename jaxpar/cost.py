@@ -25,7 +25,7 @@ from jaxpar.config import (
     Remat,
     Train,
 )
-from jaxpar.sharding import LeafSpecs
+from jaxpar.sharding import LeafSpecs, axes_of, zero_axes, zero_degree
 from jaxpar.zero import stack_dims
 
 DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}  # train.precision's
@@ -72,7 +72,7 @@ def paper_state(zero: int, psi: float, n: int) -> float:
 
 
 def local_elems(shape, spec, mesh_shape) -> float:
-    split = math.prod(mesh_shape[a] for a in spec if a is not None)
+    split = math.prod(mesh_shape[a] for a in axes_of(spec))
     return math.prod(shape) / split
 
 
@@ -91,41 +91,54 @@ def minimum_bytes(
 ) -> dict[str, float | None]:
     """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
 
-    data: ZeRO-0 ring all-reduce 2(N-1)/N of the gradient; ZeRO-1/2 reduce-scatter of
-    the gradient (ZeRO-2: every micro-batch) + all-gather of the updated fp32
-    parameters, (N-1)/N each; ZeRO-3 per micro-batch: each leaf gathered `gathers` times
-    in the compute dtype (a layer stack's leaves twice, for forward and again for
-    backward, one layer whole at a time; a leaf outside the stack once, kept whole until
-    its backward), and its gradient reduce-scattered, (N-1)/N each. Gradients are summed
-    in `reduce_bytes` per element (train.grad_reduce_dtype). Leaves ZeRO cannot split pay
-    the all-reduce. tensor: Megatron's all-reduces of activations, 2(T-1)/T of
-    `tensor_elements` (per micro-batch) each, in the compute dtype. replica: once per
-    step, a ring all-reduce 2(R-1)/R of each device's part of the gradient: a 1/N slice
-    where ZeRO splits the leaf, else the whole of it. Parameter averaging (`sync_every`):
-    data, a ring all-reduce of the fp32 parameters once every `sync_every` steps.
+    The data-parallel axes, leaf by leaf. A leaf ZeRO splits (sharding.zero_axes: over
+    `data`, and `expert` but for the experts' own weights), over each of its axes in
+    turn, a (n-1)/n share of what the axes before it leave (the whole leaf, then its
+    1/data slice): ZeRO-1/2 a reduce-scatter of the gradient (ZeRO-2: every
+    micro-batch) and an all-gather of the updated fp32 parameters; ZeRO-3 per
+    micro-batch, the leaf gathered `gathers` times in the compute dtype (a layer
+    stack's leaves twice, for forward and again for backward, one layer whole at a
+    time; a leaf outside the stack once, kept whole until its backward) and its
+    gradient reduce-scattered. A leaf ZeRO leaves whole (ZeRO-0, or no dim to split)
+    pays a ring all-reduce, 2(n-1)/n, of its gradient over `data` and over `expert`
+    (but the experts' own). Gradients are summed in `reduce_bytes` per element
+    (train.grad_reduce_dtype). replica: once per step, a ring all-reduce 2(R-1)/R of
+    each device's part of the gradient (its ZeRO slice). tensor: Megatron's
+    all-reduces of activations, 2(T-1)/T of `tensor_elements` (per micro-batch) each,
+    in the compute dtype. Parameter averaging (`sync_every`): data, a ring all-reduce
+    of the fp32 parameters once every `sync_every` steps. `expert` here is its gradient
+    part only (cost.minimum adds the mixture's all-to-alls).
     """
-    n, t, r = mesh_shape.get(DATA, 1), mesh_shape.get(TENSOR, 1), mesh_shape.get(REPLICA, 1)
-    ring, share = 2 * (n - 1) / n, (n - 1) / n
-    data = replica = 0.0
+    t, r = mesh_shape.get(TENSOR, 1), mesh_shape.get(REPLICA, 1)
+    out = dict.fromkeys((REPLICA, DATA, EXPERT), 0.0)
     counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
     for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
         local = local_elems(shape, s.compute, mesh_shape)
-        part = local if zero == 0 or s.dim is None else local / n
-        replica += 2 * (r - 1) / r * reduce_bytes * part
         if zero == 0 or s.dim is None:
-            data += ring * reduce_bytes * local
-        elif zero in (1, 2):
-            data += share * local * (reduce_bytes * (accum if zero == 2 else 1) + 4)
+            for axis in zero_axes(s.compute, mesh_shape):
+                n = mesh_shape[axis]
+                out[axis] += 2 * (n - 1) / n * reduce_bytes * local
+            part = local
         else:
-            data += share * local * (times * compute_bytes + reduce_bytes) * accum
+            if zero in (1, 2):
+                per_elem = reduce_bytes * (accum if zero == 2 else 1) + 4
+            else:
+                per_elem = (times * compute_bytes + reduce_bytes) * accum
+            part = local
+            for axis in s.over:
+                n = mesh_shape[axis]
+                out[axis] += (n - 1) / n * part * per_elem
+                part /= n
+        out[REPLICA] += 2 * (r - 1) / r * reduce_bytes * part
     if sync_every:
-        data = 2 * (n - 1) / n * 4 * params_per_device(specs, shapes, mesh_shape) / sync_every
+        n = mesh_shape.get(DATA, 1)
+        out[DATA] = 2 * (n - 1) / n * 4 * params_per_device(specs, shapes, mesh_shape) / sync_every
     tensor = (
         None
         if tensor_elements is None
         else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
     )
-    return {REPLICA: replica, DATA: data, TENSOR: tensor}
+    return {**out, TENSOR: tensor}
 
 
 def leaf_pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
@@ -208,33 +221,31 @@ class ExpertDims:
         return 3 * self.layers * self.slot_flops * max(spare, 0)
 
 
-def expert_bytes(cfg: Config, specs, shapes, mesh_shape: dict, experts: ExpertDims | None) -> float:
-    """Textbook wire bytes per device per step on `expert` (jaxpar.models.moe): per sparse
-    layer, each forward pass (`forward_passes`) sends the dispatched slots of this
-    device's rows, [rows, experts, slots, embed], to the experts' devices and their
-    outputs back (two all-to-alls), and the backward pass the same two again: (X-1)/X of
-    them each; a pipeline stage holds 1/pipeline of the layers. Once a step, the other
-    leaves' gradients as `data` leaves them (a 1/data slice where ZeRO splits them)
-    all-reduced over `expert`, 2(X-1)/X, as over `replica`."""
+def expert_bytes(
+    cfg: Config, specs, trained, mesh_shape: dict, experts: ExpertDims | None
+) -> float:
+    """Textbook wire bytes per device per step on `expert`: the other leaves' gradient
+    sync over it (minimum_bytes) and the mixture's all-to-alls (dispatch_bytes)."""
+    synced = _minimum(cfg, specs, trained, mesh_shape, None)[EXPERT]
+    return synced + dispatch_bytes(cfg, mesh_shape, experts)
+
+
+def dispatch_bytes(cfg: Config, mesh_shape: dict, experts: ExpertDims | None) -> float:
+    """A mixture's all-to-all bytes per device per step on `expert`
+    (jaxpar.models.moe): per sparse layer, each forward pass (`forward_passes`) sends
+    the dispatched slots of this device's rows, [rows, experts, slots, embed], to the
+    experts' devices and their outputs back (two all-to-alls), and the backward pass
+    the same two again: (X-1)/X of them each; a pipeline stage holds 1/pipeline of the
+    layers."""
     x = mesh_shape.get(EXPERT, 1)
-    if x == 1:
+    if x == 1 or experts is None:
         return 0.0
-    n, share = mesh_shape.get(DATA, 1), (x - 1) / x
-    total = 0.0
-    for s, shape in leaf_pairs(specs, shapes):
-        if EXPERT in s.compute:
-            continue
-        local = local_elems(shape, s.compute, mesh_shape)
-        part = local if cfg.parallel.zero == 0 or s.dim is None else local / n
-        total += 2 * share * reduce_bytes(cfg.train) * part
-    if experts is None:
-        return total
     rows = cfg.train.batch_size // data_parallel(mesh_shape)
     held = experts.held(mesh_shape.get(CONTEXT, 1))
     slots = rows * experts.experts * held * experts.embed
     passes = 2 * forward_passes(cfg) + 2
     layers = experts.layers / mesh_shape.get(PIPE, 1)
-    return total + layers * passes * share * slots * dtype_bytes(cfg.train.precision)
+    return layers * passes * (x - 1) / x * slots * dtype_bytes(cfg.train.precision)
 
 
 def forward_passes(cfg: Config) -> int:
@@ -310,14 +321,15 @@ def minimum(
     c = mesh_shape.get(CONTEXT, 1)
     if tensor_elements:  # each device holds 1/C of the tokens
         tensor_elements = tensor_elements / c
+    base = _minimum(cfg, specs, trained, mesh_shape, tensor_elements)
     return {
-        **_minimum(cfg, specs, trained, mesh_shape, tensor_elements),
+        **base,
         CONTEXT: None
         if c > 1 and staged
         else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents, experts),
         EXPERT: None
         if experts and staged and mesh_shape.get(EXPERT, 1) > 1
-        else expert_bytes(cfg, specs, trained.shapes, mesh_shape, experts),
+        else base[EXPERT] + dispatch_bytes(cfg, mesh_shape, experts),
     }
 
 
@@ -372,8 +384,22 @@ def placed_state(cfg: Config, specs, shapes, mesh_shape: dict) -> PlacedState:
 
 def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:
     """The ZeRO formula's model-state bytes per device for `cfg`'s layout."""
-    psi = params_per_device(specs, shapes, mesh_shape)
     par, k = cfg.parallel, optimizer_bytes(cfg.train)
     if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
+        psi = params_per_device(specs, shapes, mesh_shape)
         return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi
-    return state_formula(par.zero, psi, mesh_shape[DATA], par.offload is not Offload.NONE, k)
+    offload = par.offload is not Offload.NONE
+    return sum(
+        state_formula(par.zero, psi, n, offload, k)
+        for n, psi in params_by_zero_degree(specs, shapes, mesh_shape).items()
+    )
+
+
+def params_by_zero_degree(specs, shapes, mesh_shape: dict) -> dict[int, float]:
+    """Psi, per device, by the number of ways ZeRO splits it (the experts' own weights:
+    `data`; the rest: `data` x `expert`)."""
+    out: dict[int, float] = {}
+    for s, shape in leaf_pairs(specs, shapes):
+        n = zero_degree(s.compute, mesh_shape)
+        out[n] = out.get(n, 0.0) + local_elems(shape, s.compute, mesh_shape)
+    return out

@@ -22,7 +22,7 @@ SUM, SCATTER = "sum", "scatter"  # what a leaf needs: all-reduce, or reduce-scat
 
 def reduce(grads, specs, todo, mode: str, bucket_bytes: float, dtype=None, axis: str = DATA):
     """Reduce each gradient leaf over `axis` as `todo` says (SUM, SCATTER along its ZeRO
-    dim (over `data` only), or None: leave it), summed in `dtype` (default: its own) and
+    dim, or None: leave it), summed in `dtype` (default: its own) and
     returned in its own; `specs` are the leaves' LeafSpecs."""
     original, treedef = jax.tree.flatten(grads)
     todo_list = treedef.flatten_up_to(todo)
@@ -49,7 +49,7 @@ def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float, axis:
             if t is None
             else collectives.reduce(g, s, axis)
             if t == SUM
-            else collectives.reduce_scatter(g, d, s)
+            else collectives.reduce_scatter(g, d, s, axis)
             for g, s, t, d in zip(leaves, spec_list, todo_list, dim_list, strict=True)
         ]
         return out
@@ -66,7 +66,7 @@ def _reduce(leaves, leaf_specs, todo_list, mode: str, bucket_bytes: float, axis:
                 if kind == SUM:
                     reduced = _sum_bucket(parts, mode, axis)
                 else:
-                    reduced = _scatter_bucket(parts, [dim_list[i] for i in bucket])
+                    reduced = _scatter_bucket(parts, [dim_list[i] for i in bucket], axis)
                 for i, r in zip(bucket, reduced, strict=True):
                     out[i] = r
         return out
@@ -96,12 +96,12 @@ def _sum_bucket(parts, mode: str, axis: str):
     return [piece.reshape(p.shape) for piece, p in zip(pieces, parts, strict=True)]
 
 
-def _scatter_bucket(parts, dims):
+def _scatter_bucket(parts, dims, axis: str):
     """Each leaf as [N, rest] (its ZeRO dim first, cut into the N slices), side by side:
     one ring reduce-scatter along that leading dim serves them all."""
-    n = jax.lax.axis_size(DATA)
+    n = jax.lax.axis_size(axis)
     rows = [jnp.moveaxis(p, d, 0).reshape(n, -1) for p, d in zip(parts, dims, strict=True)]
-    mine = collectives.ring_reduce_scatter(jnp.concatenate(rows, axis=1), DATA, dim=0)
+    mine = collectives.ring_reduce_scatter(jnp.concatenate(rows, axis=1), axis, dim=0)
     widths = [r.shape[1] for r in rows]
     pieces = jnp.split(mine, [sum(widths[:k]) for k in range(1, len(widths))], axis=1)
     out = []

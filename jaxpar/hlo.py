@@ -53,6 +53,23 @@ class Collective:
     executions: float  # times per step (loop trip counts multiplied; scopes' rates too)
     senders: float = 1.0  # collective-permute: share of devices that send
     groups: list = field(default_factory=list)  # device groups (permutes: (source, target))
+    sizes: tuple[int, ...] = ()  # the degree of each of `axes`
+
+    def share(self, axis: str) -> float:
+        """The part of this collective's wire bytes that crosses `axis`. A group spanning
+        several whole axes counts as the same collective run over each in turn,
+        outermost first, on what the ones before left: (n-1)/n of the buffer on the
+        first, (m-1)/m of its 1/n on the next, ... (together the group's (N-1)/N). Any
+        other group counts whole on every axis it touches."""
+        if axis not in self.axes:
+            return 0.0
+        if len(self.axes) == 1 or self.kind == "collective-permute":
+            return 1.0
+        if math.prod(self.sizes) != self.group:
+            return 1.0
+        i = self.axes.index(axis)
+        before, n = math.prod(self.sizes[:i]), self.sizes[i]
+        return (n - 1) / n / before / ((self.group - 1) / self.group)
 
 
 def _top_level(type_str: str) -> list[str]:
@@ -203,10 +220,11 @@ def collectives(
         buffer = _result_bytes(kind, type_str, is_async)
         if kind == "reduce-scatter":
             buffer *= size
+        axes = _axes(groups, mesh_shape)
         found.append(
             Collective(
                 kind=kind,
-                axes=_axes(groups, mesh_shape),
+                axes=axes,
                 group=size,
                 buffer_bytes=buffer,
                 executions=mult.get(owner.get(i), 0) * _rate(line, rates or {}),
@@ -214,6 +232,7 @@ def collectives(
                 if kind == "collective-permute" and groups
                 else 1.0,
                 groups=groups or [],
+                sizes=tuple(mesh_shape[a] for a in axes),
             )
         )
     return found, unknown

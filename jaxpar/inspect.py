@@ -24,7 +24,12 @@ PANELS = 3  # largest leaves drawn, besides the batch
 
 
 def _spec(spec: PartitionSpec) -> str:
-    return "(" + ", ".join("-" if a is None else str(a) for a in spec) + ")"
+    """(-, data*expert, tensor): a dim split over several axes joined by '*'."""
+
+    def entry(a) -> str:
+        return "-" if a is None else "*".join(a) if isinstance(a, tuple) else str(a)
+
+    return "(" + ", ".join(entry(a) for a in spec) + ")"
 
 
 def leaves(run: Run) -> list[dict]:

@@ -53,10 +53,12 @@ class Ledger:
         return out
 
     def wire_bytes(self, axes: set[str] | None = None, kinds: set[str] | None = None) -> float:
+        """Wire bytes per device, of all collectives or of the part crossing `axes`
+        (Collective.share: a group over several axes split between them)."""
         return sum(
-            wire_bytes(c)
+            wire_bytes(c) * (1.0 if axes is None else min(1.0, sum(c.share(a) for a in axes)))
             for c in self.collectives
-            if (axes is None or set(c.axes) & axes) and (kinds is None or c.kind in kinds)
+            if kinds is None or c.kind in kinds
         )
 
     def device_bytes(self) -> dict[int, float]:
@@ -178,7 +180,8 @@ def across_processes(led: Ledger, axis: str, process_of: list[int]) -> float:
             pairs = c.groups
         else:
             pairs = [(g[i], g[(i + 1) % len(g)]) for g in c.groups for i in range(len(g))]
-        total += wire_bytes(c) * sum(process_of[a] != process_of[b] for a, b in pairs) / len(pairs)
+        crossing = sum(process_of[a] != process_of[b] for a, b in pairs) / len(pairs)
+        total += wire_bytes(c) * c.share(axis) * crossing
     return total
 
 

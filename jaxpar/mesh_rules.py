@@ -93,11 +93,6 @@ def _check_expert(cfg: Config, mesh_shape: dict) -> None:
             f"model.experts={experts} is not divisible by parallel.expert={x}: each expert "
             f"device holds an equal share of the experts; choose a degree dividing {experts}"
         )
-    if cfg.parallel.dp_collective is not DpCollective.XLA:
-        raise ConfigError(
-            f"parallel.dp_collective={cfg.parallel.dp_collective} with parallel.expert={x}: "
-            "the ring and the server reduce over data alone; use parallel.dp_collective=xla"
-        )
 
 
 def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:

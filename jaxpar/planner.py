@@ -295,7 +295,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         if stack_dims(n)
     )
     # ZeRO-3 gathers a layer whole before it runs: this one and the next in flight
-    gather = 2 * one_layer * compute_bytes if par.zero == 3 and d > 1 else 0.0
+    gather = 2 * one_layer * compute_bytes if par.zero == 3 and d * mesh.get(EXPERT, 1) > 1 else 0.0
     state = placed.device
     device = state + acts + gather
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
@@ -312,7 +312,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     comm = {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
-        EXPERT: cost.expert_bytes(cfg, specs, trained.shapes, mesh, work.experts),
+        EXPERT: cost.expert_bytes(cfg, specs, trained, mesh, work.experts),
         CONTEXT: cost.context_bytes(
             cfg, specs, trained.shapes, mesh, work.attention, False, work.experts
         ),
@@ -346,14 +346,16 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     share = slowest_stage_share(trained, work.layers, p)
     per_stage = math.prod(mesh.values()) // p  # devices sharing each stage's work
     compute_s = flops * share / per_stage / (machine.peak_flops * machine.mfu)
-    psi = cost.params_per_device(specs, trained.shapes, mesh)
     return Candidate(
         cfg=cfg,
         mesh=mesh,
         state=state,
         model_state=placed.model,
         formula_state=cost.model_state(cfg, specs, trained.shapes, mesh),
-        paper_state=cost.paper_state(par.zero, psi, d),
+        paper_state=sum(
+            cost.paper_state(par.zero, psi, n)
+            for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()
+        ),
         minimum=minimum,
         activations=acts,
         gather_temp=gather,

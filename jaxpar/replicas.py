@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import ledger
-from jaxpar.sharding import leaf_key
+from jaxpar.sharding import axes_of, leaf_key
 
 _GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash constant
 
@@ -50,13 +50,6 @@ class Check:
         )
 
 
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    out = set()
-    for entry in spec:
-        out |= set(entry) if isinstance(entry, tuple) else {entry} if entry else set()
-    return out
-
-
 def checked(state) -> dict:
     """What is checked of a TrainState: the stored parameters, and the compute copy
     that offload keeps on the device (what the model computes with)."""
@@ -73,7 +66,7 @@ def build(mesh: Mesh, shardings) -> Check:
     specs = [sh.spec for _, sh in paths]
     sizes = dict(mesh.shape)
     copied_over = [
-        tuple(a for a in mesh.axis_names if sizes[a] > 1 and a not in _spec_axes(s)) for s in specs
+        tuple(a for a in mesh.axis_names if sizes[a] > 1 and a not in axes_of(s)) for s in specs
     ]
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, axes in enumerate(copied_over):

@@ -25,7 +25,7 @@ from jaxpar import (
     replicas,
     throughput,
 )
-from jaxpar.axes import CONTEXT, DATA, PIPE, TENSOR
+from jaxpar.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.batches import batch_split
 from jaxpar.config import Config, DpSync, Parallel
 from jaxpar.data import SEGMENT_IDS
@@ -184,8 +184,7 @@ def describe_step(
         cost.grad_bytes(engine.specs, trained.shapes, mesh_shape),
         step.host_activations,
     )
-    n = mesh_shape[DATA]
-    unsplit = unsplit_leaves(engine.specs, shapes, n) if par.zero and n > 1 else []
+    unsplit = unsplit_leaves(engine.specs, shapes, mesh_shape) if par.zero else []
     return Report(
         config=presets.to_dict(cfg),
         mesh=mesh_shape,

@@ -56,7 +56,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (LAYERS, None),
     (STAGE, PIPE),
 )
-ZERO_AXIS = DATA
+ZERO_AXES = (DATA, EXPERT)  # what ZeRO splits a leaf over, outermost first (zero_axes)
 # Names whose rule applies only where the axis divides the dim; elsewhere the dim stays
 # whole on every device of the axis, by design (`optional_unsplit` says where): GQA's
 # few key/value heads are computed on every tensor device rather than refused.
@@ -107,11 +107,12 @@ def check_tensor_split(dims: dict[str, int], tensor: int) -> None:
 class LeafSpecs(NamedTuple):
     """Where one parameter leaf lives at each point of the step."""
 
-    storage: PartitionSpec  # between steps (ZeRO-3: split over data)
+    storage: PartitionSpec  # between steps (ZeRO-3: split over its ZeRO axes)
     compute: PartitionSpec  # in forward/backward
-    grad: PartitionSpec  # the gradient accumulation buffer (ZeRO>=2: split over data)
-    opt: PartitionSpec  # optimizer state and the update (ZeRO>=1: split over data)
-    dim: int | None  # the dim ZeRO splits over `data` (None: not split)
+    grad: PartitionSpec  # the gradient accumulation buffer (ZeRO>=2: split)
+    opt: PartitionSpec  # optimizer state and the update (ZeRO>=1: split)
+    dim: int | None  # the dim ZeRO splits (None: not split)
+    over: tuple[str, ...] = ()  # the axes it splits `dim` over, outermost first
 
 
 SPEC_FIELDS = ("storage", "compute", "grad", "opt")
@@ -158,20 +159,27 @@ def compute_spec(
     return PartitionSpec(*spec)
 
 
+def zero_axes(compute: PartitionSpec, mesh_shape: dict) -> tuple[str, ...]:
+    """The axes ZeRO splits a leaf over, outermost first: `data`, and `expert` but for
+    the experts' own weights, which are split over it already (everywhere else `expert`
+    is a data axis, jaxpar.axes); axes of degree 1 left out."""
+    used = set(axes_of(compute))
+    return tuple(a for a in ZERO_AXES if mesh_shape.get(a, 1) > 1 and a not in used)
+
+
+def zero_degree(compute: PartitionSpec, mesh_shape: dict) -> int:
+    """How many ways ZeRO splits a leaf of that compute spec (the ZeRO paper's N)."""
+    return math.prod(mesh_shape[a] for a in zero_axes(compute, mesh_shape))
+
+
 def _zero_dim(names, shape, spec: PartitionSpec, n: int) -> int | None:
-    """The dim ZeRO splits over `data`: the largest free dim that `data` divides."""
+    """The dim ZeRO splits n ways: the largest free dim that n divides."""
     free = [
         d
         for d in range(len(shape))
         if spec[d] is None and names[d] not in NOT_ZERO and shape[d] % n == 0
     ]
     return max(free, key=lambda d: (shape[d], -d)) if free else None
-
-
-def _with_axis(spec: PartitionSpec, dim: int | None, axis: str) -> PartitionSpec:
-    if dim is None:
-        return spec
-    return PartitionSpec(*(axis if d == dim else a for d, a in enumerate(spec)))
 
 
 def leaf_specs(
@@ -185,23 +193,27 @@ def leaf_specs(
 ) -> LeafSpecs:
     """THE placement function: the four specs of one parameter leaf."""
     compute = compute_spec(names, shape, rules, mesh_shape, path)
-    n = mesh_shape.get(ZERO_AXIS, 1)
-    dim = _zero_dim(names, shape, compute, n) if zero and n > 1 else None
-    split = _with_axis(compute, dim, ZERO_AXIS)
+    over = zero_axes(compute, mesh_shape) if zero else ()
+    dim = _zero_dim(names, shape, compute, zero_degree(compute, mesh_shape)) if over else None
+    if dim is None:
+        over = ()
+    entry = over[0] if len(over) == 1 else over
+    split = PartitionSpec(*(entry if d == dim else a for d, a in enumerate(compute)))
     return LeafSpecs(
         storage=split if zero >= 3 else compute,
         compute=compute,
         grad=split if zero >= 2 else compute,
         opt=split if zero >= 1 else compute,
         dim=dim,
+        over=over,
     )
 
 
 def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
     """LeafSpecs for every leaf.
 
-    ZeRO leaves unsplit a leaf with no free dim that `data` divides (a bias already split
-    over `tensor`, say). If such leaves hold more than ZERO_UNSPLIT_LIMIT of all
+    ZeRO leaves unsplit a leaf with no free dim that its ZeRO degree divides (a bias
+    already split over `tensor`, say). If such leaves hold more than ZERO_UNSPLIT_LIMIT of all
     parameters, that is an error listing the largest; below it they are reported by
     `unsplit_leaves`.
     """
@@ -217,8 +229,7 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
         )
 
     specs = jax.tree_util.tree_map_with_path(one, names_tree, shapes_tree, is_leaf=_is_names)
-    n = mesh_shape.get(ZERO_AXIS, 1)
-    unsplit = unsplit_leaves(specs, shapes_tree, n) if zero and n > 1 else []
+    unsplit = unsplit_leaves(specs, shapes_tree, mesh_shape) if zero else []
     total = sum(math.prod(s) for s in jax.tree.leaves(shapes_tree, is_leaf=_is_shape))
     left = sum(size for _, _, size, _ in unsplit)
     if left > ZERO_UNSPLIT_LIMIT * total:
@@ -226,8 +237,9 @@ def plan(names_tree, shapes_tree, *, rules=RULES, zero: int, mesh_shape: dict):
         raise ConfigError(
             f"parallel.zero={zero}: {len(unsplit)} parameter leaves ({left} of {total} "
             f"parameters, over {ZERO_UNSPLIT_LIMIT:.0%}) have no dim free for ZeRO to split "
-            f"over data={n} and would stay replicated on every device (largest: {worst}). "
-            f"Choose parallel.data dividing their free dims, or parallel.zero=0"
+            f"and would stay replicated on every device (largest: {worst}). "
+            f"Choose parallel.data (and parallel.expert) dividing their free dims, or "
+            f"parallel.zero=0"
         )
     return specs
 
@@ -262,13 +274,15 @@ def optional_unsplit(names_tree, shapes_tree, rules, mesh_shape: dict) -> list[s
     return sorted(notes.values())
 
 
-def unsplit_leaves(specs, shapes_tree, n: int) -> list[tuple[str, tuple, int, str]]:
-    """(path, shape, size, why) of leaves ZeRO could not split over data=n, largest first."""
+def unsplit_leaves(specs, shapes_tree, mesh_shape: dict) -> list[tuple[str, tuple, int, str]]:
+    """(path, shape, size, why) of leaves ZeRO could not split, largest first."""
     rows = []
 
     def visit(path, s: LeafSpecs, shape):
-        if s.dim is None and math.prod(shape) > 1:
-            rows.append((leaf_key(path), tuple(shape), math.prod(shape), _why(s, shape, n)))
+        over = zero_axes(s.compute, mesh_shape)
+        if s.dim is None and over and math.prod(shape) > 1:
+            why = _why(s, shape, over, mesh_shape)
+            rows.append((leaf_key(path), tuple(shape), math.prod(shape), why))
 
     jax.tree_util.tree_map_with_path(
         visit, specs, shapes_tree, is_leaf=lambda x: isinstance(x, LeafSpecs)
@@ -276,14 +290,16 @@ def unsplit_leaves(specs, shapes_tree, n: int) -> list[tuple[str, tuple, int, st
     return sorted(rows, key=lambda r: -r[2])
 
 
-def _why(s: LeafSpecs, shape, n: int) -> str:
+def _why(s: LeafSpecs, shape, over: tuple[str, ...], mesh_shape: dict) -> str:
     """Why no dim of a leaf is free for ZeRO: each dim's reason."""
+    n = math.prod(mesh_shape[a] for a in over)
+    ways = " x ".join(f"{a}={mesh_shape[a]}" for a in over)
     reasons = []
     for dim, size in enumerate(shape):
         if s.compute[dim] is not None:
             reasons.append(f"dim {dim} is split by {s.compute[dim]}")
         elif size % n:
-            reasons.append(f"dim {dim} ({size}) is not divisible by data={n}")
+            reasons.append(f"dim {dim} ({size}) is not divisible by {ways}")
         else:
             reasons.append(f"dim {dim} is the layer stack, sliced per layer")
     return "; ".join(reasons)
@@ -308,5 +324,20 @@ def pick(spec_tree, field: str):
 
 
 def only_axes(spec: PartitionSpec, axes) -> PartitionSpec:
-    """The spec with every other axis replaced by None."""
-    return PartitionSpec(*(a if a in axes else None for a in spec))
+    """The spec with every other axis replaced by None (a dim split over several axes
+    keeps those of `axes`)."""
+
+    def keep(entry):
+        kept = tuple(a for a in _entry_axes(entry) if a in axes)
+        return kept[0] if len(kept) == 1 else kept or None
+
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return entry if isinstance(entry, tuple) else (entry,) if entry else ()
+
+
+def axes_of(spec: PartitionSpec) -> tuple[str, ...]:
+    """Every mesh axis a spec splits a dim over."""
+    return tuple(a for entry in spec for a in _entry_axes(entry))

@@ -1,4 +1,6 @@
-"""The ZeRO policy: what every parameter leaf needs over `data` at each point of a step.
+"""The ZeRO policy: what every parameter leaf needs over its ZeRO axes (`data`, and
+`expert` for all but the experts' own weights: sharding.zero_axes) at each point of a
+step.
 
 Built from the plan (each leaf's LeafSpecs, with the dim ZeRO splits) and the stage:
 - for compute: stage 3 all-gathers a split leaf just before use, in the compute dtype
@@ -8,13 +10,17 @@ Built from the plan (each leaf's LeafSpecs, with the dim ZeRO splits) and the st
 - per micro-batch: stage 2 reduce-scatters the gradients into a sliced accumulator;
 - per step: stage 0 (and any leaf ZeRO cannot split) all-reduces, stage 1
   reduce-scatters; stage 3 gradients arrive reduce-scattered, as the gather's transpose.
-Gradients are summed over `data` in `reduce_dtype` (train.grad_reduce_dtype).
-All of it runs inside the step's shard_map, manual over `replica` and `data`; with
-replicas, the per-step gradients are then summed over `replica` (hybrid sharding).
+Over two axes, each collective runs over one of them in turn (a reduce-scatter over
+`data`, then over `expert` on the 1/data slice; gathers the other way round): together
+they move what one collective over both would. Gradients are summed in `reduce_dtype`
+(train.grad_reduce_dtype). All of it runs inside the step's shard_map, manual over
+`replica`, `data` and `expert`; with replicas, the per-step gradients are then summed
+over `replica` (hybrid sharding).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,16 +76,24 @@ class ZeroPolicy:
 
     def _materialize(self, s: LeafSpecs, lead: int, x):
         """Fetch a stored shard and gather it (cast to the compute dtype as it goes),
-        `lead` stacking dims already sliced off."""
+        `lead` stacking dims already sliced off: over its innermost ZeRO axis first."""
         if self.fetch:
             x = jax.device_put(x, jax.memory.Space.Device)
         if not self._gathered(s):
             return x
         spec = PartitionSpec(*s.compute[lead:])
         ring = self.dp_mode is DpCollective.RING
-        return collectives.gather(
-            x, s.dim - lead, spec, ring=ring, dtype=self.dtype, reduce_dtype=self.reduce_dtype
-        )
+        for axis in reversed(s.over):
+            x = collectives.gather(
+                x,
+                s.dim - lead,
+                spec,
+                axis,
+                ring=ring,
+                dtype=self.dtype,
+                reduce_dtype=self.reduce_dtype,
+            )
+        return x
 
     def compute_view(self, params):
         """Stored parameters (any sub-dict of them) -> what the forward pass reads: the
@@ -116,7 +130,7 @@ class ZeroPolicy:
         s, lead = self._by_key[key]
         return self._materialize(s, 0, x) if lead else x
 
-    # --- backward: local gradients -> reduced over `data` ------------------------------
+    # --- backward: local gradients -> reduced over the data-parallel axes ---------------
 
     def accumulator(self, params):
         """Zeros for the local gradient sum: ZeRO-2 keeps only this device's slice of each
@@ -125,7 +139,7 @@ class ZeroPolicy:
         def zeros(p, s: LeafSpecs):
             shape = p.shape
             if self.stage == 2 and s.dim is not None:
-                n = jax.lax.axis_size(DATA)
+                n = math.prod(jax.lax.axis_size(a) for a in s.over)
                 shape = tuple(d // n if i == s.dim else d for i, d in enumerate(shape))
             return jnp.zeros(shape, jnp.float32)
 
@@ -136,27 +150,36 @@ class ZeroPolicy:
         if self.fetch:  # gradients of host-resident shards arrive on the host
             grads = jax.device_put(grads, jax.memory.Space.Device)
         if self.stage == 2:
-            todo = _leaves_map(lambda s: None if s.dim is None else dp.SCATTER, self.specs)
-            grads = self._reduce(grads, todo)
+            grads = self._scatter(grads)
         return grads
 
     def finish(self, grads):
-        """The step's one reduction of the accumulated gradients over `data`: sum what
-        ZeRO leaves whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced
-        already. Then, with replicas, each device's part (a 1/data slice where ZeRO
-        splits) is summed over `replica`: the slow links carry 1/data of the gradient; and
-        over `expert`, but for the experts' weights, which are split over it (each
-        device's experts got every device's tokens by all-to-all)."""
-        todo = _leaves_map(
-            lambda s: dp.SUM if s.dim is None else dp.SCATTER if self.stage == 1 else None,
-            self.specs,
-        )
-        grads = self._reduce(grads, todo)
+        """The step's one reduction of the accumulated gradients: sum what ZeRO leaves
+        whole; ZeRO-1 reduce-scatters now; ZeRO-2/3 slices arrive reduced already. Over
+        `data` first, then over `expert` the leaves that are not the experts' own (split
+        over it: each device's experts got every device's tokens by all-to-all), a
+        split leaf's 1/data slice cut again 1/expert. Then, with replicas, each device's
+        part (its slice where ZeRO splits) is summed over `replica`: the slow links
+        carry 1/(data x expert) of the gradient."""
+        if self.stage == 1:
+            grads = self._scatter(grads)
+        whole = _leaves_map(lambda s: dp.SUM if s.dim is None else None, self.specs)
+        grads = self._reduce(grads, whole)
+        if jax.lax.axis_size(EXPERT) > 1:  # the copies over it (ZeRO<1 or unsplit leaves)
+            copies = _leaves_map(
+                lambda s: None if EXPERT in s.compute or s.dim is not None else dp.SUM, self.specs
+            )
+            grads = self._reduce(grads, copies, EXPERT)
         if jax.lax.axis_size(REPLICA) > 1:
             grads = self._reduce(grads, _leaves_map(lambda s: dp.SUM, self.specs), REPLICA)
-        if jax.lax.axis_size(EXPERT) > 1:  # all but the experts' own, split over it
-            split = _leaves_map(lambda s: None if EXPERT in s.compute else dp.SUM, self.specs)
-            grads = self._reduce(grads, split, EXPERT)
+        return grads
+
+    def _scatter(self, grads):
+        """Reduce-scatter every split leaf over its ZeRO axes, outermost first: each
+        axis cuts the slice the one before left."""
+        for axis in (DATA, EXPERT):
+            todo = _leaves_map(lambda s, a=axis: dp.SCATTER if a in s.over else None, self.specs)
+            grads = self._reduce(grads, todo, axis)
         return grads
 
     def _reduce(self, grads, todo, axis: str = DATA):

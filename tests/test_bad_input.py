@@ -144,11 +144,6 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.name=mixtral", "model.experts=6", "parallel.expert=4", "parallel.data=2"],
         ["model.experts=6 is not divisible by parallel.expert=4"],
     ),
-    "expert-ring": (
-        ["model.name=mixtral", "model.experts=4", "parallel.expert=2", "parallel.data=4"]
-        + ["parallel.dp_collective=ring"],
-        ["parallel.dp_collective=ring with parallel.expert=2", "dp_collective=xla"],
-    ),
     "expert-local-sgd": (
         ["model.name=mixtral", "model.experts=4", "parallel.expert=2", "parallel.data=4"]
         + ["parallel.dp_sync=params"],

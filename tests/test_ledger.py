@@ -154,3 +154,20 @@ def test_parser_reads_kinds_axes_bytes_and_trip_counts():
         "collective-permute@data": 1,
         "reduce-scatter@data": 1,
     }
+
+
+def test_a_group_over_two_axes_counts_on_each_as_run_over_one_then_the_other():
+    """An all-gather over data x expert (ZeRO's update) moves 7/8 of the buffer: as one
+    over data (1/2 of it) and then over expert on that half (3/4 of 1/2): 4/7 and 3/7
+    of its bytes."""
+    mesh = {"data": 2, "expert": 4, "tensor": 1}
+    line = (
+        "  %ag = f32[64]{0} all-gather(f32[8]{0} %p), channel_id=1, "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}\n"
+    )
+    led = ledger.read("ENTRY %main {\n" + line + "}\n", mesh)
+    (ag,) = led.collectives
+    assert ag.axes == ("data", "expert") and ledger.wire_bytes(ag) == 7 / 8 * 256
+    assert led.wire_bytes({"data"}) == pytest.approx(1 / 2 * 256)
+    assert led.wire_bytes({"expert"}) == pytest.approx(3 / 4 * 128)
+    assert led.wire_bytes({"data", "expert"}) == led.wire_bytes()

@@ -158,6 +158,17 @@ LAYOUTS = {
     "expert8": ("parallel.data=1", "parallel.expert=8"),
     "dp2-expert4-zero3": ("parallel.data=2", "parallel.expert=4", "parallel.zero=3"),
     "expert2-dp2-tp2": ("parallel.expert=2", "parallel.data=2", "parallel.tensor=2"),
+    # ZeRO over data x expert: each reduce-scatter over data, then expert (by ring)
+    "expert2-dp2-zero2-accum2-ring": (
+        "parallel.expert=2", "parallel.data=2", "parallel.zero=2", "train.grad_accum=2",
+        "parallel.dp_collective=ring",
+    ),
+    # the planner's fastest layout without a pipeline for llama-moe splits the experts and
+    # offloads the optimizer state
+    "expert4-dp2-zero1-offload": (
+        "parallel.expert=4", "parallel.data=2", "parallel.zero=1", "parallel.offload=optimizer",
+    ),
+    "expert4-dp2-server": ("parallel.expert=4", "parallel.data=2", "parallel.dp_collective=server"),
     "replica2-expert2-dp2-zero1-remat": (
         "parallel.replica=2", "parallel.expert=2", "parallel.data=2", "parallel.zero=1",
         "parallel.remat=full",
@@ -287,6 +298,11 @@ def test_expert_gradients_are_the_same_at_every_expert_degree(devices):
 
 EXPERT_COMM = {
     "dp2-expert4": ("parallel.data=2", "parallel.expert=4"),
+    # the update's all-gather spans data x expert: counted on each as over one, then the other
+    "dp2-expert4-zero1": ("parallel.data=2", "parallel.expert=4", "parallel.zero=1"),
+    "expert2-dp4-zero2-ring": (
+        "parallel.expert=2", "parallel.data=4", "parallel.zero=2", "parallel.dp_collective=ring",
+    ),
     "expert2-dp2-tp2-zero3": (
         "parallel.expert=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3",
     ),
@@ -313,6 +329,22 @@ def test_the_expert_axis_moves_the_textbook_bytes(name, devices):
     # runs unchecked under expert parallelism): 1.23 x the tensor minimum, measured
     tensor = comm.by_axis["tensor"]
     assert tensor.wire <= 1.25 * tensor.minimum, comm
+
+
+def test_zero_splits_the_state_over_data_and_expert_as_over_data_alone(devices):
+    """`expert` is a data axis for ZeRO: on data=2 x expert=4 each device holds as little
+    optimizer state as on data=8 (the other leaves split 8 ways over data x expert, the
+    experts' own 4 ways over expert and 2 over data), and at ZeRO-3 as little model
+    state; at the ZeRO formula."""
+    for zero in (1, 3):
+        split = compile_only(
+            "mixtral-tiny", ("parallel.data=2", "parallel.expert=4", f"parallel.zero={zero}")
+        )
+        flat = compile_only("mixtral-tiny", ("parallel.data=8", f"parallel.zero={zero}"))
+        assert split.state_bytes.ratio == pytest.approx(1, abs=0.02), split.state_bytes
+        opt = split.memory_per_device.opt_state, flat.memory_per_device.opt_state
+        assert opt[0] == pytest.approx(opt[1], rel=0.02), zero
+    assert split.state_bytes.actual == pytest.approx(flat.state_bytes.actual, rel=0.02)
 
 
 @pytest.mark.slow

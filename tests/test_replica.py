@@ -66,8 +66,8 @@ def test_replicas_carry_one_data_slice_of_the_gradients(devices):
 
 def test_minimum_formula_by_axis():
     """replica: 1/data of each split leaf's gradient; the whole of a leaf ZeRO leaves."""
-    split = LeafSpecs(PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec(), 0)
-    whole = split._replace(dim=None)
+    split = LeafSpecs(*[PartitionSpec()] * 4, dim=0, over=("data",))
+    whole = split._replace(dim=None, over=())
     shapes = [jax.ShapeDtypeStruct((8, 4), "float32")] * 2
     mesh = {"replica": 4, "data": 2, "pipeline": 1, "tensor": 1}
     got = cost.minimum_bytes(

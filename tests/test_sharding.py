@@ -6,6 +6,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.sharding import (
     EMBED,
+    EXPERTS,
     HEADS,
     LAYERS,
     MLP,
@@ -68,4 +69,23 @@ def test_zero_says_why_a_leaf_stays_replicated():
     names = {"w": (EMBED, MLP), "b": (MLP,)}
     shapes = {"w": (256, 256), "b": (64,)}
     leaf_specs = plan(names, shapes, zero=1, mesh_shape=MESH)
-    assert unsplit_leaves(leaf_specs, shapes, 4) == [("b", (64,), 64, "dim 0 is split by tensor")]
+    assert unsplit_leaves(leaf_specs, shapes, MESH) == [
+        ("b", (64,), 64, "dim 0 is split by tensor")
+    ]
+
+
+def test_zero_splits_over_data_and_expert_but_the_experts_over_data():
+    """Outside the mixture `expert` is a data axis: ZeRO splits a leaf over data x expert
+    (one dim, data outermost); the experts' own weights, split over expert already, over
+    data alone."""
+    mesh = {"data": 2, "expert": 4, "pipeline": 1, "tensor": 1}
+    dense = specs((EMBED, MLP), (64, 256), zero=1, mesh=mesh)
+    assert (dense.opt, dense.over) == (P(None, ("data", "expert")), ("data", "expert"))
+    own = specs((EXPERTS, EMBED, MLP), (8, 64, 256), zero=3, mesh=mesh)
+    assert (own.storage, own.over) == (P("expert", None, "data"), ("data",))
+    # with data=1, expert alone
+    alone = specs((EMBED, MLP), (64, 256), zero=2, mesh={**mesh, "data": 1})
+    assert (alone.grad, alone.over) == (P(None, "expert"), ("expert",))
+    # a dim both do not divide together stays whole, and the error names both
+    with pytest.raises(ConfigError, match=r"dim 0 \(12\) is not divisible by data=2 x expert=4"):
+        plan({"w": (EMBED,)}, {"w": (12,)}, zero=1, mesh_shape=mesh)
