@@ -113,18 +113,16 @@ def minimum_bytes(
     out = dict.fromkeys((REPLICA, DATA, EXPERT), 0.0)
     counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
     for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
-        local = local_elems(shape, s.compute, mesh_shape)
+        local = part = local_elems(shape, s.compute, mesh_shape)
         if zero == 0 or s.dim is None:
             for axis in zero_axes(s.compute, mesh_shape):
                 n = mesh_shape[axis]
                 out[axis] += 2 * (n - 1) / n * reduce_bytes * local
-            part = local
         else:
             if zero in (1, 2):
                 per_elem = reduce_bytes * (accum if zero == 2 else 1) + 4
             else:
                 per_elem = (times * compute_bytes + reduce_bytes) * accum
-            part = local
             for axis in s.over:
                 n = mesh_shape[axis]
                 out[axis] += (n - 1) / n * part * per_elem

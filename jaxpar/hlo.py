@@ -63,9 +63,8 @@ class Collective:
         other group counts whole on every axis it touches."""
         if axis not in self.axes:
             return 0.0
-        if len(self.axes) == 1 or self.kind == "collective-permute":
-            return 1.0
-        if math.prod(self.sizes) != self.group:
+        whole = len(self.axes) == 1 or self.kind == "collective-permute"
+        if whole or math.prod(self.sizes) != self.group:
             return 1.0
         i = self.axes.index(axis)
         before, n = math.prod(self.sizes[:i]), self.sizes[i]
