@@ -17,48 +17,48 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 # public name -> (module, attribute there)
 _EXPORTS = {
     **{
-        name: ("jaxpar.sharding", name)
+        name: ("jaxpar.names", name)
         for name in ("BATCH", "EMBED", "EXPERTS", "HEAD_DIM", "HEADS", "LAYERS", "MLP", "QKV")
         + ("SEQ", "SEQ_RESIDUAL", "STAGE", "VOCAB")
     },
     **{
-        name: ("jaxpar.config", name)
+        name: ("jaxpar.config.sections", name)
         for name in ("Checkpoint", "Config", "Data", "Distributed", "Model", "Parallel", "Train")
     },
-    "load": ("jaxpar.presets", "load"),
+    "load": ("jaxpar.config.presets", "load"),
     **{
         name: ("jaxpar.errors", name)
         for name in ("CheckpointError", "ConfigError", "ParamsError", "RendezvousError")
         + ("UserError", "Stopped", "NonFinite", "ReplicasDiverged")
     },
-    "ModelSpec": ("jaxpar.registry", "ModelSpec"),
-    "register_model": ("jaxpar.registry", "register"),
-    "load_exported": ("jaxpar.export", "load"),
-    "to_nnx": ("jaxpar.export", "to_nnx"),
-    "causal_attention": ("jaxpar.attention", "causal_attention"),
-    "report": ("jaxpar.context", "report"),
-    "batch_sum": ("jaxpar.layers", "batch_sum"),
-    "constrain": ("jaxpar.layers", "constrain"),
-    "dense": ("jaxpar.layers", "dense"),
-    "param": ("jaxpar.layers", "param"),
-    "scan_layers": ("jaxpar.layers", "scan_layers"),
-    "stack": ("jaxpar.layers", "stack"),
-    "to_experts": ("jaxpar.layers", "to_experts"),
-    "from_experts": ("jaxpar.layers", "from_experts"),
-    "tensor_parallel": ("jaxpar.layers", "tensor_parallel"),
-    "build_mesh": ("jaxpar.mesh", "build_mesh"),
-    "plan": ("jaxpar.planner", "plan"),
-    "Problem": ("jaxpar.problem", "Problem"),
-    "Stages": ("jaxpar.problem", "Stages"),
-    "from_nnx": ("jaxpar.problem", "from_nnx"),
-    "from_pytree": ("jaxpar.problem", "from_pytree"),
-    "TrainState": ("jaxpar.state", "TrainState"),
-    "Result": ("jaxpar.trainer", "Result"),
-    "restore": ("jaxpar.checkpoint", "restore"),
-    "train": ("jaxpar.trainer", "train"),
-    "generate": ("jaxpar.prompts", "generate"),
-    "distributed": ("jaxpar.distributed", None),
-    "mesh": ("jaxpar.mesh", None),
+    "ModelSpec": ("jaxpar.config.registry", "ModelSpec"),
+    "register_model": ("jaxpar.config.registry", "register"),
+    "load_exported": ("jaxpar.training.export", "load"),
+    "to_nnx": ("jaxpar.training.export", "to_nnx"),
+    "causal_attention": ("jaxpar.nn.attention", "causal_attention"),
+    "report": ("jaxpar.nn.scope", "report"),
+    "batch_sum": ("jaxpar.nn.layers", "batch_sum"),
+    "constrain": ("jaxpar.nn.layers", "constrain"),
+    "dense": ("jaxpar.nn.layers", "dense"),
+    "param": ("jaxpar.nn.layers", "param"),
+    "scan_layers": ("jaxpar.nn.layers", "scan_layers"),
+    "stack": ("jaxpar.nn.layers", "stack"),
+    "to_experts": ("jaxpar.nn.experts", "to_experts"),
+    "from_experts": ("jaxpar.nn.experts", "from_experts"),
+    "tensor_parallel": ("jaxpar.nn.tensor_parallel", "tensor_parallel"),
+    "build_mesh": ("jaxpar.parallel.mesh", "build_mesh"),
+    "plan": ("jaxpar.cost.planner", "plan"),
+    "Problem": ("jaxpar.nn.problem", "Problem"),
+    "Stages": ("jaxpar.nn.problem", "Stages"),
+    "from_nnx": ("jaxpar.nn.problem", "from_nnx"),
+    "from_pytree": ("jaxpar.nn.problem", "from_pytree"),
+    "TrainState": ("jaxpar.step.state", "TrainState"),
+    "Result": ("jaxpar.training.trainer", "Result"),
+    "restore": ("jaxpar.training.checkpoint", "restore"),
+    "train": ("jaxpar.training.trainer", "train"),
+    "generate": ("jaxpar.generation.prompts", "generate"),
+    "distributed": ("jaxpar.parallel.distributed", None),
+    "mesh": ("jaxpar.parallel.mesh", None),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -12,9 +12,9 @@ import enum
 from dataclasses import dataclass
 from typing import Annotated
 
-from jaxpar.config import Model
-from jaxpar.options import Range, key
-from jaxpar.registry import register_module
+from jaxpar.config.options import Range, key
+from jaxpar.config.registry import register_module
+from jaxpar.config.sections import Model
 
 
 class RopeScaling(enum.StrEnum):
@@ -26,7 +26,7 @@ class RopeScaling(enum.StrEnum):
 class LlamaConfig(Model):
     """model.* for model.name=llama (declared here, without jax, like every key)."""
 
-    name: str = key("llama", "a registered model (jaxpar.registry)")
+    name: str = key("llama", "a registered model (jaxpar.config.registry)")
     kv_heads: Annotated[int, Range(1, 2**14, "key/value heads")] = key(
         8, "key/value heads (grouped-query attention); they divide model.heads"
     )

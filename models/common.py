@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar import documents
-from jaxpar.config import Model
-from jaxpar.layers import constrain, dense, param, scan_layers
-from jaxpar.problem import Stages
-from jaxpar.sharding import BATCH, EMBED, MLP, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.config.sections import Model
+from jaxpar.names import BATCH, EMBED, MLP, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.nn import documents
+from jaxpar.nn.layers import constrain, dense, param, scan_layers
+from jaxpar.nn.problem import Stages
 
 
 def normal(std: float):
@@ -76,7 +76,7 @@ def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
 
 def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
     """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:],
-    zero where the target is not trained (jaxpar.documents)."""
+    zero where the target is not trained (jaxpar.nn.documents)."""
     logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
     losses_BxS = optax.softmax_cross_entropy_with_integer_labels(
         logits_BxSxV, documents.targets(batch)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.attention import causal_attention
-from jaxpar.config import Model
-from jaxpar.cost import AttentionDims
-from jaxpar.documents import Documents
+from jaxpar.config.registry import AttentionDims, ModelSpec
+from jaxpar.config.sections import Model
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, dense, param, scan_layers, stack
-from jaxpar.registry import ModelSpec
-from jaxpar.sharding import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.nn.attention import causal_attention
+from jaxpar.nn.documents import Documents
+from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack
 
 from .common import (
     FeedForward,

@@ -21,26 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import documents
-from jaxpar.attention import cached_attention, causal_attention
-from jaxpar.cost import AttentionDims, ExpertDims
-from jaxpar.documents import Documents
+from jaxpar.config.registry import AttentionDims, ExpertDims, ModelSpec
 from jaxpar.errors import ConfigError
-from jaxpar.layers import constrain, dense, param, scan_cached, scan_layers, stack
-from jaxpar.problem import Stages
-from jaxpar.registry import ModelSpec
-from jaxpar.sharding import (
-    BATCH,
-    EMBED,
-    HEAD_DIM,
-    HEADS,
-    KV_HEADS,
-    MLP,
-    QKV,
-    SEQ,
-    SEQ_RESIDUAL,
-    VOCAB,
-)
+from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.nn import documents
+from jaxpar.nn.attention import cached_attention, causal_attention
+from jaxpar.nn.documents import Documents
+from jaxpar.nn.layers import constrain, dense, param, scan_cached, scan_layers, stack
+from jaxpar.nn.problem import Stages
 
 from . import LlamaConfig, RopeScaling
 from .common import (
@@ -187,7 +175,7 @@ class Attention(nnx.Module):
         )
 
     def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):
-        """The attention of T new tokens through the KV cache (jaxpar.attention): k and v
+        """The attention of T new tokens through the KV cache (jaxpar.nn.attention): k and v
         of the key/value heads alone (no repeat), as the cache holds them."""
         dt = x_BxTxE.dtype
         q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = (

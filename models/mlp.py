@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxpar.config import Model
-from jaxpar.layers import constrain, param, scan_layers, stack
-from jaxpar.registry import ModelSpec
-from jaxpar.sharding import BATCH, EMBED, SEQ, VOCAB
+from jaxpar.config.registry import ModelSpec
+from jaxpar.config.sections import Model
+from jaxpar.names import BATCH, EMBED, SEQ, VOCAB
+from jaxpar.nn.layers import constrain, param, scan_layers, stack
 
 from .common import (
     FeedForward,

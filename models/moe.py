@@ -13,7 +13,7 @@ gathered into [rows, experts, capacity, embed], the experts applied as one batch
 product, and each token's outputs gathered back and weighted. Where the step splits
 sequences over context, each layer gathers the sequence's tokens, routes it whole,
 runs 1/C of every expert's slots, and sums the outputs back to the tokens' devices
-(jaxpar.sequence.whole, share, scatter_sum)."""
+(jaxpar.parallel.context.whole, share, scatter_sum)."""
 
 from __future__ import annotations
 
@@ -25,17 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import sequence
-from jaxpar.context import report
-from jaxpar.layers import (
-    batch_sum,
-    constrain,
-    from_experts,
-    param,
-    tensor_parallel,
-    to_experts,
-)
-from jaxpar.sharding import BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
+from jaxpar.names import BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
+from jaxpar.nn import sequence
+from jaxpar.nn.experts import from_experts, to_experts
+from jaxpar.nn.layers import batch_sum, constrain, param
+from jaxpar.nn.scope import report
+from jaxpar.nn.tensor_parallel import tensor_parallel
 
 from . import LlamaConfig
 from .common import normal

@@ -7,7 +7,7 @@ Both train models/gpt.py's decoder (token + position embedding, pre-LN blocks wi
 causal attention from a fused QKV projection and a tanh-GELU MLP, final LN, output
 projection) with the same optimizer: AdamW (betas 0.9, 0.95, weight decay on matrices
 only), gradients clipped to global norm 1.0; the same dims, global batch, sequence length
-and synthetic tokens (jaxpar.data). PyTorch's attention is
+and synthetic tokens (jaxpar.data.tokens). PyTorch's attention is
 `F.scaled_dot_product_attention(is_causal=True)`, as a PyTorch user writes it. N ranks
 are `parallel.data=N` on N simulated CPU devices for jaxpar, and DDP over gloo with N
 processes for PyTorch; each side gets the machine's cores. Tokens/s is the global
@@ -52,7 +52,7 @@ def jaxpar_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
             *(f"model.{k}={shape[k]}" for k in ("layers", "embed", "heads", "mlp")),
             *(f"train.{k}={shape[k]}" for k in ("seq_len", "batch_size")),
         ]
-        cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny"]
+        cmd = [sys.executable, "-m", "jaxpar.cli.main", "train", "--config", "gpt-tiny"]
         cmd += ["--cpu-devices", str(ranks), *overrides, "--out", out]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -69,7 +69,7 @@ def torch_rank(rank: int, ranks: int, shape: dict, steps: int, port: int, out: s
     import torch.distributed as dist
     from torch import nn
 
-    from jaxpar.data import batch_at
+    from jaxpar.data.tokens import batch_at
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     if ranks > 1:
@@ -145,7 +145,7 @@ def torch_rank(rank: int, ranks: int, shape: dict, steps: int, port: int, out: s
 def torch_tokens_per_s(shape: dict, ranks: int, steps: int) -> float:
     import torch.multiprocessing as mp
 
-    from jaxpar.distributed import free_port
+    from jaxpar.parallel.distributed import free_port
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         args = (ranks, shape, steps, free_port(), out.name)

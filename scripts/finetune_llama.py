@@ -48,7 +48,7 @@ def write_conversations(path: Path, count: int, seed: int = 0) -> None:
 def chat_data(hf: Path, folder: Path, count: int) -> None:
     """Conversations written to `folder`/chat.jsonl and prepared into `folder`/tokens
     (once: a folder prepared already is kept)."""
-    from jaxpar.prepare import prepare
+    from jaxpar.data.prepare import prepare
 
     if (folder / "tokens" / "meta.json").is_file():
         return
@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--device-memory", default="2GB", help="per device, for the plan")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
-    if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jaxpar.mesh.use_cpu_devices(args.cpu_devices)
-    jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
+    if not jaxpar.parallel.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jaxpar.parallel.mesh.use_cpu_devices(args.cpu_devices)
+    jaxpar.parallel.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
     import jax
     from jax.experimental import multihost_utils
@@ -86,10 +86,12 @@ def main() -> None:
         multihost_utils.sync_global_devices("chat data")
         args.data = args.chat / "tokens"
 
-    from jaxpar import commands, planner, presets
-    from jaxpar.export import export_hf
+    from jaxpar.cli import commands
+    from jaxpar.config import presets
+    from jaxpar.cost import planner
     from jaxpar.models import LlamaConfig
-    from jaxpar.problem import registered
+    from jaxpar.nn.problem import registered
+    from jaxpar.training.export import export_hf
 
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),  # its dims come from config.json

@@ -17,7 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
-from jaxpar import presets
+from jaxpar.config import presets
 
 RUNS = {
     "grads (all-reduce every step)": (),
@@ -47,9 +47,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxpar import metrics
-    from jaxpar.commands import setup
-    from jaxpar.trainer import train
+    from jaxpar.cli.commands import setup
+    from jaxpar.cost.report import human_bytes, table
+    from jaxpar.training.trainer import train
 
     curves, rows = {}, []
     for name, overrides in RUNS.items():
@@ -68,11 +68,11 @@ def main() -> None:
         tail = float(np.mean(result.losses[-20:]))
         wire = result.report.comm.by_axis["data"].wire
         held_out = result.report.eval_loss
-        rows.append([name, f"{tail:.3f}", f"{held_out:.3f}", metrics.human_bytes(wire)])
+        rows.append([name, f"{tail:.3f}", f"{held_out:.3f}", human_bytes(wire)])
         print(f"ran {name}", flush=True)
     print()
     header = ["run", "mean loss, last 20 steps", "held-out loss", "data bytes/step/device"]
-    print(metrics.table(rows, header))
+    print(table(rows, header))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, losses in curves.items():

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpar.data import corpus_bytes
+from jaxpar.data.tokens import corpus_bytes
 
 # ChatML, as Qwen writes it: each turn between <|im_start|>ROLE and <|im_end|>
 CHATML = (

@@ -16,12 +16,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar import presets
-from jaxpar.axes import AXES
-from jaxpar.commands import setup
-from jaxpar.report import Report
-from jaxpar.run import Run, prepare
-from jaxpar.trainer import train
+from jaxpar.cli.commands import setup
+from jaxpar.config import presets
+from jaxpar.cost.report import Report
+from jaxpar.parallel.axes import AXES
+from jaxpar.step.build import Run, prepare
+from jaxpar.training.trainer import train
 
 # data=2 x pipeline=2 x tensor=2, ZeRO-1, 1F1B: the 3D layout several tests share
 THREE_D_1F1B = [
@@ -118,7 +118,10 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> Report:
 def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
     """`jaxpar ARGS` in a fresh process (so --cpu-devices really sets up jax)."""
     return subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "jaxpar.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

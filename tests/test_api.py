@@ -188,7 +188,7 @@ def test_step_one_is_logged_whatever_log_every(devices):
 
 
 def test_the_names_the_readme_uses_are_exported():
-    from jaxpar import layers, problem
+    from jaxpar.nn import layers, problem
 
     assert jaxpar.Stages is problem.Stages and jaxpar.stack is layers.stack
     assert {"Stages", "stack", "to_nnx", "Result", "train", "from_nnx"} <= set(dir(jaxpar))
@@ -196,15 +196,15 @@ def test_the_names_the_readme_uses_are_exported():
 
 def test_use_cpu_devices_after_jax_started_names_the_function(devices):
     with pytest.raises(jaxpar.ConfigError) as e:
-        jaxpar.mesh.use_cpu_devices(4)
+        jaxpar.parallel.mesh.use_cpu_devices(4)
     assert "jaxpar.mesh.use_cpu_devices(4) before anything touches jax" in str(e.value)
-    jaxpar.mesh.use_cpu_devices(8)  # what it already has: fine
+    jaxpar.parallel.mesh.use_cpu_devices(8)  # what it already has: fine
 
 
 def test_a_model_that_reads_its_own_tokens_is_refused_under_context(devices):
     """Split over context, each device's loss covers its own S / C tokens, which a model
-    gets through jaxpar.documents. This classifier's loss is per row (it never reads the
-    batch through jaxpar.documents): refused while tracing, not trained wrongly."""
+    gets through jaxpar.nn.documents. This classifier's loss is per row (it never reads the
+    batch through jaxpar.nn.documents): refused while tracing, not trained wrongly."""
     problem = jaxpar.from_nnx(Classifier, nnx_loss)
     with pytest.raises(jaxpar.ConfigError, match=r"parallel.context=2: the model's loss has shape"):
         train(problem, devices, data=4, context=2)

@@ -9,8 +9,12 @@ import typing
 
 import pytest
 
-from jaxpar import cli, commands, config, presets, registry, run
+from jaxpar.cli import commands
+from jaxpar.cli import main as cli
+from jaxpar.config import presets, registry
+from jaxpar.config import sections as config
 from jaxpar.errors import ConfigError
+from jaxpar.step import build as run
 
 BIG = "9" * 5000  # past Python's 4300-digit limit for int()
 
@@ -450,12 +454,12 @@ def test_bad_flags_refused(case, capsys, no_compile):
 def test_refused_by_the_installed_command_before_jax_starts(tmp_path):
     """A fresh process: nothing imports jax before the config and --out are checked."""
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", "train", "train.lr=inf", "--out", str(tmp_path)],
+        [sys.executable, "-m", "jaxpar.cli.main", "train", "train.lr=inf", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 2 and proc.stderr.startswith("jaxpar: error: train.lr=inf")
-    check = "import sys, jaxpar.cli; assert 'jax' not in sys.modules, 'jax imported'"
+    check = "import sys, jaxpar.cli.main; assert 'jax' not in sys.modules, 'jax imported'"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0
 
 

@@ -3,8 +3,8 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar import bench
-from jaxpar.bench import Base, run_bench
+from jaxpar.cli import bench
+from jaxpar.cli.bench import Base, run_bench
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_compile_time_does_not_grow_with_depth(devices, monkeypatch, capsys):
 def test_the_strategies_picture_is_drawn(devices, tmp_path):
     from helpers import compile_only
 
-    from jaxpar.metrics import plot_strategies
+    from jaxpar.training.metrics import plot_strategies
 
     results = {
         name: {"report": compile_only("gpt-tiny", overrides), "step_s": 0.02}

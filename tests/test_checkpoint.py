@@ -18,10 +18,11 @@ from helpers import THREE_D_1F1B, one_line_error
 from safetensors.numpy import load_file
 
 import jaxpar
-from jaxpar import cli, presets, registry
-from jaxpar.axes import AXES
-from jaxpar.commands import setup as model_setup
-from jaxpar.run import build
+from jaxpar.cli import main as cli
+from jaxpar.cli.commands import setup as model_setup
+from jaxpar.config import presets, registry
+from jaxpar.parallel.axes import AXES
+from jaxpar.step.build import build
 
 
 def setup(overrides):
@@ -173,7 +174,7 @@ def test_sigterm_saves_and_exits_0(tmp_path):
         [
             sys.executable,
             "-m",
-            "jaxpar.cli",
+            "jaxpar.cli.main",
             "train",
             "--config",
             "gpt-tiny",
@@ -222,7 +223,7 @@ def test_kill_9_at_random_moments_resumes_to_the_straight_run(tmp_path):
     ]
 
     def command(out):
-        return [sys.executable, "-m", "jaxpar.cli", "train", *args, "--out", str(out)]
+        return [sys.executable, "-m", "jaxpar.cli.main", "train", *args, "--out", str(out)]
 
     start = time.time()
     straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True)

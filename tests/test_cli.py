@@ -7,7 +7,11 @@ import pytest
 from helpers import compile_only, jaxpar_command
 
 import jaxpar
-from jaxpar import cli, console, presets, throughput, xla_flags
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.cost import throughput
+from jaxpar.step import xla_flags
+from jaxpar.training import console
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 

@@ -7,24 +7,24 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import collectives as C
+from jaxpar.parallel import ring, server
 
 # name -> (ours, twin), each a function of the axis name
 PAIRS = {
     "reduce_scatter": (
-        lambda a: lambda x: C.ring_reduce_scatter(x, a, dim=1),
+        lambda a: lambda x: ring.ring_reduce_scatter(x, a, dim=1),
         lambda a: lambda x: jax.lax.psum_scatter(x, a, scatter_dimension=1, tiled=True),
     ),
     "all_gather": (
-        lambda a: lambda x: C.ring_all_gather(x, a, dim=1),
+        lambda a: lambda x: ring.ring_all_gather(x, a, dim=1),
         lambda a: lambda x: jax.lax.all_gather(x, a, axis=1, tiled=True),
     ),
     "ring_all_reduce": (
-        lambda a: lambda x: C.ring_all_reduce(x, a),
+        lambda a: lambda x: ring.ring_all_reduce(x, a),
         lambda a: lambda x: jax.lax.psum(x, a),
     ),
     "server_all_reduce": (
-        lambda a: lambda x: C.server_all_reduce(x, a),
+        lambda a: lambda x: server.server_all_reduce(x, a),
         lambda a: lambda x: jax.lax.psum(x, a),
     ),
 }

@@ -3,8 +3,10 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar import cli, mesh_rules, presets, registry
-from jaxpar.mesh import resolve_degrees
+from jaxpar.cli import main as cli
+from jaxpar.config import presets, registry
+from jaxpar.parallel import mesh_rules
+from jaxpar.parallel.mesh import resolve_degrees
 
 
 @pytest.mark.parametrize("name", presets.preset_names())

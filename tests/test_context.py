@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 from helpers import assert_same_training, compile_only, reference, run
 
-from jaxpar import attention, planner, presets, sequence
-from jaxpar.context import Split
-from jaxpar.problem import registered
+from jaxpar.config import presets
+from jaxpar.cost import planner
+from jaxpar.nn import attention
+from jaxpar.nn.problem import registered
+from jaxpar.parallel import context
+from jaxpar.parallel.context import Split
 
 CP = "parallel.context"
 ULYSSES = "parallel.context_strategy=ulysses"
@@ -60,15 +63,15 @@ def test_a_context_layout_trains_as_one_device(name, devices):
 def test_balance_evens_the_causal_work(degree):
     """The unmasked [128 x 128] score tiles of each context device's queries: with the
     dual-chunk reorder within 10% of the mean; in order, the last device does most."""
-    balanced = sequence.score_blocks(8192, Split(degree, "all_gather", True), 128)
+    balanced = context.score_blocks(8192, Split(degree, "all_gather", True), 128)
     assert max(balanced) <= 1.1 * np.mean(balanced) and min(balanced) >= 0.9 * np.mean(balanced)
-    in_order = sequence.score_blocks(8192, Split(degree, "all_gather", False), 128)
+    in_order = context.score_blocks(8192, Split(degree, "all_gather", False), 128)
     assert max(in_order) > 1.4 * np.mean(in_order)
     assert sum(balanced) == sum(in_order)  # the same work, spread
 
 
 def test_the_order_keeps_each_chunk_pair_on_its_device():
-    where = sequence.order(16, Split(2, "all_gather", True))
+    where = context.order(16, Split(2, "all_gather", True))
     assert where.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert sorted(where) == list(range(16))
 
@@ -78,7 +81,7 @@ def test_the_positions_mask_is_the_causal_mask_of_the_reordered_tokens(balance):
     """Each device's mask, built from its queries' and all keys' original positions,
     is the causal mask with rows and columns moved as the tokens were."""
     seq, split = 32, Split(4, "all_gather", balance)
-    where = sequence.order(seq, split)
+    where = context.order(seq, split)
     positions = np.broadcast_to(where, (1, seq))
     part = seq // split.degree
     causal = np.tril(np.ones((seq, seq), bool))

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxpar import data, presets
+from jaxpar.config import presets
+from jaxpar.data import tokens as data
 
 
 @pytest.mark.parametrize("source", ["corpus", "synthetic"])

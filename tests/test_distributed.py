@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import THREE_D_1F1B, jaxpar_command, run
 
-from jaxpar.distributed import free_port
+from jaxpar.parallel.distributed import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -178,7 +178,7 @@ def _workers(out) -> dict[int, int]:
 def _started(out, *overrides) -> subprocess.Popen:
     """`jaxpar launch` of 2 workers training for long, once both have logged 2 steps."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
+        [sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
          "--cpu-devices-per-process", "4", "--", "train", "--config", "gpt-tiny",
          "parallel.data=8", "train.steps=500", "checkpoint.every=2", *overrides,
          "--out", str(out)],

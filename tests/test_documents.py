@@ -15,10 +15,14 @@ import numpy as np
 import pytest
 from helpers import assert_same_training, one_line_error, reference, run, script
 
-from jaxpar import chat, cli, data, hf, presets, registry
-from jaxpar.documents import target_weights
-from jaxpar.prepare import prepare
-from jaxpar.problem import registered
+from jaxpar import hf
+from jaxpar.cli import main as cli
+from jaxpar.config import presets, registry
+from jaxpar.data import chat
+from jaxpar.data import tokens as data
+from jaxpar.data.prepare import prepare
+from jaxpar.nn.documents import target_weights
+from jaxpar.nn.problem import registered
 
 VOCAB = 512  # the chat tokenizer's
 SEQ = 32
@@ -208,8 +212,8 @@ def test_a_row_with_nothing_trained_adds_nothing_and_no_nan():
 
 @pytest.mark.slow
 def test_a_step_with_nothing_trained_is_zero_not_nan(chat_folder, devices):
-    from jaxpar.commands import setup
-    from jaxpar.run import build
+    from jaxpar.cli.commands import setup
+    from jaxpar.step.build import build
 
     cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "parallel.data=2"])
     s = setup(cfg, devices[:2])
@@ -372,7 +376,7 @@ def test_bad_marks_are_refused(change, overrides, needle, chat_folder, tmp_path,
 
 def test_held_out_batches_carry_the_same_marks(chat_folder):
     """eval_loss is over the held-out answers, packed as in training."""
-    from jaxpar import commands
+    from jaxpar.cli import commands
 
     cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "train.eval_every=5"])
     held_out = commands.held_out_batches(cfg)(0)
@@ -400,7 +404,7 @@ def test_an_old_folder_without_an_index_trains_as_a_stream(chat_folder, tmp_path
 
 @pytest.mark.slow
 def test_resume_after_kill_9_reads_the_same_batches_masks_and_documents(chat_folder, tmp_path):
-    base = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "gpt-tiny",
+    base = [sys.executable, "-m", "jaxpar.cli.main", "train", "--config", "gpt-tiny",
             *chat_run(chat_folder), "parallel.data=8", "train.steps=8",
             "checkpoint.every=1"]  # fmt: skip
     straight = subprocess.run(

@@ -9,9 +9,9 @@ from helpers import assert_same_training, compile_only, run
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import dp
-from jaxpar.axes import AXES, DATA
-from jaxpar.sharding import LeafSpecs
+from jaxpar.parallel import data_parallel as dp
+from jaxpar.parallel.axes import AXES, DATA
+from jaxpar.parallel.sharding import LeafSpecs
 
 MESHES = {"dp8": ("parallel.data=8",), "dp4-tp2": ("parallel.data=4", "parallel.tensor=2")}
 

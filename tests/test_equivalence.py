@@ -4,7 +4,7 @@ import pytest
 from helpers import assert_same_training, run
 from helpers import reference as shared_reference
 
-from jaxpar import bench
+from jaxpar.cli import bench
 
 # the bench's strategies (one list), and ZeRO-3 with recomputed layers
 STRATEGIES = {

@@ -10,7 +10,10 @@ import pytest
 from helpers import THREE_D_1F1B, _shipped, one_line_error
 
 import jaxpar
-from jaxpar import cli, commands, data, presets
+from jaxpar.cli import commands
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.data import tokens as data
 
 EVAL = ["train.eval_every=2", "train.eval_batches=2"]
 

@@ -12,7 +12,11 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import cli, commands, decoding, hf, presets, registry  # noqa: E402
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import commands  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
+from jaxpar.generation import decoding  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
@@ -92,7 +96,7 @@ def test_trained_and_exported_logits_are_transformers_logits(family, tmp_path, d
     assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["architectures"] == [FAMILIES[name][0].__name__]
-    params, meta = jaxpar.checkpoint.saved_params(run / "checkpoints")
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
     cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want = their_logits(tmp_path / "out", tokens)

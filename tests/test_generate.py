@@ -11,9 +11,12 @@ import pytest
 from helpers import one_line_error, script
 from test_hf_input import write_checkpoint
 
-from jaxpar import cli, data, decoding, presets, registry
-from jaxpar.layers import scan_layers
-from jaxpar.problem import registered
+from jaxpar.cli import main as cli
+from jaxpar.config import presets, registry
+from jaxpar.data import tokens as data
+from jaxpar.generation import decoding
+from jaxpar.nn.layers import scan_layers
+from jaxpar.nn.problem import registered
 
 PROMPTS = [[5, 17, 3], list(range(40, 61)), [200, 1, 2, 3, 4, 5, 6, 7, 8]]  # 3, 21, 9 ids
 

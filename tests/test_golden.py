@@ -11,10 +11,11 @@ import jax
 import pytest
 from helpers import compile_only
 
-from jaxpar import commands, presets
-from jaxpar.bench import STRATEGIES
-from jaxpar.mesh import resolve_degrees
-from jaxpar.sharding import SPEC_FIELDS, plan
+from jaxpar.cli import commands
+from jaxpar.cli.bench import STRATEGIES
+from jaxpar.config import presets
+from jaxpar.parallel.mesh import resolve_degrees
+from jaxpar.parallel.sharding import SPEC_FIELDS, plan
 
 GOLDEN = Path(__file__).parent / "golden"
 MODELS = ("gpt-tiny", "mlp-tiny")

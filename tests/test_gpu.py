@@ -15,9 +15,11 @@ import pytest
 from jax._src import custom_partitioning
 from jax._src.cudnn import fused_attention_stablehlo
 
-from jaxpar import attention, context, presets, xla_flags
-from jaxpar.commands import setup
-from jaxpar.run import build, step_inputs
+from jaxpar.cli.commands import setup
+from jaxpar.config import presets
+from jaxpar.nn import attention, scope
+from jaxpar.step import xla_flags
+from jaxpar.step.build import build, step_inputs
 
 CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")  # forward, backward
 # with a mask (packed documents): the kernels that take it, as a bias
@@ -43,7 +45,7 @@ def lowered_step(
         batch["segment_ids"] = np.broadcast_to(second, (rows, width)).astype(np.int32)
         positions = np.arange(width) - second * (width // 2)
         batch["positions"] = np.broadcast_to(positions, (rows, width)).astype(np.int32)
-    with context.building_for(platform) if platform else contextlib.nullcontext():
+    with scope.building_for(platform) if platform else contextlib.nullcontext():
         engine = build(s.problem, cfg, s.mesh)
         traced = engine.step.trace(*step_inputs(engine, batch))
         lowered = traced.lower(lowering_platforms=(platform,) if platform else None)

@@ -13,7 +13,10 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import cli, commands, hf, presets, registry  # noqa: E402
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import commands  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 

@@ -11,8 +11,12 @@ import pytest
 from helpers import one_line_error
 from safetensors.numpy import load_file, save_file
 
-from jaxpar import cli, commands, hf, presets, registry, run
-from jaxpar.problem import registered
+from jaxpar import hf
+from jaxpar.cli import commands
+from jaxpar.cli import main as cli
+from jaxpar.config import presets, registry
+from jaxpar.nn.problem import registered
+from jaxpar.step import build as run
 
 
 def write_checkpoint(directory: Path, *overrides: str) -> Path:
@@ -131,15 +135,20 @@ def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
 WORKER = """
 import sys
 import jax
-from jaxpar import commands, distributed, hf, presets, registry, mesh
+from jaxpar import hf
+from jaxpar.cli import commands
+from jaxpar.parallel import distributed
+from jaxpar.config import presets
+from jaxpar.config import registry
+from jaxpar.parallel import mesh
 if "JAX_NUM_CPU_DEVICES" not in __import__("os").environ:
     mesh.use_cpu_devices(8)
 distributed.initialize()
 cfg = presets.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
 s = commands.setup(cfg)
 read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
-from jaxpar.checkpoint import layout
-from jaxpar.run import build
+from jaxpar.training.checkpoint import layout
+from jaxpar.step.build import build
 engine = build(s.problem, cfg, s.mesh)
 params = read(
     layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
@@ -166,7 +175,7 @@ def test_each_process_reads_only_its_own_devices_slices(tmp_path):
     assert one.returncode == 0, one.stderr[-2000:]
     alone = int(one.stdout.split("BYTES 0 ")[1].split()[0])
     two = subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2", "--", str(script),
+        [sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2", "--", str(script),
          str(directory)],
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
@@ -185,11 +194,15 @@ def test_each_process_reads_only_its_own_devices_slices(tmp_path):
 
 IMPORT = """
 import sys, time
-from jaxpar import commands, hf, mesh, presets, registry
+from jaxpar import hf
+from jaxpar.cli import commands
+from jaxpar.parallel import mesh
+from jaxpar.config import presets
+from jaxpar.config import registry
 mesh.use_cpu_devices(8)
 import jax
-from jaxpar.checkpoint import layout
-from jaxpar.run import build
+from jaxpar.training.checkpoint import layout
+from jaxpar.step.build import build
 cfg = presets.load("llama-tiny", sys.argv[2:])
 s = commands.setup(cfg)
 engine = build(s.problem, cfg, s.mesh)

@@ -1,22 +1,48 @@
-"""The modules' imports run one way: no cycle among jaxpar's modules and its models,
-counting the imports inside functions too (a late import is still an arrow)."""
+"""The imports run one way: no cycle among jaxpar's modules and its models (counting the
+imports inside functions too: a late import is still an arrow), and between the rooms
+(subpackages) only downwards, in the order of LAYERS."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# lowest first: a room imports only rooms before it (and itself)
+LAYERS = (
+    "errors",  # what a user can fix: every room raises them
+    "names",  # logical names of dims: what models and the rules table share
+    "hf",  # Hugging Face files in and out: what a family record declares
+    "config",
+    "data",
+    "parallel",
+    "nn",
+    "models",
+    "cost",
+    "step",
+    "training",
+    "generation",
+    "cli",
+)
+# models are plug-ins: they see what jaxpar.nn and the config give them
+MODELS_MAY_IMPORT = {"errors", "names", "hf", "config", "nn", "models"}
+
 
 def modules() -> dict[str, Path]:
     found = {}
     for folder, package in ((ROOT / "jaxpar", "jaxpar"), (ROOT / "models", "jaxpar.models")):
-        for path in folder.glob("*.py"):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in folder.rglob("*.py"):
+            if package == "jaxpar" and path.relative_to(folder).parts[0] == "models":
+                continue  # the link to models/, walked as itself
+            parts = [*path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
     return found
 
 
 def graph() -> dict[str, set[str]]:
-    """module -> the jaxpar modules it imports (`from jaxpar import x` names module x)."""
+    """module -> the jaxpar modules it imports (`from jaxpar.x import y` names module
+    jaxpar.x.y where that is a module, else jaxpar.x)."""
     known, out = modules(), {}
     for name, path in known.items():
         deps = set()
@@ -33,6 +59,28 @@ def graph() -> dict[str, set[str]]:
                 deps |= {alias.name for alias in node.names}
         out[name] = {d for d in deps if d in known and d != name}
     return out
+
+
+def room(module: str) -> str | None:
+    """The room of a module: its subpackage or top-level module (None: the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def back_arrows(edges: dict[str, set[str]]) -> list[str]:
+    """Each import that runs against LAYERS (or out of what models may import)."""
+    wrong = []
+    for src, deps in sorted(edges.items()):
+        for dst in sorted(deps):
+            a, b = room(src), room(dst)
+            if a is None or b is None or a == b:
+                continue
+            allowed = LAYERS.index(b) < LAYERS.index(a)
+            if a == "models":
+                allowed = b in MODELS_MAY_IMPORT
+            if not allowed:
+                wrong.append(f"{src} -> {dst}")
+    return wrong
 
 
 def cycle(edges: dict[str, set[str]]) -> list[str]:
@@ -60,10 +108,25 @@ def cycle(edges: dict[str, set[str]]) -> list[str]:
 
 def test_the_import_graph_has_no_cycle():
     edges = graph()
-    assert len(edges) > 40 and "jaxpar.models.llama" in edges
+    assert len(edges) > 60 and "jaxpar.models.llama" in edges and "jaxpar.nn.layers" in edges
     assert cycle(edges) == [], " -> ".join(cycle(edges))
 
 
-def test_a_cycle_is_found():
+def test_every_room_is_in_the_order():
+    rooms = {room(m) for m in modules()} - {None}
+    assert rooms == set(LAYERS)
+
+
+def test_rooms_import_only_downwards():
+    assert back_arrows(graph()) == []
+
+
+def test_a_cycle_and_a_back_arrow_are_found():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) == []
+    edges = {"jaxpar.nn.layers": {"jaxpar.step.offload"}, "jaxpar.step.offload": set()}
+    assert back_arrows(edges) == ["jaxpar.nn.layers -> jaxpar.step.offload"]
+    assert back_arrows({"jaxpar.models.gpt": {"jaxpar.cost.formulas"}}) == [
+        "jaxpar.models.gpt -> jaxpar.cost.formulas"
+    ]
+    assert back_arrows({"jaxpar.step.engine": {"jaxpar.nn.scope"}}) == []

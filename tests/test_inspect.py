@@ -2,7 +2,8 @@
 
 from helpers import THREE_D_1F1B, prepared
 
-from jaxpar import cli, inspect
+from jaxpar.cli import inspect
+from jaxpar.cli import main as cli
 
 
 def test_leaf_bytes_add_up_to_the_compiled_state(devices):

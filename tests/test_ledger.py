@@ -3,7 +3,7 @@
 import pytest
 from helpers import compile_only
 
-from jaxpar import ledger
+from jaxpar.cost import ledger
 
 
 def summary(*overrides: str) -> dict:

@@ -5,7 +5,7 @@ import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 from helpers import reference as shared_reference
 
-from jaxpar import bench
+from jaxpar.cli import bench
 
 LAYOUTS = {
     **bench.STRATEGIES,  # data, ZeRO 0-3, tensor 2/4/8 (kv_heads=2: split, then whole)

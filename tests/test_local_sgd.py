@@ -8,8 +8,9 @@ import optax
 import pytest
 from helpers import assert_same_training, compile_only, one_line_error, run
 
-from jaxpar import cli, config
-from jaxpar.local_sgd import outer_optimizer
+from jaxpar.cli import main as cli
+from jaxpar.config import sections as config
+from jaxpar.step.local_sgd import outer_optimizer
 
 SGD = ("train.optimizer=sgd", "train.lr=0.5", "train.clip_norm=0", "train.weight_decay=0")
 PARAMS = ("parallel.dp_sync=params",)

@@ -13,8 +13,12 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import cli, commands, decoding, hf, presets, registry  # noqa: E402
-from jaxpar.axes import AXES  # noqa: E402
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import commands  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
+from jaxpar.generation import decoding  # noqa: E402
+from jaxpar.parallel.axes import AXES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
@@ -150,7 +154,7 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
     kept = ["architectures", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
             "output_router_logits", "decoder_sparse_step", "norm_topk_prob"]  # fmt: skip
     assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
-    params, meta = jaxpar.checkpoint.saved_params(run / "checkpoints")
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
     cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want, _ = theirs(tmp_path / "out", tokens)

@@ -14,7 +14,7 @@ from flax import nnx
 from helpers import assert_same_training, compile_only, run
 from helpers import reference as shared_reference
 
-from jaxpar import presets
+from jaxpar.config import presets
 from jaxpar.models import moe
 
 E, K, ROWS, SEQ, EMBED = 4, 2, 3, 16, 64
@@ -255,7 +255,7 @@ def test_the_metrics_report_the_whole_batch_in_any_layout(name, devices, tmp_pat
     batch (each micro-batch's, their mean), not of one device's rows or tokens."""
     from test_observe import events
 
-    from jaxpar import cli
+    from jaxpar.cli import main as cli
 
     layout, same = METRICS[name]
     one = run("mixtral-tiny", ["parallel.data=1", "train.log_every=1", *same], steps=2).rows
@@ -281,7 +281,7 @@ def test_expert_gradients_are_the_same_at_every_expert_degree(devices):
     summed over it for the experts' own weights."""
     from helpers import _shipped
 
-    from jaxpar.run import prepare
+    from jaxpar.step.build import prepare
 
     grads = {}
     for x in (1, 2, 4, 8):
@@ -354,8 +354,8 @@ def test_the_plan_for_mixtral_8x7b_on_64_gpus_splits_the_experts():
     that fits splits the experts, faster than the best that does not (which moves every
     expert's weights, or holds copies of them); with one, a layout that splits the
     experts is among the candidates, priced."""
-    from jaxpar import planner
-    from jaxpar.problem import registered
+    from jaxpar.cost import planner
+    from jaxpar.nn.problem import registered
 
     cfg = presets.load("llama-moe")
     work = planner.of_config(cfg)
@@ -379,7 +379,7 @@ def test_a_checkpoint_restores_into_another_expert_degree(devices, tmp_path):
     from test_checkpoint import assert_identical
 
     import jaxpar
-    from jaxpar.run import build
+    from jaxpar.step.build import build
 
     steps = ["train.steps=2", "checkpoint.every=2"]
     cfg, s = _setup(

@@ -8,9 +8,13 @@ import struct
 import pytest
 from helpers import one_line_error
 
-from jaxpar import cli, commands, config, presets, throughput
-from jaxpar.metrics import TENSORBOARD_TAGS
-from jaxpar.problem import registered
+from jaxpar.cli import commands
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.config import sections as config
+from jaxpar.cost import throughput
+from jaxpar.nn.problem import registered
+from jaxpar.training.metrics import TENSORBOARD_TAGS
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])

@@ -6,9 +6,9 @@ import re
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 
-from jaxpar import presets
-from jaxpar.commands import setup
-from jaxpar.run import build, step_inputs
+from jaxpar.cli.commands import setup
+from jaxpar.config import presets
+from jaxpar.step.build import build, step_inputs
 
 MESHES = {
     "dp8-zero1": ("parallel.data=8", "parallel.zero=1"),

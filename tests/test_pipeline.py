@@ -6,8 +6,8 @@ import pytest
 from helpers import assert_same_training, compile_only, reference, run
 
 import jaxpar
-from jaxpar import pipeline, schedules
-from jaxpar.config import Schedule
+from jaxpar.config.sections import Schedule
+from jaxpar.parallel import pipeline, schedules
 
 SIX = ["model.layers=6"]
 CASES = {

@@ -6,12 +6,16 @@ import sys
 import pytest
 from helpers import THREE_D_1F1B, compile_only
 
-from jaxpar import cli, cost, pipeline, planner, presets
-from jaxpar.axes import DATA, PIPE, REPLICA, TENSOR
-from jaxpar.bench import STRATEGIES
-from jaxpar.config import Offload
-from jaxpar.mesh import resolve_degrees
-from jaxpar.problem import registered
+from jaxpar.cli import main as cli
+from jaxpar.cli.bench import STRATEGIES
+from jaxpar.config import presets
+from jaxpar.config.sections import Offload
+from jaxpar.cost import formulas as cost
+from jaxpar.cost import planner
+from jaxpar.nn import staging
+from jaxpar.nn.problem import registered
+from jaxpar.parallel.axes import DATA, PIPE, REPLICA, TENSOR
+from jaxpar.parallel.mesh import resolve_degrees
 
 MACHINE = planner.machine(8, "80GB", peak_tflops=1000, intra_gbps=450, inter_gbps=50)
 LAYOUTS = [
@@ -34,7 +38,7 @@ def predicted(overrides):
     cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
     problem = registered(cfg.model, cfg.train.seq_len)
-    staged = pipeline.in_stages(problem, mesh[PIPE])
+    staged = staging.in_stages(problem, mesh[PIPE])
     return planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
 
 
@@ -79,8 +83,8 @@ def test_a_70b_gpt_on_64_devices_is_planned_without_allocating(tmp_path):
         "train.precision=bf16", "data.source=synthetic", "--out", str(tmp_path / "plan.yaml"),
     ]  # fmt: skip
     code = (
-        "import sys, time; from jaxpar import cli; t = time.perf_counter(); "
-        f"rc = cli.main({argv!r}); "
+        "import sys, time; from jaxpar.cli.main import main; t = time.perf_counter(); "
+        f"rc = main({argv!r}); "
         "print('SECONDS', time.perf_counter() - t); "
         # VmHWM: this process's peak (getrusage's maxrss would carry the parent's across exec)
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
@@ -137,11 +141,11 @@ AGREEMENT = {**STRATEGIES, "3d-1f1b": tuple(THREE_D_1F1B), "zero1-bf16-compute":
 )
 def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     """For a run's own layout the planner predicts the very minimum and ZeRO state that
-    the run's ledger reports: one function computes both (jaxpar.cost)."""
+    the run's ledger reports: one function computes both (jaxpar.cost.formulas)."""
     overrides = AGREEMENT[name]
     cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
-    staged = pipeline.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
+    staged = staging.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
     guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
     compiled = compile_only("gpt-tiny", overrides)
     assert guess.formula_state == compiled.state_bytes.formula
@@ -189,7 +193,7 @@ def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
 
     import jaxpar
     from jaxpar import EMBED, MLP, VOCAB
-    from jaxpar.run import prepare
+    from jaxpar.step.build import prepare
 
     init = nnx.initializers.normal(0.1)
 
@@ -234,9 +238,9 @@ def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
     cfg = presets.load("gpt-tiny", [*overrides, "parallel.microbatches=4"])
     problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
     guess = planner.predict(
-        cfg, resolve_degrees(cfg.parallel, 8), MACHINE, pipeline.in_stages(problem, 4), work
+        cfg, resolve_degrees(cfg.parallel, 8), MACHINE, staging.in_stages(problem, 4), work
     )
-    layout = pipeline.layout_for(problem, 4, 1)  # what training runs
+    layout = staging.layout_for(problem, 4, 1)  # what training runs
     pre, layer, post = problem.parts.costs
     costs = [len(c) * layer for c in layout.chunks]
     costs[0], costs[-1] = costs[0] + pre, costs[-1] + post
@@ -262,7 +266,7 @@ def test_the_activation_count_keeps_the_scores_only_where_attention_stores_them(
     assert kept["cuda"] < kept["cpu"] / 20
     # the plan for a GPU (the default) prices the smaller count
     mesh = resolve_degrees(cfg.parallel, 8)
-    staged = pipeline.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
+    staged = staging.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
     guess = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg))
     on_cpu = planner.predict(cfg, mesh, MACHINE, staged, planner.of_config(cfg, "cpu"))
     assert guess.activations < on_cpu.activations / 20

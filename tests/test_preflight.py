@@ -4,8 +4,10 @@ with the compiled figure and the settings that would fit, measured; --force runs
 import pytest
 from helpers import _shipped, prepared
 
-from jaxpar import cli, preflight, run
+from jaxpar.cli import main as cli
 from jaxpar.errors import ConfigError
+from jaxpar.step import build as run
+from jaxpar.step import preflight
 
 LAYOUT = ("parallel.data=8", "parallel.zero=1")
 

@@ -13,8 +13,10 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import BATCH, EMBED, MLP, SEQ, VOCAB, cli, keys_help, presets, registry
-from jaxpar.options import Range
+from jaxpar import BATCH, EMBED, MLP, SEQ, VOCAB
+from jaxpar.cli import main as cli
+from jaxpar.config import keys_help, presets, registry
+from jaxpar.config.options import Range
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,8 @@ import pytest
 from helpers import assert_same_training, compile_only, run
 from helpers import reference as shared_reference
 
-from jaxpar import cost
-from jaxpar.sharding import LeafSpecs, PartitionSpec
+from jaxpar.cost import formulas as cost
+from jaxpar.parallel.sharding import LeafSpecs, PartitionSpec
 
 HSDP = ("parallel.replica=2", "parallel.data=4")
 PARAMS = 235_904  # gpt-tiny

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from helpers import THREE_D_1F1B, perturb_one_copy, run
 
-from jaxpar import trainer
 from jaxpar.errors import ReplicasDiverged
+from jaxpar.training import trainer
 
 CHECK = "train.check_replicas_every=1"
 HEALTHY = {
@@ -70,7 +70,7 @@ def test_a_corrupted_replica_stops_the_run_naming_it(devices, monkeypatch, tmp_p
 def test_a_tensor_copy_is_checked_and_the_state_saved(devices, monkeypatch, tmp_path):
     """ln_f/scale is whole on both tensor devices of a data shard; ZeRO-1 does not store
     it split. Device 3 is corrupted; the run saves that state and stops with exit 3."""
-    from jaxpar import cli
+    from jaxpar.cli import main as cli
 
     corrupting(monkeypatch, 3, "ln_f/scale", at=3)
     argv = ["train", "--config", "gpt-tiny", "--cpu-devices", "8", "--out", str(tmp_path)]

@@ -63,7 +63,7 @@ def test_finetune_llama_script_fine_tunes_on_chat_answers(tmp_path):
     from helpers import script
     from test_hf_input import write_checkpoint
 
-    from jaxpar.data import corpus_bytes
+    from jaxpar.data.tokens import corpus_bytes
 
     source = write_checkpoint(tmp_path / "hf", "model.vocab=512")
     script("make_tiny_llama").save_tokenizer(source, corpus_bytes().decode(), 512)

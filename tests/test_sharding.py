@@ -3,19 +3,9 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError
-from jaxpar.sharding import (
-    EMBED,
-    EXPERTS,
-    HEADS,
-    LAYERS,
-    MLP,
-    RULES,
-    VOCAB,
-    leaf_specs,
-    plan,
-    unsplit_leaves,
-)
+from jaxpar.config.sections import ConfigError
+from jaxpar.names import EMBED, EXPERTS, HEADS, LAYERS, MLP, VOCAB
+from jaxpar.parallel.sharding import RULES, leaf_specs, plan, unsplit_leaves
 
 MESH = {"data": 4, "pipeline": 1, "tensor": 2}
 

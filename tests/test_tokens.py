@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from helpers import one_line_error
 
-from jaxpar import cli, data, presets
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.data import tokens as data
 
 VOCAB = 512
 
@@ -206,7 +208,7 @@ def _peak_train(
     tmp_path: Path, path: Path, steps: int
 ) -> tuple[subprocess.CompletedProcess, float]:
     code = (
-        "import sys; from jaxpar import cli; rc = cli.main(sys.argv[1:]); "
+        "import sys; from jaxpar.cli.main import main; rc = main(sys.argv[1:]); "
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
         "print('PEAK_MB', int(hwm.split()[1]) / 1024); sys.exit(rc)"
     )

@@ -1,0 +1,241 @@
+"""What the `jaxpar` subcommands run, over one `setup(cfg, devices)`: a registered model
+(`model.name`) as a Problem on the configured data and mesh. Trained, compiled for
+inspection, or planned from its shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from jaxpar import hf
+from jaxpar.config import presets, registry
+from jaxpar.config import sections as config_lib
+from jaxpar.config.sections import Config
+from jaxpar.data import tokens as data
+from jaxpar.nn import staging
+from jaxpar.nn.problem import Problem, registered
+from jaxpar.parallel import mesh_rules
+from jaxpar.parallel.axes import TENSOR
+from jaxpar.parallel.mesh import build_mesh, describe
+from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
+from jaxpar.training.trainer import Result, train
+
+
+@dataclass(frozen=True)
+class Setup:
+    mesh: Mesh
+    problem: Problem  # the registered model, shapes only until its init runs
+    batches: Callable[..., dict]  # (step, rows=slice(None)) -> one global batch
+    source: str  # the data, in words
+    # (i, rows=slice(None)) -> held-out batch i (train.eval_every > 0; else None)
+    eval_batches: Callable[..., dict] | None = None
+
+
+def setup(cfg: Config, devices=None) -> Setup:
+    """The mesh over `devices` (default: all), the model as a Problem and its batches:
+    the config checked against the mesh first."""
+    mesh = build_mesh(cfg.parallel, devices)
+    problem, batches = model_problem(cfg, describe(mesh))
+    return Setup(mesh, problem, batches, data.describe(cfg.data, cfg.train), held_out_batches(cfg))
+
+
+def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[..., dict]]:
+    """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
+    registry.check_model(cfg.model, mesh_shape)
+    mesh_rules.check_train(cfg, mesh_shape)
+    shipped = registered(cfg.model, cfg.train.seq_len)
+    check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
+    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
+    return shipped, _batches(cfg, tokens, 0, "train")
+
+
+def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
+    """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
+    (documents, loss mask) the config uses."""
+    t = cfg.train
+    marks = data.load_marks(cfg.data, t, tokens, split) if tokens is not None else data.Marks()
+
+    def batches(i: int, rows: slice = slice(None)) -> dict:
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=first + i,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+            rows=rows,
+            marks=marks,
+        )
+
+    return batches
+
+
+def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
+    """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
+    if not cfg.train.eval_every:
+        return None
+    tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
+    first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
+    return _batches(cfg, tokens, first, "val")
+
+
+def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
+    """Train the registered model as the config says (what `jaxpar train` runs), from
+    model.init's checkpoint if it names one (its config.json already read into cfg)."""
+    s = setup(cfg)
+    directory = hf.directory_of(cfg.model.init)
+    params = None
+    if directory:
+        fmt = registry.hf_format(cfg.model.name, "model.init")
+        params = hf.initial_params(fmt, cfg.model, directory, s.problem.shapes)
+    return train(
+        s.problem,
+        cfg,
+        s.batches,
+        out_dir=out_dir,
+        mesh=s.mesh,
+        source=s.source,
+        params=params,
+        eval_batches=s.eval_batches,
+        **kwargs,
+    )
+
+
+def inspect_config(cfg: Config, picture: Path) -> str:
+    """A shipped model's step as the config says, compiled and not run (`jaxpar
+    inspect`): the leaf table and the ledger's summary; the layout drawn to `picture`."""
+    from jaxpar.cli import inspect
+    from jaxpar.step.build import prepare
+    from jaxpar.training import console
+
+    s = setup(cfg)
+    run = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True)
+    rows = inspect.leaves(run)
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    inspect.draw(run, rows, picture)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.problem.shapes))
+    return "\n".join(
+        [
+            inspect.leaf_table(rows),
+            "",
+            console.startup(run.report, n_params, s.mesh.devices.flat[0].platform, s.source),
+            f"\nlayout picture: {picture}",
+        ]
+    )
+
+
+def validate(plan, machine, top: int, scale: str) -> str:
+    """`jaxpar plan --validate`: the top layouts that fit on this host's devices, with the
+    model and batch scaled down to `scale`'s, predicted and compiled (not run)."""
+    from jaxpar.cost import planner
+    from jaxpar.cost.report import human_bytes, table
+    from jaxpar.step.build import prepare
+
+    small = presets.load(scale)
+    rows, local = [], jax.device_count()
+    for c in plan.ranked[:top]:
+        if math.prod(c.mesh.values()) > local:
+            continue
+        cfg = dataclasses.replace(
+            c.cfg,
+            model=small.model,
+            train=dataclasses.replace(
+                small.train, grad_accum=c.cfg.train.grad_accum, precision=c.cfg.train.precision
+            ),
+        )
+        try:
+            registry.check_model(cfg.model, c.mesh)
+            mesh_rules.check_train(cfg, c.mesh)
+        except config_lib.ConfigError as e:
+            rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
+            continue
+        shapes = registered(cfg.model, cfg.train.seq_len)
+        p = c.mesh["pipeline"]
+        staged = staging.in_stages(shapes, p)
+        # compiled here: the attention CPU runs (its scores kept)
+        work = planner.of_config(cfg, platform="cpu")
+        guess = planner.predict(cfg, c.mesh, machine, staged, work)
+        s = setup(cfg, jax.devices()[: math.prod(c.mesh.values())])
+        report = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True).report
+        axes = ["data"] if p > 1 else ["replica", "data", "tensor"]
+        wire = sum(report.comm.by_axis[a].wire for a in axes)
+        predicted_wire = sum(guess.comm[a] for a in axes)
+        temp = report.memory_per_device.temp
+        rows.append(
+            [
+                c.label(),
+                human_bytes(guess.model_state),
+                f"{guess.model_state / report.state_bytes.actual:.3f}",
+                human_bytes(guess.activations + guess.gather_temp),
+                f"{(guess.activations + guess.gather_temp) / temp:.2f}",
+                human_bytes(predicted_wire),
+                f"{predicted_wire / wire:.3f}" if wire else "-",
+                "" if abs(predicted_wire / max(wire, 1) - 1) <= 0.1 or not wire else "!",
+            ]
+        )
+    header = ["layout", "state", "/ compiled", "activations", "/ compiled temp", "comm",
+              "/ compiled", ""]  # fmt: skip
+    return (
+        f"\nvalidated at {scale}'s dims on {local} local devices (predicted, and predicted "
+        "over compiled; temp: the compiled step's temporaries, which the activation count "
+        "only estimates):\n\n" + table(rows, header)
+    )
+
+
+def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
+    """`jaxpar plan` for a registered model: every layout ranked, from shapes alone; the
+    winner's config written to `out`; with `check`, the top ones validated."""
+    import yaml
+
+    from jaxpar.cost import planner
+    from jaxpar.cost.report import human_bytes
+    from jaxpar.errors import ConfigError
+
+    problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
+    plan = planner.make_plan(cfg, problem, machine, work)
+    if not plan.considered:
+        staged = problem.parts is not None
+        counts = [
+            n
+            for n in range(1, 2 * machine.devices + 1)
+            if any(
+                planner.candidates(
+                    cfg, dataclasses.replace(machine, devices=n, hosts=1), work, staged
+                )
+            )
+        ]
+        raise ConfigError(
+            f"--devices {machine.devices}: no layout splits this model and batch over "
+            f"{machine.devices} devices (the heads, mlp, vocab, layers and "
+            f"train.batch_size must divide by the degrees); device counts that would, up "
+            f"to {2 * machine.devices}: {counts}"
+        )
+    if not plan.ranked:
+        c = plan.closest
+        raise ConfigError(
+            f"no layout of {plan.considered} fits in --device-memory "
+            f"{human_bytes(machine.device_memory)}: the smallest, {c.label()}, needs "
+            f"{human_bytes(c.device)} per device; give more devices or memory, a smaller "
+            "train.batch_size, or a smaller model"
+        )
+    text = planner.report(plan, top)
+    if check:
+        scale = registry.tiny_preset(cfg.model.name)
+        if scale is None:
+            raise ConfigError(
+                f"--validate: model.name={cfg.model.name} declares no tiny preset to compile "
+                "its layouts at (ModelSpec.tiny)"
+            )
+        text += "\n" + validate(plan, machine, top, scale)
+    if out:
+        winner = presets.to_dict(plan.ranked[0].cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
+        text += f"\nwritten: {out}"
+    return text

@@ -1,0 +1,495 @@
+"""The `jaxpar` command: train with any mix of parallelism (as one process or many), export
+the parameters, or benchmark the strategies.
+
+Nothing here imports jax until the arguments, the config and --out have been checked: a
+mistake is refused in well under a second, and --help is instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from jaxpar import __version__
+from jaxpar.config.keys_help import keys_help
+from jaxpar.config.presets import load, preset_names, resolve_init
+from jaxpar.errors import ConfigError, Stopped, UserError
+from jaxpar.training import rundir
+
+DEFAULT_CPU_DEVICES = 8
+MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
+DESCRIPTION = """\
+Train JAX/Flax models with data, tensor and pipeline parallelism, ZeRO 1-3 and
+ZeRO-Offload, on one device mesh; on a CPU alone it simulates the devices.
+
+  jaxpar train --config gpt-tiny parallel.data=4 parallel.tensor=2 train.steps=50
+  jaxpar train --help          every config key, with its default and meaning
+"""
+TRAIN_EPILOG = f"""\
+Config keys (KEY=VALUE overrides, in any order with the flags; numbers as 1e-3, 1_000):
+{keys_help()}
+
+Presets are in jaxpar/configs/; a YAML file has the same sections, e.g.
+  train: {{steps: 200, lr: 1e-3}}
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one `jaxpar: error:` line (exit 2), like every other mistake."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def _config_arguments(parser: argparse.ArgumentParser, default: str | None, example: str) -> None:
+    """--config and the KEY=VALUE overrides, as every command that reads a config has them."""
+    parser.add_argument(
+        "--config",
+        default=default,
+        help=f"preset ({', '.join(preset_names())}) or a YAML file"
+        + ("" if default else " (default: the default model's tiny preset)"),
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help=f"dotted overrides, e.g. {example}"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="jaxpar",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"jaxpar {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train a model with the configured parallelism",
+        description="Train a model with the configured parallelism; writes a run directory "
+        "(metrics.jsonl, summary.json, loss.png, step.hlo.txt, checkpoints/).",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _config_arguments(train, "default", "parallel.tensor=2 train.steps=20 (keys below)")
+    train.add_argument(
+        "--out",
+        type=Path,
+        help="run directory (default: runs/<time>-<config>); with checkpoints there, resume",
+    )
+    train.add_argument(
+        "--restart",
+        action="store_true",
+        help="set aside the run and checkpoints already in --out, and start fresh",
+    )
+    for flag, kind, text in (
+        ("--coordinator", str, "HOST:PORT of process 0 (many processes; default: the cluster's)"),
+        ("--num-processes", int, "processes in the job"),
+        ("--process-id", int, "this process's id, 0 .. num-processes - 1"),
+    ):
+        train.add_argument(flag, type=kind, help=text)
+    launch = sub.add_parser(
+        "launch", help="run a command as N local processes of one job (CPU collectives: gloo)"
+    )
+    launch.add_argument("--processes", type=int, required=True, metavar="N")
+    launch.add_argument("--cpu-devices-per-process", type=int, default=4, metavar="M")
+    launch.add_argument(
+        "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
+    )
+    plan = sub.add_parser(
+        "plan",
+        help="rank every parallel layout of a model on N devices, predicted from shapes",
+        description="Enumerate every valid (replica, data, pipeline, tensor, zero, offload, "
+        "microbatches, remat, grad_accum) for the model and global batch of --config and "
+        "the overrides, predict each one's memory, traffic and step time from shapes alone "
+        "(nothing is allocated or compiled), and rank those that fit.",
+    )
+    _config_arguments(plan, "default", "model.layers=32 train.batch_size=512")
+    plan.add_argument("--devices", type=int, required=True, metavar="N")
+    plan.add_argument("--hosts", type=int, default=1, metavar="H")
+    plan.add_argument("--device-memory", required=True, metavar="SIZE", help="e.g. 80GB")
+    plan.add_argument("--host-memory", default="1TB", metavar="SIZE", help="per host")
+    plan.add_argument("--peak-tflops", type=float, default=989.0, help="per device (H100 bf16)")
+    plan.add_argument("--mfu", type=float, default=0.4, help="share of the peak reached")
+    plan.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s inside a host")
+    plan.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s between hosts")
+    plan.add_argument("--top", type=int, default=10)
+    plan.add_argument("--out", type=Path, help="write the winning config here (YAML)")
+    plan.add_argument(
+        "--validate",
+        action="store_true",
+        help="compile the top layouts that fit on this host's (simulated) devices, at "
+        "gpt-tiny's dims, and print predicted against compiled figures",
+    )
+    inspect = sub.add_parser(
+        "inspect",
+        help="compile a step (no run): every leaf's shardings and bytes, the ledger, a picture",
+        description="Compile the configured step without running it; print every parameter "
+        "leaf's shape, logical names, storage / compute / gradient / optimizer-state "
+        "PartitionSpecs and bytes per device, then the ledger's summary; write "
+        "layout.png (the largest leaves and the batch over the mesh) to --out.",
+    )
+    _config_arguments(inspect, "default", "parallel.data=4 parallel.zero=3")
+    inspect.add_argument(
+        "--out", type=Path, default=Path("."), help="where layout.png goes (default: here)"
+    )
+    export = sub.add_parser(
+        "export",
+        help="write a run's latest parameters: one safetensors file, or a Hugging Face "
+        "checkpoint directory (--format hf)",
+    )
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    export.add_argument("--to", type=Path, required=True, metavar="FILE_OR_DIR")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: one file, jaxpar's keys; hf: config.json and model.safetensors "
+        "that transformers' from_pretrained loads",
+    )
+    prep = sub.add_parser(
+        "prepare-data",
+        help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
+        description="Tokenize INPUT files (text; JSONL with a `text` field per line; Parquet "
+        "with a `text` column; with --format chat, JSONL conversations) with a local Hugging "
+        "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
+        "train.idx and val.idx (where each document starts), with --format chat train.mask "
+        "and val.mask (1 per trained id), and meta.json, for `jaxpar train "
+        "data.source=tokens data.path=OUT`. Every 1/val-fraction-th document is held out.",
+    )
+    prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    prep.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    prep.add_argument("--out", type=Path, required=True, metavar="DIR")
+    prep.add_argument("--val-fraction", type=float, default=0.005, metavar="F")
+    prep.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="text: documents (text files, JSONL `text`, Parquet `text`); chat: JSONL "
+        'conversations, {"messages": [{"role", "content"}, ...]} rendered with the '
+        'tokenizer\'s chat template, or {"prompt", "completion"}; writes a loss mask that '
+        "trains on the answers only",
+    )
+    gen = sub.add_parser(
+        "generate",
+        help="continue prompts with a trained model (a run directory or hf:DIR), KV-cached",
+        description="Continue prompts with a run's newest checkpoint (or --step) or a Hugging "
+        "Face checkpoint (hf:DIR): the prompts prefilled in one pass, then one token a step "
+        "through a KV cache, compiled once per bucket of prompt and total lengths; greedy at "
+        "--temperature 0, else sampled (--top-k, --top-p, --seed). One prompt is printed as "
+        'it is generated; --prompts FILE.jsonl ({"prompt": ...}, or {"messages": [...]} '
+        "with --chat) writes JSONL. Layout: tensor = the most devices that divide the "
+        "model's heads, key/value heads, MLP width and vocab (heads and MLP split as in "
+        "training, the cache by key/value head); the other devices split the prompts over "
+        "data. KEY=VALUE overrides (parallel.data, parallel.tensor) go before --prompt.",
+    )
+    gen.add_argument("source", metavar="RUN_DIR|hf:DIR")
+    gen.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    asks = gen.add_mutually_exclusive_group(required=True)
+    asks.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts")
+    asks.add_argument("--prompts", type=Path, metavar="FILE.jsonl", help="a prompt per line")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no cut")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--seed", type=int, default=0, metavar="S")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
+    gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
+    bench = sub.add_parser(
+        "bench",
+        help="compare strategies on a model: time, memory, communication",
+        description="Measure every strategy on one model (default gpt-tiny) in one run. "
+        "--config and KEY=VALUE overrides set the model and batch; each strategy then sets "
+        "its own parallel.* keys on top.",
+    )
+    _config_arguments(bench, None, "model.embed=128 train.seq_len=256")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        help="also write the tables as JSON here, and the strategies' picture beside it "
+        "(.png; default bench-strategies.png in the current folder)",
+    )
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SECTION",
+        help="measure only these sections: strategies schedules dp hosts offload remat "
+        "checkpoint compile plan generate (default: all)",
+    )
+    train.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="per device, what MFU divides by (default: the device kind's dense bf16 peak; "
+        "none on a CPU)",
+    )
+    for p in (train, bench):
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="run even where the compiled step's memory looks larger than this machine's",
+        )
+    for p in (train, bench, inspect, plan, export, gen):
+        p.add_argument(
+            "--cpu-devices",
+            type=int,
+            metavar="N",
+            help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default "
+            f"{DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is installed)",
+        )
+    return parser
+
+
+def _check_cpu_devices(n: int | None, flag: str = "--cpu-devices") -> None:
+    if n is not None and not 1 <= n <= MAX_CPU_DEVICES:
+        raise ConfigError(
+            f"{flag} {n}: simulate 1 to {MAX_CPU_DEVICES} devices (each one is a "
+            "thread pool and buffers on this host; more take minutes to create)"
+        )
+
+
+def _setup_devices(n: int | None) -> None:
+    from jaxpar.parallel.mesh import accelerator_installed, use_cpu_devices
+
+    if n is None and os.environ.get("JAX_NUM_CPU_DEVICES"):  # set by jaxpar launch
+        n = int(os.environ["JAX_NUM_CPU_DEVICES"])
+    if n is None and not accelerator_installed():
+        n = DEFAULT_CPU_DEVICES
+    if n is not None:
+        _check_cpu_devices(n)
+        use_cpu_devices(n)
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Each subcommand's paths and numbers, before jax starts or a process does."""
+    peak = getattr(args, "peak_tflops", None)
+    if args.command == "train" and peak is not None and not 0 < peak <= 1e7:  # (NaN too)
+        raise ConfigError(f"--peak-tflops {peak}: give a number > 0 and <= 1e+07 TFLOP/s")
+
+    _check_cpu_devices(getattr(args, "cpu_devices", None))
+    if args.command == "launch":
+        if not 1 <= args.processes <= MAX_CPU_DEVICES:
+            raise ConfigError(
+                f"--processes {args.processes}: give 1 to {MAX_CPU_DEVICES} local processes"
+            )
+        _check_cpu_devices(args.cpu_devices_per_process, "--cpu-devices-per-process")
+        if not args.command_args:
+            raise ConfigError(
+                "launch: no command to run; e.g. jaxpar launch --processes 2 -- train "
+                "--config gpt-tiny"
+            )
+        first = args.command_args[0]
+        if first.endswith(".py") and not Path(first).is_file():
+            raise ConfigError(f"launch: {first}: no such script")
+        if not first.endswith(".py"):
+            if first not in ("train", "bench", "inspect"):
+                raise ConfigError(
+                    f"launch: {first!r} is neither a jaxpar command (train, bench, inspect) "
+                    "nor a Python script (SCRIPT.py)"
+                )
+            inner = _parse(args.command_args)  # the workers' command, checked once here
+            _check_arguments(inner)
+            _check_config(inner)
+    elif args.command == "bench":
+        if not 1 <= args.steps <= 10**6:
+            raise ConfigError(f"--steps {args.steps}: give 1 to 1000000 timed steps")
+        if args.out:
+            rundir.check_file_target(args.out, "--out")
+    elif args.command == "plan" and args.out:
+        rundir.check_file_target(args.out, "--out")
+    elif args.command == "prepare-data":
+        from jaxpar.data.prepare import check
+
+        rundir.check_writable(args.out)
+        check(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+    elif args.command == "export":
+        if not args.run_dir.is_dir():
+            raise ConfigError(f"export: {args.run_dir}: no such run directory")
+        if args.format == "hf":
+            rundir.check_writable(args.to, "--to")
+        else:
+            rundir.check_file_target(args.to, "--to")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags and KEY=VALUE overrides in any order: argparse takes the overrides only up to
+    the first flag, so the ones after it come back unparsed and join them here."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    takes_overrides = args.command in ("train", "bench", "inspect", "plan", "generate")
+    stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
+    if args.command == "launch":
+        args.command_args = [a for a in args.command_args if a != "--"] + rest
+        stray = []
+    if stray:
+        raise ConfigError(
+            f"unrecognized arguments: {' '.join(stray)} (see `jaxpar {args.command} --help`)"
+        )
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)
+        _check_arguments(args)
+        return _run(args)
+    except UserError as e:
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+    except Stopped as e:
+        print(f"jaxpar: stopped: {e}", file=sys.stderr)
+        return 3
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxpar.generation import prompts
+    from jaxpar.generation.decoding import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if not 1 <= args.max_new_tokens <= 1 << 20:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
+    if not args.source.startswith("hf:") and not (Path(args.source) / "checkpoints").is_dir():
+        raise ConfigError(
+            f"generate: {args.source}: no checkpoints there; give a run directory that "
+            "`jaxpar train` wrote (with checkpoint.final, the default), or hf:DIR"
+        )
+    request = prompts.read(args)
+    load(overrides=args.overrides)  # the overrides' keys and values, checked
+    _setup_devices(args.cpu_devices)
+    from jaxpar.generation import decoding
+
+    model = decoding.load(args.source, args.overrides, args.step)
+    ids = prompts.ids_for(request, model, args.tokenizer)
+    stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
+    if stream:
+        print(request.texts[0], end="", flush=True)
+    done = decoding.generate(
+        decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
+    )
+    prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
+    layout = dict(model.mesh.shape)
+    bytes_ = decoding.cache_bytes_per_token(model)
+    print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
+    return 0
+
+
+def _plan(cfg, args: argparse.Namespace) -> int:
+    from jaxpar.cli.commands import plan_config
+    from jaxpar.cost import planner
+
+    if not 0 < args.top <= 10**6:
+        raise ConfigError(f"--top {args.top}: give a number > 0 and <= 1e+06")
+    machine = planner.machine(
+        args.devices,
+        args.device_memory,
+        hosts=args.hosts,
+        host_memory=args.host_memory,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        intra_gbps=args.intra_gbps,
+        inter_gbps=args.inter_gbps,
+    )
+    if args.validate:
+        _setup_devices(args.cpu_devices)
+    print(plan_config(cfg, machine, args.top, args.out, args.validate))
+    return 0
+
+
+def _check_config(args: argparse.Namespace):
+    """(the resolved config or None, the run directory or None), both checked."""
+
+    if args.command not in ("train", "bench", "inspect", "plan"):
+        return None, None
+    if args.config is None:  # bench: the default model's tiny preset
+        from jaxpar.config import registry
+
+        args.config = registry.tiny_preset(registry.default_name())
+    cfg, out = load(args.config, args.overrides), None
+    if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
+        given = {o.split("=", 1)[0].removeprefix("model.") for o in args.overrides}
+        cfg = resolve_init(cfg, {k for k in given if "." not in k})
+    if args.command in ("train", "inspect"):
+        name = Path(args.config).stem
+        out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+        rundir.check_writable(out)
+        if cfg.checkpoint.dir:
+            rundir.check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    return cfg, out
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "launch":
+        from jaxpar.parallel.distributed import launch
+
+        rest, out, ckpt = args.command_args, Path("."), None
+        if not rest[0].endswith(".py"):
+            inner = _parse(rest)
+            cfg, run_dir = _check_config(inner)
+            if run_dir is not None:  # one run directory for all workers
+                out, rest = run_dir, rest if inner.out else [*rest, "--out", str(run_dir)]
+                ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+            elif getattr(inner, "out", None):
+                out = inner.out.parent
+        return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
+    if args.command == "prepare-data":
+        from jaxpar.data.prepare import prepare
+
+        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+        trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
+        print(
+            f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
+            f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
+            f"{meta['documents']:,} documents"
+            + ("" if trained is None else f"; {trained:,} training tokens are answers")
+        )
+        if meta.get("skipped_without_answer"):
+            print(
+                f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
+                "turn: nothing in them to train on"
+            )
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    cfg, out = _check_config(args)
+    if args.command == "plan":
+        return _plan(cfg, args)
+    _setup_devices(args.cpu_devices)
+    if args.command == "train":
+        from jaxpar.cli.commands import train_config
+        from jaxpar.parallel.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
+        result = train_config(
+            cfg, out, restart=args.restart, force=args.force, peak_tflops=args.peak_tflops
+        )
+        written = [name for name in rundir.RUN_FILES if (out / name).exists()]
+        print(f"\nrun directory: {out}  ({', '.join(written)})")
+        if result.checkpoints:
+            print(f"checkpoints:   {result.checkpoints}")
+    elif args.command == "inspect":
+        from jaxpar.cli.commands import inspect_config
+
+        print(inspect_config(cfg, out / "layout.png"))
+    elif args.command == "export":
+        from jaxpar.training.export import export, export_hf
+
+        if args.format == "hf":
+            step, tensors = export_hf(args.run_dir, args.to)
+            print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
+        else:
+            step, tensors = export(args.run_dir, args.to)
+            print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
+    else:
+        from jaxpar.cli.bench import Base, run_bench
+
+        base = Base(args.config, tuple(args.overrides), args.force)
+        run_bench(base, steps=args.steps, out=args.out, only=args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Models by name: what jaxpar needs to know of each (a ModelSpec), registered once.
+
+The shipped models (`jaxpar.models`) register themselves by module, so that naming one
+imports no jax until it is built; a model of yours registers its spec directly
+(`jaxpar.register_model`). Nothing else in jaxpar names a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxpar.errors import ConfigError
+from jaxpar.hf import HFFormat
+
+
+def _no_check(model, mesh_shape: dict) -> None:
+    del model, mesh_shape
+
+
+def _no_notes(model, seq_len: int) -> list[str]:
+    del model, seq_len
+    return []
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """What context parallelism moves per layer: a model's attention layers and heads
+    (ModelSpec.attention_dims)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ExpertDims:
+    """What expert parallelism moves per layer: a mixture's sparse layers, experts, the
+    slots of each for a sequence (its capacity) and the token width
+    (ModelSpec.expert_dims); the experts a token is sent to, whose ids context
+    parallelism gathers; the forward FLOPs of one slot through its expert."""
+
+    layers: int
+    experts: int
+    slots: int
+    embed: int
+    per_token: int
+    slot_flops: float
+
+    def held(self, context: int) -> int:
+        """Each expert's slots of a sequence a device runs: split over `context`, each
+        device its ceil(1/C) of them."""
+        return -(-self.slots // context)
+
+    def idle_flops(self, seq_len: int, context: int) -> float:
+        """Forward and backward FLOPs per sequence of the slots beyond its tokens' k
+        choices (which the model's FLOPs count): the capacity's spare slots, run on
+        zeros."""
+        spare = context * self.experts * self.held(context) - self.per_token * seq_len
+        return 3 * self.layers * self.slot_flops * max(spare, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model as jaxpar sees it. The parameter count is not declared: it is read from
+    the abstract shapes of `build`, so it cannot disagree with the model."""
+
+    name: str  # model.name
+    # (model config, seq_len, nnx.Rngs) -> the module; its parameters carry logical names
+    build: Callable
+    loss: Callable  # (module, batch) -> per-element losses (their mean is minimised)
+    stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
+    # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
+    flops_per_token: Callable[..., float]
+    # (model config, seq_len, tensor degree, scores, context degree) -> bytes one layer
+    # keeps for its backward pass per sequence on a device holding 1/context of its
+    # tokens, in a 16-bit compute dtype (planner); `scores`: whether the attention keeps
+    # its [S, S] scores (jaxpar.nn.attention.stores_scores)
+    activation_bytes: Callable[..., float]
+    # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
+    # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)
+    tensor_elements: Callable[..., float]
+    # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
+    check: Callable[..., None] = _no_check
+    # (model config, seq_len) -> what the start-up summary notes of this run's model (a
+    # key that does nothing at this length, ...)
+    notes: Callable[..., list[str]] = _no_notes
+    # its config class: a subclass of jaxpar.Model with its own keys (None: jaxpar.Model)
+    config: type | None = None
+    tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`
+    hf: HFFormat | None = None  # its Hugging Face checkpoint format, if it has one
+    # (model config) -> (layers, key/value heads, head dim) of its KV cache, for a model
+    # whose module decodes through one: module.decode(tokens, positions, cache, slot,
+    # pad) -> (logits, cache) (jaxpar.generation.decoding); None: it does not generate
+    cache_dims: Callable | None = None
+    # (model config) -> AttentionDims: its attention layers and heads, what
+    # context parallelism's textbook bytes count; None: no attention (or not declared)
+    attention_dims: Callable | None = None
+    # (model config, seq_len) -> ExpertDims of its mixture of experts, what
+    # expert parallelism's textbook bytes count; None (or returning None): no experts
+    expert_dims: Callable | None = None
+
+
+_SPECS: dict[str, ModelSpec] = {}
+# name -> (module with SPEC, config class, tiny preset), for models imported when needed
+_MODULES: dict[str, tuple[str, type | None, str | None]] = {}
+_DEFAULT: list[str] = []  # model.name when none is given
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make `spec` buildable as model.name=spec.name (a later one of the same name wins)."""
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"register_model: expected a jaxpar.ModelSpec, got {type(spec).__name__}")
+    _SPECS[spec.name] = spec
+    _MODULES.pop(spec.name, None)
+    return spec
+
+
+def register_module(
+    name: str,
+    module: str,
+    config: type | None = None,
+    tiny: str | None = None,
+    default: bool = False,
+) -> None:
+    """A model whose spec is `module.SPEC` (or `module:NAME`'s NAME), imported when it is
+    first needed; `default`: the model of a config that names none."""
+    _MODULES[name] = (module, config, tiny)
+    if default:
+        _DEFAULT[:] = [name]
+
+
+def default_name() -> str:
+    _load_shipped()
+    return _DEFAULT[0]
+
+
+def tiny_preset(name: str) -> str | None:
+    _load_shipped()
+    return _MODULES[name][2] if name in _MODULES else get(name).tiny
+
+
+def _load_shipped() -> None:
+    importlib.import_module("jaxpar.models")  # registers them; imports no jax
+
+
+def names() -> list[str]:
+    _load_shipped()
+    return sorted({*_SPECS, *_MODULES})
+
+
+def get(name: str) -> ModelSpec:
+    _load_shipped()
+    if name in _MODULES:
+        module, _, attribute = _MODULES[name][0].partition(":")  # "module" or "module:NAME"
+        register(getattr(importlib.import_module(module), attribute or "SPEC"))
+    if name not in _SPECS:
+        raise ConfigError(f"model.name={name!r}: no such model; choose one of {names()}")
+    return _SPECS[name]
+
+
+def config_class(name: str) -> type | None:
+    """The config class model `name` declares (None: the base jaxpar.Model's keys)."""
+    _load_shipped()
+    return _MODULES[name][1] if name in _MODULES else _SPECS[name].config
+
+
+def config_classes() -> list[type]:
+    """Each config class a model declares, once."""
+    out = []
+    for name in names():
+        cls = config_class(name)
+        if cls is not None and cls not in out:
+            out.append(cls)
+    return out
+
+
+def hf_format(name: str, key: str) -> HFFormat:
+    """Model `name`'s Hugging Face format, or ConfigError naming `key` and the models
+    that have one."""
+    fmt = get(name).hf
+    if fmt is None:
+        have = [n for n in names() if get(n).hf is not None]
+        raise ConfigError(
+            f"{key}: model.name={name} has no Hugging Face format; the models that have one: {have}"
+        )
+    return fmt
+
+
+def check_model(model, mesh_shape: dict) -> None:
+    """The model's own checks of its config against the mesh (before any leaf; the tensor
+    split its dims need is the rules', jaxpar.parallel.sharding.check_tensor_split)."""
+    get(model.name).check(model, mesh_shape)

@@ -1,0 +1,434 @@
+"""The configuration: frozen, keyword-only sections (parallel, model, train, data,
+checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
+when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
+checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, Literal
+
+from jaxpar.config import registry
+from jaxpar.config.options import Range, Section, key, near, shown
+from jaxpar.errors import ConfigError
+
+
+class Schedule(enum.StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Remat(enum.StrEnum):
+    NONE = "none"
+    FULL = "full"
+    OFFLOAD = "offload"
+
+
+class DpCollective(enum.StrEnum):
+    XLA = "xla"
+    RING = "ring"
+    SERVER = "server"
+
+
+class ContextStrategy(enum.StrEnum):
+    ALL_GATHER = "all_gather"
+    ULYSSES = "ulysses"
+
+
+class DpSync(enum.StrEnum):
+    GRADS = "grads"
+    PARAMS = "params"
+
+
+class Offload(enum.StrEnum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    OPTIMIZER_PARAMS = "optimizer+params"
+
+
+class Precision(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class ReduceDtype(enum.StrEnum):
+    FP32 = "fp32"
+    COMPUTE = "compute"
+
+
+class Source(enum.StrEnum):
+    CORPUS = "corpus"
+    FILE = "file"
+    SYNTHETIC = "synthetic"
+    TOKENS = "tokens"
+
+
+class TokenDtype(enum.StrEnum):
+    UINT16 = "uint16"
+    UINT32 = "uint32"
+
+
+class Optimizer(enum.StrEnum):
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+
+class Packing(enum.StrEnum):
+    AUTO = "auto"
+    DOCUMENTS = "documents"
+    STREAM = "stream"
+
+
+class LossMask(enum.StrEnum):
+    AUTO = "auto"
+    TRUE = "true"
+    FALSE = "false"
+
+
+class OnNonfinite(enum.StrEnum):
+    STOP = "stop"
+    SKIP = "skip"
+
+
+Degree = Annotated[
+    int, Range(1, 65536, "a degree is a count of devices; -1 takes the rest", rest=True)
+]
+Steps = Annotated[int, Range(1, 10**9, "a count of steps")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel(Section):
+    SECTION: ClassVar[str] = "parallel"
+    replica: Degree = key(
+        1,
+        (
+            "degree of the `replica` axis (outermost: across hosts): copies of a ZeRO group; data "
+            "parallelism is replica x data, ZeRO splits state over `data` only"
+        ),
+    )
+    data: Degree = key(-1, "degree of the `data` axis; -1 = all devices left over")
+    expert: Degree = key(
+        1,
+        (
+            "degree of the `expert` axis: a mixture's experts split over it, tokens sent to "
+            "them by all-to-all (expert parallelism); a data axis for everything else"
+        ),
+    )
+    pipeline: Degree = key(1, "degree of the `pipeline` axis: stages of the layer stack")
+    context: Degree = key(
+        1, "degree of the `context` axis: each sequence split over it (context parallelism)"
+    )
+    tensor: Degree = key(1, "degree of the `tensor` axis (Megatron column/row splits)")
+    context_strategy: ContextStrategy = key(
+        ContextStrategy.ALL_GATHER,
+        (
+            "how attention sees the whole sequence under context parallelism: all_gather (keys "
+            "and values gathered over context each layer) | ulysses (all-to-all from sequence "
+            "to heads and back)"
+        ),
+    )
+    context_balance: bool = key(
+        True,
+        (
+            "reorder each sequence into 2 x context chunks, device i holding chunks i and "
+            "2C-1-i, so that causal attention's work is even over context"
+        ),
+    )
+    sequence_parallel: bool = key(
+        False,
+        (
+            "Megatron sequence parallelism (needs tensor > 1): norms and residual adds split "
+            "by sequence over tensor; each tensor all-reduce becomes reduce-scatter + all-gather"
+        ),
+    )
+    zero: Literal[0, 1, 2, 3] = key(
+        0, "ZeRO stage over `data`: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters"
+    )
+    microbatches: Annotated[int, Range(1, 65536, "micro-batches per data shard")] = key(
+        1, "pipeline micro-batches each data shard's batch is split into"
+    )
+    schedule: Schedule = key(Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved")
+    virtual_stages: Annotated[int, Range(1, 1024, "layer chunks per pipeline device")] = key(
+        1, "chunks of layers per device (schedule=interleaved)"
+    )
+    remat: Remat = key(
+        Remat.NONE,
+        (
+            "activation checkpointing of each layer: none | full (keep its input, recompute the "
+            "rest) | offload (full, with the kept inputs in host memory)"
+        ),
+    )
+    dp_collective: DpCollective = key(
+        DpCollective.XLA, "how gradients are reduced over data: xla | ring | server"
+    )
+    bucket_mb: Annotated[float, Range(0, 65536, "a bucket in MiB, at most 64 GiB", True)] = key(
+        25.0, "ring/server: fuse gradient leaves into buckets of this size"
+    )
+    offload: Offload = key(
+        Offload.NONE,
+        (
+            "none | optimizer (Adam state + fp32 master weights on the host, update there) | "
+            "optimizer+params (ZeRO-3 only: also the stored parameter shards, fetched per layer)"
+        ),
+    )
+    dp_sync: DpSync = key(
+        DpSync.GRADS,
+        (
+            "what data parallelism keeps in sync: grads (all-reduced every step) | params (each "
+            "device takes sync_every local AdamW steps on its own rows, then the parameters are "
+            "averaged over data: local SGD; with an outer optimizer, DiLoCo)"
+        ),
+    )
+    sync_every: Annotated[int, Range(1, 10**6, "local steps between averages")] = key(
+        8, "dp_sync=params: local steps between averages (MaxText's DiLoCo uses 36)"
+    )
+    outer_lr: Annotated[float, Range(0, 10, "an outer rate; 1 = plain averaging", True)] = key(
+        1.0,
+        (
+            "dp_sync=params: the outer (Nesterov SGD) learning rate on the averaged change of the "
+            "parameters; 1 with no momentum is plain averaging (DiLoCo: 0.7, MaxText 0.3)"
+        ),
+    )
+    outer_momentum: Annotated[float, Range(0, 0.999, "a momentum below 1")] = key(
+        0.0, "dp_sync=params: the outer Nesterov momentum; 0 = none (DiLoCo and MaxText: 0.9)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model(Section):
+    """The shipped models' dims; a model with keys of its own declares a subclass and
+    names it in its registry entry (jaxpar.config.registry)."""
+
+    SECTION: ClassVar[str] = "model"
+    name: str = field(
+        default_factory=lambda: registry.default_name(),
+        metadata={"help": "a registered model (jaxpar.config.registry): gpt | mlp | one of yours"},
+    )
+    layers: Annotated[int, Range(1, 10_000, "blocks in the stack")] = key(
+        4, "number of scanned blocks"
+    )
+    embed: Annotated[int, Range(1, 2**20, "the residual width; the largest models use ~25k")] = key(
+        64, "width of the residual stream"
+    )
+    heads: Annotated[int, Range(1, 2**14, "attention heads")] = key(8, "attention heads (gpt)")
+    mlp: Annotated[int, Range(1, 2**22, "the feed-forward width")] = key(
+        256, "hidden width of the feed-forward layer"
+    )
+    vocab: Annotated[int, Range(1, 2**24, "output classes")] = key(
+        256, "output classes; byte-level text needs 256"
+    )
+    init: str = key(
+        "",
+        (
+            "where the parameters start: empty = random (train.seed); hf:DIR = a Hugging Face "
+            "checkpoint directory (config.json, *.safetensors), its config.json read into model.*"
+        ),
+    )
+
+    def __post_init__(self):
+        if self.name not in registry.names():
+            raise ConfigError(
+                f"model.name={shown(self.name)}: no such model; choose one of "
+                f"{registry.names()}{near(self.name, registry.names())}, or register yours "
+                "(jaxpar.register_model)"
+            )
+        wanted = registry.config_class(self.name) or Model
+        if not isinstance(self, wanted):
+            raise ConfigError(
+                f"model.name={self.name}: its keys are declared by {wanted.__qualname__}; "
+                f"build the model section as {wanted.__qualname__}(...), not "
+                f"{type(self).__qualname__}(...)"
+            )
+        super().__post_init__()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Train(Section):
+    SECTION: ClassVar[str] = "train"
+    steps: Steps = key(10, "optimizer steps")
+    batch_size: Annotated[int, Range(1, 2**24, "sequences per optimizer step")] = key(
+        16, "global sequences per optimizer step (all shards, all micro-batches)"
+    )
+    seq_len: Annotated[int, Range(1, 2**20, "tokens per sequence")] = key(64, "tokens per sequence")
+    optimizer: Optimizer = key(
+        Optimizer.ADAMW,
+        "adamw (b1 0.9, b2 0.95) | sgd (plain, no momentum); both decay matrices only",
+    )
+    lr: Annotated[float, Range(0, 10, "usual AdamW rates are 1e-5 to 1e-2", True)] = key(
+        3e-3, "peak learning rate of the warm-up + cosine schedule"
+    )
+    warmup: Annotated[int, Range(0, 10**9, "warm-up steps")] = key(
+        2, "warm-up steps (linear from 0 to lr)"
+    )
+    weight_decay: Annotated[float, Range(0, 10, "the AdamW decay per unit of learning rate")] = key(
+        0.1, "AdamW decay, applied to matrices only"
+    )
+    seed: Annotated[int, Range(0, 2**32 - 1, "seeds are 32-bit unsigned integers")] = key(
+        0, "seeds parameters and data"
+    )
+    grad_accum: Annotated[int, Range(1, 65536, "micro-batches accumulated per step")] = key(
+        1, "micro-batches accumulated per optimizer step"
+    )
+    precision: Precision = key(
+        Precision.FP32, "fp32 | bf16 (bf16 compute; fp32 master parameters and Adam state)"
+    )
+    grad_reduce_dtype: ReduceDtype = key(
+        ReduceDtype.FP32,
+        (
+            "the dtype gradients are summed over `data` in: fp32 | compute (train.precision's: "
+            "half the bytes in bf16, at bf16's rounding of each device's gradient and the sum)"
+        ),
+    )
+    clip_norm: Annotated[float, Range(0, 1e9, "a gradient norm; 0 disables clipping")] = key(
+        1.0, "global gradient-norm clip; 0 disables it"
+    )
+    log_every: Steps = key(1, "write a metrics row every N steps")
+    eval_every: Annotated[int, Range(0, 10**9, "steps between evaluations; 0 = off")] = key(
+        0,
+        (
+            "every N steps, the mean loss over eval_batches held-out batches (never trained on: "
+            "the corpus's or a text file's last tenth, a prepared folder's val.bin); 0 = never"
+        ),
+    )
+    eval_batches: Annotated[int, Range(1, 10**6, "held-out batches per evaluation")] = key(
+        4, "batches of train.batch_size rows in each evaluation"
+    )
+    loss_mask: LossMask = key(
+        LossMask.AUTO,
+        (
+            "auto (true where the data has a loss mask: a `jaxpar prepare-data --format chat` "
+            "folder) | true (train only the targets the mask marks: answers, not prompts) | "
+            "false (train every target)"
+        ),
+    )
+    on_nonfinite: OnNonfinite = key(
+        OnNonfinite.STOP,
+        (
+            "a step whose loss or gradients are not finite: stop (save the last good state, exit "
+            "3) | skip (leave the state as it was, count it in the metrics' `skipped`)"
+        ),
+    )
+    check_replicas_every: Annotated[int, Range(0, 10**9, "steps between checks; 0 = off")] = key(
+        0,
+        (
+            "every N steps, check that every copy of each parameter leaf (over replica and data, "
+            "and tensor/pipeline where not split) is bit-identical; on a difference save and stop "
+            "(exit 3), naming the leaf and the devices. 0 = never"
+        ),
+    )
+    unroll: Annotated[int, Range(1, 10_000, "layers per iteration of the layer scan")] = key(
+        1,
+        (
+            "layers per iteration of the layer scan (lax.scan's unroll): fewer, longer loop "
+            'iterations, at a compile time that grows with it (README, "Speed against PyTorch")'
+        ),
+    )
+    profile_steps: str = key(
+        "",
+        (
+            "A:B = profile steps A to B (1-based, both included) with jax.profiler into <run "
+            "directory>/profile, for TensorBoard or Perfetto; empty = never"
+        ),
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        profile_range(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Data(Section):
+    SECTION: ClassVar[str] = "data"
+    source: Source = key(
+        Source.CORPUS,
+        (
+            "corpus (embedded stdlib text) | file (a text file, as bytes) | synthetic | tokens "
+            "(token ids on disk, memory-mapped: a `jaxpar prepare-data` folder, a flat binary file "
+            "or a .npy)"
+        ),
+    )
+    path: str = key("", "the text file (source=file) or the tokens (source=tokens)")
+    dtype: TokenDtype = key(
+        TokenDtype.UINT16,
+        "source=tokens, a flat binary file: the dtype of its ids (nanoGPT writes uint16)",
+    )
+    packing: Packing = key(
+        Packing.AUTO,
+        (
+            "auto (documents where a prepared folder has a document index, else stream) | "
+            "documents (each document in a window attends only to itself, its positions from 0, "
+            "its first token not predicted from the one before) | stream (one stream of "
+            "tokens, as nanoGPT)"
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint(Section):
+    SECTION: ClassVar[str] = "checkpoint"
+    every: Annotated[int, Range(0, 10**9, "steps between checkpoints; 0 = at the end only")] = key(
+        0, "save every N steps (asynchronously); 0 = only at the end (checkpoint.final)"
+    )
+    final: bool = key(
+        True,
+        (
+            "save the final state when a run reaches its last step, so that it can be exported "
+            "or resumed; false keeps none then unless checkpoint.every asks (a stop by a "
+            "signal still saves, to resume from)"
+        ),
+    )
+    keep: Annotated[int, Range(1, 10_000, "checkpoints kept")] = key(
+        3, "how many of the newest checkpoints to keep"
+    )
+    dir: str = key("", "where; empty = <run directory>/checkpoints")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Distributed(Section):
+    SECTION: ClassVar[str] = "distributed"
+    timeout_s: Annotated[float, Range(0, 7 * 86400, "seconds, at most a week", True)] = key(
+        300.0, "how long processes wait for each other to arrive"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    parallel: Parallel = field(default_factory=Parallel)
+    model: Model = field(default_factory=Model)
+    train: Train = field(default_factory=Train)
+    data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    distributed: Distributed = field(default_factory=Distributed)
+
+    def __post_init__(self):
+        for section, cls in typing.get_type_hints(Config).items():
+            if not isinstance(getattr(self, section), cls):
+                raise ConfigError(
+                    f"{section}: expected a jaxpar.{cls.__name__}(...), got "
+                    f"{type(getattr(self, section)).__name__}"
+                )
+
+
+def profile_range(train: Train) -> tuple[int, int] | None:
+    """train.profile_steps as (first, last) step, both included; None when empty."""
+    if not train.profile_steps:
+        return None
+    first, sep, last = train.profile_steps.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        yaml_number = " (unquoted in YAML, 5:7 reads as the base-60 number 307: quote it)"
+        raise ConfigError(
+            f"train.profile_steps={shown(train.profile_steps)}: write FIRST:LAST, the steps "
+            "to profile (1-based, both included), e.g. 5:7"
+            + (yaml_number if train.profile_steps.isdigit() else "")
+        )
+    first, last = int(first), int(last)
+    if not 1 <= first <= last <= train.steps:
+        raise ConfigError(
+            f"train.profile_steps={first}:{last}: give 1 <= FIRST <= LAST <= train.steps "
+            f"({train.steps}); e.g. {min(5, train.steps)}:{min(7, train.steps)}"
+        )
+    return first, last

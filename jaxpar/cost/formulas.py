@@ -1,0 +1,366 @@
+"""The cost model's formulas, in one place: dtype bytes, how often ZeRO-3 gathers a
+leaf, the pipeline bubble, the ZeRO model-state bytes and the textbook minimum of
+communication. The ledger (what a compiled step did, against the minimum), the planner
+(what a layout would do) and the memory preflight all call these, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config.registry import AttentionDims, ExpertDims
+from jaxpar.config.sections import (
+    Config,
+    ContextStrategy,
+    DpSync,
+    Offload,
+    Optimizer,
+    Precision,
+    ReduceDtype,
+    Remat,
+    Train,
+)
+from jaxpar.parallel import context
+from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR, data_parallel
+from jaxpar.parallel.sharding import LeafSpecs, axes_of, zero_axes, zero_degree
+from jaxpar.parallel.zero import stack_dims
+
+DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}  # train.precision's
+
+
+def dtype_bytes(precision: Precision) -> int:
+    """Bytes of one element in the compute dtype of train.precision."""
+    return jnp.dtype(DTYPES[precision]).itemsize
+
+
+def reduce_precision(train: Train) -> Precision:
+    """The precision gradients are summed over `data` in (train.grad_reduce_dtype): fp32,
+    or the compute precision."""
+    return train.precision if train.grad_reduce_dtype is ReduceDtype.COMPUTE else Precision.FP32
+
+
+def reduce_bytes(train: Train) -> int:
+    """Bytes of one gradient element as it is summed over `data`."""
+    return dtype_bytes(reduce_precision(train))
+
+
+def gathers(names, scans_layers: bool = True):
+    """Per leaf (a tree like `names`), how often ZeRO-3 gathers it per micro-batch: a
+    scanned layer stack's leaves twice (forward, and again for backward, one layer at a
+    time), any other leaf once (kept whole until its backward)."""
+    return jax.tree.map(
+        lambda n: 2 if scans_layers and stack_dims(n) else 1,
+        names,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def bubble(p: int, m: int, v: int = 1) -> float:
+    """The pipeline bubble, (p - 1) / (v m + p - 1): idle share of p stages running m
+    micro-batches through v chunks each."""
+    return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
+
+
+def paper_state(zero: int, psi: float, n: int) -> float:
+    """ZeRO paper, mixed precision: 2 psi (fp16 params) + 2 psi (fp16 grads) + 12 psi."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}.get(
+        zero, 16 * psi / n
+    )
+
+
+def local_elems(shape, spec, mesh_shape) -> float:
+    split = math.prod(mesh_shape[a] for a in axes_of(spec))
+    return math.prod(shape) / split
+
+
+def minimum_bytes(
+    specs,
+    shapes,
+    *,
+    zero: int,
+    mesh_shape: dict,
+    compute_bytes: int,
+    accum: int,
+    tensor_elements: int | None,
+    reduce_bytes: int = 4,
+    gathers=None,
+    sync_every: int | None = None,
+) -> dict[str, float | None]:
+    """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
+
+    The data-parallel axes, leaf by leaf. A leaf ZeRO splits (sharding.zero_axes: over
+    `data`, and `expert` but for the experts' own weights), over each of its axes in
+    turn, a (n-1)/n share of what the axes before it leave (the whole leaf, then its
+    1/data slice): ZeRO-1/2 a reduce-scatter of the gradient (ZeRO-2: every
+    micro-batch) and an all-gather of the updated fp32 parameters; ZeRO-3 per
+    micro-batch, the leaf gathered `gathers` times in the compute dtype (a layer
+    stack's leaves twice, for forward and again for backward, one layer whole at a
+    time; a leaf outside the stack once, kept whole until its backward) and its
+    gradient reduce-scattered. A leaf ZeRO leaves whole (ZeRO-0, or no dim to split)
+    pays a ring all-reduce, 2(n-1)/n, of its gradient over `data` and over `expert`
+    (but the experts' own). Gradients are summed in `reduce_bytes` per element
+    (train.grad_reduce_dtype). replica: once per step, a ring all-reduce 2(R-1)/R of
+    each device's part of the gradient (its ZeRO slice). tensor: Megatron's
+    all-reduces of activations, 2(T-1)/T of `tensor_elements` (per micro-batch) each,
+    in the compute dtype. Parameter averaging (`sync_every`): data, a ring all-reduce
+    of the fp32 parameters once every `sync_every` steps. `expert` here is its gradient
+    part only (cost.minimum adds the mixture's all-to-alls).
+    """
+    t, r = mesh_shape.get(TENSOR, 1), mesh_shape.get(REPLICA, 1)
+    out = dict.fromkeys((REPLICA, DATA, EXPERT), 0.0)
+    counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
+    for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
+        local = part = local_elems(shape, s.compute, mesh_shape)
+        if zero == 0 or s.dim is None:
+            for axis in zero_axes(s.compute, mesh_shape):
+                n = mesh_shape[axis]
+                out[axis] += 2 * (n - 1) / n * reduce_bytes * local
+        else:
+            if zero in (1, 2):
+                per_elem = reduce_bytes * (accum if zero == 2 else 1) + 4
+            else:
+                per_elem = (times * compute_bytes + reduce_bytes) * accum
+            for axis in s.over:
+                n = mesh_shape[axis]
+                out[axis] += (n - 1) / n * part * per_elem
+                part /= n
+        out[REPLICA] += 2 * (r - 1) / r * reduce_bytes * part
+    if sync_every:
+        n = mesh_shape.get(DATA, 1)
+        out[DATA] = 2 * (n - 1) / n * 4 * params_per_device(specs, shapes, mesh_shape) / sync_every
+    tensor = (
+        None
+        if tensor_elements is None
+        else 2 * (t - 1) / t * tensor_elements * compute_bytes * accum
+    )
+    return {**out, TENSOR: tensor}
+
+
+def leaf_pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
+    out = []
+    jax.tree.map(
+        lambda s, x: out.append((s, tuple(x.shape))),
+        specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+    return out
+
+
+def params_per_device(specs, shapes, mesh_shape: dict) -> float:
+    """Parameters one device computes with (split by the rules, not by ZeRO): ZeRO's Psi."""
+    return sum(local_elems(shape, s.compute, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+
+
+def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
+    """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
+    return int(
+        sum(4 * local_elems(shape, s.grad, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    )
+
+
+def optimizer_bytes(train: Train) -> int:
+    """Optimizer state bytes per parameter (the ZeRO paper's K): AdamW's m and v in fp32,
+    8; plain SGD, none."""
+    return 0 if train.optimizer is Optimizer.SGD else 8
+
+
+def state_formula(
+    zero: int, params_per_device: float, n: int, offload: bool = False, k: int = 8
+) -> float:
+    """ZeRO paper's model-state bytes per device for fp32 parameters (4 bytes) and an
+    optimizer of K bytes per parameter (AdamW: m and v, K=8): stage 0 (4+K)Psi, 1 and 2
+    4Psi + K Psi/N, 3 (4+K)Psi/N. Offloaded, the fp32 master parameters are split like
+    the optimizer state: (4+K)Psi/N from stage 1."""
+    psi = params_per_device
+    if offload and zero or zero == 3:
+        return (4 + k) * psi / n
+    return 4 * psi + k * psi / (n if zero else 1)
+
+
+def expert_bytes(
+    cfg: Config, specs, trained, mesh_shape: dict, experts: ExpertDims | None
+) -> float:
+    """Textbook wire bytes per device per step on `expert`: the other leaves' gradient
+    sync over it (minimum_bytes) and the mixture's all-to-alls (dispatch_bytes)."""
+    synced = _minimum(cfg, specs, trained, mesh_shape, None)[EXPERT]
+    return synced + dispatch_bytes(cfg, mesh_shape, experts)
+
+
+def dispatch_bytes(cfg: Config, mesh_shape: dict, experts: ExpertDims | None) -> float:
+    """A mixture's all-to-all bytes per device per step on `expert`
+    (jaxpar.models.moe): per sparse layer, each forward pass (`forward_passes`) sends
+    the dispatched slots of this device's rows, [rows, experts, slots, embed], to the
+    experts' devices and their outputs back (two all-to-alls), and the backward pass
+    the same two again: (X-1)/X of them each; a pipeline stage holds 1/pipeline of the
+    layers."""
+    x = mesh_shape.get(EXPERT, 1)
+    if x == 1 or experts is None:
+        return 0.0
+    rows = cfg.train.batch_size // data_parallel(mesh_shape)
+    held = experts.held(mesh_shape.get(CONTEXT, 1))
+    slots = rows * experts.experts * held * experts.embed
+    passes = 2 * forward_passes(cfg) + 2
+    layers = experts.layers / mesh_shape.get(PIPE, 1)
+    return layers * passes * (x - 1) / x * slots * dtype_bytes(cfg.train.precision)
+
+
+def forward_passes(cfg: Config) -> int:
+    """How often a layer's forward runs per micro-batch: twice where its backward
+    recomputes it (parallel.remat, ZeRO-3's re-gathered layers)."""
+    par = cfg.parallel
+    return 2 if par.remat is not Remat.NONE or par.zero >= 3 else 1
+
+
+def context_bytes(
+    cfg: Config,
+    specs,
+    shapes,
+    mesh_shape: dict,
+    attention: AttentionDims | None,
+    documents: bool,
+    experts: ExpertDims | None = None,
+) -> float:
+    """Textbook wire bytes per device per step on `context` (jaxpar.parallel.context): per
+    attention layer and pass (each forward, `forward_passes`, and the backward),
+    all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
+    each (forward a gather, backward a reduce-scatter), plus with documents their int32
+    segment ids and positions (forward only); Ulysses four all-to-alls, (C-1)/C of q,
+    k, v and the output on the device; per sparse layer, a mixture's input gathered
+    each pass and its output reduce-scattered forward and backward (jaxpar.models.moe),
+    (C-1)/C of [rows, S, embed] each; and once a step the gradients, as `data` leaves
+    them (ZeRO>=1: the optimizer's split), all-reduced: 2(C-1)/C."""
+    c = mesh_shape.get(CONTEXT, 1)
+    if c == 1:
+        return 0.0
+    par, train = cfg.parallel, cfg.train
+    share = (c - 1) / c
+    grads = sum(local_elems(shape, s.opt, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    total = 2 * share * grads * reduce_bytes(train)
+    if attention is None:
+        return total
+    split = context.Split(c, par.context_strategy, par.context_balance)
+    t = mesh_shape.get(TENSOR, 1)
+    tokens = train.batch_size // data_parallel(mesh_shape)
+    tokens *= train.seq_len  # this device's rows, whole, over the step
+    local = attention.heads // t
+    moved = context.kv_heads_moved(local, attention.heads // attention.kv_heads, split)
+    layers = attention.layers
+    f = forward_passes(cfg)
+    cb = dtype_bytes(train.precision)
+    if experts:  # a recomputed forward's output is not needed: scattered once forward
+        total += experts.layers * (f + 3) * share * tokens * experts.embed * cb
+    if par.context_strategy is ContextStrategy.ALL_GATHER:
+        per_pass = 2 * share * tokens * moved * attention.head_dim * cb
+        total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
+        return total
+    per_pass = share * tokens / c * attention.head_dim * cb * (2 * local + 2 * moved)
+    total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
+    return total
+
+
+def minimum(
+    cfg: Config,
+    specs,
+    trained,
+    mesh_shape: dict,
+    tensor_elements,
+    attention: AttentionDims | None = None,
+    documents: bool = False,
+    experts: ExpertDims | None = None,
+) -> dict:
+    """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
+    engine lays it out: pipeline-staged where there is a pipeline): what the ledger
+    reports for a run and the planner predicts for a candidate. With a pipeline, the
+    attention's context collectives and a mixture's all-to-alls run in every tick of the
+    schedule's loop, idle ones too: no per-micro-batch figure (as for `tensor`)."""
+    staged = mesh_shape.get(PIPE, 1) > 1
+    c = mesh_shape.get(CONTEXT, 1)
+    if tensor_elements:  # each device holds 1/C of the tokens
+        tensor_elements = tensor_elements / c
+    base = _minimum(cfg, specs, trained, mesh_shape, tensor_elements)
+    return {
+        **base,
+        CONTEXT: None
+        if c > 1 and staged
+        else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents, experts),
+        EXPERT: None
+        if experts and staged and mesh_shape.get(EXPERT, 1) > 1
+        else base[EXPERT] + dispatch_bytes(cfg, mesh_shape, experts),
+    }
+
+
+def _minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
+    return minimum_bytes(
+        specs,
+        trained.shapes,
+        zero=cfg.parallel.zero,
+        mesh_shape=mesh_shape,
+        compute_bytes=dtype_bytes(cfg.train.precision),
+        accum=cfg.train.grad_accum,
+        tensor_elements=tensor_elements,
+        reduce_bytes=reduce_bytes(cfg.train),
+        gathers=gathers(trained.names, trained.scans_layers),
+        sync_every=cfg.parallel.sync_every if cfg.parallel.dp_sync is DpSync.PARAMS else None,
+    )
+
+
+@dataclass(frozen=True)
+class PlacedState:
+    """Model state per device as the placement plan lays it out, leaf by leaf (leaves
+    ZeRO cannot split counted whole), bytes."""
+
+    device: float  # on the device: master (or compute copy), gradients, optimizer state
+    host: float  # offloaded: fp32 master weights and optimizer state in host memory
+    model: float  # fp32 master parameters and optimizer state, device and host
+    opt_elements: float  # parameter elements in the optimizer's split
+
+
+def placed_state(cfg: Config, specs, shapes, mesh_shape: dict) -> PlacedState:
+    """The planner's state bytes for `cfg`'s layout (what the ledger measures as
+    `state_bytes.actual` once compiled)."""
+    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+    pairs = leaf_pairs(specs, shapes)
+    local = {
+        f: sum(local_elems(shape, getattr(s, f), mesh_shape) for s, shape in pairs)
+        for f in ("storage", "grad", "opt")
+    }
+    master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
+    model = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
+    if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
+        model = model_state(cfg, specs, shapes, mesh_shape)
+        master = model - adam
+    host = 0.0
+    if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
+        host = 4 * local["opt"] + adam
+        master, adam = dtype_bytes(cfg.train.precision) * local["storage"], 0  # compute copy
+        if par.offload is Offload.OPTIMIZER_PARAMS:
+            host, master = host + master, 0
+    return PlacedState(master + grads + adam, host, model, local["opt"])
+
+
+def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:
+    """The ZeRO formula's model-state bytes per device for `cfg`'s layout."""
+    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+    if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
+        psi = params_per_device(specs, shapes, mesh_shape)
+        return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi
+    offload = par.offload is not Offload.NONE
+    return sum(
+        state_formula(par.zero, psi, n, offload, k)
+        for n, psi in params_by_zero_degree(specs, shapes, mesh_shape).items()
+    )
+
+
+def params_by_zero_degree(specs, shapes, mesh_shape: dict) -> dict[int, float]:
+    """Psi, per device, by the number of ways ZeRO splits it (the experts' own weights:
+    `data`; the rest: `data` x `expert`)."""
+    out: dict[int, float] = {}
+    for s, shape in leaf_pairs(specs, shapes):
+        n = zero_degree(s.compute, mesh_shape)
+        out[n] = out.get(n, 0.0) + local_elems(shape, s.compute, mesh_shape)
+    return out

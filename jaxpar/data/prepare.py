@@ -1,0 +1,232 @@
+"""`jaxpar prepare-data`: text, JSONL (a `text` field per line) or Parquet (a `text`
+column) files -> token ids on disk: `train.bin` and `val.bin` (flat uint16, or uint32
+for a vocabulary over 65536 ids), `train.idx` and `val.idx` (the document index: each
+document's first id, as int64 offsets), and a small `meta.json` (vocab size, dtype,
+token counts, the tokenizer, the index's format), what `data.source=tokens
+data.path=DIR` trains on. `--format chat` reads JSONL conversations instead
+(jaxpar.data.chat) and writes `train.mask` and `val.mask` beside them too: one uint8 per id,
+1 where it is trained on (the answers).
+
+The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
+encoder runs on all cores. A text document ends with the tokenizer's end-of-text token
+where it has one (for the model to learn where documents end); where documents start is
+the index's to say. Every `1 / val_fraction`-th unit goes to val.bin, never trained on: a
+JSONL line, a Parquet row, a conversation, or a paragraph of a text file (a text file is
+one document; its paragraphs are the units, so that one long file still has a held-out
+split, and its paragraphs in each split form one document there). Inputs are streamed: a
+text file a paragraph at a time, JSONL a line at a time, Parquet a record batch at a
+time; the output is written as it is encoded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxpar.data import chat
+from jaxpar.data import tokens as data
+from jaxpar.errors import ConfigError
+
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+BATCH = 256  # units encoded at once
+
+
+def check(
+    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float, fmt: str = "text"
+) -> None:
+    """Every path and number, before anything is read."""
+    for path in inputs:
+        if not path.is_file():
+            raise ConfigError(f"prepare-data: {path}: no such file")
+        if fmt == "chat" and path.suffix != ".jsonl":
+            raise ConfigError(
+                f"prepare-data --format chat: {path}: conversations are read from .jsonl "
+                "files (one conversation per line)"
+            )
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: no tokenizer.json there; give the folder of a "
+            "Hugging Face tokenizer (tokenizer.save() or save_pretrained writes it)"
+        )
+    if not 0 < val_fraction <= 0.5:
+        raise ConfigError(f"--val-fraction {val_fraction}: give a share > 0 and <= 0.5")
+    if any(p.suffix == ".parquet" for p in inputs):
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "prepare-data: reading Parquet needs pyarrow; pip install 'jaxpar[parquet]'"
+            ) from None
+    if (out / "train.bin").exists():
+        raise ConfigError(f"--out {out}: holds a prepared dataset already; give another --out")
+    if fmt == "chat":  # every line, before anything is written
+        template = chat.Template(tokenizer)
+        for path in inputs:
+            chat.check_file(path, template)
+
+
+def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """(text, ends a document) of one input file."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    yield _text_of(json.loads(line), path, number), True
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                yield text or "", True
+    else:  # a text file is one document, held out or trained on by its paragraphs
+        with path.open(encoding="utf-8", errors="replace") as f:
+            piece: list[str] = []
+            for line in f:
+                piece.append(line)
+                if not line.strip() and len(piece) > 1:
+                    yield "".join(piece), False
+                    piece = []
+            yield "".join(piece), True
+
+
+def _text_of(row, path: Path, number: int) -> str:
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        raise ConfigError(f"prepare-data: {path}:{number}: no string field `text`")
+    return row["text"]
+
+
+class _Split:
+    """One split's files, written as documents arrive."""
+
+    def __init__(self, out: Path, name: str, dtype: np.dtype, masked: bool):
+        self.ids = (out / f"{name}.bin").open("wb")
+        self.index = (out / f"{name}.{data.INDEX}").open("wb")
+        self.mask = (out / f"{name}.{data.MASK}").open("wb") if masked else None
+        self.dtype, self.count, self.trained, self.open_document = dtype, 0, 0, False
+
+    def write(self, ids: list[int], ends: bool, mask: np.ndarray | None = None) -> None:
+        """Ids of one piece; `ends`: the piece ends its document."""
+        if not self.open_document:
+            np.asarray([self.count], data.INDEX_DTYPE).tofile(self.index)
+        np.asarray(ids, self.dtype).tofile(self.ids)
+        if self.mask is not None:
+            mask.astype(data.MASK_DTYPE).tofile(self.mask)
+            self.trained += int(mask.sum())
+        self.count += len(ids)
+        self.open_document = not ends
+
+    def close(self) -> None:
+        for f in (self.ids, self.index, self.mask):
+            if f is not None:
+                f.close()
+
+
+def prepare(
+    inputs: list[Path],
+    tokenizer: Path,
+    out: Path,
+    val_fraction: float = 0.005,
+    fmt: str = "text",
+) -> dict:
+    """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
+    JSONL `text` or Parquet documents) or chat (JSONL conversations, with a loss mask)."""
+    from tokenizers import Tokenizer
+
+    check(inputs, tokenizer, out, val_fraction, fmt)
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    eos = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+    every = max(1, round(1 / val_fraction))
+    out.mkdir(parents=True, exist_ok=True)
+    chat = fmt == "chat"
+    splits = {name: _Split(out, name, dtype, chat) for name in ("train", "val")}
+    total = sum(p.stat().st_size for p in inputs)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data") as bar:
+            if chat:
+                counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
+            else:
+                counts = _text(inputs, tok, eos, every, splits, bar)
+    finally:
+        for split in splits.values():
+            split.close()
+    meta = {
+        "vocab_size": vocab,
+        "dtype": dtype.name,
+        "train_tokens": splits["train"].count,
+        "val_tokens": splits["val"].count,
+        **counts,
+        "end_of_text_id": eos,
+        "tokenizer": str(tokenizer.absolute()),
+        "inputs": [str(p) for p in inputs],
+        "format": fmt,
+        data.INDEX_META: {
+            "files": f"{{split}}.{data.INDEX}",
+            "dtype": data.INDEX_DTYPE.name,
+            "holds": "the offset in {split}.bin of each document's first id, ascending from 0",
+        },
+    }
+    if chat:
+        meta[data.MASK_META] = {
+            "files": f"{{split}}.{data.MASK}",
+            "dtype": data.MASK_DTYPE.name,
+            "holds": "one per id of {split}.bin: 1 where it is trained on (an answer), else 0",
+            "trained_tokens": {name: split.trained for name, split in splits.items()},
+        }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _text(inputs, tok, eos, every: int, splits: dict, bar) -> dict:
+    """Documents of text, JSONL and Parquet files, encoded BATCH units at a time."""
+    pending: list[tuple[str, bool, str]] = []
+    documents = units = 0
+
+    def flush() -> None:
+        encoded = tok.encode_batch([text for text, _, _ in pending], add_special_tokens=False)
+        for (text, ends, split), enc in zip(pending, encoded, strict=True):
+            splits[split].write(enc.ids + ([eos] if ends and eos is not None else []), ends)
+            bar.update(len(text.encode("utf-8", errors="replace")))
+        pending.clear()
+
+    for path in inputs:
+        for text, ends in _pieces(path):
+            split = "val" if units % every == every - 1 else "train"
+            pending.append((text, ends, split))
+            documents, units = documents + ends, units + 1
+            if len(pending) >= BATCH:
+                flush()
+    flush()
+    return {"documents": documents}
+
+
+def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> dict:
+    """Conversations (or prompt/completion pairs) of JSONL files, a line at a time."""
+    template = chat.Template(tokenizer)
+    documents = skipped = 0
+    for path in inputs:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                bar.update(len(line.encode("utf-8")))
+                if not line.strip():
+                    continue
+                row, where = chat.parse(line, path, number)
+                kind = chat.check_row(row, where)
+                one = chat.example(tok, template, row, kind, eos, where)
+                if one is None:
+                    skipped += 1
+                    continue
+                split = "val" if documents % every == every - 1 else "train"
+                splits[split].write(one.ids, True, one.mask)
+                documents += 1
+    if not documents:
+        raise ConfigError(
+            f"prepare-data: {', '.join(map(str, inputs))}: no conversation with an assistant "
+            "turn; nothing to train on"
+        )
+    return {"documents": documents, "skipped_without_answer": skipped}

@@ -1,0 +1,346 @@
+"""`jaxpar generate`: ask a trained model something, from a run directory or a Hugging
+Face checkpoint, through a KV cache.
+
+Decoding: the prompts of a batch are left-padded to a bucket of P ids (a power of two,
+at least 16) and prefilled in one pass, writing their keys and values into a cache of M
+= P + the new tokens (rounded up to 16) slots; then one token per step, each written at
+the next slot, every row at its own positions (counted from its first real id) behind a
+mask of its padding. Steps are compiled once per (rows, P, M), not per prompt; decoding
+stops where every row has met a stop id (the tokenizer's end of text; with a chat
+template, its end-of-turn token too) or at --max-new-tokens. Greedy at temperature 0;
+otherwise sampled from softmax(logits / temperature), cut to the top k and to the
+smallest set of top-p mass, with a key from (--seed, step): the same seed, the same text.
+
+Layout: the devices as data x tensor. tensor is the largest count of devices that
+divides the model's heads, key/value heads, MLP width and vocab (Megatron's split of
+heads and MLP, the cache split by key/value head); the rest split the prompts over
+`data` (the batch padded to a multiple). parallel.data and parallel.tensor override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import hf
+from jaxpar.config import presets, registry
+from jaxpar.config.sections import Config, Model, Offload
+from jaxpar.errors import ConfigError
+from jaxpar.nn.problem import Problem, registered
+from jaxpar.parallel.axes import DATA, TENSOR
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import named, pick, plan
+from jaxpar.training import checkpoint
+from jaxpar.training.export import checkpoint_dir
+
+PROMPT_BUCKET = 16  # the smallest prompt bucket; buckets double from it
+NEW_BUCKET = 16  # cache slots for new tokens come in multiples of this
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(
+                f"--temperature {self.temperature}: give 0 (greedy) or more (1 samples "
+                "the model's own distribution)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p {self.top_p}: give a share of the mass in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: give a count of tokens, or 0 for all")
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """The next id of each row: the argmax at temperature 0, else a draw."""
+    if s.temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = logits_BxV.astype(jnp.float32) / s.temperature
+    if s.top_k:
+        kth_Bx1 = jax.lax.top_k(logits_BxV, s.top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    if s.top_p < 1:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        mass_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
+        # the smallest top set whose mass reaches top_p: keep a token while the mass
+        # before it is below top_p
+        kept_B = jnp.sum(mass_BxV - jax.nn.softmax(sorted_BxV, axis=-1) < s.top_p, axis=-1)
+        cut_Bx1 = jnp.take_along_axis(sorted_BxV, kept_B[:, None] - 1, axis=-1)
+        logits_BxV = jnp.where(logits_BxV < cut_Bx1, -jnp.inf, logits_BxV)
+    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+@dataclass
+class Loaded:
+    """A model ready to decode: its config, parameters (placed), mesh, and limits."""
+
+    cfg: Config
+    problem: Problem
+    params: dict
+    mesh: jax.sharding.Mesh
+    positions: int  # the most positions it takes (prompt and new tokens)
+    cache_dims: tuple[int, int, int]  # layers, key/value heads, head dim
+    source: str
+
+
+def layout(model: Model, devices: int) -> tuple[int, int]:
+    """(data, tensor) for decoding on `devices` (the module's docstring)."""
+    split = [model.heads, getattr(model, "kv_heads", model.heads), model.mlp, model.vocab]
+    tensor = max(
+        t for t in range(1, devices + 1) if devices % t == 0 and not any(n % t for n in split)
+    )
+    return devices // tensor, tensor
+
+
+def load(source: str, overrides: list[str], step: int | None = None, devices=None) -> Loaded:
+    """A run directory's newest checkpoint (or `step`), or hf:DIR, placed for decoding
+    on `devices` (default: all)."""
+    if source.startswith(hf.SCHEME):
+        directory = hf.directory_of(source)
+        config = hf.read_config(directory)
+        spec = _spec_of(config, source)
+        given = {o.partition("=")[0][6:] for o in overrides if o.startswith("model.")}
+        cfg = presets.load(spec.tiny, [f"model.init={source}", *overrides])
+        cfg = presets.resolve_init(cfg, given)
+        problem = registered(cfg.model, cfg.train.seq_len)
+        fill = hf.initial_params(spec.hf, cfg.model, directory, problem.shapes)
+        positions = config.get("max_position_embeddings")
+    else:
+        run = Path(source)
+        if not run.is_dir():
+            raise ConfigError(f"generate: {source}: no such run directory (or give hf:DIR)")
+        saved, meta = checkpoint.saved_params(checkpoint_dir(run), step)
+        cfg = presets.from_dict(meta["config"], overrides)
+
+        def fill(targets):
+            return {k: jax.device_put(saved[k], t.sharding) for k, t in targets.items()}
+
+        positions = None
+    return placed(cfg, fill, overrides, devices, source, positions)
+
+
+def random(preset: str, overrides: list[str] = (), devices=None) -> Loaded:
+    """A preset's model with its random initial parameters (train.seed), for decoding."""
+    cfg = presets.load(preset, list(overrides))
+    problem = registered(cfg.model, cfg.train.seq_len)
+
+    def fill(targets):
+        shardings = {k: t.sharding for k, t in targets.items()}
+        return jax.jit(problem.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
+
+    return placed(cfg, fill, list(overrides), devices, f"--config {preset}")
+
+
+def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -> Loaded:
+    """The model of `cfg` on a decoding layout of `devices` (default: all), its
+    parameters from fill(targets: key -> ShapeDtypeStruct with its sharding)."""
+    devices = jax.devices() if devices is None else devices
+    spec = registry.get(cfg.model.name)
+    if spec.cache_dims is None:
+        raise ConfigError(
+            f"generate: model.name={cfg.model.name} has no decoder with a KV cache; "
+            f"these do: {', '.join(_decoders())}"
+        )
+    if positions is None:  # what the export would write: the trained length, or more
+        to_hf = spec.hf.config_to_hf if spec.hf else None
+        positions = (
+            to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"]
+            if to_hf
+            else cfg.train.seq_len
+        )
+    data, tensor = _degrees(cfg.model, len(devices), overrides)
+    par = dataclasses.replace(
+        cfg.parallel, replica=1, data=data, pipeline=1, tensor=tensor, zero=0, offload=Offload.NONE
+    )
+    cfg = dataclasses.replace(cfg, parallel=par)
+    mesh = build_mesh(par, devices[: data * tensor])
+    problem = registered(cfg.model, cfg.train.seq_len)
+    specs = plan(problem.names, {k: s.shape for k, s in problem.shapes.items()}, zero=0,
+                 mesh_shape=dict(mesh.shape))  # fmt: skip
+    shardings = named(mesh, pick(specs, "storage"))
+    targets = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+        for k, s in problem.shapes.items()
+    }
+    params = fill(targets)
+    return Loaded(cfg, problem, params, mesh, int(positions), spec.cache_dims(cfg.model), source)
+
+
+def _degrees(model: Model, devices: int, overrides: list[str]) -> tuple[int, int]:
+    """layout()'s degrees, or those parallel.data / parallel.tensor among `overrides` set."""
+    data, tensor = layout(model, devices)
+    given = presets.parse_overrides([o for o in overrides if o.startswith("parallel.")])
+    given_d, given_t = (given.get("parallel", {}).get(k) for k in ("data", "tensor"))
+    if given_t is not None or given_d is not None:
+        tensor = given_t or max(1, devices // given_d)
+        data = given_d or devices // tensor
+    if data * tensor > devices:
+        raise ConfigError(
+            f"parallel.data={data} x parallel.tensor={tensor} = {data * tensor} devices, "
+            f"but there are {devices}; give degrees whose product is at most {devices}"
+        )
+    return data, tensor
+
+
+def _decoders() -> list[str]:
+    return [n for n in registry.names() if registry.get(n).cache_dims is not None]
+
+
+def _spec_of(config: dict, source: str):
+    """The registered model whose Hugging Face format reads this config.json."""
+    archs = config.get("architectures") or [config.get("model_type", "?")]
+    formats = {registry.get(n).hf.architecture: n for n in registry.names() if registry.get(n).hf}
+    name = next((formats[a] for a in archs if a in formats), None)
+    if name is None:
+        raise ConfigError(
+            f"generate: {source}: config.json says {archs[0]}, which jaxpar does not read; "
+            f"supported: {', '.join(sorted(formats))}"
+        )
+    return registry.get(name)
+
+
+@dataclass
+class Generated:
+    """What one batch of prompts gave."""
+
+    completions: list[list[int]]  # new ids of each prompt (up to and with its stop id)
+    prefill_tokens: int  # real prompt ids
+    prefill_s: float
+    decode_tokens: int  # new ids kept
+    decode_s: float
+    compile_s: float
+    rows: int  # the batch, padded
+    prompt_slots: int  # P
+    cache_slots: int  # M
+
+
+def _bucket(n: int) -> int:
+    return max(PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+class Decoder:
+    """The jitted prefill and decode step of one model (compiled per bucket)."""
+
+    def __init__(self, m: Loaded):
+        self.m = m
+        rows = NamedSharding(m.mesh, PartitionSpec(DATA))
+        # the cache: [layers, rows, slots, kv heads, head dim], rows over data, heads
+        # over tensor where they divide it
+        kv = m.cache_dims[1]
+        heads = TENSOR if kv % m.mesh.shape[TENSOR] == 0 else None
+        self.cache_sharding = NamedSharding(m.mesh, PartitionSpec(None, DATA, None, heads))
+        self.rows = rows
+        self.dtype = jnp.float32
+
+        def run(params, tokens, positions, cache, slot, pad):
+            model = m.problem.module(params)
+            logits, cache = model.decode(tokens, positions, cache, slot, pad)
+            return logits[:, -1].astype(jnp.float32), cache
+
+        self.run = jax.jit(run, donate_argnums=3)
+        self.sample = jax.jit(sample, static_argnums=2)
+
+    def empty(self, rows: int, slots: int):
+        layers, kv, d = self.m.cache_dims
+        shape = (layers, rows, slots, kv, d)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.cache_sharding)
+        return zeros(), zeros()
+
+
+def check_lengths(m: Loaded, prompts: list[list[int]], max_new: int) -> None:
+    longest = max(len(p) for p in prompts)
+    if not all(prompts):
+        raise ConfigError("generate: an empty prompt; give each prompt some text")
+    if longest + max_new > m.positions:
+        raise ConfigError(
+            f"generate: a prompt of {longest} tokens + --max-new-tokens {max_new} = "
+            f"{longest + max_new} positions, but {m.source}'s model takes {m.positions}; "
+            "shorten the prompt or ask for fewer new tokens"
+        )
+
+
+def generate(
+    decoder: Decoder,
+    prompts: list[list[int]],
+    max_new: int,
+    sampling: Sampling,
+    stop: set[int],
+    on_token: Callable[[int, int], None] | None = None,
+) -> Generated:
+    """The continuations of `prompts` (ids), decoded together; `on_token(row, id)` is
+    called for each new id kept, as it is generated."""
+    m = decoder.m
+    check_lengths(m, prompts, max_new)
+    data = m.mesh.shape[DATA]
+    rows = math.ceil(len(prompts) / data) * data
+    p_slots = _bucket(max(len(p) for p in prompts))
+    m_slots = p_slots + math.ceil(max_new / NEW_BUCKET) * NEW_BUCKET
+    tokens = np.zeros((rows, p_slots), np.int32)
+    pad = np.full(rows, p_slots - 1, np.int32)  # padding rows: one id, never read
+    for i, p in enumerate(prompts):
+        tokens[i, p_slots - len(p) :], pad[i] = p, p_slots - len(p)
+    positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
+    put = lambda x: jax.device_put(x, decoder.rows)  # noqa: E731
+    key = jax.random.key(sampling.seed)
+    start = time.perf_counter()
+    cache = decoder.empty(rows, m_slots)
+    args = (m.params, put(tokens), put(positions), cache, 0, put(pad))
+    compiled = decoder.run.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    logits, cache = compiled(*args)
+    nxt = decoder.sample(logits, jax.random.fold_in(key, 0), sampling)
+    nxt.block_until_ready()
+    prefill_s = time.perf_counter() - start
+    completions: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(len(prompts), bool)
+    start, compile_step = time.perf_counter(), 0.0
+    for t in range(max_new):
+        ids = np.asarray(nxt)
+        for i in np.flatnonzero(~done):
+            completions[i].append(int(ids[i]))
+            if on_token:
+                on_token(int(i), int(ids[i]))
+            done[i] = ids[i] in stop
+        if done.all() or t + 1 == max_new:
+            break
+        slot = p_slots + t
+        pos = (slot - pad)[:, None].astype(np.int32)
+        before = time.perf_counter()
+        logits, cache = decoder.run(m.params, put(ids[:, None]), put(pos), cache, slot, put(pad))
+        nxt = decoder.sample(logits, jax.random.fold_in(key, t + 1), sampling)
+        if t == 0:  # the decode step's own compile, kept out of its speed
+            nxt.block_until_ready()
+            compile_step = time.perf_counter() - before
+    decode_s = time.perf_counter() - start - compile_step
+    return Generated(
+        completions=completions,
+        prefill_tokens=sum(len(p) for p in prompts),
+        prefill_s=prefill_s,
+        decode_tokens=sum(len(c) for c in completions),
+        decode_s=decode_s,
+        compile_s=compile_s + compile_step,
+        rows=rows,
+        prompt_slots=p_slots,
+        cache_slots=m_slots,
+    )
+
+
+def cache_bytes_per_token(m: Loaded) -> int:
+    """2 (k and v) x layers x key/value heads x head dim x bytes: one token's cache."""
+    layers, kv, d = m.cache_dims
+    return 2 * layers * kv * d * jnp.dtype(jnp.float32).itemsize

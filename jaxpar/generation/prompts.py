@@ -1,0 +1,166 @@
+"""The text side of `jaxpar generate`: prompts in (text, JSONL, through the tokenizer's
+chat template), completions out (streamed for one prompt, JSONL for a file), and the
+speeds; and `jaxpar.generate`, the same from Python. The decoding is
+jaxpar.generation.decoding's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxpar.data import chat
+from jaxpar.data.prepare import END_OF_TEXT
+from jaxpar.errors import ConfigError
+from jaxpar.generation import decoding
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # chat templates
+GREEDY = decoding.Sampling()
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to ask, checked before jax starts."""
+
+    texts: list[str]  # the prompts as the model reads them (chat template applied)
+    rows: list[dict]  # each prompt as given (a JSONL line, or {"prompt": text})
+    tokenizer: object  # a tokenizers.Tokenizer
+    stop: set[int]  # ids that end a completion
+    jsonl: bool  # write JSONL (--prompts), else text
+
+
+def read(args) -> Request:
+    """The command's --tokenizer, --prompt / --prompts and --chat, read and checked."""
+    rows = [{"prompt": p} for p in args.prompt] if args.prompt else _lines(args.prompts)
+
+    def where(n: int) -> str:
+        return f"--prompts {args.prompts}:{n}" if args.prompts else f"--prompt {n}"
+
+    return request(args.tokenizer, rows, args.chat, bool(args.prompts), where)
+
+
+def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) -> Request:
+    """Rows ({"prompt": text} or {"messages": [...]}) as the model reads them, with the
+    tokenizer of folder `tokenizer` (and its chat template, with `chat_`)."""
+    from tokenizers import Tokenizer
+
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: no tokenizer.json there; give the folder of a "
+            "Hugging Face tokenizer"
+        )
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    template = chat.Template(tokenizer)
+    if chat_ and template.compiled is None:
+        raise ConfigError(
+            f"--chat: {tokenizer} has no chat template (tokenizer_config.json's "
+            "`chat_template`); drop --chat to continue the text as it is"
+        )
+    texts = []
+    for n, row in enumerate(rows, 1):
+        if chat_:
+            messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
+            chat.check_row({"messages": messages}, where(n))
+            texts.append(template.render(messages, generation_prompt=True))
+        elif isinstance(row.get("prompt"), str):
+            texts.append(row["prompt"])
+        else:
+            raise ConfigError(
+                f"generate: {where(n)}: no string `prompt` (or `messages` with --chat)"
+            )
+    ends = END_OF_TEXT + (END_OF_TURN if chat_ else ())
+    stop = {tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None}
+    return Request(texts, rows, tok, stop, jsonl)
+
+
+def ids_for(request: Request, model, tokenizer: Path) -> list[list[int]]:
+    """The prompts' ids, the tokenizer checked against the model's vocab."""
+    vocab = request.tokenizer.get_vocab_size()
+    if vocab > model.cfg.model.vocab:
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: {vocab} ids, but the model has model.vocab="
+            f"{model.cfg.model.vocab}; give the tokenizer it was trained with"
+        )
+    return [request.tokenizer.encode(t, add_special_tokens=False).ids for t in request.texts]
+
+
+def generate(
+    source: str,
+    prompts: list,
+    tokenizer,
+    *,
+    max_new_tokens: int = 64,
+    sampling: decoding.Sampling = GREEDY,
+    chat: bool = False,
+    overrides: list[str] = (),
+    step: int | None = None,
+    devices=None,
+) -> list[str]:
+    """`jaxpar generate` from Python: the completions (texts) of `prompts` (texts, or
+    with `chat` lists of messages too) by the model of `source` (a run directory or
+    hf:DIR), through the tokenizer in folder `tokenizer`."""
+    rows = [{"messages": p} if isinstance(p, list) else {"prompt": p} for p in prompts]
+    req = request(Path(tokenizer), rows, chat, False, lambda n: f"prompt {n}")
+    model = decoding.load(source, list(overrides), step, devices)
+    ids = ids_for(req, model, Path(tokenizer))
+    done = decoding.generate(decoding.Decoder(model), ids, max_new_tokens, sampling, req.stop)
+    return [req.tokenizer.decode(c) for c in done.completions]
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: no such file")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                row, where = chat.parse(line, path, number)
+                if not isinstance(row, dict):
+                    raise ConfigError(f"--prompts {where}: a JSON object per line")
+                rows.append(row)
+    if not rows:
+        raise ConfigError(f"--prompts {path}: no prompts in it")
+    return rows
+
+
+class Stream:
+    """One prompt's completion printed as it is generated: the text of the ids so far,
+    less what is already printed (a byte-level token may end mid-character)."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def write(request: Request, completions: list[list[int]], streamed: bool, chat: bool) -> None:
+    """The completions: JSONL rows for --prompts, else text: a prompt and its
+    continuation, or with a chat template the question and the answer on its own line
+    (after a stream, a newline)."""
+    for row, ids in zip(request.rows, completions, strict=True):
+        text = request.tokenizer.decode(ids)
+        if request.jsonl:
+            print(json.dumps({**row, "completion": text, "new_tokens": len(ids)}), flush=True)
+        elif not streamed:
+            print(f"{row['prompt']}{chr(10) if chat else ''}{text}", flush=True)
+    if streamed:
+        print(flush=True)
+
+
+def summary(g, layout: dict, cache_bytes: int, dims: tuple[int, int, int]) -> str:
+    """Speeds and the layout, one line for stderr."""
+    layers, kv, d = dims
+    per = lambda n, s: f"{n} tokens in {s:.2f} s ({n / max(s, 1e-9):,.0f} tokens/s)"  # noqa: E731
+    return (
+        f"prefill {per(g.prefill_tokens, g.prefill_s)}; decode {per(g.decode_tokens, g.decode_s)}; "
+        f"compiled in {g.compile_s:.1f} s; data={layout['data']} x tensor={layout['tensor']}, "
+        f"{g.rows} rows x {g.cache_slots} cache slots; cache {cache_bytes:,} bytes a token "
+        f"(2 x {layers} layers x {kv} kv heads x {d} dims x 4 bytes)"
+    )

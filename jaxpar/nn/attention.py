@@ -1,0 +1,226 @@
+"""Causal attention, in the form the step's platform runs best, for models to call.
+
+`causal_attention(q, k, v, segment_ids)` computes softmax(q k^T / sqrt(head_dim) + mask)
+v with the scores in fp32, the mask causal and, given the tokens' segment ids (packed
+documents, jaxpar.nn.documents), closed between segments. Which program computes it
+follows the platform the step is built for (the running `jaxpar.nn.scope.Context`;
+outside a step, the default backend):
+
+- `cudnn`: on CUDA in bf16/fp16 with a head dim cuDNN takes (a multiple of 8, at most
+  128): `jax.nn.dot_product_attention`'s cuDNN flash-attention kernel, which never stores
+  the [B, H, S, S] scores, forward or backward. Segment ids reach the kernel as its
+  mask (a [B, 1, S, S] additive bias, one per row, shared by the heads: what jax's
+  public cuDNN entry passes on; the kernel's packed-sequence form is private in jax).
+- `blocked`: on any other accelerator, or fp32 on CUDA: the queries in blocks of at
+  most `BLOCK` rows (the largest such divisor of S), each block's [B, H, BLOCK, S]
+  scores recomputed in the backward pass instead of kept: no [S, S] buffer either.
+- `direct`: on CPU, the [B, H, S, S] scores computed and kept for the backward pass,
+  the fastest of the forms measured on XLA:CPU (README, "Speed against PyTorch").
+
+`stores_scores(platform, dtype, head_dim)` says whether the form in use keeps the
+scores, for the planner's activation count (Korthikanti's 5 a s^2 b term).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.nn import scope, sequence
+from jaxpar.parallel import context
+
+BLOCK = 512  # query rows per block of the blocked form
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+class Form(enum.Enum):
+    CUDNN = "cudnn"
+    BLOCKED = "blocked"
+    DIRECT = "direct"
+
+
+def form(platform: str, dtype, head_dim: int) -> Form:
+    """The attention program for this platform ('cpu', 'cuda', 'rocm', 'tpu'), compute
+    dtype and head dim."""
+    if platform == "cpu":
+        return Form.DIRECT
+    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128
+    if platform == "cuda" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and cudnn_ready:
+        return Form.CUDNN
+    return Form.BLOCKED
+
+
+def stores_scores(platform: str, dtype, head_dim: int) -> bool:
+    return form(platform, dtype, head_dim) is Form.DIRECT
+
+
+def causal_attention(
+    q_BxSxHxD,
+    k_BxSxHxD,
+    v_BxSxHxD,
+    segment_ids_BxS=None,
+    window: int = 0,
+    *,
+    positions_BxS=None,
+    kv_group: int = 1,
+) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
+    sees the keys at or before it, of its own segment where segment ids are given, and
+    (a sliding `window`) fewer than `window` positions back.
+
+    In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
+    reordered: "before" is then by `positions_BxS` (each token's position in its
+    segment; default, its original position in the row), and k and v, repeated to one
+    head per query head, are gathered as their distinct heads (`kv_group` query heads a
+    key/value head)."""
+    ctx = scope.current()
+    platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
+    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
+    if sequence.active() is not None:
+        if positions_BxS is None:
+            rows, part = q_BxSxHxD.shape[:2]
+            positions_BxS = sequence.positions(rows, part * sequence.active().degree)
+
+        def attend(q, k, v, q_pos, k_pos, q_seg, k_seg):
+            return _positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, window)
+
+        return context.attention(
+            sequence.active(),
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            segment_ids_BxS,
+            positions_BxS,
+            window,
+            kv_group,
+            attend,
+        )
+    if chosen is Form.CUDNN:
+        return jax.nn.dot_product_attention(
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
+            is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
+            implementation="cudnn",
+        )
+    if chosen is Form.BLOCKED:
+        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window)
+    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window)
+
+
+def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
+    """[B, C, S] bool: whether query first + c and key t are in the same segment."""
+    rows = segment_ids_BxS.shape[1] if rows is None else rows
+    queries_BxC = jax.lax.dynamic_slice_in_dim(segment_ids_BxS, first, rows, axis=1)
+    return queries_BxC[:, :, None] == segment_ids_BxS[:, None, :]
+
+
+def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS) -> jax.Array:
+    """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S])."""
+    dt = q_BxCxHxD.dtype
+    q_BxCxHxD = q_BxCxHxD * q_BxCxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
+    att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
+    # an additive mask ([C, S] constant when causal alone: no [B, H, C, S] select to
+    # undo in the backward pass), shared by the heads
+    mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
+    prob_BxHxCxS = jax.nn.softmax(att_BxHxCxS + mask_Bx1xCxS, axis=-1).astype(dt)
+    return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
+
+
+def _direct(
+    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window: int = 0
+) -> jax.Array:
+    """Attention of the C queries at positions first.. to all S keys; the scores kept."""
+    rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
+    back_CxS = first + jnp.arange(rows)[:, None] - jnp.arange(seq)[None, :]
+    visible_BxCxS = ((back_CxS >= 0) & ((back_CxS < window) if window else True))[None]
+    if segment_ids_BxS is not None:
+        visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
+    return _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS)
+
+
+def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window=0) -> jax.Array:
+    """The queries BLOCK rows at a time; each block's scores recomputed for backward."""
+    one = jax.checkpoint(
+        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS, window),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    s = q_BxSxHxD.shape[1]
+    block = _block(s)
+    return _by_blocks(lambda q, first: one(q, first), q_BxSxHxD, jnp.arange(s // block) * block)
+
+
+def _block(s: int) -> int:
+    return max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
+
+
+def _by_blocks(one, q_BxSxHxD, *per_block):
+    """one(q block, *per_block[i]) over the query blocks, put back together."""
+    b, s, h, d = q_BxSxHxD.shape
+    block = _block(s)
+    q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
+    out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
+    return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, d)
+
+
+def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, window: int = 0):
+    """[B, C, S] bool: which keys each query sees, by the tokens' positions (and
+    segments): at or before it, within the window, in its segment."""
+    back_BxCxS = q_pos_BxC[:, :, None] - k_pos_BxS[:, None, :]
+    visible_BxCxS = (back_BxCxS >= 0) & ((back_BxCxS < window) if window else True)
+    if q_seg_BxC is not None:
+        visible_BxCxS = visible_BxCxS & (q_seg_BxC[:, :, None] == k_seg_BxS[:, None, :])
+    return visible_BxCxS
+
+
+def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) -> jax.Array:
+    """Attention of queries to keys in any order, masked by their positions: the form
+    `chosen` on local blocks (cuDNN takes the mask as its bias)."""
+    if chosen is Form.CUDNN:
+        mask = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    if chosen is Form.DIRECT:
+        return _scored(q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window))
+    b, s = q.shape[:2]
+    block = _block(s)
+    blocks = lambda x: x.reshape(b, s // block, block).swapaxes(0, 1)  # noqa: E731
+    one = jax.checkpoint(
+        lambda q, q_pos, q_seg: _scored(
+            q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
+        ),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+    segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
+    if q_seg is None:
+        return _by_blocks(lambda q, p, _: one(q, p, None), q, blocks(q_pos), segs)
+    return _by_blocks(one, q, blocks(q_pos), segs)
+
+
+def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):
+    """Attention of T new queries through a KV cache: their keys and values written at
+    slots slot..slot+T-1 of `cache` (k, v [B, M, K, D], K key/value heads, each serving
+    H/K query heads in order), each query seeing the slots at or before its own and at or
+    after its row's first real token (`pad_B`: the left padding of each row), and within
+    the sliding `window` if one is given. Returns
+    (out [B, T, H, D], the cache with the new keys and values)."""
+    cache_k, cache_v = cache
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxD.astype(cache_k.dtype), slot, 1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxTxKxD.astype(cache_v.dtype), slot, 1)
+    b, t, h, d = q_BxTxHxD.shape
+    kv, m = cache_k.shape[2], cache_k.shape[1]
+    q_BxTxKxGxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d)
+    att_BxKxGxTxM = jnp.einsum(
+        "btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(q_BxTxHxD.dtype)
+    ).astype(jnp.float32)
+    keys_M, queries_T = jnp.arange(m), slot + jnp.arange(t)
+    back_TxM = queries_T[:, None] - keys_M[None, :]
+    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
+    visible_BxTxM = visible_TxM[None] & (keys_M[None, None, :] >= pad_B[:, None, None])
+    mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
+    prob = jax.nn.softmax(att_BxKxGxTxM + mask_Bx1x1xTxM, axis=-1).astype(q_BxTxHxD.dtype)
+    out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob, cache_v.astype(q_BxTxHxD.dtype))
+    return out_BxTxKxGxD.reshape(b, t, h, d), (cache_k, cache_v)

@@ -1,0 +1,284 @@
+"""Many processes: joining them with jax.distributed, and a launcher for one machine.
+
+`initialize` takes the coordinator, the number of processes and this one's id from its
+arguments, else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
+leaves them to JAX's own cluster detection (SLURM, Open MPI, Kubernetes). Before JAX's
+coordination service (which aborts the process when one never arrives) it holds a
+rendezvous of its own on the coordinator's host, port + 1, bounded by `timeout_s`: a
+process that never arrives gives an error naming how many did and which ids are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from jaxpar.errors import ConfigError, RendezvousError
+
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Join this process to the others of the job (call before anything touches jax's
+    devices). With one process, or outside a cluster, it does nothing."""
+    import jax
+
+    coordinator = coordinator or os.environ.get(ENV[0])
+    if num_processes is None and os.environ.get(ENV[1]):
+        num_processes = int(os.environ[ENV[1]])
+    if process_id is None and os.environ.get(ENV[2]):
+        process_id = int(os.environ[ENV[2]])
+    if jax.config.jax_platforms == "cpu" or not _accelerator():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator and num_processes and num_processes > 1:
+        if process_id is None:
+            raise ConfigError("--process-id: needed with --coordinator and --num-processes")
+        rendezvous(coordinator, num_processes, process_id, timeout_s)
+    elif not (coordinator or _in_cluster()):
+        return
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 30
+    )
+    if jax.process_index() == 0:
+        print(
+            f"jaxpar distributed: {jax.process_count()} processes, "
+            f"{jax.local_device_count()} local and {jax.device_count()} global devices",
+            flush=True,
+        )
+
+
+def _accelerator() -> bool:
+    from jaxpar.parallel.mesh import accelerator_installed
+
+    return accelerator_installed()
+
+
+def _in_cluster() -> bool:
+    return any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))
+
+
+def rendezvous(coordinator: str, n: int, me: int, timeout_s: float) -> None:
+    """Every process reports to process 0 (on the coordinator's host, port + 1) within
+    timeout_s; then process 0 answers all of them. Raises ConfigError naming the missing."""
+    host, port = coordinator.rsplit(":", 1)
+    address = (host, int(port) + 1)
+    deadline = time.monotonic() + timeout_s
+    if me == 0:
+        with socket.create_server(address, reuse_port=False) as server:
+            server.settimeout(0.2)
+            peers: dict[int, socket.socket] = {}
+            while len(peers) < n - 1 and time.monotonic() < deadline:
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(5)
+                peers[int(conn.recv(16).decode())] = conn
+            missing = sorted(set(range(1, n)) - set(peers))
+            for conn in peers.values():
+                conn.sendall(b"go" if not missing else b"no")
+                conn.close()
+        if missing:
+            raise RendezvousError(
+                f"distributed: {len(peers) + 1} of {n} processes arrived within "
+                f"distributed.timeout_s={timeout_s:g}; missing process ids {missing}. Start "
+                "them all (same --coordinator and --num-processes), or raise the timeout"
+            )
+        return
+    while True:
+        try:
+            with socket.create_connection(address, timeout=2) as conn:
+                conn.sendall(str(me).encode())
+                conn.settimeout(max(deadline - time.monotonic(), 0) + 10)
+                if conn.recv(2) == b"go":
+                    return
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    raise RendezvousError(
+        f"distributed: process {me} of {n}: the others did not all arrive at {coordinator} "
+        f"within distributed.timeout_s={timeout_s:g} (see process 0's message)"
+    )
+
+
+def free_port() -> int:
+    """A port free now on localhost, whose successor (the rendezvous) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+GRACE_S = 300  # after a stop is forwarded, how long the workers get to save and exit
+
+
+def _how(code: int) -> str:
+    """An exit status in words: `exited with status 1`, `was killed by SIGKILL`."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _status(code: int) -> int:
+    """A child's Popen return code as a shell reports it (a signal: 128 + its number)."""
+    return 128 - code if code < 0 else code
+
+
+def latest_checkpoint(ckpt_dir: Path | None) -> str:
+    """Where a stopped job resumes from, in words (the newest complete step's folder)."""
+    steps = sorted(
+        int(p.name)
+        for p in (ckpt_dir.iterdir() if ckpt_dir and ckpt_dir.is_dir() else ())
+        if p.name.isdigit()
+    )
+    if not steps:
+        return "no checkpoint to resume from (set checkpoint.every to keep them)"
+    return f"resume from step {steps[-1]} in {ckpt_dir} by running the same command again"
+
+
+def launch(
+    processes: int, cpu_devices: int, argv: list[str], log_dir: Path, ckpt_dir: Path | None = None
+) -> int:
+    """Run ARGV as `processes` local processes of one job, `cpu_devices` simulated devices
+    each: a `jaxpar` command (`train ...`) or a Python script (`script.py ...`), told
+    where and who they are by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID. Every process's output goes to log_dir/process-<i>.log, process 0's
+    is also streamed here.
+
+    SIGTERM or SIGINT to the launcher goes to every worker, once: they finish the step in
+    flight, save and exit; the launcher waits for them and returns their status (0).
+    The first worker to fail stops the others; the launcher names it, how it ended, its
+    last lines and the checkpoint to resume from, and returns its status."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    coordinator = f"127.0.0.1:{free_port()}"
+    # -P: never the working directory's `jaxpar` (a checkout's root holds one)
+    command = (
+        [sys.executable, *argv]
+        if argv[0].endswith(".py")
+        else [sys.executable, "-P", "-m", "jaxpar.cli.main", *argv]
+    )
+    paths = [log_dir / f"process-{i}.log" for i in range(processes)]
+    procs = []
+    for i, path in enumerate(paths):
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(cpu_devices),
+            ENV[0]: coordinator,
+            ENV[1]: str(processes),
+            ENV[2]: str(i),
+            **_this_jaxpar(),
+        }
+        with path.open("w") as log:
+            # a session of its own: a Ctrl-C at the terminal reaches the launcher alone,
+            # which forwards it once (a second would make the workers exit unsaved)
+            procs.append(
+                subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
+    stopping: list[int] = []
+
+    def forward(signum, frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _watch(procs, paths, stopping, ckpt_dir)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _this_jaxpar() -> dict:
+    """The environment that makes a worker import the `jaxpar` this launcher runs: its
+    folder first on PYTHONPATH, unless it is where the interpreter finds packages anyway
+    (an install's site-packages, which must not go before the standard library)."""
+    import site
+
+    import jaxpar
+
+    root = str(Path(jaxpar.__file__).resolve().parent.parent)
+    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root in sites:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None) -> int:
+    with paths[0].open() as first:
+        while True:
+            sys.stdout.write(first.read())
+            sys.stdout.flush()
+            codes = [p.poll() for p in procs]
+            if stopping:
+                return _wait_stopped(procs, first, signal.Signals(stopping[0]).name, ckpt_dir)
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i = failed[0]
+                running = [p for p in procs if p.poll() is None]
+                for p in running:
+                    p.kill()
+                for p in running:
+                    p.wait()
+                tail = deque(paths[i].read_text().splitlines(), 12)
+                print(
+                    f"jaxpar launch: process {i} of {len(procs)} {_how(codes[i])}; stopped the "
+                    f"other {len(running)}; {latest_checkpoint(ckpt_dir)}. Its log is "
+                    f"{paths[i]}; its last lines:",
+                    *tail,
+                    sep="\n",
+                    file=sys.stderr,
+                )
+                return _status(codes[i])
+            if all(c == 0 for c in codes):
+                sys.stdout.write(first.read())
+                return 0
+            time.sleep(0.1)
+
+
+def _wait_stopped(procs, first, name: str, ckpt_dir: Path | None) -> int:
+    """After a forwarded stop: the workers' exit, within GRACE_S (then they are killed)."""
+    print(f"\njaxpar launch: {name} sent to {len(procs)} processes; waiting for them to save")
+    deadline = time.monotonic() + GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        sys.stdout.write(first.read())
+        time.sleep(0.1)
+    sys.stdout.write(first.read())
+    codes = [p.poll() for p in procs]
+    bad = [(i, c) for i, c in enumerate(codes) if c != 0]
+    if not bad:
+        print(f"jaxpar launch: all {len(procs)} processes saved and exited; "
+              f"{latest_checkpoint(ckpt_dir)}")  # fmt: skip
+        return 0
+    i, code = bad[0]
+    how = f"did not exit within {GRACE_S} s" if code is None else _how(code)
+    print(f"jaxpar launch: after {name}, process {i} {how}", file=sys.stderr)
+    return 1 if code is None else _status(code)

@@ -1,0 +1,146 @@
+"""The rules across sections and against the mesh that every run must meet, whatever
+the model (its own dims against the mesh are its registry entry's `check`): checked
+before a step is compiled, by `jaxpar train` and the Python API alike, and by the
+planner for each layout it considers."""
+
+from __future__ import annotations
+
+from jaxpar.config.options import default_of
+from jaxpar.config.sections import Config, DpCollective, DpSync, Offload, Parallel, Remat, Schedule
+from jaxpar.errors import ConfigError
+from jaxpar.parallel import context
+from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, REPLICA
+from jaxpar.parallel.batches import batch_split
+
+
+def check_train(cfg: Config, mesh_shape: dict) -> None:
+    """Batch arithmetic every run needs, whatever the model."""
+    parallel = cfg.parallel
+    batch_split(cfg.train, parallel, mesh_shape)
+    context.check(parallel, mesh_shape, cfg.train.seq_len, cfg.model.heads)
+    if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
+        raise ConfigError(
+            f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
+            "server sums everything on one device, which is what ZeRO avoids (it splits the "
+            "optimizer state and the reduction over all devices); use parallel.zero=0 with "
+            "server, or dp_collective=ring or xla with ZeRO"
+        )
+    if parallel.offload is Offload.OPTIMIZER_PARAMS and parallel.zero != 3:
+        raise ConfigError(
+            f"parallel.offload=optimizer+params with parallel.zero={parallel.zero}: only "
+            "ZeRO-3 stores parameter shards that a layer can fetch when it runs; below "
+            "stage 3 every device needs all parameters. Use parallel.zero=3, or "
+            "parallel.offload=optimizer"
+        )
+    pipelined = mesh_shape[PIPE] > 1
+    _check_dp_sync(parallel, mesh_shape)
+    _check_expert(cfg, mesh_shape)
+    if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
+        raise ConfigError(
+            f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
+            "not supported; JAX refuses the gradient of host-resident stage parameters "
+            "inside the pipeline loop (float32<host> expected, float32 got). Use "
+            "parallel.offload=optimizer with a pipeline, or parallel.pipeline=1"
+        )
+    if parallel.microbatches > 1 and not pipelined:
+        raise ConfigError(
+            f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
+            "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
+        )
+    if pipelined and parallel.schedule is Schedule.ONE_F_ONE_B and parallel.remat is Remat.OFFLOAD:
+        raise ConfigError(
+            "parallel.remat=offload with parallel.schedule=1f1b: 1F1B already keeps only "
+            "each stage's input per micro-batch and recomputes the layers in the backward "
+            "pass, so there are no saved layer inputs to send to the host; use "
+            "schedule=gpipe or interleaved with remat=offload, or remat=none with 1f1b"
+        )
+    interleaved = parallel.schedule is Schedule.INTERLEAVED
+    if (parallel.virtual_stages > 1 or interleaved) and not pipelined:
+        raise ConfigError(
+            f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
+            f"{parallel.virtual_stages} needs parallel.pipeline > 1 (it is "
+            f"{mesh_shape[PIPE]}): virtual stages are chunks of a pipeline's layers; set "
+            "parallel.pipeline, or drop the schedule and virtual stages"
+        )
+    if (parallel.virtual_stages > 1) != interleaved and pipelined:
+        raise ConfigError(
+            f"parallel.schedule={parallel.schedule} with parallel.virtual_stages="
+            f"{parallel.virtual_stages}: virtual stages (2 or more) go with "
+            "schedule=interleaved, and only with it"
+        )
+    p, m = mesh_shape[PIPE], parallel.microbatches
+    if pipelined and interleaved and m % p:
+        raise ConfigError(
+            f"parallel.microbatches={m} is not a multiple of parallel.pipeline={p}: the "
+            "interleaved schedule sends micro-batches round the stages in groups of "
+            f"{p}; use {p * max(1, m // p)} or {p * (m // p + 1)}"
+        )
+
+
+def _check_expert(cfg: Config, mesh_shape: dict) -> None:
+    """The `expert` axis splits a mixture's experts (model.experts), evenly."""
+    x, experts = mesh_shape.get(EXPERT, 1), getattr(cfg.model, "experts", 0)
+    if x == 1:
+        return
+    if not experts:
+        raise ConfigError(
+            f"parallel.expert={x} splits a mixture's experts; model.name={cfg.model.name} has "
+            "none (model.experts=0): put those devices on parallel.data, or train a mixture "
+            "(model.name=mixtral with model.experts)"
+        )
+    if experts % x:
+        raise ConfigError(
+            f"model.experts={experts} is not divisible by parallel.expert={x}: each expert "
+            f"device holds an equal share of the experts; choose a degree dividing {experts}"
+        )
+
+
+def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
+    """Parameter averaging runs a whole model and optimizer per data-parallel device."""
+    if parallel.dp_sync is DpSync.GRADS:
+        for key in ("sync_every", "outer_lr", "outer_momentum"):
+            value, default = getattr(parallel, key), default_of(Parallel.__dataclass_fields__[key])
+            if value != default:
+                raise ConfigError(
+                    f"parallel.{key}={value:g} has an effect only with parallel.dp_sync=params "
+                    f"(it is grads); set parallel.dp_sync=params, or drop parallel.{key}"
+                )
+        return
+    why = {
+        "parallel.zero": (
+            parallel.zero != 0,
+            "ZeRO splits the optimizer state (and more) over data, but each device's local "
+            "steps need a whole model and optimizer state of its own; use parallel.zero=0",
+        ),
+        "parallel.pipeline": (
+            mesh_shape[PIPE] > 1,
+            "a pipeline's stages step together on one model, not as copies of it; use "
+            "parallel.pipeline=1 (tensor parallelism is fine)",
+        ),
+        "parallel.expert": (
+            mesh_shape.get(EXPERT, 1) > 1,
+            "each device's local steps need every expert of its own; use parallel.expert=1",
+        ),
+        "parallel.context": (
+            mesh_shape.get(CONTEXT, 1) > 1,
+            "each device's local steps need whole sequences of its own; use parallel.context=1",
+        ),
+        "parallel.replica": (
+            mesh_shape.get(REPLICA, 1) > 1,
+            "replicas split ZeRO groups, and averaging has none: it averages over every "
+            "data-parallel device; put them all on parallel.data",
+        ),
+        "parallel.offload": (
+            parallel.offload is not Offload.NONE,
+            "each device's own optimizer state stays on the device; use parallel.offload=none",
+        ),
+        "parallel.dp_collective": (
+            parallel.dp_collective is not DpCollective.XLA,
+            "the average is one compiler-placed all-reduce; ring and server reduce "
+            "gradients; use parallel.dp_collective=xla",
+        ),
+    }
+    for key, (bad, reason) in why.items():
+        if bad:
+            value = mesh_shape.get(key.split(".")[1], getattr(parallel, key.split(".")[1]))
+            raise ConfigError(f"parallel.dp_sync=params with {key}={value}: {reason}")

@@ -1,0 +1,231 @@
+"""What every step builder shares (jaxpar.step.gradient_sync for gradient sync,
+jaxpar.step.local_sgd for parameter averaging): the Engine they return, the metrics a
+step reports, the ZeRO policy, the forward/backward on this device's rows, the held-out
+loss, and jitting.
+
+Forward/backward runs inside a shard_map that is manual over `replica`, `data`,
+`pipeline` and `context` (`tensor` stays with the compiler, which splits the model per
+the rules), so each device holds its local gradients and the reductions are placed by
+hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.config.sections import DpSync, Offload, Parallel, Schedule, Train
+from jaxpar.cost import formulas as cost
+from jaxpar.nn import scope, sequence, staging
+from jaxpar.nn.problem import Problem, trained_count
+from jaxpar.parallel import context, pipeline
+from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, MANUAL_AXES, PIPE
+from jaxpar.parallel.batches import batch_split
+from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
+from jaxpar.parallel.zero import ZeroPolicy
+from jaxpar.step import pipelined, xla_flags
+from jaxpar.step.accumulate import accumulate
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, on the device (read on the host a step later)."""
+
+    loss: jax.Array
+    lr: jax.Array
+    grad_norm: jax.Array
+    skipped: jax.Array  # steps skipped as not finite so far
+    targets: jax.Array  # the global batch's trained loss elements (the loss's divisor)
+    # what the model reported (jaxpar.report), the mean over micro-batches and devices
+    reports: dict = {}  # noqa: RUF012 (a NamedTuple's default, never mutated)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Everything built for one (problem, config, mesh): specs, shardings, jitted functions."""
+
+    specs: Any  # params pytree of LeafSpecs
+    tx: optax.GradientTransformation  # the optimizer (its state's structure)
+    state_shardings: Any  # TrainState of NamedShardings
+    batch_sharding: NamedSharding
+    init: Any  # jitted: key -> TrainState, created directly in its sharding
+    step: Any  # jitted: (state, batch) -> (state, metrics); state is donated
+    grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
+    layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
+    problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
+    # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
+    # optimizer state (jaxpar.step.local_sgd.Local)
+    spread: Any = None
+    # jitted: (state, batch) -> the batch's mean loss, forward only (held-out loss)
+    evaluate: Any = None
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA flags (GPU)
+
+    def export(self, params):
+        """Parameters in the model's own layout (the layer stack unstaged)."""
+        if self.layout is None:
+            return params
+        # on the host: offloaded master weights cannot be indexed on the device
+        return staging.unstaged(self.problem, self.layout, jax.device_get(params))
+
+
+def zero_policy(train: Train, par: Parallel, specs, names) -> ZeroPolicy:
+    return ZeroPolicy(
+        stage=par.zero,
+        specs=specs,
+        names=names,
+        dtype=cost.DTYPES[train.precision],
+        reduce_dtype=cost.DTYPES[cost.reduce_precision(train)],
+        dp_mode=par.dp_collective,
+        bucket_bytes=par.bucket_mb * 2**20,
+        fetch=par.offload is Offload.OPTIMIZER_PARAMS,
+    )
+
+
+def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields) -> Engine:
+    """The Engine of these functions, jitted: `init` straight into the state's shardings,
+    `step` donating its state, the batch split over the batch axes; on a GPU, compiled
+    with jaxpar.step.xla_flags."""
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    options = xla_flags.for_step(scope.target(mesh), mesh.size)
+    return Engine(
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(
+            step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=0,
+            compiler_options=options,
+        ),
+        grads=jax.jit(grads, compiler_options=options),
+        evaluate=jax.jit(evaluate, compiler_options=options),
+        compiler_options=options,
+        **fields,
+    )
+
+
+def _context(train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy) -> scope.Context:
+    return scope.Context(
+        rules=rules_for(par.sequence_parallel),
+        mesh_shape=dict(mesh.shape),
+        keep=policy.keep(par.remat),
+        layer=policy.layer,
+        whole=policy.whole,
+        platform=scope.target(mesh),
+        unroll=train.unroll,
+        sequence=context.split_of(par, dict(mesh.shape), train.seq_len),
+        sequence_parallel=par.sequence_parallel,
+        batch_axes=() if par.dp_sync is DpSync.PARAMS else (*BATCH_AXES, CONTEXT),
+    )
+
+
+def _micro_batches(train: Train, par: Parallel, mesh: Mesh, batch):
+    """This device's rows as [train.grad_accum, rows, ...]."""
+    rows = batch_split(train, par, dict(mesh.shape)).accum
+    return jax.tree.map(lambda x: x.reshape((train.grad_accum, rows) + x.shape[1:]), batch)
+
+
+def per_micro_batch(reports: dict, train: Train) -> dict:
+    """The model's reports summed over the micro-batches, as their mean."""
+    return {name: value / train.grad_accum for name, value in reports.items()}
+
+
+def at_least_one(count) -> jax.Array:
+    """A loss's divisor: where nothing in the batch is trained, 1 (the loss and its
+    gradient are then 0, not NaN)."""
+    return jnp.maximum(count, 1.0)
+
+
+def manual(specs, field: str):
+    """The part of each leaf's spec that a shard_map manual over `data`, `expert` and
+    `pipeline` sees (the other axes stay with the compiler)."""
+    return jax.tree.map(
+        lambda s: only_axes(getattr(s, field), (DATA, EXPERT, PIPE)),
+        specs,
+        is_leaf=lambda x: isinstance(x, LeafSpecs),
+    )
+
+
+def evaluator(
+    problem: Problem,
+    train: Train,
+    par: Parallel,
+    mesh: Mesh,
+    policy: ZeroPolicy,
+    layout,
+    given: Problem,
+):
+    """(stored compute params, global batch) -> the batch's mean loss: the forward pass
+    alone, in the training layout (a pipeline runs its forward ticks only, as GPipe;
+    ZeRO-3 gathers each layer as in training), over train.grad_accum micro-batches.
+    `problem` as trained (pipeline-staged), `given` as the user gave it."""
+    ctx = _context(train, par, mesh, policy)
+    if layout is None:
+
+        def loss_sum(params, mb):
+            losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
+            return jnp.sum(losses.astype(jnp.float32))
+
+    else:
+        forward = Schedule.INTERLEAVED if par.schedule is Schedule.INTERLEAVED else Schedule.GPIPE
+        pipe = pipelined.Pipe(problem, layout, forward, par.microbatches)
+        loss_sum = functools.partial(pipelined.forward_loss, pipe, policy.compute_view)
+
+    def local(params, batch):
+        with scope.active(ctx):
+            micro = _micro_batches(train, par, mesh, batch)
+            sums = jax.lax.map(lambda mb: loss_sum(params, mb), micro)
+        return jax.lax.psum(jnp.sum(sums), MANUAL_AXES)
+
+    def mean_loss(params, batch):
+        total = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
+            out_specs=PartitionSpec(),
+            axis_names=set(MANUAL_AXES),
+            check_vma=False,
+        )(params, batch)
+        return total / at_least_one(trained_count(given, batch))
+
+    return mean_loss
+
+
+def local_value_and_grad(
+    problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
+):
+    """((params, this device's rows, the trained loss elements of the batch they are
+    part of) -> ((its loss sum / that count, the model's reports summed), its gradients,
+    accumulated over train.grad_accum micro-batches), the pipeline or None), with the
+    model's context active; for a shard_map manual over the batch axes."""
+    ctx = _context(train, par, mesh, policy)
+    pipe = None
+    if layout is None:
+
+        @functools.partial(jax.value_and_grad, has_aux=True)
+        def value_and_grad(params, mb, count):
+            with scope.reporting() as reports:
+                losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
+            return jnp.sum(losses.astype(jnp.float32)) / count, reports
+
+    else:
+        pipe = pipelined.Pipe(problem, layout, par.schedule, par.microbatches)
+        value_and_grad = pipelined.value_and_grad(pipe, policy.compute_view)
+
+    def local(params, batch, count):
+        count = at_least_one(count)
+        with scope.active(ctx):
+            return accumulate(
+                lambda p, mb: value_and_grad(p, mb, count),
+                policy.accumulator(params),
+                each=policy.each_micro_batch,
+            )(params, _micro_batches(train, par, mesh, batch))
+
+    return local, pipe

@@ -1,0 +1,154 @@
+"""The jitted train step with gradient sync, composed from the techniques in their
+own modules (parameter averaging, parallel.dp_sync=params, is jaxpar.step.local_sgd's).
+
+    stored state ──► compute view (zero.py: cast; ZeRO-3 gather; offload fetch)
+      └─► value_and_grad per micro-batch (plain, or schedules.py for every pipeline schedule)
+      └─► accumulate (accumulate.py; ZeRO-2 reduce-scatters each micro-batch)
+      └─► finish the data-parallel reduction (zero.py via dp.py: xla | ring | server)
+      └─► clip and AdamW (optim.py) on the device, or on the host (offload.py)
+
+The pieces both step builders share (the Engine, the forward/backward on this device's
+rows, the held-out loss) are jaxpar.step.engine's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxpar.config.sections import Config, Offload, Parallel, Train
+from jaxpar.cost import formulas as cost
+from jaxpar.nn import staging
+from jaxpar.nn.problem import Problem, trained_count
+from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
+from jaxpar.parallel.sharding import named, pick, plan
+from jaxpar.parallel.zero import ZeroPolicy
+from jaxpar.step import offload, pipelined
+from jaxpar.step import optimizer as optim
+from jaxpar.step import state as state_lib
+from jaxpar.step.engine import (
+    Engine,
+    StepMetrics,
+    evaluator,
+    jitted,
+    local_value_and_grad,
+    manual,
+    per_micro_batch,
+    zero_policy,
+)
+from jaxpar.step.state import TrainState
+
+
+def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
+    par = cfg.parallel
+    layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages)
+    trained = staging.staged(problem, layout) if layout else problem
+    specs = plan(
+        trained.names,
+        jax.tree.map(lambda s: s.shape, trained.shapes),
+        zero=par.zero,
+        mesh_shape=dict(mesh.shape),
+    )
+    dtype = cost.DTYPES[cfg.train.precision]
+    policy = zero_policy(cfg.train, par, specs, trained.names)
+    tx, schedule = optim.optimizer(cfg.train, trained.names)
+    opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
+    device = state_lib.shardings(mesh, specs, tx, trained.shapes)
+    clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
+    verdict = functools.partial(optim.verdict, on_nonfinite=cfg.train.on_nonfinite)
+    if par.offload is Offload.NONE:
+        shardings, update = device, _device_update(tx, clip, verdict, device, opt_params)
+    else:
+        shardings = offload.layout(par.offload, device, opt_params)
+        update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params)
+    grads_of = _local_grads(trained, cfg.train, par, mesh, policy, layout)
+    mean_loss = evaluator(trained, cfg.train, par, mesh, policy, layout, problem)
+
+    def init(key):
+        params = trained.init(key)
+        compute = (
+            None if par.offload is Offload.NONE else jax.tree.map(lambda p: p.astype(dtype), params)
+        )
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, tx.init(params), zero, compute)
+
+    def train_step(state: TrainState, batch):
+        # the loss is the global batch's summed loss over its trained elements' count
+        count = trained_count(problem, batch)
+        (loss, reports), grads = grads_of(state.compute_params, batch, count)
+        new, grad_norm, applied, finite = update(state, grads, loss)
+        new = new.advanced(applied, finite, cfg.train.on_nonfinite)
+        metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
+        return new, StepMetrics(*metrics)
+
+    return jitted(
+        mesh,
+        specs=specs,
+        tx=tx,
+        state_shardings=shardings,
+        init=init,
+        step=train_step,
+        grads=lambda state, batch: grads_of(
+            state.compute_params, batch, trained_count(problem, batch)
+        )[1],
+        evaluate=lambda state, batch: mean_loss(state.compute_params, batch),
+        layout=layout,
+        problem=trained,
+    )
+
+
+def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
+    """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
+    norm, applied, finite): clip, then AdamW on the optimizer's split of the parameters
+    (ZeRO>=1: a slice), all-gathered back to their storage."""
+
+    def update(state: TrainState, grads, loss):
+        grads, grad_norm = clip(grads)
+        applied, finite = verdict(loss, grad_norm, state.skipped)
+        params = jax.lax.with_sharding_constraint(state.params, opt_params)
+        updates, opt = tx.update(grads, state.opt, params)
+        new = jax.lax.with_sharding_constraint(
+            optax.apply_updates(params, updates), shardings.params
+        )
+        # (choosing between the stored parameters, not their optimizer slices: one
+        # all-gather of the new ones, as without the choice)
+        params = optim.keep_if(applied, new, state.params)
+        opt = optim.keep_if(applied, opt, state.opt)
+        return state.replace(params=params, opt=opt), grad_norm, applied, finite
+
+    return update
+
+
+def _local_grads(
+    problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
+):
+    """(compute params, global batch, its trained loss elements) -> ((global mean loss,
+    the model's reports), this device's reduced gradients), as a shard_map manual over
+    `replica`, `data`, `pipeline` and `context`."""
+    value_and_grad, pipe = local_value_and_grad(problem, train, par, mesh, policy, layout)
+
+    def local(params, batch, count):
+        (loss, reports), grads = value_and_grad(params, batch, count)
+        if pipe is not None:  # leaves every stage holds got their gradient on one stage
+            grads = pipelined.reduce_shared(pipe, grads, policy.specs)
+        grads = policy.finish(grads)
+        if mesh.shape[CONTEXT] > 1:  # each device's tokens' part, summed once, as data leaves it
+            grads = jax.lax.psum(grads, CONTEXT)
+        reports = jax.lax.pmean(per_micro_batch(reports, train), MANUAL_AXES)
+        return (jax.lax.psum(loss, MANUAL_AXES), reports), grads
+
+    def grads_of(params, batch, count):
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES), PartitionSpec()),
+            out_specs=(PartitionSpec(), manual(policy.specs, "opt")),
+            axis_names=set(MANUAL_AXES),
+            check_vma=False,
+        )(params, batch, count)
+
+    return grads_of

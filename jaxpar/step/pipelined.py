@@ -1,0 +1,284 @@
+"""A Problem through pipeline stages: the executors of the schedules' tick tables
+(jaxpar.parallel.schedules), inside the step's shard_map (manual over `data`, `pipeline`
+and `context`). `value_and_grad` is the one entry for all of them:
+- gpipe / interleaved: a forward loop of v*m + p - 1 ticks in which every device runs
+  one chunk on one micro-batch and hands the result to the next device (ppermute);
+  autodiff runs the same loop backwards.
+- 1f1b: each tick a device runs one forward or one backward of a micro-batch; a backward
+  recomputes its chunk from the stage input kept since its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config.sections import Schedule
+from jaxpar.nn import scope, sequence
+from jaxpar.nn.problem import Problem
+from jaxpar.parallel import collectives
+from jaxpar.parallel.axes import PIPE
+from jaxpar.parallel.pipeline import Layout
+from jaxpar.parallel.schedules import BWD, FWD, TICKS_SCOPE, one_f_one_b, tick_table
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """Everything an executor needs for one (problem, layout, schedule)."""
+
+    problem: Problem  # in pipeline layout
+    layout: Layout
+    schedule: Schedule
+    microbatches: int
+
+    @property
+    def stack_keys(self) -> tuple[str, ...]:
+        return self.problem.parts.stack_keys
+
+    @property
+    def table(self) -> np.ndarray:
+        return tick_table(self.schedule, self.layout.stages, self.microbatches, self.layout.virtual)
+
+
+def value_and_grad(pipe: Pipe, prepare):
+    """(stored params, micro-batch, count) -> ((this device's summed loss / count, what
+    the model reported (jaxpar.report), its mean over the micro-batches, on every stage),
+    local gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
+    what the forward pass reads (jaxpar.parallel.zero.ZeroPolicy.compute_view)."""
+    if pipe.schedule is Schedule.ONE_F_ONE_B:
+        run = lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)  # noqa: E731
+    else:
+        run = jax.value_and_grad(
+            lambda params, batch, count: _circular_loss(pipe, prepare(params), batch, count),
+            has_aux=True,
+        )
+
+    def staged(params, batch, count):
+        (loss, reports), grads = run(params, batch, count)
+        # the last stage's alone (the others ran no loss), shared with every stage, as
+        # the mean over the micro-batches
+        m = pipe.microbatches
+        return (loss, jax.tree.map(lambda r: jax.lax.psum(r, PIPE) / m, reports)), grads
+
+    return staged
+
+
+def forward_loss(pipe: Pipe, prepare, params, batch):
+    """(stored params, micro-batch) -> this device's summed loss (zero but on the last
+    chunk's device): the forward ticks alone, for a gpipe or interleaved `pipe`."""
+    return _circular_loss(pipe, prepare(params), batch, 1)[0]
+
+
+def _reported_post(parts, params, y, mb):
+    """(the summed losses of a micro-batch, what the model reported computing them)."""
+    with scope.reporting() as reports:
+        losses = sequence.per_token(parts.post(params, y, mb))
+    return jnp.sum(losses.astype(jnp.float32)), dict(reports)
+
+
+def _no_reports(parts, params, y_shape, mb) -> dict:
+    """Zeros in the shape of what `_reported_post` reports (for the ticks that run none)."""
+    shapes = jax.eval_shape(lambda y: _reported_post(parts, params, y, mb)[1], y_shape)
+    return _zeros(shapes)
+
+
+def _split(params: dict, keys) -> tuple[dict, dict]:
+    return {k: v for k, v in params.items() if k in keys}, {
+        k: v for k, v in params.items() if k not in keys
+    }
+
+
+def _micro(batch, m: int):
+    return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _zeros(shapes, lead: tuple[int, ...] = ()):
+    """Zeros of an activation's ShapeDtypeStructs, with `lead` dims before each leaf's."""
+    return jax.tree.map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
+
+
+def _put(buffers, slot, value):
+    """buffers[slot] = value, leaf by leaf (in the buffers' dtypes)."""
+    return jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), buffers, value)
+
+
+def _select(which, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(which, x, y), a, b)
+
+
+def _chunk_of(stack: dict, k, slots: int) -> dict:
+    return {key: jax.lax.dynamic_slice_in_dim(x[0], k * slots, slots) for key, x in stack.items()}
+
+
+def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
+    """gpipe / interleaved: (the summed loss of this device's last-chunk micro-batches
+    (zero elsewhere), their reports summed); differentiate it for the backward pass."""
+    layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
+    p, v, slots = layout.stages, layout.virtual, layout.slots
+    table = jnp.asarray(pipe.table)
+    stage = jax.lax.axis_index(PIPE)
+    stack, _ = _split(params, pipe.stack_keys)
+    active_all = jnp.asarray(layout.slot_layer >= 0)[stage]
+    mbs = _micro(batch, m)
+    h_shape = jax.eval_shape(lambda: parts.pre(params, _take(mbs, 0)))
+
+    none = _no_reports(parts, params, h_shape, _take(mbs, 0))
+
+    def tick(carry, t):
+        recv, loss, reports = carry
+        valid, i, k = table[t, stage, 0] == FWD, table[t, stage, 1], table[t, stage, 2]
+        c = k * p + stage
+        mb = _take(mbs, i)
+        x = jax.lax.cond(c == 0, lambda: parts.pre(params, mb), lambda: recv)
+        active = jax.lax.dynamic_slice_in_dim(active_all, k * slots, slots) & valid
+        y = parts.chunk(_chunk_of(stack, k, slots), x, active, mb)
+        last = valid & (c == p * v - 1)
+        value, more = jax.lax.cond(
+            last,
+            lambda: _reported_post(parts, params, y, mb),
+            lambda: (jnp.zeros((), jnp.float32), none),
+        )
+        loss, reports = loss + value, jax.tree.map(jnp.add, reports, more)
+        # Round the ring only when chunks wrap round it (interleaved).
+        send = jax.lax.ppermute(y, PIPE, [(s, (s + 1) % p) for s in range(p - (v == 1))])
+        return (send, loss, reports), None
+
+    init = (_zeros(h_shape), jnp.zeros((), jnp.float32), none)
+    with jax.named_scope(TICKS_SCOPE):
+        (_, loss, reports), _ = jax.lax.scan(tick, init, jnp.arange(len(pipe.table)))
+    return loss / count, reports
+
+
+class _Slots(NamedTuple):
+    """What a 1F1B device carries from tick to tick."""
+
+    acts: object  # [slots, *activation] a leaf: stage inputs kept for their backward
+    gins: object  # [slots, *activation] a leaf: output gradients handed back, not yet used
+    g_stack: dict  # gradient of this device's layers so far (fp32)
+    g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
+    loss: jax.Array  # this device's summed loss so far
+    reports: dict  # what the model reported, summed so far (jaxpar.report)
+
+
+def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
+    """1f1b: ((this device's summed loss / count, its reports summed), gradients of all
+    local parameters)."""
+    layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
+    p = layout.stages
+    table, slots_n = one_f_one_b(p, m)
+    table_j = jnp.asarray(table)
+    sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
+    sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
+    stage = jax.lax.axis_index(PIPE)
+    stack, rest_storage = _split(params, pipe.stack_keys)
+    # the rest (embedding, head, ...) made ready once per step, its gradient transposed once
+    rest, rest_vjp = jax.vjp(prepare, rest_storage)
+    active = jnp.asarray(layout.slot_layer >= 0)[stage]
+    mbs = _micro(batch, m)
+    whole = lambda r: {**stack, **r}  # noqa: E731  (pre/post read only `rest`)
+    h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), _take(mbs, 0)))
+    zeros_h = _zeros(h_shape)
+
+    def run_chunk(local_stack, x, mb):
+        local = prepare({key: val[0] for key, val in local_stack.items()})
+        return parts.chunk(local, x, active, mb)
+
+    def post_loss(r, y, mb):
+        value, reports = _reported_post(parts, whole(r), y, mb)
+        return value / count, reports
+
+    def forward(state: _Slots, i):
+        mb, slot = _take(mbs, i), i % slots_n
+        x = jax.lax.cond(
+            stage == 0, lambda: parts.pre(whole(rest), mb), lambda: _take(state.acts, slot)
+        )
+        acts = _put(state.acts, slot, x)
+        y = run_chunk(stack, x, mb)
+
+        def last(args):
+            gins, g_rest, loss, reports = args
+            value, vjp, more = jax.vjp(post_loss, rest, y, mb, has_aux=True)
+            d_rest, d_y, _ = vjp(jnp.ones((), jnp.float32))
+            g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+            reports = jax.tree.map(jnp.add, reports, more)
+            return _put(gins, slot, d_y), g_rest, loss + value, reports
+
+        carried = (state.gins, state.g_rest, state.loss, state.reports)
+        gins, g_rest, loss, reports = jax.lax.cond(stage == p - 1, last, lambda a: a, carried)
+        state = state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports)
+        return state, y, zeros_h
+
+    def backward(state: _Slots, i):
+        mb, slot = _take(mbs, i), i % slots_n
+        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
+        d_stack, d_x = vjp(_take(state.gins, slot))
+        g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
+
+        def first(g_rest):
+            _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
+            return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
+
+        g_rest = jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
+        return state._replace(g_stack=g_stack, g_rest=g_rest), zeros_h, d_x
+
+    def idle(state, i):
+        return state, zeros_h, zeros_h
+
+    def tick(state, t):
+        kind, i = table_j[t, stage, 0], table_j[t, stage, 1]
+        state, send_f, send_b = jax.lax.switch(kind, [idle, forward, backward], state, i)
+        # Hand over only on ticks where some stage has something to hand over (the
+        # condition is the same on every device, so the collective stays matched).
+        got_f = jax.lax.cond(
+            sends_f[t],
+            lambda: jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)]),
+            lambda: zeros_h,
+        )
+        got_b = jax.lax.cond(
+            sends_b[t],
+            lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
+            lambda: zeros_h,
+        )
+        acts, gins = state.acts, state.gins
+        # File what the neighbours handed over, by the table's record of what they ran.
+        prev_kind, prev_i = table_j[t, stage - 1, 0], table_j[t, stage - 1, 1]
+        slot = prev_i % slots_n
+        acts = _put(acts, slot, _select((stage > 0) & (prev_kind == FWD), got_f, _take(acts, slot)))
+        nxt = jnp.minimum(stage + 1, p - 1)
+        next_kind, next_i = table_j[t, nxt, 0], table_j[t, nxt, 1]
+        slot = next_i % slots_n
+        got = (stage < p - 1) & (next_kind == BWD)
+        gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
+        return state._replace(acts=acts, gins=gins), None
+
+    buffers = _zeros(h_shape, (slots_n,))
+    state = _Slots(
+        acts=buffers,
+        gins=buffers,
+        g_stack=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
+        g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
+        loss=jnp.zeros((), jnp.float32),
+        reports=_no_reports(parts, whole(rest), h_shape, _take(mbs, 0)),
+    )
+    with jax.named_scope(TICKS_SCOPE):
+        state, _ = jax.lax.scan(tick, state, jnp.arange(len(table)))
+    grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
+    (g_rest_storage,) = rest_vjp(grads)
+    return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}
+
+
+def reduce_shared(pipe: Pipe, grads: dict, specs: dict) -> dict:
+    """Leaves every stage holds (embedding, head, ...) got gradient on one stage only:
+    sum them over `pipeline`."""
+    return {
+        k: g if k in pipe.stack_keys else collectives.reduce(g, specs[k].compute, axis=PIPE)
+        for k, g in grads.items()
+    }

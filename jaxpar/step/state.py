@@ -1,0 +1,59 @@
+"""The train state: what a step reads and writes, what checkpoints save."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.config.sections import OnNonfinite
+from jaxpar.parallel.sharding import named, pick
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # batches consumed (int32 scalar): the data position
+    params: Any  # fp32 master parameters (offload: in host memory, split as `opt`)
+    opt: Any  # optax state of `params`
+    # steps whose loss or gradients were not finite and were not applied (int32 scalar)
+    skipped: jax.Array
+    compute: Any = None  # offload only: the compute-dtype parameters the device runs with
+    # parallel.dp_sync=params only: each data-parallel device's own copy of the
+    # parameters and its optimizer state (jaxpar.step.local_sgd.Local); `params` are then the
+    # global parameters and `opt` the outer optimizer's state
+    local: Any = None
+
+    @property
+    def compute_params(self):
+        """The parameters forward/backward read."""
+        return self.params if self.compute is None else self.compute
+
+    def advanced(self, applied: jax.Array, finite: jax.Array, on_nonfinite: str) -> TrainState:
+        """The counters after a step. `skip` consumes the batch either way; `stop` halts
+        at the first step it could not apply, so the state stays the last good one."""
+        taken = 1 if on_nonfinite is OnNonfinite.SKIP else applied.astype(jnp.int32)
+        return self.replace(
+            step=self.step + taken, skipped=self.skipped + (~finite).astype(jnp.int32)
+        )
+
+
+def shardings(mesh: Mesh, specs, tx: optax.GradientTransformation, shapes) -> TrainState:
+    """The state's shardings on the device, from the plan (`specs`) of params `shapes`:
+    parameters as stored, the optimizer state as the optimizer's split of them."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return TrainState(
+        step=replicated,
+        params=named(mesh, pick(specs, "storage")),
+        opt=optax.tree_map_params(
+            tx,
+            lambda _, sh: sh,
+            jax.eval_shape(tx.init, shapes),
+            named(mesh, pick(specs, "opt")),
+            transform_non_params=lambda _: replicated,
+        ),
+        skipped=replicated,
+    )

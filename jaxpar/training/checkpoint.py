@@ -1,0 +1,388 @@
+"""Checkpoints with orbax: asynchronous saves, exact resume, restore into any layout, export.
+
+A checkpoint is one orbax step directory with two items: `state`, the TrainState in the
+model's own layout (a pipeline's staged layer stack unstaged, in device memory), and
+`meta`, JSON with the resolved config, the mesh it was saved from and every
+parameter's shape. Orbax writes a step into a temporary directory and renames it when
+complete, so a save cut short (kill -9) is never taken for the latest.
+
+Not stored: the compute copy of an offloaded run. It is the master weights cast to the
+compute dtype, bit for bit (at init and after every host update), so a restore makes it
+again, in whatever precision the restoring run uses. Nor the data position: a batch is
+a pure function of (seed, step), and the step is in the state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from jaxpar.config.presets import to_dict
+from jaxpar.config.sections import Config, OnNonfinite, Precision
+from jaxpar.cost.formulas import DTYPES
+from jaxpar.errors import CheckpointError
+from jaxpar.nn.problem import Problem
+from jaxpar.parallel import pipeline
+from jaxpar.parallel.mesh import build_mesh, describe
+from jaxpar.parallel.sharding import leaf_key, plan
+from jaxpar.step import state as state_lib
+from jaxpar.step.build import build
+from jaxpar.step.engine import Engine
+from jaxpar.step.state import TrainState
+
+STATE, META = "state", "meta"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's TrainState <-> its checkpoint (the model's own layout)."""
+
+    to_saved: Callable  # TrainState (run layout, any memory) -> saved dict
+    from_saved: Callable  # saved dict -> TrainState in the run's shardings
+    target: Any  # saved dict of ShapeDtypeStructs with this run's shardings: restore targets
+    shapes: dict[str, list[int]]  # parameter key -> shape, in the model's layout
+    # parameters (the model's layout, target["params"]'s shardings) -> a step-0 TrainState
+    fresh: Callable
+    copies: int | None = None  # parallel.dp_sync=params: the devices' copies (data)
+
+
+def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: Precision) -> Layout:
+    """How `engine`'s state is saved and restored on `mesh`. Restore targets come from
+    the model-layout plan of this run, never from the shardings a checkpoint was saved
+    with, so any layout restores into any other."""
+    shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
+    specs = plan(problem.names, shapes, zero=zero, mesh_shape=describe(mesh))
+    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes)
+    staged = engine.layout
+    stack = set(problem.parts.stack_keys) if staged else set()
+    keys = jax.tree_util.tree_map_with_path(lambda path, _: leaf_key(path), problem.shapes)
+
+    def params_map(fn, tree_of_params_like):
+        """Apply fn(key, leaf) to the params and every params-like part of the opt state."""
+        return optax.tree_map_params(engine.tx, lambda x, k: fn(k, x), tree_of_params_like, keys)
+
+    def unstage(k, x):
+        return pipeline.from_stages(staged, x) if k in stack else x
+
+    def stage(k, x):
+        return pipeline.to_stages(staged, x) if k in stack else x
+
+    def to_saved(state: TrainState) -> dict:
+        saved = {
+            "step": state.step,
+            "skipped": state.skipped,
+            "params": {k: unstage(k, x) for k, x in state.params.items()}
+            if staged
+            else state.params,
+            "opt": params_map(unstage, state.opt) if staged else state.opt,
+        }
+        if state.local is not None:  # parameter averaging: each device's copy
+            saved["local"] = state.local
+        return saved
+
+    dtype = DTYPES[precision]
+
+    def from_saved(saved: dict) -> TrainState:
+        params = {k: stage(k, x) for k, x in saved["params"].items()} if staged else saved["params"]
+        compute = None
+        if engine.state_shardings.compute is not None:
+            compute = jax.tree.map(lambda p: p.astype(dtype), params)
+        return TrainState(
+            step=saved["step"],
+            params=params,
+            opt=params_map(stage, saved["opt"]) if staged else saved["opt"],
+            skipped=saved["skipped"],
+            compute=compute,
+            local=saved.get("local"),
+        )
+
+    on_device = jax.tree.map(
+        lambda s: s.with_memory_kind("device"),
+        engine.state_shardings,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+    # Copies, never the state's own buffers: the next step donates those while orbax is
+    # still copying the saved ones off the device (jit hands back an unchanged input as
+    # the same array, so the copy is explicit).
+    save_jit = jax.jit(lambda state: jax.tree.map(jnp.copy, to_saved(state)))
+
+    def to_saved_on_device(state: TrainState) -> dict:
+        # offloaded parts live in host memory: bring them over, then unstage
+        return save_jit(jax.device_put(state, on_device))
+
+    abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.eval_shape(engine.init, jax.random.key(0)),
+    )
+    saved_shapes = jax.eval_shape(to_saved, abstract)
+    saved_shardings = {
+        "step": model.step,
+        "skipped": model.skipped,
+        "params": model.params,
+        "opt": model.opt,
+    }
+    if engine.spread is not None:
+        saved_shardings["local"] = engine.state_shardings.local
+    target = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        saved_shapes,
+        saved_shardings,
+    )
+
+    def fresh(params) -> TrainState:
+        zero = jnp.zeros((), jnp.int32)
+        saved = {"step": zero, "skipped": zero, "params": params, "opt": engine.tx.init(params)}
+        if engine.spread is not None:
+            saved["local"] = engine.spread(params)
+        return from_saved(saved)
+
+    return Layout(
+        to_saved=to_saved_on_device,
+        from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
+        target=target,
+        shapes={k: list(v) for k, v in _flat(shapes).items()},
+        fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
+        copies=describe(mesh)["data"] if engine.spread is not None else None,
+    )
+
+
+def _flat(tree) -> dict:
+    return {
+        leaf_key(path): x
+        for path, x in jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: isinstance(x, tuple)
+        )
+    }
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (an orbax CheckpointManager)."""
+
+    def __init__(self, directory: Path, keep: int = 3, *, create: bool = True):
+        self.directory = Path(directory).absolute()
+        _check_directory(self.directory, create)
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep,
+                    enable_async_checkpointing=True,
+                    create=create,
+                    cleanup_tmp_directories=create,  # saves cut short by a kill
+                ),
+                item_handlers={
+                    STATE: ocp.StandardCheckpointHandler(),
+                    META: ocp.JsonCheckpointHandler(),
+                },
+            )
+        except Exception as e:  # orbax's many errors, reported as one line
+            raise CheckpointError(
+                f"checkpoint.dir={self.directory}: cannot be opened ({_first_line(e)})"
+            ) from None
+
+    @property
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, saved: dict, meta: dict) -> None:
+        """Start saving (returns once the arrays are copied off the device; the writing
+        goes on in the background)."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{STATE: ocp.args.StandardSave(saved), META: ocp.args.JsonSave(meta)}
+            ),
+            force=True,
+        )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def meta(self, step: int) -> dict:
+        return self._restore(step, **{META: ocp.args.JsonRestore()})[META]
+
+    def restore(self, step: int, target) -> dict:
+        return self._restore(step, **{STATE: ocp.args.StandardRestore(target)})[STATE]
+
+    def _restore(self, step: int, **items):
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # a corrupt or foreign checkpoint: one line, no traceback
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)}: cannot be read ({_first_line(e)}); "
+                "move it away (or use --restart) to start fresh"
+            ) from None
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _check_directory(directory: Path, create: bool) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(
+            f"checkpoint.dir={directory}: is a file, not a directory; remove it or give "
+            "another checkpoint.dir"
+        )
+    if directory.is_dir() and not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"checkpoint.dir={directory}: cannot be read and written by this user; fix its "
+            "permissions or give another checkpoint.dir"
+        )
+    if not directory.exists() and not create:
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+
+
+def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int) -> dict:
+    return {"config": to_dict(cfg), "mesh": describe(mesh), "shapes": ckpt.shapes, "step": step}
+
+
+def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
+    """A checkpoint of another model is refused, naming the first parameter that differs;
+    so is one whose per-device copies (parameter averaging) this run cannot take."""
+    averaged = saved_meta["config"]["parallel"].get("dp_sync") == "params"
+    copies = saved_meta["mesh"]["data"] if averaged else None
+    if copies != ckpt.copies:
+
+        def what(n):
+            return "parallel.dp_sync=grads" if n is None else f"dp_sync=params over data={n}"
+
+        raise CheckpointError(
+            f"checkpoint {where}: saved with {what(copies)}, but this run has "
+            f"{what(ckpt.copies)}: each device's own copy and optimizer state cannot move to "
+            "another count of copies or to gradient sync; resume with the same parallel.dp_sync "
+            "and parallel.data, or export its parameters (jaxpar export) and start from them"
+        )
+    saved, now = saved_meta["shapes"], ckpt.shapes
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            was = saved.get(key, "absent")
+            is_ = now.get(key, "absent")
+            raise CheckpointError(
+                f"checkpoint {where}: parameter {key} is {was} there but {is_} in this run, "
+                "so it was saved from another model; use the model.* it was saved with "
+                "(its config is in the checkpoint's meta), or --restart to set it aside"
+            )
+
+
+def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int | None = None):
+    """The TrainState of a checkpoint directory (the latest step, or `step`) under `cfg`
+    and `mesh` (default: all devices), whatever layout it was saved from."""
+    mesh = build_mesh(cfg.parallel) if mesh is None else mesh
+    engine = build(problem, cfg, mesh)
+    ckpts = Checkpoints(Path(directory), create=False)
+    step = ckpts.latest if step is None else step
+    if step is None:
+        raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
+    ckpt = layout(problem, engine, mesh, cfg.parallel.zero, cfg.train.precision)
+    check_compatible(ckpts.meta(step), ckpt, ckpts.directory / str(step))
+    return ckpt.from_saved(ckpts.restore(step, ckpt.target))
+
+
+class Saver:
+    """A run's checkpoints: resumed from if there are any, saved into every
+    checkpoint.every steps; at the end (checkpoint.final), and at a stop (a signal, a
+    non-finite step, diverged replicas) whatever the keys say, when there is a place for
+    them. Opened when first needed; closed (pending writes finished) on any exit."""
+
+    def __init__(self, cfg: Config, directory: Path | None):
+        self.cfg, self.directory = cfg, directory
+        self.ckpts = None
+        if directory and (cfg.checkpoint.every or directory.exists()):
+            self._open()
+        self.latest = self.ckpts.latest if self.ckpts else None
+        self.newest = self.latest  # the newest step saved (or found)
+
+    def _open(self) -> None:
+        self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
+
+    @property
+    def opened(self) -> bool:
+        return self.ckpts is not None
+
+    def where(self, step: int) -> Path:
+        return self.ckpts.directory / str(step)
+
+    def bind(self, problem: Problem, engine, mesh) -> None:
+        self.mesh = mesh
+        self.layout = layout(
+            problem, engine, mesh, self.cfg.parallel.zero, self.cfg.train.precision
+        )
+
+    def restore(self, step: int):
+        check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
+        state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
+        if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
+            state = state.replace(skipped=state.skipped * 0)
+        return state
+
+    def save(self, state, step: int) -> None:
+        """Start saving (returns once the state is copied off the device)."""
+        if self.ckpts is None:
+            self._open()
+        saved = meta(self.cfg, self.mesh, self.layout, step)
+        self.ckpts.save(step, self.layout.to_saved(state), saved)
+        self.newest = step
+
+    def finish(self, loop, start: int):
+        """The state to return after `loop` (jaxpar.training.trainer.Loop), saved where it
+        ought to be."""
+        state = loop.state
+        if self.directory is None:
+            return state
+        if loop.nonfinite is not None:
+            # the state is the last good one: drop saves of it made after the halt (their
+            # labels ran ahead of it), then save it under its own step
+            if self.ckpts:
+                self.ckpts.wait()
+                for late in sorted(s for s in loop.saved if s >= loop.end):
+                    self.ckpts.manager.delete(late)
+            loop.saved = {s for s in loop.saved if s < loop.end}
+            state = state.replace(skipped=state.skipped * 0)
+        ckpt = self.cfg.checkpoint
+        wanted = (
+            ckpt.every or ckpt.final or loop.stopped or loop.nonfinite is not None or loop.diverged
+        )
+        if wanted and loop.end not in loop.saved and loop.end != start:
+            self.save(state, loop.end)
+        return state
+
+    def __enter__(self) -> Saver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ckpts:
+            self.ckpts.close()
+
+
+def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(the parameters of a checkpoint as host arrays by key, its meta), read without
+    knowing the model: shapes and dtypes from the checkpoint itself."""
+    ckpts = Checkpoints(directory, create=False)
+    step = ckpts.latest if step is None else step
+    if step is None:
+        raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
+    tree = ckpts.manager.item_metadata(step)[STATE].tree
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+        tree,
+        is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+    )
+    state = ckpts.restore(step, target)
+    return {k: np.asarray(v) for k, v in _flat(state["params"]).items()}, ckpts.meta(step)

@@ -1,0 +1,122 @@
+"""What `jaxpar train` prints: the start-up summary and the closing table."""
+
+from __future__ import annotations
+
+from jaxpar.cost.report import Report, human_bytes, table
+from jaxpar.cost.throughput import shown
+from jaxpar.parallel.axes import EXPERT, REPLICA
+from jaxpar.step import xla_flags
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def count(n: int) -> str:
+    """1536 -> '1,536'; 12_345_678 -> '12.3 M'."""
+    for size, unit in ((1e9, "B"), (1e6, "M")):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:,}"
+
+
+def _comm(report: Report, minimum: str) -> str:
+    """'1.002 x the minimum (data + tensor)': the axes whose traffic the ratio is of."""
+    comm = report.comm
+    axes = [a for a in comm.ratio_axes if report.mesh[a] > 1] or comm.ratio_axes
+    return f"{_ratio(comm.ratio)} x {minimum} ({' + '.join(axes)})"
+
+
+def _mesh(mesh: dict) -> str:
+    """The axes, `replica` and `expert` only where they are more than 1."""
+    return " x ".join(f"{a}={n}" for a, n in mesh.items() if a not in (REPLICA, EXPERT) or n > 1)
+
+
+def startup(report: Report, params: int, platform: str, source: str) -> str:
+    mem, comm, host = report.memory_per_device, report.comm, report.host_memory_per_device
+    devices = f"{report.devices} {platform} device{'s' if report.devices > 1 else ''}"
+    lines = [
+        f"jaxpar  {report.strategy}",
+        f"  mesh      {_mesh(report.mesh)} ({devices})",
+        f"  model     {count(params)} parameters",
+        f"  data      {source}",
+        "  memory    per device: "
+        + ", ".join(
+            f"{k} {human_bytes(v)}"
+            for k, v in (
+                ("params", mem.params),
+                ("grads", mem.grads),
+                ("opt_state", mem.opt_state),
+                ("temp", mem.temp),
+            )
+        ),
+        f"  state     {report.state_bytes.ratio:.3f} x the ZeRO formula",
+        f"  comm      {human_bytes(comm.wire_bytes_per_device)} per device per "
+        f"step; {_comm(report, 'the textbook minimum')}",
+        f"  compiled  in {report.compile_s:.1f} s",
+    ]
+    if report.xla_flags:
+        lines.append(f"  xla       {xla_flags.shown(report.xla_flags)} (XLA_FLAGS overrides)")
+    if any((host.params, host.opt_state, host.activations, host.temp)):
+        lines.append(
+            f"  host      per device: params {human_bytes(host.params)}, opt_state "
+            f"{human_bytes(host.opt_state)}, activations {human_bytes(host.activations)}, "
+            f"temp {human_bytes(host.temp)}"
+        )
+    if host.activations and not host.temp:
+        lines.append(
+            f"  note      {human_bytes(host.activations)} of layer inputs are sent "
+            f"to host memory, but this backend's compiled step keeps them on the device "
+            f"(host temp 0 B; XLA:CPU ignores in-step memory placement)"
+        )
+    check = report.replica_check
+    if check:
+        share = (
+            ""
+            if check.share_of_step_comm is None
+            else (f", {check.share_of_step_comm:.2%} of the step's comm")
+        )
+        lines.append(
+            f"  replicas  checked every {check.every} step{'s' if check.every > 1 else ''}: "
+            f"{check.leaves} copied leaves "
+            f"hashed, {human_bytes(check.wire_bytes_per_check)} per device per check in "
+            f"{check.collectives_per_check} all-reduces{share}"
+        )
+    pipe = report.pipeline
+    if pipe.schedule:
+        lines.append(
+            f"  stages    layers per device {pipe.stages}; {pipe.schedule}, "
+            f"{pipe.ticks} ticks, bubble {_ratio(pipe.bubble)} "
+            f"(formula {pipe.bubble_formula:.3f})"
+        )
+    lines += [f"  note      {why}" for why in report.tensor_replicated + report.model_notes]
+    if report.zero_unsplit_leaves:
+        first = report.zero_unsplit_leaves[0]
+        lines.append(
+            f"  note      ZeRO left {len(report.zero_unsplit_leaves)} small leaf(s) "
+            f"replicated, e.g. {first['path']} {first['shape']}: {first['why']}; see summary.json"
+        )
+    return "\n".join(lines)
+
+
+def closing(report: Report, losses: list[float]) -> str:
+    mem = report.memory_per_device
+    rows = [
+        ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
+        *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
+        ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
+        [
+            "tokens/s",
+            f"{report.tokens_per_s:.0f} ({report.tokens_per_s_per_device:.0f} per device)",
+        ],
+        ["model FLOPs", shown(report.flops_per_s_per_device, report.mfu)],
+        [
+            "state / device",
+            f"{human_bytes(mem.params + mem.opt_state)} ({report.state_bytes.ratio:.3f} x formula)",
+        ],
+        [
+            "comm / device",
+            f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report, 'minimum')})",
+        ],
+    ]
+    return "\n" + table(rows, ["done", report.strategy])

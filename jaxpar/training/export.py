@@ -1,0 +1,93 @@
+"""Export: a run's parameters as one safetensors file (unsharded, in the model's own
+layout, keys = parameter paths joined by '/'), readable by any program with the
+`safetensors` package; and the way back into a model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxpar import hf
+from jaxpar.config import registry
+from jaxpar.config.sections import Model
+from jaxpar.errors import ConfigError, ParamsError
+from jaxpar.nn.problem import Problem
+from jaxpar.parallel.sharding import leaf_key
+from jaxpar.training import checkpoint
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """A run directory's checkpoints (or `run_dir` itself, if it holds them)."""
+    inside = Path(run_dir) / "checkpoints"
+    return inside if inside.is_dir() else Path(run_dir)
+
+
+def export(run_dir: Path, to: Path) -> tuple[int, int]:
+    """Write the latest checkpoint's parameters to `to`; returns (step, tensors)."""
+    params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
+    to = Path(to)
+    if to.is_dir():
+        raise ConfigError(
+            f"--to {to}: is a directory; give a file name, e.g. {to}/model.safetensors"
+        )
+    try:
+        save_file(
+            params,
+            str(to),
+            metadata={
+                "jaxpar.step": str(meta["step"]),
+                "jaxpar.config": json.dumps(meta["config"]),
+            },
+        )
+    except OSError as e:
+        raise ConfigError(f"--to {to}: cannot be written ({e.strerror})") from None
+    return meta["step"], len(params)
+
+
+def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
+    """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
+    model.safetensors) for the run's model; returns (step, tensors)."""
+    params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
+    model_keys = meta["config"]["model"]
+    model = (registry.config_class(model_keys["name"]) or Model)(**model_keys)
+    fmt = registry.hf_format(model.name, "--format hf")
+    tensors = hf.export(fmt, model, meta["config"]["train"]["seq_len"], params, Path(to))
+    return meta["step"], tensors
+
+
+def load(path: Path, problem: Problem | None = None):
+    """An exported file's parameters: a dict by key, or (given the problem it was trained
+    as) in that problem's own pytree structure."""
+    params = load_file(str(path))
+    if problem is None:
+        return params
+    wanted = jax.tree_util.tree_map_with_path(lambda p, _: leaf_key(p), problem.shapes)
+    missing = [k for k in jax.tree.leaves(wanted) if k not in params]
+    if missing:
+        raise ParamsError(f"{path}: has no parameter {missing[0]} ({len(missing)} missing)")
+    return jax.tree.map(lambda k: params[k], wanted)
+
+
+def to_nnx(make: Callable[[nnx.Rngs], nnx.Module], params: dict) -> nnx.Module:
+    """The NNX module `make` builds, holding `params` (a dict by key, as `jaxpar.train`'s
+    result or `load` give them) instead of fresh initial values."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+    entries = []
+    for path, var in nnx.to_flat_state(state):
+        key = "/".join(map(str, path))
+        if key not in params:
+            raise ParamsError(f"to_nnx: no value for parameter {key} {var.shape}")
+        value = jnp.asarray(np.asarray(params[key]))
+        if value.shape != var.shape:
+            raise ParamsError(
+                f"to_nnx: parameter {key} is {value.shape}, the model has {var.shape}"
+            )
+        entries.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(entries))

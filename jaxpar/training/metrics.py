@@ -1,0 +1,159 @@
+"""Run-directory outputs: metrics.jsonl, loss.png, summary.json, and the tables we print."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+# What TensorBoard gets of each metrics row (those present in it).
+TENSORBOARD_TAGS = (
+    "loss",
+    "eval_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "flops_per_s_per_device",
+    "mfu",
+)
+
+
+class MetricsLog:
+    """One JSON object per logged step, flushed as it is written; and, with `events`,
+    the same numbers as TensorBoard scalars in event files in that folder (tensorboardX:
+    a small writer with no TensorFlow behind it).
+
+    `resume_at=N` keeps the complete rows of an earlier run up to step N (a torn last
+    line, or rows past the checkpoint being resumed, are dropped) and appends after them;
+    TensorBoard drops the earlier events past N likewise (purge_step).
+    """
+
+    def __init__(self, path: Path | None, resume_at: int = 0, events: Path | None = None):
+        self.rows: list[dict] = _rows(path, resume_at) if path and resume_at else []
+        if path:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            os.replace(tmp, path)  # atomic: a kill leaves the old or the new file
+        self._file = path.open("a") if path else None
+        self._events = None
+        if events:
+            from tensorboardX import SummaryWriter
+
+            self._events = SummaryWriter(
+                str(events), purge_step=resume_at + 1 if resume_at else None
+            )
+
+    def write(self, row: dict) -> None:
+        # not-finite numbers as null: strict JSON readers refuse NaN
+        row = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+        }
+        self.rows.append(row)
+        if self._file:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if self._events:
+            # and what the model reported (jaxpar.report: "moe/dropped", ...)
+            for tag in [*TENSORBOARD_TAGS, *(k for k in row if "/" in k)]:
+                if row.get(tag) is not None:
+                    self._events.add_scalar(tag, row[tag], row["step"])
+            self._events.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._events:
+            self._events.close()
+
+
+def _rows(path: Path, up_to: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= up_to:
+            rows.append(row)
+    return rows
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib  # here: only runs that write a plot pay the import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(
+        [r["step"] for r in rows],
+        [np.nan if r["loss"] is None else r["loss"] for r in rows],
+        lw=1.5,
+        label="training loss",
+    )
+    held_out = [r for r in rows if "eval_loss" in r]
+    if held_out:
+        ax.plot(
+            [r["step"] for r in held_out],
+            [np.nan if r["eval_loss"] is None else r["eval_loss"] for r in held_out],
+            "o-",
+            lw=1.5,
+            ms=3,
+            label="held-out loss",
+        )
+        ax.legend(fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_strategies(results: dict[str, dict], path: Path, title: str) -> None:
+    """The bench's strategies side by side: memory per device by kind, bytes on the wire
+    against the textbook minimum, and step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    reports = [results[n]["report"] for n in names]
+    x = np.arange(len(names))
+    fig, (mem, wire, time_) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=110)
+    bottom = np.zeros(len(names))
+    for kind in ("params", "grads", "opt_state", "temp"):
+        mib = np.array([getattr(r.memory_per_device, kind) for r in reports]) / 2**20
+        mem.bar(x, mib, bottom=bottom, label=kind)
+        bottom += mib
+    mem.set_title("memory per device (MiB)", fontsize=9)
+    mem.legend(fontsize=7)
+    sent = np.array([r.comm.wire_bytes_per_device for r in reports]) / 2**20
+    least = np.array([r.comm.minimum_bytes_per_device for r in reports]) / 2**20
+    wire.bar(x, sent, label="on the wire")
+    wire.scatter(x, least, color="black", marker="_", s=400, zorder=3, label="textbook minimum")
+    wire.set_title("bytes per device per step (MiB)", fontsize=9)
+    wire.legend(fontsize=7)
+    time_.bar(x, [results[n]["step_s"] * 1e3 for n in names], color="tab:green")
+    time_.set_title("step time (ms)", fontsize=9)
+    for ax in (mem, wire, time_):
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,433 @@
+"""The loop: data -> step -> metrics -> checkpoints -> run directory.
+
+Step n is dispatched before step n-1's metrics are read to the host, so the device
+never waits on Python. A first SIGINT (Ctrl-C) or SIGTERM finishes the step in flight,
+saves, and returns; a second one exits at once (the last complete checkpoint stays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from jaxpar.config.sections import Checkpoint, Config, OnNonfinite, profile_range
+from jaxpar.cost import throughput
+from jaxpar.cost.report import Report
+from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
+from jaxpar.nn.problem import Problem
+from jaxpar.parallel.batches import batch_for, check_first_batch
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import leaf_key
+from jaxpar.step.build import Run, prepare
+from jaxpar.training import checkpoint, console, metrics, rundir
+
+
+@dataclass
+class Result:
+    losses: list[float]  # the loss of every step this call ran
+    params: dict  # final parameters (global arrays), in the model's own layout
+    report: Report  # what summary.json holds
+    rows: list[dict]  # metrics rows as logged (a resumed run's earlier rows too)
+    checkpoints: Path | None = None  # where the checkpoints are (None: not saved)
+    stopped: str | None = None  # the signal that stopped the run early, if one did
+
+    @property
+    def summary(self) -> dict:
+        """The report as summary.json has it."""
+        return self.report.to_json()
+
+
+def train(
+    problem: Problem,
+    cfg: Config,
+    batches: Callable[[int], dict],
+    *,
+    out_dir: str | Path | None = None,
+    mesh=None,
+    progress: bool = True,
+    quiet: bool = False,
+    restart: bool = False,
+    force: bool = False,
+    source: str = "your batches(step)",
+    params: Callable[[dict], dict] | None = None,
+    peak_tflops: float | None = None,
+    eval_batches: Callable[..., dict] | None = None,
+) -> Result:
+    """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
+
+    With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless
+    checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
+    earlier run's files and checkpoints aside and starts fresh. A step that would not
+    fit in memory is refused (ConfigError) unless `force`. `source` names the data in
+    the start-up summary. `params` (default: the problem's own init from train.seed)
+    gives the initial parameters of a fresh run: called with each leaf's
+    ShapeDtypeStruct and sharding in the model's own layout, it returns the arrays
+    (e.g. jaxpar.hf.initial_params, which reads each device's shard from the files).
+    `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
+    `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
+    every train.eval_every steps the mean loss over train.eval_batches of them is logged
+    as eval_loss."""
+    out_dir = None if out_dir is None else Path(out_dir)
+    if cfg.train.eval_every and eval_batches is None:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: give the held-out data, "
+            "train(..., eval_batches=fn) with fn(i) a batch like batches(i), or "
+            "train.eval_every=0"
+        )
+    if cfg.train.profile_steps and out_dir is None:
+        raise ConfigError(
+            f"train.profile_steps={cfg.train.profile_steps}: a profile is written into the "
+            "run directory's profile/ folder; give train(..., out_dir=...), or drop the key"
+        )
+    lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
+    say = tqdm.write if lead and not quiet else (lambda *_: None)
+    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
+    _open(out_dir, ckpt_dir, restart, lead, say)
+    with checkpoint.Saver(cfg, ckpt_dir) as saver:
+        start = saver.latest or 0
+        if start:
+            say(f"resuming from step {start}: {saver.directory / str(start)}")
+        mesh = build_mesh(cfg.parallel) if mesh is None else mesh
+        first = batches(0)
+        check_first_batch(first, cfg.train.batch_size)
+        run = prepare(cfg, problem, mesh, first, force)
+        if peak_tflops is not None:
+            run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
+        saver.bind(problem, run.engine, mesh)
+        if start:
+            state = saver.restore(start)
+        elif params is not None:  # given, e.g. read from a Hugging Face checkpoint
+            state = saver.layout.fresh(params(saver.layout.target["params"]))
+        else:
+            state = run.engine.init(jax.random.key(cfg.train.seed))
+        start = int(state.step)  # the data position (a save racing a halt is labelled later)
+        if start >= cfg.train.steps:
+            say(
+                f"already at step {start} of train.steps={cfg.train.steps}: nothing to train "
+                "(raise train.steps to go on, or --restart to start again)"
+            )
+        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
+        say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
+        files = out_dir if out_dir and lead else None
+        if files:
+            files.mkdir(parents=True, exist_ok=True)
+            (files / rundir.HLO).write_text(run.step.hlo)
+        log = metrics.MetricsLog(
+            files / rundir.METRICS if files else None,
+            resume_at=start,
+            events=files / rundir.TENSORBOARD if files else None,
+        )
+        if files:
+            say(f"tensorboard --logdir {files}")
+        profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
+        if profile:
+            say(f"profiling steps {cfg.train.profile_steps} into {profile}")
+        with _Stops() as stops:
+            options = LoopOptions(
+                progress=progress and not quiet and lead,
+                every=cfg.checkpoint.every if ckpt_dir else 0,
+                save=saver.save,
+                stops=stops,
+                profile=profile,
+                evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
+            )
+            loop = run_loop(run, state, batches, log, start, options)
+        log.close()
+        state = saver.finish(loop, start)
+    if loop.nonfinite is not None:
+        raise NonFinite(_nonfinite_message(run, state, batches, loop, saver))
+    if loop.diverged:
+        where = f"saved to {saver.where(loop.end)}" if saver.opened else "not saved (no --out)"
+        raise ReplicasDiverged(
+            f"step {loop.end}: copies of parameters that must be identical differ: "
+            f"{loop.diverged}. The state is {where}; a faulty device or a nondeterministic "
+            "op can cause this: resume from an earlier checkpoint, and if it recurs on the "
+            "same devices, leave them out"
+        )
+    report = _finish(run, loop, log.rows, files, saver, say)
+    return Result(
+        losses=loop.losses,
+        params=run.engine.export(state.params),
+        report=report,
+        rows=log.rows,
+        checkpoints=saver.directory if saver.opened else None,
+        stopped=loop.stopped,
+    )
+
+
+def _open(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: bool, say) -> None:
+    """The run directory and checkpoints: checked, set aside on `restart`, never mixed
+    with another run's."""
+    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
+        if where and lead:
+            rundir.check_writable(where, flag)
+    if restart:
+        if lead:
+            moved = rundir.set_aside(out_dir, ckpt_dir)
+            say(
+                f"restart: set aside {', '.join(moved)}"
+                if moved
+                else "restart: nothing to set aside"
+            )
+        if jax.process_count() > 1:  # the others must not open what process 0 moves
+            multihost_utils.sync_global_devices("jaxpar restart")
+    rundir.refuse_another_run(out_dir, ckpt_dir)
+
+
+def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
+    """The report with the run's figures, the closing table, summary.json and loss.png,
+    and where a stopped run resumes from."""
+    report = run.report
+    if saver.newest is not None:
+        report = report.trained(checkpoint=str(saver.where(saver.newest)))
+    if loop.losses:  # (a stop before the first step leaves none)
+        step_time = float(np.median(loop.times))
+        report = report.trained(
+            tokens_per_step=run.tokens_per_step,
+            final_loss=loop.losses[-1],
+            step_time_s=step_time,
+            peak_flops_per_device=run.peak_flops,
+            eval_loss=loop.eval_losses[-1][1] if loop.eval_losses else None,
+            **_throughput(run, step_time),
+        )
+        say(console.closing(report, loop.losses))
+    if report.checkpoint and not loop.stopped:
+        say(f"weights: {report.checkpoint}" + (f" (jaxpar export {files})" if files else ""))
+    if files:
+        metrics.write_json(files / rundir.SUMMARY, report.to_json())
+        metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
+    if loop.stopped:
+        where = f"saved to {saver.where(loop.end)}" if saver.directory else "nothing saved"
+        say(f"\nstopped by {loop.stopped} after step {loop.end}: {where}")
+        say("run the same command to resume")
+    return report
+
+
+@dataclass
+class Loop:
+    state: object
+    end: int  # steps done (the data position)
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    saved: set[int] = field(default_factory=set)  # steps checkpointed
+    stopped: str | None = None  # the signal that ended it early
+    nonfinite: int | None = None  # the first step (1-based) that was not finite, with `stop`
+    diverged: str | None = None  # which copies of which leaves differed (replica check)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+
+
+def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
+    """state -> the mean loss over train.eval_batches held-out batches (one compiled
+    forward step, in the training layout)."""
+    sharding, shapes = run.engine.batch_sharding, run.step.batch_shapes
+    n = run.cfg.train.eval_batches
+
+    def evaluate(state) -> float:
+        losses = [
+            run.engine.evaluate(state, batch_for(eval_batches, i, sharding, shapes))
+            for i in range(n)
+        ]
+        return float(np.mean(jax.device_get(losses)))
+
+    return evaluate
+
+
+def _throughput(run: Run, step_s: float) -> dict:
+    return throughput.figures(
+        run.flops_per_step, run.tokens_per_step, step_s, run.mesh.size, run.peak_flops
+    )
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What a loop does beside stepping: all off by default (the bench's bare loop)."""
+
+    progress: bool = False  # a progress bar
+    every: int = 0  # save every N steps, with `save(state, step)`
+    save: Callable | None = None
+    stops: _Stops | None = None  # signals that ask it to stop after the step in flight
+    profile: Path | None = None  # steps train.profile_steps traced into this folder
+    evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
+
+
+def run_loop(
+    run: Run,
+    state,
+    batches,
+    log: metrics.MetricsLog,
+    start: int = 0,
+    opts: LoopOptions | None = None,
+) -> Loop:
+    """Run steps start+1 .. train.steps (with what `opts` adds). Step n is dispatched
+    before step n-1's metrics are read (`settle`), so the device never waits on Python."""
+    cfg, opts = run.cfg.train, opts or LoopOptions()
+    compiled, sharding = run.step.executable, run.engine.batch_sharding
+    loop = Loop(state, start)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress)
+    rows = _Rows(run, loop, log, bar)
+    pending = None  # (step, metrics on device) of the step in flight
+    span = profile_range(cfg) if opts.profile else None
+    tracing = False
+    for step in range(start, cfg.steps):
+        if loop.nonfinite is not None or loop.diverged or (opts.stops and opts.stops.asked):
+            break
+        if span and step + 1 == span[0]:
+            jax.profiler.start_trace(str(opts.profile))
+            tracing = True
+        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+            batch = batch_for(batches, step, sharding, run.step.batch_shapes)
+            loop.state, step_metrics = compiled(loop.state, batch)
+        if tracing and step + 1 == span[1]:
+            jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
+            jax.profiler.stop_trace()
+            tracing = False
+        loop.end = step + 1
+        if pending is not None:
+            rows.settle(*pending)
+        pending = (step, step_metrics)
+        if run.check and loop.end % cfg.check_replicas_every == 0:
+            loop.diverged = run.check(loop.state)
+            if loop.diverged:
+                continue  # (saved by checkpoint.Saver.finish, as the state it is)
+        due_eval = opts.evaluate is not None and loop.end % cfg.eval_every == 0
+        due_save = opts.every and loop.end % opts.every == 0
+        if due_eval or due_save:
+            # this step's metrics row (and eval loss) is written before its checkpoint
+            # exists: a resume from it then misses no row
+            rows.settle(*pending, evaluate=opts.evaluate if due_eval else None)
+            pending = None
+        if due_save:
+            opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
+            loop.saved.add(loop.end)
+    if tracing:  # stopped (a signal, a non-finite step) inside the span
+        jax.profiler.stop_trace()
+    if pending is not None:
+        rows.settle(*pending)
+    bar.close()
+    if loop.nonfinite is not None:  # `stop` froze the state at the last good step
+        loop.end = loop.nonfinite - 1
+    loop.stopped = opts.stops.asked if opts.stops and loop.end < cfg.steps else None
+    return loop
+
+
+class _Rows:
+    """Each settled step's loss and times into `loop`, and its metrics row (every
+    train.log_every steps, the first and last, and any not finite) into `log` and the
+    progress bar."""
+
+    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar):
+        self.run, self.loop, self.log, self.bar = run, loop, log, bar
+        self.last = time.perf_counter()
+        self.since_log: list[float] = []
+
+    def settle(self, step: int, device_metrics, evaluate: Callable | None = None) -> None:
+        """Step `step`'s metrics read to the host (waiting for that step only); with
+        `evaluate`, the held-out loss of the state now (its time kept out of the step's)."""
+        cfg, loop = self.run.cfg.train, self.loop
+        host = jax.device_get(device_metrics)
+        now = time.perf_counter()
+        loop.times.append(now - self.last)
+        self.since_log.append(now - self.last)
+        eval_loss = evaluate(loop.state) if evaluate else None
+        self.last = time.perf_counter()
+        loss, grad_norm = float(host.loss), float(host.grad_norm)
+        loop.losses.append(loss)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
+            loop.nonfinite = step + 1
+        self.bar.update(1)
+        if eval_loss is not None:
+            loop.eval_losses.append((step + 1, eval_loss))
+        logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
+        if not (logged or not finite or eval_loss is not None):
+            return
+        dt = float(np.mean(self.since_log))
+        self.since_log.clear()
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(host.lr),
+            "step_time_s": dt,
+            **_throughput(self.run, dt),
+            "skipped": int(host.skipped),
+            "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
+            **({} if eval_loss is None else {"eval_loss": eval_loss}),
+            **{name: float(value) for name, value in sorted(host.reports.items())},
+        }
+        self.log.write(row)
+        speed = (
+            {"mfu": f"{row['mfu']:.1%}"}
+            if row["mfu"] is not None
+            else {"gflop_s": f"{row['flops_per_s_per_device'] / 1e9:.1f}"}
+        )
+        if loop.eval_losses:
+            speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
+
+
+class _Stops:
+    """SIGINT / SIGTERM during training: the first asks the loop to stop after the step
+    in flight; a second exits at once (os._exit: no cleanup that could touch the last
+    complete checkpoint, and orbax never takes a half-written one for the latest)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.asked: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.asked:
+            os._exit(128 + signum)
+        self.asked = name
+        tqdm.write(f"\n{name}: stopping after this step and saving (again to exit at once)")
+
+    def __enter__(self) -> _Stops:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _checkpoint_dir(ckpt: Checkpoint, out_dir: Path | None) -> Path | None:
+    if ckpt.dir:
+        return Path(ckpt.dir)
+    return out_dir / "checkpoints" if out_dir else None
+
+
+def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: checkpoint.Saver) -> str:
+    """Which step, and which parameters' gradients were not finite: recomputed from the
+    saved last good state and that step's batch (the same computation as the step)."""
+    step = loop.nonfinite
+    batch = batch_for(batches, step - 1, run.engine.batch_sharding, run.step.batch_shapes)
+    grads = jax.device_get(run.engine.grads(state, batch))
+    bad = [
+        leaf_key(path)
+        for path, g in jax.tree_util.tree_leaves_with_path(grads)
+        if not np.isfinite(g).all()
+    ]
+    leaves = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    where = f"saved to {saver.where(step - 1)}" if saver.opened else "not saved (no --out)"
+    return (
+        f"step {step}: the loss or gradients are not finite "
+        f"({'gradients of ' + leaves if bad else 'the loss'}); the state before it is "
+        f"{where}. Lower train.lr, or set train.on_nonfinite=skip to step over such batches"
+    )
