@@ -314,17 +314,26 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     return build
 
 
+def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """One safetensors file, readable as the umask allows (safetensors itself writes
+    0600, whatever the umask)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def export(fmt: HFFormat, model, seq_len: int, params: dict, to: Path) -> int:
     """Write `params` (host arrays in our own layout, by key) and the model's config as a
     Hugging Face checkpoint directory; returns the number of tensors."""
-    from safetensors.numpy import save_file
-
     tensors = {}
     for t in fmt.tensors(model):
         ours = np.asarray(params[t.key])
         stacked = ours.shape[: len(t.stacked)]
         tensors |= {t.file_name(i): to_file(t, ours[i]) for i in np.ndindex(stacked)}
     to.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(to / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, to / "model.safetensors", {"format": "pt"})
     (to / "config.json").write_text(json.dumps(fmt.config_to_hf(model, seq_len), indent=2) + "\n")
     return len(tensors)

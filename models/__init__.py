@@ -3,7 +3,8 @@
 module, so that naming one imports no jax until it is built.
 
 To add a model: write `models/NAME.py` with its module and `SPEC`, add one line below,
-and a preset in jaxpar/configs/ (a model with keys of its own declares its config
+and a preset in jaxpar/configs/; to add a Hugging Face family of the Llama model, one
+record in models/families.py and a preset (a model with keys of its own declares its config
 class here too, so that --help and the config checks need no jax). Nothing else in
 jaxpar names a model.
 """
@@ -15,6 +16,8 @@ from typing import Annotated
 from jaxpar.config.options import Range, key
 from jaxpar.config.registry import register_module
 from jaxpar.config.sections import Model
+
+from .families import FAMILIES
 
 
 class RopeScaling(enum.StrEnum):
@@ -113,9 +116,8 @@ class LlamaConfig(Model):
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
-register_module("llama", "jaxpar.models.llama", config=LlamaConfig, tiny="llama-tiny")
-# the Llama model with a family's keys, each with its own Hugging Face adapter
-for family in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
+# the Llama model and its Hugging Face families, a record each (models/families.py)
+for family in FAMILIES:
     register_module(
-        family, f"jaxpar.models.llama:{family.upper()}", config=LlamaConfig, tiny=f"{family}-tiny"
+        family.name, "jaxpar.models.llama", config=LlamaConfig, tiny=f"{family.name}-tiny"
     )

@@ -99,13 +99,6 @@ def flops_per_token(model: Model, block_flops: float) -> float:
     return 3 * (model.layers * block_flops + 2 * 2 * model.vocab * model.embed)
 
 
-def tensor_elements(model: Model, per_block: int, rows: int, seq_len: int) -> float:
-    """Elements Megatron all-reduces over `tensor` per micro-batch of `rows` sequences:
-    `per_block` [rows, seq, embed] activations per block (forward and backward), plus the
-    vocab-split embedding (forward) and output projection (backward)."""
-    return (per_block * model.layers + 2) * rows * seq_len * model.embed
-
-
 def language_model_stages(model: Model, block_flops: float) -> Stages:
     """A model with `embed`, `blocks` and `logits` cut into pipeline stages, with forward
     FLOPs per token of the embedding, one block and the output head (for balancing)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config.registry import AttentionDims, ModelSpec
+from jaxpar.config.registry import AttentionDims, BlockKind, ModelDims, ModelSpec
 from jaxpar.config.sections import Model
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
@@ -23,7 +23,6 @@ from .common import (
     language_model_stages,
     next_token_loss,
     normal,
-    tensor_elements,
 )
 
 
@@ -121,27 +120,15 @@ def block_flops(m: Model, seq_len: int) -> float:
     return 2 * (4 * m.embed**2 + 2 * m.embed * m.mlp) + 4 * seq_len * m.embed
 
 
-def activation_bytes(
-    m: Model, seq_len: int, tensor: int, scores: bool = True, context: int = 1
-) -> float:
-    """Korthikanti et al.: 34 s h + 5 a s^2 bytes per layer and sequence in 16-bit, the
-    tensor-split parts divided by the degree, a context device's 1/context of them (its
-    queries' scores against every key). A fused or blocked attention (`scores` False)
-    keeps no [S, S] scores, only their fp32 softmax statistics, 4 a s bytes."""
-    s = seq_len
-    kept = 5 * m.heads * s * s if scores else 4 * m.heads * s
-    return (s * m.embed * (10 + 24 / tensor) + kept / tensor) / context
-
-
 SPEC = ModelSpec(
     name="gpt",
     build=lambda model, seq_len, rngs: GPT(model, seq_len, rngs),
     loss=next_token_loss,
     stages=lambda m, seq_len: language_model_stages(m, block_flops(m, seq_len)),
     flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
-    activation_bytes=activation_bytes,
-    # attention and MLP: 2 each way per block
-    tensor_elements=lambda m, rows, seq_len, tensor: tensor_elements(m, 4, rows, seq_len),
+    dims=lambda m, seq_len: ModelDims(
+        BlockKind.GPT, seq_len, m.layers, m.embed, m.mlp, m.heads, m.heads, m.embed // m.heads
+    ),
     check=check,
     tiny="gpt-tiny",
     attention_dims=lambda m: AttentionDims(m.layers, m.heads, m.heads, m.embed // m.heads),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config.registry import AttentionDims, ExpertDims, ModelSpec
+from jaxpar.config.registry import AttentionDims, BlockKind, ExpertDims, ModelDims, ModelSpec
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, SEQ_RESIDUAL, VOCAB
 from jaxpar.nn import documents
@@ -40,8 +40,8 @@ from .common import (
     normal,
     token_losses,
 )
-from .common import tensor_elements as tensor_elements_of
-from .llama_hf import FAMILIES, HF
+from .families import FAMILIES, Family
+from .llama_hf import FORMATS
 from .moe import Load, MoE, balance_loss, capacity, report_load
 
 
@@ -434,54 +434,18 @@ def block_flops(m: LlamaConfig, seq_len: int) -> float:
     return 2 * matmuls + 4 * seq_len * q
 
 
-def activation_bytes(
-    m: LlamaConfig, seq_len: int, tensor: int, scores: bool = True, context: int = 1
-) -> float:
-    """What a block keeps for its backward pass per sequence (a device's 1/context of
-    its tokens), 16-bit: the input and both norms' outputs, q/k/v before and after
-    rotation, the repeated k/v, the scores against every key and probabilities (`scores`;
-    else their fp32 softmax statistics, 2 16-bit units a head), the attention output;
-    gate, up, silu(gate) and the product (with experts: of each slot the device runs,
-    1/context of the capacity, and each slot's input, the router's logits and
-    probabilities; split over context, of the whole sequence, gathered, and the
-    output's part)."""
-    tokens = seq_len / context
-    kv = m.kv_heads * head_size(m)
-    kv_split = tensor if m.kv_heads % tensor == 0 else 1
-    mlp = 4 * m.mlp / tensor
-    if m.experts:  # the mean block's: n - 1 dense, one sparse
-        slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
-        held = -(-slots // context)
-        sparse = m.experts * held / tokens * (m.embed + mlp) + 2 * m.experts * context
-        if context > 1:
-            sparse += 2 * m.embed * context
-        mlp = ((m.moe_every - 1) * mlp + sparse) / m.moe_every
-    per_token = 3 * m.embed + 6 * m.embed / tensor + mlp + 4 * kv / kv_split
-    attention = 2 * m.heads * (seq_len if scores else 1) / tensor
-    return 2 * tokens * (per_token + attention)
-
-
-def tensor_elements(m: LlamaConfig, rows: int, seq_len: int, tensor: int) -> float:
-    """Megatron's all-reduces per micro-batch of `rows` sequences: per block o and down
-    row-split (forward), the fused q/k/v and gate/up inputs (backward); the vocab-split
-    embedding and head; and the gradients of key/value weights left whole."""
-    return tensor_elements_of(m, 4, rows, seq_len) + m.layers * _kv_grads(m, tensor)
-
-
-def _kv_grads(m: LlamaConfig, t: int) -> float:
-    """Key/value heads that `tensor` does not divide are whole on every device, each
-    using its query heads' share, so the k and v weights' gradients are summed over
-    `tensor`: where t is a multiple of kv_heads, each head's among the t / kv_heads
-    devices that hold its query heads, then gathered; else over all t. In all-reduce
-    elements (2(t-1)/t each on the wire), per block."""
-    if m.kv_heads % t == 0:
-        return 0.0
-    whole = m.embed * m.kv_heads * head_size(m)  # one of wk, wv
-    if t % m.kv_heads:
-        return 2 * whole
-    g = t // m.kv_heads
-    wire = 2 * (g - 1) / g * whole / m.kv_heads + (m.kv_heads - 1) / m.kv_heads * whole
-    return 2 * wire / (2 * (t - 1) / t)
+def dims(m: LlamaConfig, seq_len: int) -> ModelDims:
+    return ModelDims(
+        BlockKind.LLAMA,
+        seq_len,
+        m.layers,
+        m.embed,
+        m.mlp,
+        m.heads,
+        m.kv_heads,
+        head_size(m),
+        expert_dims(m, seq_len),
+    )
 
 
 def attention_dims(m: LlamaConfig) -> AttentionDims:
@@ -508,54 +472,38 @@ SPEC = ModelSpec(
     loss=loss,
     stages=stages,
     flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
-    activation_bytes=activation_bytes,
-    tensor_elements=tensor_elements,
+    dims=dims,
     check=check,
     config=LlamaConfig,
     tiny="llama-tiny",
-    hf=HF,
     cache_dims=cache_dims,
     attention_dims=attention_dims,
     expert_dims=expert_dims,
 )
 
 
-# The families: the Llama model with their keys, each read and written by its adapter
-# (models/llama_hf.py), each refusing keys that are not its own.
-FAMILY_KEYS = {
-    "llama": {},
-    "mistral": {"sliding_window": None},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "mixtral": {"sliding_window": None, "experts": None, "router_aux_loss": None},
-    "qwen3_moe": {"qk_norm": True, "experts": None, "router_aux_loss": None},
-}
-MIXTURES = {"mixtral": "Mixtral 8x7B: 8", "qwen3_moe": "Qwen3-30B-A3B: 128, with 8 a token"}
-
-
-def family_check(family: str):
-    """check(), and the family's keys: those it must set, none of the others'."""
-    own = FAMILY_KEYS[family]
+def family_check(family: Family):
+    """check(), and the family's keys: those it fixes, none of the others' own."""
 
     def checked(m: LlamaConfig, mesh_shape: dict) -> None:
         check(m, mesh_shape)
-        if family in MIXTURES and not m.experts:
+        if family.mixture and not m.experts:
             raise ConfigError(
-                f"model.name={family} is a mixture of experts: set model.experts "
-                f"({MIXTURES[family]}, with model.experts_per_token)"
+                f"model.name={family.name} is a mixture of experts: set model.experts "
+                f"({family.mixture}, with model.experts_per_token)"
             )
-        for key, value in own.items():
-            if value is not None and getattr(m, key) != value:
+        for key, value in family.fixed.items():
+            if getattr(m, key) != value:
                 raise ConfigError(
-                    f"model.name={family} has model.{key}={str(value).lower()}; drop "
+                    f"model.name={family.name} has model.{key}={str(value).lower()}; drop "
                     f"model.{key}={str(getattr(m, key)).lower()}"
                 )
-        for other, keys in FAMILY_KEYS.items():
-            for key in keys.keys() - own.keys():
-                if getattr(m, key):
+        for other in FAMILIES:
+            for key in (*other.fixed, *other.free):
+                if not family.owns(key) and getattr(m, key):
                     raise ConfigError(
-                        f"model.{key}={getattr(m, key)} is {other}'s, not {family}'s; set "
-                        f"model.name={other}, or drop model.{key}"
+                        f"model.{key}={getattr(m, key)} is {other.name}'s, not {family.name}'s; "
+                        f"set model.name={other.name}, or drop model.{key}"
                     )
 
     return checked
@@ -570,10 +518,16 @@ def notes(m: LlamaConfig, seq_len: int) -> list[str]:
     return []
 
 
-SPEC = dataclasses.replace(SPEC, check=family_check("llama"), notes=notes)
-MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE = (
-    dataclasses.replace(
-        SPEC, name=family, check=family_check(family), tiny=f"{family}-tiny", hf=FAMILIES[family]
-    )  # fmt: skip
-    for family in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-)
+# model.name -> its spec: the Llama model as each family reads and writes it
+SPECS = {
+    family.name: dataclasses.replace(
+        SPEC,
+        name=family.name,
+        check=family_check(family),
+        notes=notes,
+        tiny=f"{family.name}-tiny",
+        hf=FORMATS[family.name],
+    )
+    for family in FAMILIES
+}
+SPEC = SPECS["llama"]

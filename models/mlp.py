@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxpar.config.registry import ModelSpec
+from jaxpar.config.registry import BlockKind, ModelDims, ModelSpec
 from jaxpar.config.sections import Model
 from jaxpar.names import BATCH, EMBED, SEQ, VOCAB
 from jaxpar.nn.layers import constrain, param, scan_layers, stack
@@ -18,7 +18,6 @@ from .common import (
     language_model_stages,
     next_token_loss,
     normal,
-    tensor_elements,
 )
 
 
@@ -56,11 +55,6 @@ SPEC = ModelSpec(
     loss=next_token_loss,
     stages=lambda m, seq_len: language_model_stages(m, 4 * m.embed * m.mlp),
     flops_per_token=lambda m, seq_len: flops_per_token(m, 4 * m.embed * m.mlp),
-    # per position: the layer's input, LayerNorm's output and the hidden activation
-    activation_bytes=lambda m, seq_len, tensor, scores: (
-        seq_len * (4 * m.embed + 3 * m.mlp / tensor)
-    ),
-    # one feed-forward per block, 1 each way
-    tensor_elements=lambda m, rows, seq_len, tensor: tensor_elements(m, 2, rows, seq_len),
+    dims=lambda m, seq_len: ModelDims(BlockKind.MLP, seq_len, m.layers, m.embed, m.mlp),
     tiny="mlp-tiny",
 )

@@ -53,7 +53,7 @@ def chat_data(hf: Path, folder: Path, count: int) -> None:
     if (folder / "tokens" / "meta.json").is_file():
         return
     write_conversations(folder / "chat.jsonl", count)
-    meta = prepare([folder / "chat.jsonl"], hf, folder / "tokens", val_fraction=0.05, fmt="chat")
+    meta = prepare([folder / "chat.jsonl"], hf, folder / "tokens", fmt="chat")
     trained = meta["loss_mask"]["trained_tokens"]["train"]
     print(f"chat data: {meta['train_tokens']:,} tokens, {trained:,} of them answers")
 

@@ -1,9 +1,9 @@
 """A tiny random Llama saved as a Hugging Face checkpoint, with a BPE tokenizer trained
 on the text CPython ships (pydoc topics), with a ChatML chat template, and that text as
-a file: everything the README's real-model walk-through needs, without a download (needs
-transformers, tokenizers).
+a file: everything the fine-tuning walk-through (docs/fine-tuning.md) needs, without a
+download. It needs transformers: `pip install -e '.[hf]'`.
 
-    python scripts/make_tiny_llama.py --out runs/tiny-llama --text runs/corpus.txt
+    .venv/bin/python scripts/make_tiny_llama.py --out runs/tiny-llama --corpus-out runs/corpus.txt
 """
 
 import argparse
@@ -50,14 +50,24 @@ def save_tokenizer(folder: Path, text: str, vocab: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder")
-    parser.add_argument("--text", type=Path, required=True, help="where the text goes")
+    parser.add_argument(
+        "--corpus-out",
+        type=Path,
+        required=True,
+        help="where to write the text the tokenizer was trained on (a file this writes)",
+    )
     parser.add_argument("--vocab", type=int, default=512)
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise SystemExit(
+            "make_tiny_llama.py needs transformers and torch: .venv/bin/pip install -e '.[hf]'"
+        ) from None
 
     text = corpus_bytes().decode()
-    args.text.parent.mkdir(parents=True, exist_ok=True)
-    args.text.write_text(text)
+    args.corpus_out.parent.mkdir(parents=True, exist_ok=True)
+    args.corpus_out.write_text(text)
     config = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=128,
@@ -70,7 +80,8 @@ def main() -> None:
     )
     LlamaForCausalLM(config).save_pretrained(args.out)
     save_tokenizer(args.out, text, args.vocab)
-    print(f"wrote {args.out} (LlamaForCausalLM, a tokenizer with a chat template) and {args.text}")
+    made = "LlamaForCausalLM, a tokenizer with a chat template"
+    print(f"wrote {args.out} ({made}) and {args.corpus_out}")
 
 
 if __name__ == "__main__":

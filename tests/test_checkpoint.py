@@ -4,8 +4,8 @@ import dataclasses
 import json
 import math
 import os
-import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -205,41 +205,63 @@ def test_sigterm_saves_and_exits_0(tmp_path):
     assert rows[-1]["step"] == int(saved)
 
 
+# A `jaxpar train` that kills itself (SIGKILL: no handler, no cleanup) at one moment of
+# step or save K, or during its restore: the moments a kill -9 can hurt.
+KILLING = """
+import os, signal, sys, threading
+from jaxpar.cli.main import main
+from jaxpar.training import checkpoint, trainer
+
+where, k = sys.argv[1], int(sys.argv[2])
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if where == "mid-step":  # step K-1 running on the devices, K's batch being read
+    fetch = trainer.batch_for
+    trainer.batch_for = lambda f, i, *a: die() if i == k else fetch(f, i, *a)
+elif where == "in-save":  # save K started: its files being written in the background
+    save = checkpoint.Checkpoints.save
+    checkpoint.Checkpoints.save = lambda self, step, *a: (save(self, step, *a), step == k and die())
+elif where == "at-commit":  # save K written in full, its folder not yet renamed into place
+    rename = os.rename
+    os.rename = lambda src, dst: die() if os.path.basename(dst) == str(k) else rename(src, dst)
+elif where == "in-restore":  # the resume's restore under way
+    restore = checkpoint.Checkpoints.restore
+    def restoring(self, *a):
+        threading.Timer(0.05, die).start()  # inside the restore, or at its end at the latest
+        restore(self, *a)
+        die()
+    checkpoint.Checkpoints.restore = restoring
+sys.exit(main(sys.argv[3:]))
+"""
+KILLS = {  # trial -> the kills before the run that finishes, each (where, K)
+    "mid-step": [("mid-step", 4)],
+    "in-save": [("in-save", 3)],
+    "at-commit": [("at-commit", 3)],
+    "in-restore": [("in-save", 3), ("in-restore", 0)],
+}
+
+
 @pytest.mark.slow
-def test_kill_9_at_random_moments_resumes_to_the_straight_run(tmp_path):
-    """10 trials: kill -9 at a random moment (checkpoint.every=1: mostly while a save is
-    being written), then the same command again, until it finishes; every trial ends
-    with the straight run's losses, each step once."""
-    args = [
-        "--config",
-        "gpt-tiny",
-        "--cpu-devices",
-        "2",
-        "parallel.data=2",
-        "train.steps=30",
-        "checkpoint.every=1",
-        "checkpoint.keep=2",
-        "data.source=synthetic",
-    ]
+def test_kill_9_where_it_can_hurt_resumes_to_the_straight_run(tmp_path):
+    """kill -9 mid-step, inside an asynchronous save, between a save and its commit,
+    and during a restore; then the same command again until it finishes: each run ends
+    with the straight run's losses, every step once."""
+    args = ["train", "--config", "gpt-tiny", "--cpu-devices", "2", "parallel.data=2"]
+    args += ["train.steps=6", "checkpoint.every=1", "checkpoint.keep=2"]
+    args += ["data.source=synthetic"]
 
-    def command(out):
-        return [sys.executable, "-m", "jaxpar.cli.main", "train", *args, "--out", str(out)]
+    def command(out, kill=("none", 0)):
+        return [sys.executable, "-c", KILLING, *map(str, kill), *args, "--out", str(out)]
 
-    start = time.time()
     straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True)
     assert straight.returncode == 0, straight.stderr
-    total = time.time() - start
-    want = losses(tmp_path / "straight")
-    rng = random.Random(0)
-    for trial in range(10):
-        out = tmp_path / f"trial{trial}"
-        proc = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 1.0) * total)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    for trial, kills in KILLS.items():
+        out = tmp_path / trial
+        for kill in kills:
+            killed = subprocess.run(command(out, kill), capture_output=True, text=True)
+            assert killed.returncode == -signal.SIGKILL, f"{trial} {kill}: {killed.stderr}"
         done = subprocess.run(command(out), capture_output=True, text=True)
-        assert done.returncode == 0, f"trial {trial}: {done.stderr}"
-        assert losses(out) == want, f"trial {trial}"
+        assert done.returncode == 0, f"{trial}: {done.stderr}"
+        assert losses(out) == losses(tmp_path / "straight"), trial
 
 
 def nan_problem():
@@ -390,6 +412,9 @@ def test_export_writes_safetensors_in_the_model_layout(tmp_path, capsys, devices
     result = train(overrides, tmp_path / "run")
     assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "m.safetensors")]) == 0
     assert "of step 2" in capsys.readouterr().out
+    umask = os.umask(0)
+    os.umask(umask)  # readable as the umask allows (safetensors alone writes 0600)
+    assert stat.S_IMODE((tmp_path / "m.safetensors").stat().st_mode) == 0o666 & ~umask
     exported = load_file(str(tmp_path / "m.safetensors"))  # safetensors alone, no jaxpar
     assert set(exported) == set(result.params)
     for key, value in exported.items():

@@ -64,10 +64,11 @@ def test_train_writes_run_directory(tmp_path):
     assert "HloModule" in (out / "step.hlo.txt").read_text()[:200]
     # no checkpoint key set: the final state is kept all the same, and said where
     assert summary["checkpoint"] == str(out / "checkpoints" / "4")
-    assert f"weights: {out / 'checkpoints' / '4'} (jaxpar export {out})" in proc.stdout
-    exported = jaxpar_command("export", str(out), "--to", str(tmp_path / "w.safetensors"))
+    assert f"weights: {out / 'checkpoints' / '4'}" in proc.stdout
+    assert f"jaxpar export {out} --to {out / 'model.safetensors'}" in proc.stdout
+    exported = jaxpar_command("export", str(out), "--to", str(out / "model.safetensors"))
     assert exported.returncode == 0, exported.stderr
-    assert jaxpar.load_exported(tmp_path / "w.safetensors")
+    assert jaxpar.load_exported(out / "model.safetensors")
 
 
 @pytest.mark.slow

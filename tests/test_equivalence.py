@@ -3,12 +3,11 @@
 import pytest
 from helpers import assert_same_training, run
 from helpers import reference as shared_reference
+from layouts import STRATEGIES as LAYOUTS
 
-from jaxpar.cli import bench
-
-# the bench's strategies (one list), and ZeRO-3 with recomputed layers
+# every strategy, and ZeRO-3 with recomputed layers
 STRATEGIES = {
-    **bench.STRATEGIES,
+    **LAYOUTS,
     "dp4-tp2-zero3-remat": (
         "parallel.data=4",
         "parallel.tensor=2",

@@ -10,9 +10,9 @@ from pathlib import Path
 import jax
 import pytest
 from helpers import compile_only
+from layouts import STRATEGIES
 
 from jaxpar.cli import commands
-from jaxpar.cli.bench import STRATEGIES
 from jaxpar.config import presets
 from jaxpar.parallel.mesh import resolve_degrees
 from jaxpar.parallel.sharding import SPEC_FIELDS, plan

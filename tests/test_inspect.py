@@ -22,3 +22,16 @@ def test_the_command_prints_leaves_and_the_ledger_and_draws(tmp_path, capsys, de
     assert "blocks/mlp/w_in" in out and "(-, data, tensor)" in out  # storage: ZeRO + Megatron
     assert "x the textbook minimum" in out
     assert (tmp_path / "layout.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_picture_names_each_column_on_every_inner_axis():
+    """An expert layout's columns are (expert, pipeline, context, tensor) coordinates, not
+    pipeline alone: expert=4 x tensor=2 has 8 distinct column names."""
+
+    class Mesh:
+        shape = {"expert": 4, "pipeline": 1, "context": 1, "tensor": 2}
+
+    columns = [inspect._column(Mesh, k) for k in range(8)]
+    assert columns[:3] == ["e0 p0 t0", "e0 p0 t1", "e1 p0 t0"] and columns[-1] == "e3 p0 t1"
+    Mesh.shape = {"expert": 1, "pipeline": 2, "context": 2, "tensor": 2}
+    assert inspect._column(Mesh, 7) == "p1 c1 t1"

@@ -4,11 +4,10 @@ textbook minimum of communication (its own Megatron count, GQA included)."""
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
 from helpers import reference as shared_reference
-
-from jaxpar.cli import bench
+from layouts import STRATEGIES
 
 LAYOUTS = {
-    **bench.STRATEGIES,  # data, ZeRO 0-3, tensor 2/4/8 (kv_heads=2: split, then whole)
+    **STRATEGIES,  # data, ZeRO 0-3, tensor 2/4/8 (kv_heads=2: split, then whole)
     "3d-1f1b": tuple(THREE_D_1F1B),
     "pp2-gpipe-m4": (
         "parallel.data=4", "parallel.pipeline=2", "parallel.microbatches=4",

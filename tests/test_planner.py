@@ -5,9 +5,9 @@ import sys
 
 import pytest
 from helpers import THREE_D_1F1B, compile_only
+from layouts import STRATEGIES
 
 from jaxpar.cli import main as cli
-from jaxpar.cli.bench import STRATEGIES
 from jaxpar.config import presets
 from jaxpar.config.sections import Offload
 from jaxpar.cost import formulas as cost

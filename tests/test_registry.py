@@ -124,3 +124,23 @@ def test_no_model_is_named_outside_models():
         for name in names:
             found = re.findall(rf"[\"']{name}[\"']", path.read_text())
             assert not found, f"{path.name} names the model {name!r}"
+
+
+def test_a_family_is_one_record():
+    """Each Hugging Face family is its record in models/families.py and nothing else:
+    registered as a model with its preset, read and written with its architecture, and
+    named by no other file of jaxpar or its models."""
+    from jaxpar.models.families import FAMILIES
+
+    root = Path(__file__).resolve().parent.parent
+    library = [p for p in (root / "jaxpar").rglob("*.py") if "models" not in p.parts]
+    sources = [*library, *(p for p in (root / "models").glob("*.py") if p.name != "families.py")]
+    for family in FAMILIES:
+        spec = registry.get(family.name)
+        assert spec.hf.architecture == family.architecture
+        assert registry.tiny_preset(family.name) == f"{family.name}-tiny"
+        assert f"{family.name}-tiny" in presets.preset_names()
+        if family.name == "llama":
+            continue  # the base model's own name is its module's
+        named = [p.name for p in sources if re.search(rf"[\"']{family.name}[\"']", p.read_text())]
+        assert named == [], (family.name, named)

@@ -357,24 +357,33 @@ REMAT_COLUMNS = {
 }
 
 
-def _section(title: str, kind: str, configs: dict, columns: dict, steps: int, base: Base) -> dict:
-    results, skipped = {}, {}
-    for name, overrides in configs.items():
-        try:
-            results[name] = measure(overrides, steps, base)
-        except config.ConfigError as e:
-            skipped[name] = str(e)
-        print(f"{'skipped' if name in skipped else 'measured'} {name}", flush=True)
-    rows = [[name, *(cell(r) for cell in columns.values())] for name, r in results.items()]
-    rows += [[name, *("-" for _ in columns)] for name in skipped]
+def _show(tables: dict, section: str, title: str, text: str) -> None:
+    """A section's table, printed and kept under `section` in `tables` (what --out
+    writes beside the figures, and the docs show: scripts/update_docs.py)."""
     print(f"\n{title}\n")
-    print(table(rows, [kind, *(h.strip() for h in columns)]))
-    for name, reason in skipped.items():
-        print(f"  skipped {name}: {reason}")
-    return {**results, **{name: {"skipped": reason} for name, reason in skipped.items()}}
+    print(text)
+    tables[section] = {"title": title, "table": text}
 
 
-def compile_seconds(base: Base) -> dict:
+def _section(
+    name: str, tables: dict, title: str, kind: str, configs: dict, columns: dict, steps: int, base
+) -> dict:
+    results, skipped = {}, {}
+    for case, overrides in configs.items():
+        try:
+            results[case] = measure(overrides, steps, base)
+        except config.ConfigError as e:
+            skipped[case] = str(e)
+        print(f"{'skipped' if case in skipped else 'measured'} {case}", flush=True)
+    rows = [[case, *(cell(r) for cell in columns.values())] for case, r in results.items()]
+    rows += [[case, *("-" for _ in columns)] for case in skipped]
+    _show(tables, name, title, table(rows, [kind, *(h.strip() for h in columns)]))
+    for case, reason in skipped.items():
+        print(f"  skipped {case}: {reason}")
+    return {**results, **{case: {"skipped": reason} for case, reason in skipped.items()}}
+
+
+def compile_seconds(base: Base, tables: dict) -> dict:
     """Seconds to trace, lower and compile each layout's step at each depth, and the
     lines of its optimized HLO (what the compiler had to work through); printed as a
     table with compile(deepest) / compile(shallowest)."""
@@ -398,9 +407,9 @@ def compile_seconds(base: Base) -> dict:
         ]
         for name, t in results.items()
     ]
-    print(f"\ncompile seconds by depth, {base} on {jax.device_count()} devices\n")
+    title = f"compile seconds by depth, {base} on {jax.device_count()} devices"
     header = ["layout", *map(str, COMPILE_DEPTHS), f"{last} / {first}", "HLO lines"]
-    print(table(rows, header))
+    _show(tables, "compile", title, table(rows, header))
     return results
 
 
@@ -410,7 +419,7 @@ LONGEST_LENGTHS = tuple(sorted(n * 2**k for n in (256, 384) for k in range(6)))
 LONGEST_GPU = tuple(4096 * 2**k for k in range(9))  # 4k .. 1M (train.seq_len at most)
 
 
-def longest_sequences() -> dict:
+def longest_sequences(tables: dict) -> dict:
     """The longest sequence (of those listed) one row of which fits a per-device budget, for
     context = 1, 2, 4, 8: measured on llama-tiny from the compiled step's temporaries
     (compiled, not run; the CPU keeps each layer's [S/C, S] scores, so memory grows as
@@ -451,16 +460,16 @@ def longest_sequences() -> dict:
         for c in measured
     ]  # fmt: skip
     budget = human_bytes(LONGEST_BUDGET)
-    print(
-        f"\nthe longest sequence that fits, one row a device: llama-tiny in {budget} of "
-        "temporaries (CPU, measured), llama3-8b in 80 GB (GPU, predicted)\n"
+    title = (
+        f"the longest sequence that fits, one row a device: llama-tiny in {budget} of "
+        "temporaries (CPU, measured), llama3-8b in 80 GB (GPU, predicted)"
     )
     header = ["context", "CPU tokens", "x", "8B GPU tokens", "x"]
-    print(table(rows, header))
+    _show(tables, "longest", title, table(rows, header))
     return {"measured": measured, "predicted": predicted}
 
 
-def plan_seconds() -> dict:
+def plan_seconds(tables: dict) -> dict:
     """Seconds `jaxpar plan` takes to rank every layout of PLAN_70B (gpt-tiny's model
     scaled to 70B) on 64 devices over 8 hosts, and how many it considered."""
     from jaxpar.cost import planner
@@ -470,9 +479,9 @@ def plan_seconds() -> dict:
     start = time.perf_counter()
     plan = planner.make_plan(cfg, problem, planner.machine(64, "80GB", hosts=8), work)
     seconds = time.perf_counter() - start
-    print(f"\njaxpar plan, a 70B GPT on 64 devices over 8 hosts ({' '.join(PLAN_70B)})\n")
+    title = f"jaxpar plan, a 70B GPT on 64 devices over 8 hosts ({' '.join(PLAN_70B)})"
     rows = [[str(plan.considered), str(len(plan.ranked)), f"{seconds:.2f}"]]
-    print(table(rows, ["layouts considered", "fit", "seconds"]))
+    _show(tables, "plan", title, table(rows, ["layouts considered", "fit", "seconds"]))
     return {"seconds": seconds, "considered": plan.considered, "fit": len(plan.ranked)}
 
 
@@ -484,7 +493,7 @@ GENERATE_LAYOUTS = {
 GENERATE_PROMPTS, GENERATE_NEW = (8, 16, 24, 32, 40, 48, 56, 64), 64  # 8 prompts' lengths
 
 
-def generate_speed() -> dict:
+def generate_speed(tables: dict) -> dict:
     """`jaxpar generate`'s prefill and decode tokens/s on llama-tiny (random weights, every
     layout greedy over the same 8 prompts, 64 new tokens each), and its KV cache bytes
     per token as allocated against 2 x layers x kv_heads x head_dim x 4 bytes."""
@@ -512,12 +521,12 @@ def generate_speed() -> dict:
         cache_text = f"{allocated:,.0f} / {r['formula_bytes_per_token']:,}"
         rows.append([name, *speeds, f"{r['compile_s']:.1f}", cache_text])
     lengths = f"{GENERATE_PROMPTS[0]}-{GENERATE_PROMPTS[-1]}"
-    print(
-        f"\njaxpar generate, llama-tiny, {len(prompts)} prompts of {lengths} ids, "
-        f"{GENERATE_NEW} new tokens each, greedy\n"
+    title = (
+        f"jaxpar generate, llama-tiny, {len(prompts)} prompts of {lengths} ids, "
+        f"{GENERATE_NEW} new tokens each, greedy"
     )
     header = ["layout", "prefill tok/s", "decode tok/s", "compile s", "cache B/token / formula"]
-    print(table(rows, header))
+    _show(tables, "generate", title, table(rows, header))
     return results
 
 
@@ -588,8 +597,9 @@ def run_bench(
             f"jaxpar bench --only {' '.join(unknown)}: no such section; "
             f"choose from {' '.join(sections)} longest compile plan generate"
         )
+    tables: dict = {}
     results = {
-        name: _section(title, kind, configs, columns, steps, base)
+        name: _section(name, tables, title, kind, configs, columns, steps, base)
         for name, (title, kind, configs, columns) in sections.items()
         if not only or name in only
     }
@@ -599,13 +609,13 @@ def run_bench(
         metrics.plot_strategies(measured, picture, sections["strategies"][0])
         print(f"\npicture: {picture}")
     if not only or "longest" in only:
-        results["longest"] = longest_sequences()
+        results["longest"] = longest_sequences(tables)
     if not only or "compile" in only:
-        results["compile"] = compile_seconds(base)
+        results["compile"] = compile_seconds(base, tables)
     if not only or "plan" in only:
-        results["plan"] = {"gpt-70b": plan_seconds()}
+        results["plan"] = {"gpt-70b": plan_seconds(tables)}
     if not only or "generate" in only:
-        results["generate"] = generate_speed()
+        results["generate"] = generate_speed(tables)
     if out:
         metrics.write_json(
             out,
@@ -615,6 +625,7 @@ def run_bench(
                     for name, r in rows.items()
                 }
                 for section, rows in results.items()
-            },
+            }
+            | {"tables": tables},
         )
     return results

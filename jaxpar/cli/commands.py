@@ -24,7 +24,7 @@ from jaxpar.parallel import mesh_rules
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
-from jaxpar.training.trainer import Result, train
+from jaxpar.training.trainer import Result, finished, finished_at, train
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,13 @@ def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
     return _batches(cfg, tokens, first, "val")
 
 
-def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result:
+def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result | None:
     """Train the registered model as the config says (what `jaxpar train` runs), from
-    model.init's checkpoint if it names one (its config.json already read into cfg)."""
+    model.init's checkpoint if it names one (its config.json already read into cfg).
+    None, saying so at once, for a run already done (unless restarted)."""
+    if not kwargs.get("restart") and (done := finished_at(cfg, out_dir)) is not None:
+        print(finished(done, cfg.train.steps))
+        return None
     s = setup(cfg)
     directory = hf.directory_of(cfg.model.init)
     params = None
@@ -239,3 +243,17 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
         out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
         text += f"\nwritten: {out}"
     return text
+
+
+def next_steps(cfg: Config, out: Path) -> list[str]:
+    """The commands that take a finished run on, each as it runs when typed: its weights
+    exported (and as a Hugging Face checkpoint, for a model that has the format), and,
+    for a model that decodes, `jaxpar generate` with the tokenizer its data was made by."""
+    spec = registry.get(cfg.model.name)
+    steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
+    if spec.hf is not None:
+        steps.append(f"jaxpar export {out} --to {out / 'hf'} --format hf")
+    if spec.cache_dims is not None:
+        tokenizer = data.tokenizer_of(cfg.data) or "TOKENIZER_DIR"
+        steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')
+    return steps

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.cost.report import human_bytes, table
-from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, REPLICA, TENSOR
+from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
 from jaxpar.step.build import Run
 
@@ -89,7 +89,7 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
         for r in largest
     ] + [_batch_panel(run, batch.shape)]
     replicas, data = mesh.shape[REPLICA], mesh.shape[DATA]
-    # (replica, data) x (pipeline, context, tensor)
+    # (replica, data) x (expert, pipeline, context, tensor)
     grid = mesh.devices.reshape(replicas * data, -1)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), dpi=110)
     for ax, (title, shape, spec) in zip(np.atleast_1d(axes), panels, strict=True):
@@ -135,9 +135,16 @@ def _batch_panel(run: Run, shape) -> tuple[str, tuple, PartitionSpec]:
 
 
 def _column(mesh, k: int) -> str:
-    """A grid column's (pipeline, context, tensor) coordinates."""
-    c, t = mesh.shape[CONTEXT], mesh.shape[TENSOR]
-    return f"p{k // (c * t)}" + (f" c{k // t % c}" if c > 1 else "") + f" t{k % t}"
+    """A grid column's coordinates on the axes inside `data` (expert, pipeline, context,
+    tensor): pipeline and tensor always, expert and context where they split."""
+    inner = (EXPERT, PIPE, CONTEXT, TENSOR)
+    at = np.unravel_index(k, [mesh.shape[a] for a in inner])
+    shown = {EXPERT: "e", PIPE: "p", CONTEXT: "c", TENSOR: "t"}
+    return " ".join(
+        f"{shown[a]}{i}"
+        for a, i in zip(inner, at, strict=True)
+        if a in (PIPE, TENSOR) or mesh.shape[a] > 1
+    )
 
 
 def _slices(index: tuple, shape) -> str:

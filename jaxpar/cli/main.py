@@ -13,16 +13,21 @@ import time
 from pathlib import Path
 
 from jaxpar import __version__
+from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
+from jaxpar.data.prepare import VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
 from jaxpar.training import rundir
 
 DEFAULT_CPU_DEVICES = 8
 MAX_CPU_DEVICES = 512  # more take minutes and gigabytes to create on one host
 DESCRIPTION = """\
-Train JAX/Flax models with data, tensor and pipeline parallelism, ZeRO 1-3 and
-ZeRO-Offload, on one device mesh; on a CPU alone it simulates the devices.
+Train JAX/Flax models on one device mesh with data, tensor (and sequence), pipeline,
+context and expert parallelism, ZeRO 0-3 and ZeRO-Offload, in any mix; on a CPU alone it
+simulates the devices.
+Models: {models}, or your own
+(the Llama family's read from and written for Hugging Face transformers).
 
   jaxpar train --config gpt-tiny parallel.data=4 parallel.tensor=2 train.steps=50
   jaxpar train --help          every config key, with its default and meaning
@@ -59,7 +64,7 @@ def _config_arguments(parser: argparse.ArgumentParser, default: str | None, exam
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="jaxpar",
-        description=DESCRIPTION,
+        description=DESCRIPTION.format(models=", ".join(registry.names())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"jaxpar {__version__}")
@@ -161,7 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
     prep.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
     prep.add_argument("--out", type=Path, required=True, metavar="DIR")
-    prep.add_argument("--val-fraction", type=float, default=0.005, metavar="F")
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the share of documents held out for the validation split (default: "
+        + ", ".join(f"{share} with --format {f}" for f, share in VAL_FRACTION.items())
+        + ")",
+    )
     prep.add_argument(
         "--format",
         choices=("text", "chat"),
@@ -365,8 +378,8 @@ def _generate(args: argparse.Namespace) -> int:
     model = decoding.load(args.source, args.overrides, args.step)
     ids = prompts.ids_for(request, model, args.tokenizer)
     stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
-    if stream:
-        print(request.texts[0], end="", flush=True)
+    if stream:  # the prompt as given (not the chat template around it), then the answer
+        print(request.rows[0]["prompt"] + ("\n" if args.chat else ""), end="", flush=True)
     done = decoding.generate(
         decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
     )
@@ -405,8 +418,6 @@ def _check_config(args: argparse.Namespace):
     if args.command not in ("train", "bench", "inspect", "plan"):
         return None, None
     if args.config is None:  # bench: the default model's tiny preset
-        from jaxpar.config import registry
-
         args.config = registry.tiny_preset(registry.default_name())
     cfg, out = load(args.config, args.overrides), None
     if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
@@ -459,17 +470,20 @@ def _run(args: argparse.Namespace) -> int:
         return _plan(cfg, args)
     _setup_devices(args.cpu_devices)
     if args.command == "train":
-        from jaxpar.cli.commands import train_config
+        from jaxpar.cli.commands import next_steps, train_config
         from jaxpar.parallel.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
         result = train_config(
             cfg, out, restart=args.restart, force=args.force, peak_tflops=args.peak_tflops
         )
+        if result is None:  # done already
+            return 0
         written = [name for name in rundir.RUN_FILES if (out / name).exists()]
         print(f"\nrun directory: {out}  ({', '.join(written)})")
         if result.checkpoints:
             print(f"checkpoints:   {result.checkpoints}")
+            print("next:          " + "\n               ".join(next_steps(cfg, out)))
     elif args.command == "inspect":
         from jaxpar.cli.commands import inspect_config
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
+from jaxpar.config import registry
 from jaxpar.config.options import default_of, help_of
 from jaxpar.config.presets import section_classes
 
@@ -22,7 +23,7 @@ def keys_help() -> str:
                     continue
                 whose = "" if cls is classes[0] else f" ({cls.__name__})"
                 lines += textwrap.wrap(
-                    help_of(f) + whose,
+                    help_of(f).replace("{models}", " | ".join(registry.names())) + whose,
                     width=100,
                     initial_indent=f"  {f'{section}.{f.name}={default_of(f)}':<28} ",
                     subsequent_indent=" " * 31,

@@ -165,9 +165,8 @@ def check_value(key: str, value, hint):
     if type(value) is not kind:
         if isinstance(value, dict):
             raise ConfigError(f"{key}: is a key, not a section; write {key}=VALUE")
-        raise ConfigError(
-            f"{key}={shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
-        )
+        expected = f"{key}={shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
+        raise ConfigError(expected + (f"; {decl.range.text()}" if decl.range else ""))
     if decl.range is not None:
         if kind is float and not math.isfinite(value):
             raise ConfigError(f"{key}={value}: not a finite number; {decl.range.text()}")

@@ -15,7 +15,7 @@ import yaml
 
 from jaxpar import hf
 from jaxpar.config import registry
-from jaxpar.config.options import Key, declaration, default_of, shown
+from jaxpar.config.options import Key, declaration, default_of, near, shown
 from jaxpar.config.sections import Config, Model
 from jaxpar.errors import ConfigError
 
@@ -91,7 +91,7 @@ def _read_preset(name_or_path: str) -> dict:
         if name_or_path not in preset_names():
             raise ConfigError(
                 f"{source}: no such preset; choose one of {preset_names()} or give a path "
-                "to a YAML file"
+                f"to a YAML file{near(name_or_path, preset_names())}"
             )
         text = (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text()
     tree = _yaml(text, source) or {}

@@ -7,6 +7,7 @@ imports no jax until it is built; a model of yours registers its spec directly
 
 from __future__ import annotations
 
+import enum
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,33 @@ class ExpertDims:
         return 3 * self.layers * self.slot_flops * max(spare, 0)
 
 
+class BlockKind(enum.StrEnum):
+    """The kind of a model's blocks: which of jaxpar.cost.blocks' formulas counts what one
+    keeps for its backward pass and what Megatron all-reduces in it."""
+
+    GPT = "gpt"  # LayerNorm, multi-head attention, a GeLU MLP (Korthikanti et al.'s block)
+    LLAMA = "llama"  # RMSNorm, grouped-query attention with rotary, SwiGLU (or a mixture)
+    MLP = "mlp"  # LayerNorm and a GeLU MLP, no attention
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What a model is, to the cost model (ModelSpec.dims): its block and dims at one
+    sequence length. The shipped models declare these, and jaxpar.cost derives the bytes
+    and the elements from them: a model knows no parallelism."""
+
+    block: BlockKind
+    seq_len: int  # the sequence length these dims are declared at
+    layers: int
+    embed: int
+    mlp: int  # hidden dims of a (dense or expert) MLP
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    # a mixture in every (layers / experts.layers)-th block; None: dense
+    experts: ExpertDims | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model as jaxpar sees it. The parameter count is not declared: it is read from
@@ -74,14 +102,18 @@ class ModelSpec:
     stages: Callable  # (model config, seq_len) -> jaxpar.Stages, for pipelines
     # (model config, seq_len) -> FLOPs of forward and backward per token (planner, MFU)
     flops_per_token: Callable[..., float]
+    # (model config, seq_len) -> its ModelDims: the cost model (jaxpar.cost.blocks) derives
+    # what a layer keeps for its backward pass and Megatron's all-reduces from them. A
+    # model that declares none gives the two below itself
+    dims: Callable[..., ModelDims] | None = None
     # (model config, seq_len, tensor degree, scores, context degree) -> bytes one layer
     # keeps for its backward pass per sequence on a device holding 1/context of its
     # tokens, in a 16-bit compute dtype (planner); `scores`: whether the attention keeps
     # its [S, S] scores (jaxpar.nn.attention.stores_scores)
-    activation_bytes: Callable[..., float]
+    activation_bytes: Callable[..., float] | None = None
     # (model config, rows, seq_len, tensor degree) -> elements Megatron all-reduces over
     # `tensor` per micro-batch of `rows` sequences, forward and backward (the minimum)
-    tensor_elements: Callable[..., float]
+    tensor_elements: Callable[..., float] | None = None
     # (model config, mesh shape) -> None, or ConfigError naming the keys and the fix
     check: Callable[..., None] = _no_check
     # (model config, seq_len) -> what the start-up summary notes of this run's model (a
@@ -125,7 +157,8 @@ def register_module(
     tiny: str | None = None,
     default: bool = False,
 ) -> None:
-    """A model whose spec is `module.SPEC` (or `module:NAME`'s NAME), imported when it is
+    """A model whose spec is `module.SPECS[name]` where the module holds several (a
+    family of them), else `module.SPEC` (or `module:NAME`'s NAME), imported when it is
     first needed; `default`: the model of a config that names none."""
     _MODULES[name] = (module, config, tiny)
     if default:
@@ -155,7 +188,9 @@ def get(name: str) -> ModelSpec:
     _load_shipped()
     if name in _MODULES:
         module, _, attribute = _MODULES[name][0].partition(":")  # "module" or "module:NAME"
-        register(getattr(importlib.import_module(module), attribute or "SPEC"))
+        found = importlib.import_module(module)
+        specs = getattr(found, "SPECS", {})
+        register(specs[name] if name in specs else getattr(found, attribute or "SPEC"))
     if name not in _SPECS:
         raise ConfigError(f"model.name={name!r}: no such model; choose one of {names()}")
     return _SPECS[name]

@@ -206,7 +206,7 @@ class Model(Section):
     SECTION: ClassVar[str] = "model"
     name: str = field(
         default_factory=lambda: registry.default_name(),
-        metadata={"help": "a registered model (jaxpar.config.registry): gpt | mlp | one of yours"},
+        metadata={"help": "the model: {models}, or one of yours (jaxpar.register_model)"},
     )
     layers: Annotated[int, Range(1, 10_000, "blocks in the stack")] = key(
         4, "number of scanned blocks"

@@ -21,6 +21,7 @@ import jax
 
 from jaxpar.config import registry
 from jaxpar.config.sections import Config, ContextStrategy, Offload, Remat, Train
+from jaxpar.cost import blocks
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.errors import ConfigError
@@ -138,7 +139,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     return Workload(
         layers=m.layers,
         flops_per_row=spec.flops_per_token(m, s) * s,
-        layer_elements=lambda t, c: spec.activation_bytes(m, s, t, scores, c) / 2,
+        layer_elements=lambda t, c: blocks.activation_bytes(spec, m, s, t, scores, c) / 2,
         boundary_elements=s * m.embed,
         check=check,
         attention=spec.attention_dims(m) if spec.attention_dims else None,
@@ -303,11 +304,8 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     state = placed.device
     device = state + acts + gather
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
-    tensor_elements = (
-        trained.tensor_elements(split.micro, t) * par.microbatches / p
-        if trained.tensor_elements
-        else None
-    )
+    per_micro = blocks.tensor_elements(trained, split.micro, t)
+    tensor_elements = None if per_micro is None else per_micro * par.microbatches / p
     minimum = cost.minimum(
         cfg, specs, trained, mesh, tensor_elements if t > 1 else 0, experts=work.experts
     )

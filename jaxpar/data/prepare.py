@@ -33,12 +33,17 @@ from jaxpar.errors import ConfigError
 
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BATCH = 256  # units encoded at once
+# the held-out share of documents by --format: a chat set is smaller, and its held-out
+# loss counts only the answers' tokens
+VAL_FRACTION = {"text": 0.005, "chat": 0.05}
 
 
 def check(
-    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float, fmt: str = "text"
+    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float | None, fmt: str = "text"
 ) -> None:
-    """Every path and number, before anything is read."""
+    """Every path and number, before anything is read (val_fraction None: the format's
+    VAL_FRACTION)."""
+    val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     for path in inputs:
         if not path.is_file():
             raise ConfigError(f"prepare-data: {path}: no such file")
@@ -129,14 +134,16 @@ def prepare(
     inputs: list[Path],
     tokenizer: Path,
     out: Path,
-    val_fraction: float = 0.005,
+    val_fraction: float | None = None,
     fmt: str = "text",
 ) -> dict:
     """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
-    JSONL `text` or Parquet documents) or chat (JSONL conversations, with a loss mask)."""
+    JSONL `text` or Parquet documents) or chat (JSONL conversations, with a loss mask);
+    `val_fraction` None: the format's VAL_FRACTION."""
     from tokenizers import Tokenizer
 
     check(inputs, tokenizer, out, val_fraction, fmt)
+    val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)

@@ -163,6 +163,18 @@ def token_file(data: Data, vocab: int, split: str = "train") -> TokenFile:
     return _flat(path, np.dtype(str(data.dtype)), vocab, scan=True)
 
 
+def tokenizer_of(data: Data) -> str | None:
+    """The tokenizer a prepared folder of data.path was made with (its meta.json says),
+    or None."""
+    folder = Path(data.path)
+    if not data.path or not (folder / META).is_file():
+        return None
+    try:
+        return json.loads((folder / META).read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _meta(folder: Path) -> dict:
     try:
         meta = json.loads((folder / META).read_text())

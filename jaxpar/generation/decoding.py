@@ -35,15 +35,17 @@ from jaxpar import hf
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Config, Model, Offload
 from jaxpar.errors import ConfigError
+from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.parallel.axes import DATA, TENSOR
+from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.parallel.sharding import named, pick, plan
+from jaxpar.parallel.sharding import RULES, compute_spec, named, pick, plan
 from jaxpar.training import checkpoint
 from jaxpar.training.export import checkpoint_dir
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket; buckets double from it
 NEW_BUCKET = 16  # cache slots for new tokens come in multiples of this
+CACHE_NAMES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)  # the logical names of k and v
 
 
 @dataclass(frozen=True)
@@ -237,13 +239,7 @@ class Decoder:
 
     def __init__(self, m: Loaded):
         self.m = m
-        rows = NamedSharding(m.mesh, PartitionSpec(DATA))
-        # the cache: [layers, rows, slots, kv heads, head dim], rows over data, heads
-        # over tensor where they divide it
-        kv = m.cache_dims[1]
-        heads = TENSOR if kv % m.mesh.shape[TENSOR] == 0 else None
-        self.cache_sharding = NamedSharding(m.mesh, PartitionSpec(None, DATA, None, heads))
-        self.rows = rows
+        self.rows = NamedSharding(m.mesh, PartitionSpec(DATA))
         self.dtype = jnp.float32
 
         def run(params, tokens, positions, cache, slot, pad):
@@ -255,9 +251,13 @@ class Decoder:
         self.sample = jax.jit(sample, static_argnums=2)
 
     def empty(self, rows: int, slots: int):
+        """The cache, k and v each [layers, rows, slots, kv heads, head dim], placed by the
+        rules as the model's own key/value heads are."""
         layers, kv, d = self.m.cache_dims
         shape = (layers, rows, slots, kv, d)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.cache_sharding)
+        spec = compute_spec(CACHE_NAMES, shape, RULES, dict(self.m.mesh.shape))
+        placed = NamedSharding(self.m.mesh, spec)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=placed)
         return zeros(), zeros()
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import registry
+from jaxpar.config.registry import ModelDims
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, scope
 from jaxpar.nn.layers import KEY, scan_layers
@@ -62,8 +63,11 @@ class Problem:
     parts: Parts | None = None  # what pipeline parallelism needs; None: no stages
     # (rows of one micro-batch, tensor degree) -> activation elements the model
     # all-reduces over `tensor` per micro-batch (Megatron's count, for the ledger's
-    # minimum); None: not known
+    # minimum); None: derived from `dims` (jaxpar.cost.blocks), or not known
     tensor_elements: Callable[[int, int], float] | None = None
+    # what a registered model declares of its blocks' dims (ModelSpec.dims), from which
+    # the cost model counts; None: not declared
+    dims: ModelDims | None = None
     # whether a layer stack's leaves are read a layer at a time (scan_layers: from_nnx)
     # or whole (from_pytree): what ZeRO-3 gathers, and how often
     scans_layers: bool = True
@@ -225,9 +229,11 @@ def registered(model, seq_len: int) -> Problem:
     problem = from_nnx(
         lambda rngs: spec.build(model, seq_len, rngs), spec.loss, spec.stages(model, seq_len)
     )
+    own = spec.tensor_elements
     return dataclasses.replace(
         problem,
-        tensor_elements=lambda rows, t: spec.tensor_elements(model, rows, seq_len, t),
+        tensor_elements=None if own is None else lambda rows, t: own(model, rows, seq_len, t),
+        dims=spec.dims(model, seq_len) if spec.dims else None,
         flops_per_token=spec.flops_per_token(model, seq_len),
         count=documents.trained_targets,
     )

@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Config, DpSync, Parallel
+from jaxpar.cost import blocks, ledger, throughput
 from jaxpar.cost import formulas as cost
-from jaxpar.cost import ledger, throughput
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
 from jaxpar.data.tokens import SEGMENT_IDS
 from jaxpar.nn.problem import Problem, loss_elements
@@ -162,9 +162,10 @@ def describe_step(
     split = batch_split(cfg.train, par, mesh_shape)
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
-    tensor = problem.tensor_elements
     t = mesh_shape[TENSOR]
-    tensor_elements = tensor(split.accum, t) if tensor and mesh_shape[PIPE] == 1 else None
+    tensor_elements = (
+        blocks.tensor_elements(problem, split.accum, t) if mesh_shape[PIPE] == 1 else None
+    )
     spec = registry.get(cfg.model.name)
     attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
     experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None

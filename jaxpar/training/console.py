@@ -99,9 +99,17 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
     return "\n".join(lines)
 
 
-def closing(report: Report, losses: list[float]) -> str:
+DROPPED = "moe/dropped"  # a mixture's share of expert choices dropped (jaxpar.report)
+TOO_MANY_DROPPED = 0.10  # past this share of dropped choices, the closing lines warn
+
+
+def closing(report: Report, losses: list[float], rows: list[dict] = ()) -> str:
+    """The closing table: the run's figures, and what the model reported (a mixture's
+    drops, ...) from the first logged step to the last; a warning under it when a
+    mixture drops more than TOO_MANY_DROPPED of its tokens' expert choices."""
     mem = report.memory_per_device
-    rows = [
+    reported = [k for k in (rows[-1] if rows else {}) if "/" in k and rows[-1][k] is not None]
+    figures = [
         ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
         *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
         ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
@@ -118,5 +126,16 @@ def closing(report: Report, losses: list[float]) -> str:
             "comm / device",
             f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report, 'minimum')})",
         ],
+        *([k, f"{rows[0].get(k) or 0:.3f} -> {rows[-1][k]:.3f}"] for k in reported),
     ]
-    return "\n" + table(rows, ["done", report.strategy])
+    lines = "\n" + table(figures, ["done", report.strategy])
+    dropped = rows[-1].get(DROPPED) if rows else None
+    if dropped is not None and dropped > TOO_MANY_DROPPED:
+        factor = report.config.get("model", {}).get("capacity_factor")
+        lines += (
+            f"\nwarning: the mixture dropped {dropped:.0%} of its tokens' expert choices at "
+            f"step {rows[-1]['step']} (model.capacity_factor={factor}): the router sends more "
+            "tokens to some experts than they take. Raise model.capacity_factor (experts / "
+            "model.experts_per_token drops none), or model.router_aux_loss to balance them"
+        )
+    return lines

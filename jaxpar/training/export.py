@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxpar import hf
 from jaxpar.config import registry
@@ -38,10 +38,10 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
             f"--to {to}: is a directory; give a file name, e.g. {to}/model.safetensors"
         )
     try:
-        save_file(
+        hf.save_safetensors(
             params,
-            str(to),
-            metadata={
+            to,
+            {
                 "jaxpar.step": str(meta["step"]),
                 "jaxpar.config": json.dumps(meta["config"]),
             },

@@ -4,10 +4,12 @@ before jax starts."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from jaxpar.errors import ConfigError
 
@@ -15,6 +17,7 @@ METRICS, SUMMARY, LOSS_PLOT, HLO = "metrics.jsonl", "summary.json", "loss.png", 
 TENSORBOARD, PROFILE = "tensorboard", "profile"  # folders: event files; jax.profiler traces
 # what a run writes, besides checkpoints
 RUN_FILES = (METRICS, SUMMARY, LOSS_PLOT, HLO, TENSORBOARD, PROFILE)
+LOCK = ".lock"  # held by the process writing the run (its pid inside)
 
 
 def check_writable(path: Path, flag: str = "--out") -> None:
@@ -75,3 +78,27 @@ def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
         os.replace(ckpt_dir, aside)
         moved.append(str(aside))
     return moved
+
+
+def lock(out_dir: Path) -> IO:
+    """Take the run directory for this process, or ConfigError naming the process that
+    holds it. The lock is the kernel's (flock), so it goes with the process that held
+    it: a run killed by any signal leaves nothing that blocks its resume. Keep the
+    returned file open while the run writes; closing it lets the directory go."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    held = open(out_dir / LOCK, "a+")  # noqa: SIM115 (held open for the run)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        holder = held.read().strip() or "another process"
+        held.close()
+        raise ConfigError(
+            f"--out {out_dir}: another jaxpar run (process {holder}) is writing there; wait "
+            "for it to end, stop it, or give another --out"
+        ) from None
+    held.seek(0)
+    held.truncate()
+    held.write(f"{os.getpid()}\n")
+    held.flush()
+    return held

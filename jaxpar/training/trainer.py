@@ -7,6 +7,7 @@ saves, and returns; a second one exits at once (the last complete checkpoint sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -94,10 +95,11 @@ def train(
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
-    _open(out_dir, ckpt_dir, restart, lead, say)
-    with checkpoint.Saver(cfg, ckpt_dir) as saver:
+    with _writing(out_dir, ckpt_dir, restart, lead, say), checkpoint.Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
-        if start:
+        if start >= cfg.train.steps:  # said before anything compiles
+            say(finished(start, cfg.train.steps))
+        elif start:
             say(f"resuming from step {start}: {saver.directory / str(start)}")
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
         first = batches(0)
@@ -113,11 +115,6 @@ def train(
         else:
             state = run.engine.init(jax.random.key(cfg.train.seed))
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
-        if start >= cfg.train.steps:
-            say(
-                f"already at step {start} of train.steps={cfg.train.steps}: nothing to train "
-                "(raise train.steps to go on, or --restart to start again)"
-            )
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
         files = out_dir if out_dir and lead else None
@@ -167,23 +164,46 @@ def train(
     )
 
 
-def _open(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: bool, say) -> None:
-    """The run directory and checkpoints: checked, set aside on `restart`, never mixed
+@contextlib.contextmanager
+def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: bool, say):
+    """The run directory and checkpoints while the run writes them: checked, taken by
+    this run alone (a second writer is refused), set aside on `restart`, never mixed
     with another run's."""
     for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
         if where and lead:
             rundir.check_writable(where, flag)
-    if restart:
-        if lead:
-            moved = rundir.set_aside(out_dir, ckpt_dir)
-            say(
-                f"restart: set aside {', '.join(moved)}"
-                if moved
-                else "restart: nothing to set aside"
-            )
-        if jax.process_count() > 1:  # the others must not open what process 0 moves
-            multihost_utils.sync_global_devices("jaxpar restart")
-    rundir.refuse_another_run(out_dir, ckpt_dir)
+    with contextlib.ExitStack() as held:
+        if out_dir and lead:
+            held.callback(rundir.lock(out_dir).close)
+        if restart:
+            if lead:
+                moved = rundir.set_aside(out_dir, ckpt_dir)
+                say(
+                    f"restart: set aside {', '.join(moved)}"
+                    if moved
+                    else "restart: nothing to set aside"
+                )
+            if jax.process_count() > 1:  # the others must not open what process 0 moves
+                multihost_utils.sync_global_devices("jaxpar restart")
+        rundir.refuse_another_run(out_dir, ckpt_dir)
+        yield
+
+
+def finished_at(cfg: Config, out_dir: Path | None) -> int | None:
+    """The step of a run that is done (its latest checkpoint at train.steps or past it),
+    found without compiling anything; None while there is something to train."""
+    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
+    if ckpt_dir is None or not ckpt_dir.is_dir():
+        return None
+    latest = checkpoint.Checkpoints(ckpt_dir, create=False).latest
+    return latest if latest is not None and latest >= cfg.train.steps else None
+
+
+def finished(step: int, steps: int) -> str:
+    return (
+        f"already at step {step} of train.steps={steps}: nothing to train (raise "
+        "train.steps to go on, or --restart to start again)"
+    )
 
 
 def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
@@ -202,9 +222,9 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
             eval_loss=loop.eval_losses[-1][1] if loop.eval_losses else None,
             **_throughput(run, step_time),
         )
-        say(console.closing(report, loop.losses))
+        say(console.closing(report, loop.losses, rows))
     if report.checkpoint and not loop.stopped:
-        say(f"weights: {report.checkpoint}" + (f" (jaxpar export {files})" if files else ""))
+        say(f"weights: {report.checkpoint}")
     if files:
         metrics.write_json(files / rundir.SUMMARY, report.to_json())
         metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
@@ -375,6 +395,8 @@ class _Rows:
         )
         if loop.eval_losses:
             speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
+        if row.get(console.DROPPED) is not None:  # a mixture's drops, live
+            speed["dropped"] = f"{row[console.DROPPED]:.0%}"
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
 
 

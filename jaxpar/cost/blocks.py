@@ -1,0 +1,103 @@
+"""What a model's blocks cost, from the dims the model declares (ModelSpec.dims, a
+ModelDims): the bytes a layer keeps for its backward pass (the planner's activations) and
+the elements Megatron's tensor parallelism all-reduces (the ledger's tensor minimum).
+Models declare what they are; the formulas, and all they know of tensor and context
+parallelism, are here. A model that declares no dims gives its own figures
+(ModelSpec.activation_bytes, .tensor_elements), which win.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config.registry import BlockKind, ModelDims, ModelSpec
+from jaxpar.errors import ConfigError
+
+
+def kept_bytes(d: ModelDims, tensor: int, scores: bool = True, context: int = 1) -> float:
+    """Bytes one layer keeps for its backward pass per sequence, 16-bit, on a device
+    holding 1/context of the sequence's tokens and 1/tensor of the split dims; `scores`:
+    whether its attention keeps the [S, S] scores (else their fp32 softmax statistics)."""
+    s = d.seq_len
+    if d.block is BlockKind.GPT:
+        # Korthikanti et al.: 34 s h + 5 a s^2 in 16-bit, the tensor-split parts divided
+        # by the degree; a fused or blocked attention keeps 4 a s bytes of statistics
+        kept = 5 * d.heads * s * s if scores else 4 * d.heads * s
+        return (s * d.embed * (10 + 24 / tensor) + kept / tensor) / context
+    if d.block is BlockKind.MLP:
+        # per position: the layer's input, LayerNorm's output and the hidden activation
+        return s * (4 * d.embed + 3 * d.mlp / tensor) / context
+    return _llama(d, tensor, scores, context)
+
+
+def _llama(d: ModelDims, tensor: int, scores: bool, context: int) -> float:
+    """The input and both norms' outputs, q/k/v before and after rotation, the repeated
+    k/v, the scores against every key and probabilities (`scores`; else their fp32
+    softmax statistics, 2 16-bit units a head), the attention output; gate, up,
+    silu(gate) and the product (with experts: of each slot the device runs, 1/context of
+    the capacity, and each slot's input, the router's logits and probabilities; split
+    over context, of the whole sequence, gathered, and the output's part)."""
+    tokens = d.seq_len / context
+    kv = d.kv_heads * d.head_dim
+    kv_split = tensor if d.kv_heads % tensor == 0 else 1
+    mlp = 4 * d.mlp / tensor
+    if d.experts:  # the mean block's: n - 1 dense, one sparse
+        x, every = d.experts, d.layers // d.experts.layers
+        sparse = x.experts * x.held(context) / tokens * (d.embed + mlp) + 2 * x.experts * context
+        if context > 1:
+            sparse += 2 * d.embed * context
+        mlp = ((every - 1) * mlp + sparse) / every
+    per_token = 3 * d.embed + 6 * d.embed / tensor + mlp + 4 * kv / kv_split
+    attention = 2 * d.heads * (d.seq_len if scores else 1) / tensor
+    return 2 * tokens * (per_token + attention)
+
+
+def megatron_elements(d: ModelDims, rows: int, tensor: int) -> float:
+    """Elements Megatron all-reduces over `tensor` per micro-batch of `rows` sequences:
+    per block its row-split outputs (forward) and its column-split inputs (backward): o
+    and down, the fused q/k/v and gate/up for an attention block, one MLP's each way
+    for an MLP block; the vocab-split embedding (forward) and head (backward); and, for
+    key/value heads that `tensor` does not divide, their weights' gradients."""
+    per_block = 2 if d.block is BlockKind.MLP else 4
+    acts = (per_block * d.layers + 2) * rows * d.seq_len * d.embed
+    return acts + d.layers * _kv_grads(d, tensor) if d.block is BlockKind.LLAMA else acts
+
+
+def _kv_grads(d: ModelDims, t: int) -> float:
+    """Key/value heads that `tensor` does not divide are whole on every device, each
+    using its query heads' share, so the k and v weights' gradients are summed over
+    `tensor`: where t is a multiple of kv_heads, each head's among the t / kv_heads
+    devices that hold its query heads, then gathered; else over all t. In all-reduce
+    elements (2(t-1)/t each on the wire), per block."""
+    if d.kv_heads % t == 0:
+        return 0.0
+    whole = d.embed * d.kv_heads * d.head_dim  # one of wk, wv
+    if t % d.kv_heads:
+        return 2 * whole
+    g = t // d.kv_heads
+    wire = 2 * (g - 1) / g * whole / d.kv_heads + (d.kv_heads - 1) / d.kv_heads * whole
+    return 2 * wire / (2 * (t - 1) / t)
+
+
+def activation_bytes(
+    spec: ModelSpec, model, seq_len: int, tensor: int, scores: bool, context: int
+) -> float:
+    """A registered model's bytes kept per layer and sequence (kept_bytes), or its own
+    figure where it gives one."""
+    if spec.activation_bytes is not None:
+        return spec.activation_bytes(model, seq_len, tensor, scores, context)
+    if spec.dims is None:
+        raise ConfigError(
+            f"model.name={spec.name}: its ModelSpec declares neither `dims` nor "
+            "`activation_bytes`; the planner needs one of them to count its activations"
+        )
+    return kept_bytes(spec.dims(model, seq_len), tensor, scores, context)
+
+
+def tensor_elements(problem, rows: int, tensor: int) -> float | None:
+    """What `problem`'s model all-reduces over `tensor` per micro-batch of `rows`
+    sequences: its own count, or megatron_elements of its dims; None where neither is
+    known (a model given in Python)."""
+    if problem.tensor_elements is not None:
+        return problem.tensor_elements(rows, tensor)
+    if problem.dims is not None:
+        return megatron_elements(problem.dims, rows, tensor)
+    return None
