@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--device-memory", default="2GB", help="per device, for the plan")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
-    if not jaxpar.parallel.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jaxpar.parallel.mesh.use_cpu_devices(args.cpu_devices)
-    jaxpar.parallel.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
+    if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jaxpar.mesh.use_cpu_devices(args.cpu_devices)
+    jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
     import jax
     from jax.experimental import multihost_utils

@@ -58,9 +58,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
-    if not jaxpar.parallel.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jaxpar.parallel.mesh.use_cpu_devices(args.cpu_devices)
-    jaxpar.parallel.distributed.initialize()
+    if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jaxpar.mesh.use_cpu_devices(args.cpu_devices)
+    jaxpar.distributed.initialize()
     cfg = jaxpar.Config(
         parallel=jaxpar.Parallel(data=-1, tensor=2, zero=3),
         train=jaxpar.Train(steps=args.steps, batch_size=64, lr=1e-2, warmup=5),

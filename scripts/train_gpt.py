@@ -27,9 +27,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/gpt"))
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
-    if not jaxpar.parallel.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jaxpar.parallel.mesh.use_cpu_devices(args.cpu_devices)
-    jaxpar.parallel.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
+    if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jaxpar.mesh.use_cpu_devices(args.cpu_devices)
+    jaxpar.distributed.initialize()  # alone: nothing; under jaxpar launch or srun: join
 
     from jaxpar.models import gpt  # the GPT shipped with jaxpar
 

@@ -1,4 +1,5 @@
-"""8 simulated CPU devices before jax starts; strict numerics; one compilation cache.
+"""8 simulated CPU devices before jax starts; strict numerics; one compilation cache;
+XLA:CPU compiling fast.
 
 The tests compile the same steps many times: references that several tests train, and
 the fresh processes of the command-line, kill -9, script and multi-process tests. A
@@ -19,6 +20,12 @@ CACHE = os.environ.get("JAXPAR_TEST_CACHE")
 if CACHE is None:  # the session's first process (pytest itself, or xdist's controller)
     CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-compiled-")
     atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+# XLA:CPU's backend at -O0: the same HLO (its passes, collectives and buffers, which the
+# tests read) compiled by LLVM without optimisation, 35-45% sooner; the tests' steps are
+# few and tiny, and every comparison runs both sides under the same flag
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 os.environ.update(
     JAXPAR_TEST_CACHE=CACHE,
     JAX_COMPILATION_CACHE_DIR=CACHE,
@@ -50,3 +57,32 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
+
+
+# The smoke set (-m smoke): what .ci/run runs on the second Python against a non-editable
+# install, instead of the suite again: every subcommand once, and one layout a strategy,
+# each equal to one device.
+SMOKE = (
+    "test_cli.py::test_train_writes_run_directory",  # train, export, a finished run again
+    "test_inspect.py::test_the_command_prints_leaves_and_the_ledger_and_draws",  # inspect
+    "test_planner.py::test_a_70b_gpt_on_64_devices_is_planned_without_allocating",  # plan
+    "test_tokens.py::test_prepare_data_writes_ids_a_held_out_split_and_meta",  # prepare-data
+    "test_generate.py::test_generate_command_from_a_run_streams_and_writes_jsonl",  # generate
+    "test_bench.py::test_bench_takes_a_config_and_skips_what_it_cannot_split",  # bench
+    "test_bad_input.py::test_every_subcommand_uses_the_same_checker",  # each refuses alike
+    "test_docs.py::test_every_command_the_docs_show_parses",
+    "test_imports.py",
+    "test_equivalence.py::test_strategy_equals_one_device[dp8-zero3]",  # data, ZeRO
+    "test_equivalence.py::test_strategy_equals_one_device[dp4-tp2-zero3]",  # tensor
+    "test_pipeline.py::test_schedule_equals_one_device[1f1b-p2-m8]",  # pipeline
+    "test_context.py::test_a_context_layout_trains_as_one_device[gpt cp2 dp4]",  # context
+    "test_moe.py::test_a_mixture_trains_in_every_layout_as_on_one_device[dp2-expert4-zero3]",
+    "test_offload.py::test_offload_trains_like_no_offload[dp8-zero1-fp32-0.0001]",  # offload
+    "test_dp.py::test_ring_and_server_train_like_xla[dp8]",  # the ring and the server
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.nodeid.split("tests/")[-1].startswith(s) for s in SMOKE):
+            item.add_marker(pytest.mark.smoke)

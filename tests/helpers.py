@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import math
 import os
 import pickle
@@ -47,7 +48,10 @@ def _shipped(preset: str, overrides):
     return cfg, s.mesh, s.problem, s.batches
 
 
-def run(preset: str, overrides: list[str], steps: int = 10):
+STEPS = 4  # optimizer steps a proof trains: enough to prove sharded optimizer state
+
+
+def run(preset: str, overrides: list[str], steps: int = STEPS):
     """Train `preset` with `overrides` (and its held-out data, if it evaluates)."""
     cfg, s = _setup(preset, [f"train.steps={steps}", *overrides])
     return train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, eval_batches=s.eval_batches)
@@ -55,28 +59,38 @@ def run(preset: str, overrides: list[str], steps: int = 10):
 
 @dataclass(frozen=True)
 class Trained:
-    """What a reference run leaves for comparison: every step's loss, final parameters."""
+    """What a finished run leaves for comparison: every step's loss, final parameters."""
 
     losses: list[float]
     params: dict
 
 
-def reference(preset: str, extra: tuple[str, ...] = (), steps: int = 10) -> Trained:
-    """`preset` trained on ONE device (with `extra` overrides) for `steps` steps: the truth
-    the parallel layouts are compared with. Trained once per test session, whichever
-    file or xdist worker asks first; the others read it from the session's folder."""
-    overrides = ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1", *extra)
-    key = hashlib.sha256(repr((preset, overrides, steps)).encode()).hexdigest()[:16]
-    folder = Path(os.environ["JAXPAR_TEST_CACHE"]) / "references"
+def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
+    """`run`'s losses and parameters, trained once per test session for all the files
+    and xdist workers that ask for the same run: keyed by the resolved config (so two
+    spellings of one layout share it) and the devices; the others read it from the
+    session's folder."""
+    cfg = presets.load(preset, [f"train.steps={steps}", *overrides])
+    what = json.dumps([presets.to_dict(cfg), preset], sort_keys=True, default=str)
+    key = hashlib.sha256(what.encode()).hexdigest()[:16]
+    folder = Path(os.environ["JAXPAR_TEST_CACHE"]) / "runs"
     folder.mkdir(exist_ok=True)
     path = folder / f"{key}.pkl"
     with open(folder / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one trains; the others wait, then read
         if not path.exists():
             result = run(preset, list(overrides), steps)
-            trained = Trained(list(result.losses), jax.device_get(result.params))
-            path.write_bytes(pickle.dumps(trained))
+            done = Trained(list(result.losses), jax.device_get(result.params))
+            path.write_bytes(pickle.dumps(done))
         return pickle.loads(path.read_bytes())
+
+
+def reference(preset: str, extra: tuple[str, ...] = (), steps: int = STEPS) -> Trained:
+    """`preset` trained on ONE device (with `extra` overrides) for `steps` steps: the truth
+    the parallel layouts are compared with (trained once per session)."""
+    return trained(
+        preset, ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1", *extra), steps
+    )
 
 
 def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool = True) -> None:

@@ -196,9 +196,9 @@ def test_the_names_the_readme_uses_are_exported():
 
 def test_use_cpu_devices_after_jax_started_names_the_function(devices):
     with pytest.raises(jaxpar.ConfigError) as e:
-        jaxpar.parallel.mesh.use_cpu_devices(4)
+        jaxpar.mesh.use_cpu_devices(4)
     assert "jaxpar.mesh.use_cpu_devices(4) before anything touches jax" in str(e.value)
-    jaxpar.parallel.mesh.use_cpu_devices(8)  # what it already has: fine
+    jaxpar.mesh.use_cpu_devices(8)  # what it already has: fine
 
 
 def test_a_model_that_reads_its_own_tokens_is_refused_under_context(devices):

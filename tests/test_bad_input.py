@@ -3,9 +3,11 @@ NaN/inf, typos of keys and choices, impossible combinations, bad files, bad --ou
 flags): each exits 2 with one `jaxpar: error:` line naming what is wrong, no traceback,
 no compile started, within seconds. The CLI's main() runs in-process."""
 
+import json
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -20,12 +22,34 @@ BIG = "9" * 5000  # past Python's 4300-digit limit for int()
 
 
 KEYS = presets.keys()  # every declared key: its kind, choices and range
+# The ranges as reviewed (tests/golden/key_ranges.json): the boundary values below come
+# from them, not from the declarations under test, so a range that moves fails here
+# until the golden file is regenerated (--update-golden) and its diff reviewed.
+GOLDEN_RANGES = Path(__file__).parent / "golden" / "key_ranges.json"
+
+
+def _declared_ranges() -> dict:
+    return {
+        key: [decl.range.low, decl.range.high, decl.range.open_low, decl.range.rest]
+        for key, decl in KEYS.items()
+        if decl.range is not None
+    }
+
+
+RANGES = json.loads(GOLDEN_RANGES.read_text())
 
 
 def _below(key: str) -> str:
-    r = KEYS[key].range
-    low = r.low if r.open_low else r.low - 1
-    return str(-2 if r.rest else low)
+    low, _, open_low, rest = RANGES[key]
+    return str(-2 if rest else (low if open_low else low - 1))
+
+
+def test_the_ranges_are_the_reviewed_ones(update_golden):
+    declared = _declared_ranges()
+    if update_golden:
+        GOLDEN_RANGES.write_text(json.dumps(declared, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"rewrote {GOLDEN_RANGES}")
+    assert declared == RANGES, f"{GOLDEN_RANGES} differs; rerun with --update-golden, review"
 
 
 def _on(decl) -> list[str]:
@@ -38,7 +62,7 @@ def _numeric_cases():
         if decl.range is None:
             continue
         on = _on(decl)
-        yield f"{key}-type", [*on, f"{key}=abc"], [key, "expected"]
+        yield f"{key}-type", [*on, f"{key}=abc"], [key, "expected", "it must be"]
         yield f"{key}-nan", [*on, f"{key}=nan"], [key, "not a finite number"]
         yield f"{key}-inf", [*on, f"{key}=-inf"], [key, "not a finite number"]
         yield f"{key}-huge", [*on, f"{key}=1e12"], [key, "out of range"]
@@ -461,6 +485,7 @@ FLAGS = {
     "command": (["trian"], ["invalid choice: 'trian'"]),
     "no-command": ([], ["required: COMMAND"]),
     "preset": (["train", "--config", "gpt-huge"], ["--config gpt-huge", "no such preset"]),
+    "preset-typo": (["train", "--config", "gpt-tny"], ["did you mean gpt-tiny?"]),
     "missing-yaml": (["train", "--config", "no.yaml"], ["--config no.yaml", "no such file"]),
     "directory": (["train", "--config", "/tmp"], ["--config /tmp", "no such file"]),
     "launch": (["launch", "--", "train"], ["--processes"]),

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 from helpers import compile_only, jaxpar_command
@@ -10,14 +12,14 @@ import jaxpar
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
 from jaxpar.cost import throughput
-from jaxpar.step import xla_flags
-from jaxpar.training import console
+from jaxpar.step import build, xla_flags
+from jaxpar.training import console, rundir
 
 REQUIRED_ROW = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
 
 
 @pytest.mark.slow
-def test_train_writes_run_directory(tmp_path):
+def test_train_writes_run_directory(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     # flags and overrides mixed, as people type them
     proc = jaxpar_command(
@@ -69,6 +71,43 @@ def test_train_writes_run_directory(tmp_path):
     exported = jaxpar_command("export", str(out), "--to", str(out / "model.safetensors"))
     assert exported.returncode == 0, exported.stderr
     assert jaxpar.load_exported(out / "model.safetensors")
+    # the same command again: done already, said at once, nothing compiled
+    monkeypatch.setattr(build, "compile_step", lambda *_: pytest.fail("compiled"))
+    argv = ["train", "--config", "gpt-tiny", "parallel.data=4", "parallel.tensor=2"]
+    assert cli.main([*argv, "parallel.zero=1", "train.steps=4", "--out", str(out)]) == 0
+    assert "already at step 4 of train.steps=4: nothing to train" in capsys.readouterr().out
+
+
+def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, capsys):
+    """Two `jaxpar train` into one --out: the second exits 2 naming the first's process;
+    once the first is killed (-9: no cleanup) the directory is free again."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from jaxpar.training import rundir; "
+         "held = rundir.lock(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+         "time.sleep(600)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["train", "--config", "mlp-tiny", "train.steps=1", "--out", str(out)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: another jaxpar run (process {holder.pid}) is writing there" in err
+        assert err.count("\n") == 1 and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    rundir.lock(out).close()  # free: the kernel dropped the dead process's lock
+
+
+def test_the_help_names_every_model_and_axis(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    shown = capsys.readouterr().out
+    assert "context and expert parallelism" in shown
+    assert all(name in shown for name in ("llama", "mistral", "qwen3_moe", "mixtral"))
 
 
 @pytest.mark.slow

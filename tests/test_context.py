@@ -4,7 +4,7 @@ one device, at the textbook bytes, with activations falling as 1/C."""
 
 import numpy as np
 import pytest
-from helpers import assert_same_training, compile_only, reference, run
+from helpers import assert_same_training, compile_only, reference, trained
 
 from jaxpar.config import presets
 from jaxpar.cost import planner
@@ -56,7 +56,7 @@ LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_context_layout_trains_as_one_device(name, devices):
     preset, overrides = LAYOUTS[name]
-    assert_same_training(run(preset, list(overrides), steps=4), reference(preset, steps=4))
+    assert_same_training(trained(preset, list(overrides), steps=4), reference(preset, steps=4))
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])

@@ -5,7 +5,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_training, compile_only, run
+from helpers import assert_same_training, compile_only, trained
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -19,10 +19,10 @@ MESHES = {"dp8": ("parallel.data=8",), "dp4-tp2": ("parallel.data=4", "parallel.
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_ring_and_server_train_like_xla(devices, mesh):
-    xla = run("gpt-tiny", [*MESHES[mesh], "parallel.dp_collective=xla"])
+    xla = trained("gpt-tiny", [*MESHES[mesh], "parallel.dp_collective=xla"])
     for mode in ("ring", "server"):
         assert_same_training(
-            run("gpt-tiny", [*MESHES[mesh], f"parallel.dp_collective={mode}"]), xla
+            trained("gpt-tiny", [*MESHES[mesh], f"parallel.dp_collective={mode}"]), xla
         )
 
 
@@ -36,7 +36,8 @@ def test_ring_with_every_zero_stage(devices, zero):
         "parallel.bucket_mb=0.1",
     ]
     assert_same_training(
-        run("gpt-tiny", [*overrides, "parallel.dp_collective=ring"]), run("gpt-tiny", overrides)
+        trained("gpt-tiny", [*overrides, "parallel.dp_collective=ring"]),
+        trained("gpt-tiny", overrides),
     )
 
 

@@ -184,11 +184,19 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     argv = ["train", "--config", "llama-tiny", "model.vocab=512", "train.steps=1",
             "--cpu-devices", "8", "--out", str(run)]  # fmt: skip
     assert cli.main(argv) == 0
-    capsys.readouterr()
+    said = capsys.readouterr().out  # the next steps, each a command that runs as typed
+    shown = [
+        line.split("generate ", 1)[1] for line in said.splitlines() if "jaxpar generate" in line
+    ]
+    assert shown == [f'{run} --tokenizer TOKENIZER_DIR --prompt "Hello"']  # no tokenizer in data
     gen = ["generate", str(run), "--tokenizer", str(tokenizer), "--max-new-tokens", "5"]
     assert cli.main([*gen, "--prompt", "Hello"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("Hello") and "prefill " in err and "decode " in err
+    # one prompt with --chat streams the question as asked, not the template around it
+    assert cli.main([*gen, "--chat", "--prompt", "What is 2 plus 2?"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("What is 2 plus 2?\n") and "<|im_start|>" not in out
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
     assert cli.main([*gen, "--prompts", str(prompts), "--chat", "--temperature", "1"]) == 0

@@ -1,5 +1,7 @@
 """`jaxpar inspect`: every leaf's shardings and bytes, from a compiled step never run."""
 
+from pathlib import Path
+
 from helpers import THREE_D_1F1B, prepared
 
 from jaxpar.cli import inspect
@@ -15,13 +17,20 @@ def test_leaf_bytes_add_up_to_the_compiled_state(devices):
     assert tuple(wqkv["storage"])[0] == "pipeline" and "data" in tuple(wqkv["storage"])
 
 
-def test_the_command_prints_leaves_and_the_ledger_and_draws(tmp_path, capsys, devices):
+def test_the_command_prints_leaves_and_the_ledger_and_draws(tmp_path, capsys, devices, monkeypatch):
     argv = ["inspect", "--config", "gpt-tiny", "parallel.data=4", "parallel.tensor=2"]
     assert cli.main([*argv, "parallel.zero=3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "blocks/mlp/w_in" in out and "(-, data, tensor)" in out  # storage: ZeRO + Megatron
     assert "x the textbook minimum" in out
     assert (tmp_path / "layout.png").read_bytes()[:4] == b"\x89PNG"
+    # without --out the picture goes where a run's files go, never into the working folder
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert cli.main([*argv, "parallel.zero=3"]) == 0
+    assert [p.name for p in Path().iterdir()] == ["runs"]
+    (drawn,) = Path("runs").glob("*-gpt-tiny-inspect/layout.png")
+    assert capsys.readouterr().out.endswith(f"layout picture: {drawn}\n")
 
 
 def test_the_picture_names_each_column_on_every_inner_axis():

@@ -2,7 +2,7 @@
 textbook minimum of communication (its own Megatron count, GQA included)."""
 
 import pytest
-from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
+from helpers import THREE_D_1F1B, assert_same_training, compile_only, trained
 from helpers import reference as shared_reference
 from layouts import STRATEGIES
 
@@ -32,14 +32,14 @@ def reference(devices):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_llama_layout_equals_one_device(name, reference):
-    assert_same_training(run("llama-tiny", list(LAYOUTS[name]), steps=STEPS), reference)
+    assert_same_training(trained("llama-tiny", list(LAYOUTS[name]), steps=STEPS), reference)
 
 
 @pytest.mark.slow
 def test_tied_embeddings_equal_one_device(devices):
     tied = ["model.tie_embeddings=true"]
-    one = run("llama-tiny", [*SINGLE, *tied], steps=4)
-    assert_same_training(run("llama-tiny", [*LAYOUTS["dp4-tp2-zero3"], *tied], steps=4), one)
+    one = trained("llama-tiny", [*SINGLE, *tied], steps=4)
+    assert_same_training(trained("llama-tiny", [*LAYOUTS["dp4-tp2-zero3"], *tied], steps=4), one)
 
 
 @pytest.mark.parametrize(

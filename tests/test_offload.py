@@ -4,7 +4,7 @@ layer inputs kept for the backward pass in host memory (parallel.remat=offload).
 import re
 
 import pytest
-from helpers import THREE_D_1F1B, assert_same_training, compile_only, run
+from helpers import THREE_D_1F1B, assert_same_training, compile_only, trained
 
 from jaxpar.cli.commands import setup
 from jaxpar.config import presets
@@ -28,8 +28,8 @@ def test_offload_trains_like_no_offload(devices, mesh, precision, rtol):
     reassociation), fp32 each leaf."""
     overrides = [*MESHES[mesh], f"train.precision={precision}"]
     assert_same_training(
-        run("gpt-tiny", [*overrides, "parallel.offload=optimizer"]),
-        run("gpt-tiny", overrides),
+        trained("gpt-tiny", [*overrides, "parallel.offload=optimizer"]),
+        trained("gpt-tiny", overrides),
         rtol=rtol,
         per_leaf=precision == "fp32",
     )
@@ -66,7 +66,8 @@ def test_bf16_device_parameters_are_half_of_fp32(devices):
 def test_offload_with_a_pipeline(devices):
     overrides = THREE_D_1F1B
     assert_same_training(
-        run("gpt-tiny", [*overrides, "parallel.offload=optimizer"]), run("gpt-tiny", overrides)
+        trained("gpt-tiny", [*overrides, "parallel.offload=optimizer"]),
+        trained("gpt-tiny", overrides),
     )
 
 
@@ -90,7 +91,7 @@ def test_remat_offload_trains_like_keeping_activations(devices, mesh):
     overrides = list(REMAT_MESHES[mesh])
     plain = [o for o in overrides if not o.startswith("parallel.offload")]
     assert_same_training(
-        run("gpt-tiny", [*overrides, "parallel.remat=offload"]), run("gpt-tiny", plain)
+        trained("gpt-tiny", [*overrides, "parallel.remat=offload"]), trained("gpt-tiny", plain)
     )
 
 

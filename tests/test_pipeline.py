@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_training, compile_only, reference, run
+from helpers import assert_same_training, compile_only, reference, trained
 
 import jaxpar
 from jaxpar.config.sections import Schedule
@@ -107,14 +107,16 @@ def test_schedule_equals_one_device(name, references):
     overrides = CASES[name]
     six = SIX[0] in overrides
     # 6 layers: whole-vector parameter check (see assert_same_training; test below).
-    assert_same_training(run("gpt-tiny", overrides), references[6 if six else 4], per_leaf=not six)
+    assert_same_training(
+        trained("gpt-tiny", overrides), references[6 if six else 4], per_leaf=not six
+    )
 
 
 @pytest.mark.slow
 def test_grad_accum_learns_the_same_on_six_layers(references):
     """What the 6-layer cases rely on: on one device, accumulating 4 micro-batches learns
     what one big batch does, every step's loss and the parameters within 1e-4."""
-    accum = run("gpt-tiny", ["parallel.data=1", "train.grad_accum=4", *SIX])
+    accum = trained("gpt-tiny", ["parallel.data=1", "train.grad_accum=4", *SIX])
     assert_same_training(accum, references[6], per_leaf=False)
 
 

@@ -137,7 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _config_arguments(inspect, "default", "parallel.data=4 parallel.zero=3")
     inspect.add_argument(
-        "--out", type=Path, default=Path("."), help="where layout.png goes (default: here)"
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where layout.png goes (default: a new runs/<time>-<config>-inspect, as a run's)",
     )
     export = sub.add_parser(
         "export",
@@ -424,7 +427,7 @@ def _check_config(args: argparse.Namespace):
         given = {o.split("=", 1)[0].removeprefix("model.") for o in args.overrides}
         cfg = resolve_init(cfg, {k for k in given if "." not in k})
     if args.command in ("train", "inspect"):
-        name = Path(args.config).stem
+        name = Path(args.config).stem + ("-inspect" if args.command == "inspect" else "")
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
         rundir.check_writable(out)
         if cfg.checkpoint.dir:

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 
 from jaxpar.config.registry import AttentionDims, ExpertDims
 from jaxpar.config.sections import (
-    Config,
     ContextStrategy,
     DpSync,
     Offload,
     Optimizer,
+    Parallel,
     Precision,
     ReduceDtype,
     Remat,
@@ -183,15 +183,17 @@ def state_formula(
 
 
 def expert_bytes(
-    cfg: Config, specs, trained, mesh_shape: dict, experts: ExpertDims | None
+    par: Parallel, train: Train, specs, trained, mesh_shape: dict, experts: ExpertDims | None
 ) -> float:
     """Textbook wire bytes per device per step on `expert`: the other leaves' gradient
     sync over it (minimum_bytes) and the mixture's all-to-alls (dispatch_bytes)."""
-    synced = _minimum(cfg, specs, trained, mesh_shape, None)[EXPERT]
-    return synced + dispatch_bytes(cfg, mesh_shape, experts)
+    synced = _minimum(par, train, specs, trained, mesh_shape, None)[EXPERT]
+    return synced + dispatch_bytes(par, train, mesh_shape, experts)
 
 
-def dispatch_bytes(cfg: Config, mesh_shape: dict, experts: ExpertDims | None) -> float:
+def dispatch_bytes(
+    par: Parallel, train: Train, mesh_shape: dict, experts: ExpertDims | None
+) -> float:
     """A mixture's all-to-all bytes per device per step on `expert`
     (jaxpar.models.moe): per sparse layer, each forward pass (`forward_passes`) sends
     the dispatched slots of this device's rows, [rows, experts, slots, embed], to the
@@ -201,23 +203,23 @@ def dispatch_bytes(cfg: Config, mesh_shape: dict, experts: ExpertDims | None) ->
     x = mesh_shape.get(EXPERT, 1)
     if x == 1 or experts is None:
         return 0.0
-    rows = cfg.train.batch_size // data_parallel(mesh_shape)
+    rows = train.batch_size // data_parallel(mesh_shape)
     held = experts.held(mesh_shape.get(CONTEXT, 1))
     slots = rows * experts.experts * held * experts.embed
-    passes = 2 * forward_passes(cfg) + 2
+    passes = 2 * forward_passes(par) + 2
     layers = experts.layers / mesh_shape.get(PIPE, 1)
-    return layers * passes * (x - 1) / x * slots * dtype_bytes(cfg.train.precision)
+    return layers * passes * (x - 1) / x * slots * dtype_bytes(train.precision)
 
 
-def forward_passes(cfg: Config) -> int:
+def forward_passes(par: Parallel) -> int:
     """How often a layer's forward runs per micro-batch: twice where its backward
     recomputes it (parallel.remat, ZeRO-3's re-gathered layers)."""
-    par = cfg.parallel
     return 2 if par.remat is not Remat.NONE or par.zero >= 3 else 1
 
 
 def context_bytes(
-    cfg: Config,
+    par: Parallel,
+    train: Train,
     specs,
     shapes,
     mesh_shape: dict,
@@ -237,7 +239,6 @@ def context_bytes(
     c = mesh_shape.get(CONTEXT, 1)
     if c == 1:
         return 0.0
-    par, train = cfg.parallel, cfg.train
     share = (c - 1) / c
     grads = sum(local_elems(shape, s.opt, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
     total = 2 * share * grads * reduce_bytes(train)
@@ -250,7 +251,7 @@ def context_bytes(
     local = attention.heads // t
     moved = context.kv_heads_moved(local, attention.heads // attention.kv_heads, split)
     layers = attention.layers
-    f = forward_passes(cfg)
+    f = forward_passes(par)
     cb = dtype_bytes(train.precision)
     if experts:  # a recomputed forward's output is not needed: scattered once forward
         total += experts.layers * (f + 3) * share * tokens * experts.embed * cb
@@ -264,7 +265,8 @@ def context_bytes(
 
 
 def minimum(
-    cfg: Config,
+    par: Parallel,
+    train: Train,
     specs,
     trained,
     mesh_shape: dict,
@@ -273,7 +275,7 @@ def minimum(
     documents: bool = False,
     experts: ExpertDims | None = None,
 ) -> dict:
-    """The textbook minimum by axis for `cfg`'s layout of `trained` (the problem as the
+    """The textbook minimum by axis for the layout (`par`, `train`) of `trained` (the problem as the
     engine lays it out: pipeline-staged where there is a pipeline): what the ledger
     reports for a run and the planner predicts for a candidate. With a pipeline, the
     attention's context collectives and a mixture's all-to-alls run in every tick of the
@@ -282,30 +284,34 @@ def minimum(
     c = mesh_shape.get(CONTEXT, 1)
     if tensor_elements:  # each device holds 1/C of the tokens
         tensor_elements = tensor_elements / c
-    base = _minimum(cfg, specs, trained, mesh_shape, tensor_elements)
+    base = _minimum(par, train, specs, trained, mesh_shape, tensor_elements)
     return {
         **base,
         CONTEXT: None
         if c > 1 and staged
-        else context_bytes(cfg, specs, trained.shapes, mesh_shape, attention, documents, experts),
+        else context_bytes(
+            par, train, specs, trained.shapes, mesh_shape, attention, documents, experts
+        ),
         EXPERT: None
         if experts and staged and mesh_shape.get(EXPERT, 1) > 1
-        else base[EXPERT] + dispatch_bytes(cfg, mesh_shape, experts),
+        else base[EXPERT] + dispatch_bytes(par, train, mesh_shape, experts),
     }
 
 
-def _minimum(cfg: Config, specs, trained, mesh_shape: dict, tensor_elements) -> dict:
+def _minimum(
+    par: Parallel, train: Train, specs, trained, mesh_shape: dict, tensor_elements
+) -> dict:
     return minimum_bytes(
         specs,
         trained.shapes,
-        zero=cfg.parallel.zero,
+        zero=par.zero,
         mesh_shape=mesh_shape,
-        compute_bytes=dtype_bytes(cfg.train.precision),
-        accum=cfg.train.grad_accum,
+        compute_bytes=dtype_bytes(train.precision),
+        accum=train.grad_accum,
         tensor_elements=tensor_elements,
-        reduce_bytes=reduce_bytes(cfg.train),
+        reduce_bytes=reduce_bytes(train),
         gathers=gathers(trained.names, trained.scans_layers),
-        sync_every=cfg.parallel.sync_every if cfg.parallel.dp_sync is DpSync.PARAMS else None,
+        sync_every=par.sync_every if par.dp_sync is DpSync.PARAMS else None,
     )
 
 
@@ -320,10 +326,10 @@ class PlacedState:
     opt_elements: float  # parameter elements in the optimizer's split
 
 
-def placed_state(cfg: Config, specs, shapes, mesh_shape: dict) -> PlacedState:
-    """The planner's state bytes for `cfg`'s layout (what the ledger measures as
+def placed_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> PlacedState:
+    """The planner's state bytes for the layout (what the ledger measures as
     `state_bytes.actual` once compiled)."""
-    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+    k = optimizer_bytes(train)
     pairs = leaf_pairs(specs, shapes)
     local = {
         f: sum(local_elems(shape, getattr(s, f), mesh_shape) for s, shape in pairs)
@@ -332,20 +338,20 @@ def placed_state(cfg: Config, specs, shapes, mesh_shape: dict) -> PlacedState:
     master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
     model = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
     if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
-        model = model_state(cfg, specs, shapes, mesh_shape)
+        model = model_state(par, train, specs, shapes, mesh_shape)
         master = model - adam
     host = 0.0
     if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
         host = 4 * local["opt"] + adam
-        master, adam = dtype_bytes(cfg.train.precision) * local["storage"], 0  # compute copy
+        master, adam = dtype_bytes(train.precision) * local["storage"], 0  # compute copy
         if par.offload is Offload.OPTIMIZER_PARAMS:
             host, master = host + master, 0
     return PlacedState(master + grads + adam, host, model, local["opt"])
 
 
-def model_state(cfg: Config, specs, shapes, mesh_shape: dict) -> float:
-    """The ZeRO formula's model-state bytes per device for `cfg`'s layout."""
-    par, k = cfg.parallel, optimizer_bytes(cfg.train)
+def model_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> float:
+    """The ZeRO formula's model-state bytes per device for the layout."""
+    k = optimizer_bytes(train)
     if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
         psi = params_per_device(specs, shapes, mesh_shape)
         return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi

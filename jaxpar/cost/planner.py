@@ -281,7 +281,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
     specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
     pairs = cost.leaf_pairs(specs, trained.shapes)
-    placed = cost.placed_state(cfg, specs, trained.shapes, mesh)
+    placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained.shapes, mesh)
     compute_bytes = cost.dtype_bytes(train.precision)
     split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
@@ -307,16 +307,29 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
     per_micro = blocks.tensor_elements(trained, split.micro, t)
     tensor_elements = None if per_micro is None else per_micro * par.microbatches / p
     minimum = cost.minimum(
-        cfg, specs, trained, mesh, tensor_elements if t > 1 else 0, experts=work.experts
+        cfg.parallel,
+        cfg.train,
+        specs,
+        trained,
+        mesh,
+        tensor_elements if t > 1 else 0,
+        experts=work.experts,
     )
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
     hand_over = split.micro * work.boundary_elements / c * compute_bytes
     comm = {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
-        EXPERT: cost.expert_bytes(cfg, specs, trained, mesh, work.experts),
+        EXPERT: cost.expert_bytes(cfg.parallel, cfg.train, specs, trained, mesh, work.experts),
         CONTEXT: cost.context_bytes(
-            cfg, specs, trained.shapes, mesh, work.attention, False, work.experts
+            cfg.parallel,
+            cfg.train,
+            specs,
+            trained.shapes,
+            mesh,
+            work.attention,
+            False,
+            work.experts,
         ),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
@@ -353,7 +366,7 @@ def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) 
         mesh=mesh,
         state=state,
         model_state=placed.model,
-        formula_state=cost.model_state(cfg, specs, trained.shapes, mesh),
+        formula_state=cost.model_state(cfg.parallel, cfg.train, specs, trained.shapes, mesh),
         paper_state=sum(
             cost.paper_state(par.zero, psi, n)
             for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()

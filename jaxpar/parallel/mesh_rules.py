@@ -6,7 +6,16 @@ planner for each layout it considers."""
 from __future__ import annotations
 
 from jaxpar.config.options import default_of
-from jaxpar.config.sections import Config, DpCollective, DpSync, Offload, Parallel, Remat, Schedule
+from jaxpar.config.sections import (
+    Config,
+    DpCollective,
+    DpSync,
+    Model,
+    Offload,
+    Parallel,
+    Remat,
+    Schedule,
+)
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import context
 from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, REPLICA
@@ -34,7 +43,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
     pipelined = mesh_shape[PIPE] > 1
     _check_dp_sync(parallel, mesh_shape)
-    _check_expert(cfg, mesh_shape)
+    _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
@@ -77,14 +86,14 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
 
 
-def _check_expert(cfg: Config, mesh_shape: dict) -> None:
+def _check_expert(model: Model, mesh_shape: dict) -> None:
     """The `expert` axis splits a mixture's experts (model.experts), evenly."""
-    x, experts = mesh_shape.get(EXPERT, 1), getattr(cfg.model, "experts", 0)
+    x, experts = mesh_shape.get(EXPERT, 1), getattr(model, "experts", 0)
     if x == 1:
         return
     if not experts:
         raise ConfigError(
-            f"parallel.expert={x} splits a mixture's experts; model.name={cfg.model.name} has "
+            f"parallel.expert={x} splits a mixture's experts; model.name={model.name} has "
             "none (model.experts=0): put those devices on parallel.data, or train a mixture "
             "(model.name=mixtral with model.experts)"
         )

@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config, DpSync, Parallel
+from jaxpar.config.sections import Config, DpSync, Parallel, Train
 from jaxpar.cost import blocks, ledger, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
@@ -62,7 +62,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     """The engine of parallel.dp_sync: gradients synced every step (jaxpar.step.gradient_sync), or
     parameters averaged every sync_every steps (jaxpar.step.local_sgd)."""
     builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
-    return builder(problem, cfg, mesh)
+    return builder(problem, cfg.parallel, cfg.train, mesh)
 
 
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
@@ -171,9 +171,17 @@ def describe_step(
     experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None
     documents = SEGMENT_IDS in batch
     minimum = cost.minimum(
-        cfg, engine.specs, trained, mesh_shape, tensor_elements, attention, documents, experts
+        cfg.parallel,
+        cfg.train,
+        engine.specs,
+        trained,
+        mesh_shape,
+        tensor_elements,
+        attention,
+        documents,
+        experts,
     )
-    formula = cost.model_state(cfg, engine.specs, trained.shapes, mesh_shape)
+    formula = cost.model_state(cfg.parallel, cfg.train, engine.specs, trained.shapes, mesh_shape)
     device, host = ledger.memory(
         step.executable,
         step.state_shapes,
@@ -185,7 +193,7 @@ def describe_step(
         config=presets.to_dict(cfg),
         mesh=mesh_shape,
         devices=int(mesh.size),
-        strategy=strategy_name(cfg, mesh_shape),
+        strategy=strategy_name(cfg.parallel, cfg.train, mesh_shape),
         compile_s=round(step.seconds, 3),
         xla_flags=engine.compiler_options,
         zero_unsplit_leaves=[{"path": p, "shape": list(s), "why": why} for p, s, _, why in unsplit],
@@ -247,31 +255,28 @@ def _pipeline(
     )
 
 
-def strategy_name(cfg: Config, mesh_shape: dict) -> str:
+def strategy_name(par: Parallel, train: Train, mesh_shape: dict) -> str:
     axes = " x ".join(f"{axis}={n}" for axis, n in mesh_shape.items() if n > 1)
-    extras = [f"ZeRO-{cfg.parallel.zero}", cfg.train.precision]
+    extras = [f"ZeRO-{par.zero}", train.precision]
     if mesh_shape[PIPE] > 1:
-        p = cfg.parallel
         extras.insert(
             0,
-            f"{p.schedule} m={p.microbatches}"
-            + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+            f"{par.schedule} m={par.microbatches}"
+            + (f" v={par.virtual_stages}" if par.virtual_stages > 1 else ""),
         )
     if mesh_shape.get(CONTEXT, 1) > 1:
-        p = cfg.parallel
         extras.insert(
-            0, f"context {p.context_strategy}" + (" balanced" if p.context_balance else "")
+            0, f"context {par.context_strategy}" + (" balanced" if par.context_balance else "")
         )
-    if cfg.parallel.sequence_parallel:
+    if par.sequence_parallel:
         extras.insert(0, "sequence parallel")
-    if cfg.train.grad_accum > 1:
-        extras.append(f"grad_accum={cfg.train.grad_accum}")
-    if cfg.parallel.dp_sync is DpSync.PARAMS:
-        p = cfg.parallel
+    if train.grad_accum > 1:
+        extras.append(f"grad_accum={train.grad_accum}")
+    if par.dp_sync is DpSync.PARAMS:
         outer = (
             "averaged"
-            if (p.outer_lr, p.outer_momentum) == (1, 0)
-            else (f"outer Nesterov lr={p.outer_lr:g} momentum={p.outer_momentum:g}")
+            if (par.outer_lr, par.outer_momentum) == (1, 0)
+            else (f"outer Nesterov lr={par.outer_lr:g} momentum={par.outer_momentum:g}")
         )
-        extras.insert(0, f"params synced every {p.sync_every} steps, {outer}")
+        extras.insert(0, f"params synced every {par.sync_every} steps, {outer}")
     return ", ".join([axes or "single device", *extras])

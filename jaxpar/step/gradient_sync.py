@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.config.sections import Config, Offload, Parallel, Train
+from jaxpar.config.sections import Offload, Parallel, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, trained_count
@@ -43,8 +43,7 @@ from jaxpar.step.engine import (
 from jaxpar.step.state import TrainState
 
 
-def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
-    par = cfg.parallel
+def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
     layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages)
     trained = staging.staged(problem, layout) if layout else problem
     specs = plan(
@@ -53,20 +52,20 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         zero=par.zero,
         mesh_shape=dict(mesh.shape),
     )
-    dtype = cost.DTYPES[cfg.train.precision]
-    policy = zero_policy(cfg.train, par, specs, trained.names)
-    tx, schedule = optim.optimizer(cfg.train, trained.names)
+    dtype = cost.DTYPES[train.precision]
+    policy = zero_policy(train, par, specs, trained.names)
+    tx, schedule = optim.optimizer(train, trained.names)
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
     device = state_lib.shardings(mesh, specs, tx, trained.shapes)
-    clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
-    verdict = functools.partial(optim.verdict, on_nonfinite=cfg.train.on_nonfinite)
+    clip = functools.partial(optim.clip, clip_norm=train.clip_norm)
+    verdict = functools.partial(optim.verdict, on_nonfinite=train.on_nonfinite)
     if par.offload is Offload.NONE:
         shardings, update = device, _device_update(tx, clip, verdict, device, opt_params)
     else:
         shardings = offload.layout(par.offload, device, opt_params)
         update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params)
-    grads_of = _local_grads(trained, cfg.train, par, mesh, policy, layout)
-    mean_loss = evaluator(trained, cfg.train, par, mesh, policy, layout, problem)
+    grads_of = _local_grads(trained, train, par, mesh, policy, layout)
+    mean_loss = evaluator(trained, train, par, mesh, policy, layout, problem)
 
     def init(key):
         params = trained.init(key)
@@ -81,7 +80,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
         count = trained_count(problem, batch)
         (loss, reports), grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
-        new = new.advanced(applied, finite, cfg.train.on_nonfinite)
+        new = new.advanced(applied, finite, train.on_nonfinite)
         metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics)
 

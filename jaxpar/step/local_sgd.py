@@ -26,7 +26,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.config.sections import Config, Parallel
+from jaxpar.config.sections import Parallel, Train
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.sharding import only_axes, pick, plan
@@ -62,13 +62,13 @@ def _stacked(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(DATA, *spec)
 
 
-def build(problem: Problem, cfg: Config, mesh: Mesh):
-    par, n = cfg.parallel, mesh.shape[DATA]
+def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
+    n = mesh.shape[DATA]
     every = par.sync_every
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
-    policy = zero_policy(cfg.train, par, specs, problem.names)
-    inner, schedule = optim.optimizer(cfg.train, problem.names)
+    policy = zero_policy(train, par, specs, problem.names)
+    inner, schedule = optim.optimizer(train, problem.names)
     outer = outer_optimizer(par)
     compute = pick(specs, "compute")
     global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
@@ -90,9 +90,9 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             params=named(copy_specs, is_leaf=is_spec), opt=named(inner_specs, is_leaf=is_spec)
         )
     )
-    value_and_grad, _ = local_value_and_grad(problem, cfg.train, par, mesh, policy, None)
-    mean_loss = evaluator(problem, cfg.train, par, mesh, policy, None, problem)  # global params
-    clip = functools.partial(optim.clip, clip_norm=cfg.train.clip_norm)
+    value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
+    mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
+    clip = functools.partial(optim.clip, clip_norm=train.clip_norm)
 
     def spread(params) -> Local:
         stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
@@ -113,12 +113,12 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         # each copy's loss is over its own rows' trained elements
         count = trained_count(problem, batch)
         (loss, reports), grads = value_and_grad(mine, batch, count)
-        reports = jax.lax.pmean(per_micro_batch(reports, cfg.train), DATA)
+        reports = jax.lax.pmean(per_micro_batch(reports, train), DATA)
         grads, norm = clip(grads)
         # the global batch's loss: the copies' sums over all their trained elements
         loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
         norm_max = jax.lax.pmax(norm, DATA)
-        applied, finite = optim.verdict(loss, norm_max, skipped, cfg.train.on_nonfinite)
+        applied, finite = optim.verdict(loss, norm_max, skipped, train.on_nonfinite)
         opt = optax.tree_map_params(inner, lambda x: x[0], local.opt)
         updates, new_opt = inner.update(grads, opt, mine)
         mine = optim.keep_if(applied, optax.apply_updates(mine, updates), mine)
@@ -149,7 +149,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
             PartitionSpec(),
         )
         out = jax.shard_map(
-            functools.partial(device_step, total=cfg.train.steps),
+            functools.partial(device_step, total=train.steps),
             mesh=mesh,
             in_specs=specs_in,
             out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 5),
@@ -158,7 +158,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh):
         )(state.local, state.params, state.opt, batch, state.step, state.skipped)
         local, params, outer_opt, loss, norm, applied, finite, reports = out
         new = state.replace(params=params, opt=outer_opt, local=local)
-        new = new.advanced(applied, finite, cfg.train.on_nonfinite)
+        new = new.advanced(applied, finite, train.on_nonfinite)
         count = trained_count(problem, batch)
         metrics = (loss, schedule(state.step), norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics)

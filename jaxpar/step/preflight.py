@@ -62,7 +62,7 @@ def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
     specs, shapes = engine.specs, engine.problem.shapes
     psi = cost.params_per_device(specs, shapes, mesh_shape)
     offloaded = cfg.parallel.offload is not Offload.NONE
-    state = 0 if offloaded else cost.model_state(cfg, specs, shapes, mesh_shape)
+    state = 0 if offloaded else cost.model_state(cfg.parallel, cfg.train, specs, shapes, mesh_shape)
     need = state + cost.grad_bytes(specs, shapes, mesh_shape)
     if need > have.bytes_per_device:
         raise ConfigError(

@@ -4,10 +4,13 @@ before jax starts."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -102,3 +105,20 @@ def lock(out_dir: Path) -> IO:
     held.write(f"{os.getpid()}\n")
     held.flush()
     return held
+
+
+@contextlib.contextmanager
+def writing(out_dir: Path) -> Iterator[None]:
+    """The run directory held (`lock`) while the run writes; a directory this made for a
+    run that failed before writing anything is removed again (a refused run leaves
+    nothing behind)."""
+    made = not out_dir.exists()
+    held = lock(out_dir)
+    try:
+        yield
+    except BaseException:
+        if made and {p.name for p in out_dir.iterdir()} <= {LOCK}:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    finally:
+        held.close()

@@ -174,7 +174,7 @@ def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: b
             rundir.check_writable(where, flag)
     with contextlib.ExitStack() as held:
         if out_dir and lead:
-            held.callback(rundir.lock(out_dir).close)
+            held.enter_context(rundir.writing(out_dir))
         if restart:
             if lead:
                 moved = rundir.set_aside(out_dir, ckpt_dir)

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (in a fresh process, as a user pastes them)."""
+"""docs/your-model.md's Python examples run as written (in a fresh process, as a user
+pastes them)."""
 
 import re
 import subprocess
@@ -7,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parent.parent / "README.md"
+PAGE = Path(__file__).parent.parent / "docs" / "your-model.md"
 
 
-def python_blocks(section: str) -> list[str]:
-    text = README.read_text().split(f"## {section}")[1].split("\n## ")[0]
+def python_blocks() -> list[str]:
+    text = PAGE.read_text().split("\n## ")[0]  # the page's first part, before adding a model
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 @pytest.mark.slow
 def test_your_own_model_examples_run(tmp_path):
-    blocks = python_blocks("Your own model, in Python")
+    blocks = python_blocks()
     assert len(blocks) == 2  # the model, trained; then pipeline-ready
     after = """
 assert result.losses[-1] < result.losses[0], result.losses
@@ -25,7 +26,7 @@ model = jaxpar.to_nnx(Model, result.params)
 x = batches(0)["x"]
 assert model(x).shape == (32, 8)
 assert (pathlib.Path("runs/mine") / "metrics.jsonl").exists()
-print("README OK")
+print("PAGE OK")
 """
     first, pipelined = blocks
     script = f"import pathlib\n{first}\n{after}\n{pipelined}\n{after}"
@@ -33,4 +34,4 @@ print("README OK")
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("README OK") == 2
+    assert done.stdout.count("PAGE OK") == 2
