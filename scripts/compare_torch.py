@@ -1,7 +1,7 @@
 """The same GPT trained by jaxpar and by plain PyTorch on this machine: tokens/s of each.
 
     pip install -e '.[compare]'          # torch, CPU build
-    python scripts/compare_torch.py      # the README's table: two shapes, 1 and 2 ranks
+    python scripts/compare_torch.py      # docs/benchmarks.md's table: two shapes, 1 and 2 ranks
 
 Both train models/gpt.py's decoder (token + position embedding, pre-LN blocks with
 causal attention from a fused QKV projection and a tanh-GELU MLP, final LN, output

@@ -141,7 +141,7 @@ def test_sequence_parallel_moves_what_tensor_parallel_moves_in_less_memory(devic
 
 @pytest.mark.slow
 def test_the_plan_for_an_8b_llama_at_32k_on_64_gpus_splits_the_context():
-    """The README's plan: Llama-3.1-8B's dims at 32k tokens on 8 hosts of 8 80 GB GPUs.
+    """docs/long-sequences.md's plan: Llama-3.1-8B's dims at 32k tokens on 8 hosts of 8 80 GB GPUs.
     The fastest layout that fits splits the sequence; whole sequences need their
     activations recomputed, or offloaded state, and are slower."""
     cfg = presets.load("llama3-8b")

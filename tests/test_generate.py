@@ -83,6 +83,26 @@ LAYOUTS = {"one": ("parallel.data=1", "parallel.tensor=1"), "tensor2": ("paralle
            "data2-tensor2": ("parallel.data=2", "parallel.tensor=2")}  # fmt: skip
 
 
+TRAINED_OVER = {  # a run trained with an axis decoding does not use
+    "expert": ("mixtral-tiny", ("parallel.expert=4", "parallel.data=2", "parallel.zero=1")),
+    "context": ("llama-tiny", ("parallel.context=4", "parallel.data=2")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", TRAINED_OVER)
+def test_a_run_trained_over_any_axis_decodes_in_its_own_layout(axis, tmp_path, devices):
+    """Decoding chooses its own layout, whatever the training layout was: a run trained
+    over `expert` or `context` decodes, as one device decodes its weights."""
+    preset, layout = TRAINED_OVER[axis]
+    argv = ["train", "--config", preset, *layout, "train.steps=1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    done, model = greedy(str(tmp_path), new=8)
+    assert model.mesh.shape["expert"] == model.mesh.shape["context"] == 1
+    one, _ = greedy(str(tmp_path), "parallel.data=1", "parallel.tensor=1", new=8, devices=1)
+    assert done.completions == one.completions and [len(c) for c in one.completions] == [8] * 3
+
+
 @pytest.mark.slow
 def test_greedy_output_is_the_same_in_every_layout(checkpoint, devices):
     """One device, tensor=2, tensor=4 (the 2 key/value heads then whole on each), and

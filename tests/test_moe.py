@@ -125,7 +125,7 @@ def drop_rate(capacity_factor: float, seq: int = 256) -> float:
     return 1.0 - float(jnp.mean(moe.route(logits, K, slots).keep))
 
 
-DROPS = (0.5, 1.0, 1.25, 1.5, E / K)  # README's table
+DROPS = (0.5, 1.0, 1.25, 1.5, E / K)  # docs/experts.md's table
 
 
 def test_the_drop_rate_falls_as_the_capacity_factor_grows_and_is_zero_dropless():
@@ -349,7 +349,7 @@ def test_zero_splits_the_state_over_data_and_expert_as_over_data_alone(devices):
 
 @pytest.mark.slow
 def test_the_plan_for_mixtral_8x7b_on_64_gpus_splits_the_experts():
-    """The README's plan: llama-moe (Mixtral-8x7B's dims) on 8 hosts of 8 80 GB GPUs.
+    """docs/experts.md's plan: llama-moe (Mixtral-8x7B's dims) on 8 hosts of 8 80 GB GPUs.
     Without a pipeline (which the planner puts over the slow links), the fastest layout
     that fits splits the experts, faster than the best that does not (which moves every
     expert's weights, or holds copies of them); with one, a layout that splits the

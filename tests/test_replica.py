@@ -40,7 +40,7 @@ def test_ring_reduction_over_replicas_equals_one_device(reference):
             (*HSDP, "parallel.zero=2", "train.grad_accum=2"),
             (*HSDP, "parallel.zero=3"),
             ("parallel.replica=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3"),
-            # (bf16 gradients summed in bf16 are widened to f32 by XLA:CPU: see the README)
+            # (bf16 gradients summed in bf16 are widened to f32 by XLA:CPU: docs/how-it-works.md)
             (*HSDP, "parallel.zero=3", "train.precision=bf16"),
         ]
     ],

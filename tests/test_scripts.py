@@ -38,7 +38,7 @@ def test_train_custom_model_script_runs():
 
 @pytest.mark.slow
 def test_compare_torch_prints_the_table_with_the_load():
-    """scripts/compare_torch.py as the README runs it, at one shape and rank, few steps:
+    """scripts/compare_torch.py as docs/benchmarks.md runs it, at one shape and rank, few steps:
     both sides train and the ratio is theirs."""
     pytest.importorskip("torch")
     out = run_script(

@@ -91,6 +91,7 @@ class Key:
     model: str | None = None  # the model.name whose own config class declares it
 
 
+@functools.cache  # (every config a planner builds checks each field: a few hints, read once)
 def declaration(hint) -> Key:
     """A field's type hint -> (kind, choices, range)."""
     rng = None

@@ -324,7 +324,8 @@ class Train(Section):
         1,
         (
             "layers per iteration of the layer scan (lax.scan's unroll): fewer, longer loop "
-            'iterations, at a compile time that grows with it (README, "Speed against PyTorch")'
+            "iterations, at a compile time that grows with it (docs/benchmarks.md, "
+            '"Speed against PyTorch")'
         ),
     )
     profile_steps: str = key(

@@ -273,13 +273,15 @@ def _inside_host(per_host: int, attention: bool):
                 yield t, c, strategy
 
 
-def predict(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload) -> Candidate:
+def predict(
+    cfg: Config, mesh: dict, machine: Machine, trained, work: Workload, specs=None
+) -> Candidate:
     """One layout's memory, traffic and step time, per device; `trained` is the problem
-    in the layout of its pipeline (pipeline.in_stages)."""
+    in the layout of its pipeline (pipeline.in_stages), `specs` its placement on `mesh`
+    at the config's ZeRO stage where already made (placed_on)."""
     par, train = cfg.parallel, cfg.train
     d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
-    shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
-    specs = placement(trained.names, shapes, zero=par.zero, mesh_shape=mesh)
+    specs = specs or placed_on(trained, mesh, par.zero)
     pairs = cost.leaf_pairs(specs, trained.shapes)
     placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained.shapes, mesh)
     compute_bytes = cost.dtype_bytes(train.precision)
@@ -522,15 +524,24 @@ def plan(problem, batch, *, devices: int, device_memory: str, cfg: Config | None
     )
 
 
+def placed_on(trained, mesh: dict, zero: int) -> dict:
+    """`trained`'s placement plan on `mesh` at ZeRO stage `zero` (jaxpar.parallel.sharding)."""
+    shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
+    return placement(trained.names, shapes, zero=zero, mesh_shape=mesh)
+
+
 def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:
     """Every candidate predicted; those that fit ranked by step time."""
-    staged = {}
+    staged, placed = {}, {}  # each pipeline's staging, and each mesh's placement, made once
     fit, dropped, closest, considered = [], 0, None, 0
     for cfg, mesh in candidates(base, machine, work, pipelines=problem.parts is not None):
         p = mesh[PIPE]
         if p not in staged:
             staged[p] = staging.in_stages(problem, p)
-        c = predict(cfg, mesh, machine, staged[p], work)
+        at = (tuple(sorted(mesh.items())), cfg.parallel.zero)
+        if at not in placed:
+            placed[at] = placed_on(staged[p], mesh, cfg.parallel.zero)
+        c = predict(cfg, mesh, machine, staged[p], work, placed[at])
         considered += 1
         if c.device <= machine.device_memory and c.host <= machine.host_memory:
             fit.append(c)

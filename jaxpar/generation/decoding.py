@@ -165,8 +165,19 @@ def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -
             else cfg.train.seq_len
         )
     data, tensor = _degrees(cfg.model, len(devices), overrides)
+    # decoding's own layout, whatever the training layout was (pipeline, context, expert
+    # and ZeRO are training's)
     par = dataclasses.replace(
-        cfg.parallel, replica=1, data=data, pipeline=1, tensor=tensor, zero=0, offload=Offload.NONE
+        cfg.parallel,
+        replica=1,
+        data=data,
+        expert=1,
+        pipeline=1,
+        context=1,
+        tensor=tensor,
+        zero=0,
+        offload=Offload.NONE,
+        sequence_parallel=False,
     )
     cfg = dataclasses.replace(cfg, parallel=par)
     mesh = build_mesh(par, devices[: data * tensor])

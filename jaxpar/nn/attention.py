@@ -15,7 +15,7 @@ outside a step, the default backend):
   most `BLOCK` rows (the largest such divisor of S), each block's [B, H, BLOCK, S]
   scores recomputed in the backward pass instead of kept: no [S, S] buffer either.
 - `direct`: on CPU, the [B, H, S, S] scores computed and kept for the backward pass,
-  the fastest of the forms measured on XLA:CPU (README, "Speed against PyTorch").
+  the fastest of the forms measured on XLA:CPU (docs/benchmarks.md, "Speed against PyTorch").
 
 `stores_scores(platform, dtype, head_dim)` says whether the form in use keeps the
 scores, for the planner's activation count (Korthikanti's 5 a s^2 b term).
