@@ -208,3 +208,31 @@ def test_a_model_that_reads_its_own_tokens_is_refused_under_context(devices):
     problem = jaxpar.from_nnx(Classifier, nnx_loss)
     with pytest.raises(jaxpar.ConfigError, match=r"parallel.context=2: the model's loss has shape"):
         train(problem, devices, data=4, context=2)
+
+
+class Pipelined(Classifier):
+    """The classifier, cut into pipeline stages."""
+
+
+def stages(layer) -> jaxpar.Stages:
+    return jaxpar.Stages(
+        pre=lambda model, batch: batch["x"] @ model.inp[...],
+        stack="blocks",
+        layer=layer,
+        post=lambda model, h, batch: optax.softmax_cross_entropy_with_integer_labels(
+            h @ model.out[...], batch["y"]
+        ),
+    )
+
+
+@pytest.mark.slow
+def test_a_layer_function_of_two_arguments_pipelines_as_one_of_three(devices):
+    """Stages(layer=lambda block, h: block(h)), the form documented before micro-batches
+    carried their documents, trains through 1F1B as the three-argument form does, and
+    as one device."""
+    two = jaxpar.from_nnx(Pipelined, nnx_loss, stages(lambda block, h: block(h)))
+    three = jaxpar.from_nnx(Pipelined, nnx_loss, stages(lambda block, h, batch: block(h)))
+    layout = dict(data=2, pipeline=2, tensor=2, microbatches=2, schedule="1f1b")
+    piped = train(two, devices, **layout)
+    assert_same_training(piped, train(three, devices[:1], data=1))
+    assert piped.losses == train(three, devices, **layout).losses

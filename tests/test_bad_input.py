@@ -487,7 +487,7 @@ FLAGS = {
     "preset": (["train", "--config", "gpt-huge"], ["--config gpt-huge", "no such preset"]),
     "preset-typo": (["train", "--config", "gpt-tny"], ["did you mean gpt-tiny?"]),
     "missing-yaml": (["train", "--config", "no.yaml"], ["--config no.yaml", "no such file"]),
-    "directory": (["train", "--config", "/tmp"], ["--config /tmp", "no such file"]),
+    "directory": (["train", "--config", "/tmp"], ["--config /tmp", "a directory, not a YAML"]),
     "launch": (["launch", "--", "train"], ["--processes"]),
     "bench-override": (["bench", "model.embedd=3"], ["model.embedd: unknown key"]),
     "export-to": (["export", "runs/x"], ["--to"]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,10 @@ class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one `jaxpar: error:` line (exit 2), like every other mistake."""
 
     def error(self, message: str):
+        # a value argparse quotes is cut short, as the config's messages cut it
+        message = re.sub(
+            r"'([^']{41,})'", lambda m: f"'{m[1][:16]}...' ({len(m[1])} characters)", message
+        )
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -198,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
         "with --chat) writes JSONL. Layout: tensor = the most devices that divide the "
         "model's heads, key/value heads, MLP width and vocab (heads and MLP split as in "
         "training, the cache by key/value head); the other devices split the prompts over "
-        "data. KEY=VALUE overrides (parallel.data, parallel.tensor) go before --prompt.",
+        "data. KEY=VALUE overrides (parallel.data, parallel.tensor) may come anywhere.",
     )
     gen.add_argument("source", metavar="RUN_DIR|hf:DIR")
     gen.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
@@ -345,7 +350,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         )
     if rest:
         args.overrides = [*args.overrides, *rest]
+    if args.command == "generate" and args.prompt:
+        _overrides_among_prompts(args)
     return args
+
+
+def _overrides_among_prompts(args: argparse.Namespace) -> None:
+    """`--prompt hi parallel.tensor=2`: argparse gives every word after --prompt to it;
+    the words that set a declared config key are overrides, in any order as elsewhere."""
+    from jaxpar.config.presets import keys
+
+    declared = keys()
+
+    def sets_a_key(word: str) -> bool:
+        key, is_set, _ = word.partition("=")
+        return bool(is_set) and key in declared
+
+    args.overrides = [*args.overrides, *(w for w in args.prompt if sets_a_key(w))]
+    args.prompt = [w for w in args.prompt if not sets_a_key(w)]
+    if not args.prompt:
+        raise ConfigError("--prompt: only KEY=VALUE overrides after it; give the prompt text")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +392,8 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
+    if args.step is not None and not 0 <= args.step < 2**63:
+        raise ConfigError(f"--step {args.step}: give a step the run saved, or none for its newest")
     if not args.source.startswith("hf:") and not (Path(args.source) / "checkpoints").is_dir():
         raise ConfigError(
             f"generate: {args.source}: no checkpoints there; give a run directory that "
@@ -379,7 +405,9 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxpar.generation import decoding
 
     model = decoding.load(args.source, args.overrides, args.step)
+    sampling.check_vocab(model.cfg.model.vocab)
     ids = prompts.ids_for(request, model, args.tokenizer)
+    decoding.check_lengths(model, ids, args.max_new_tokens)  # before anything is printed
     stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
     if stream:  # the prompt as given (not the chat template around it), then the answer
         print(request.rows[0]["prompt"] + ("\n" if args.chat else ""), end="", flush=True)

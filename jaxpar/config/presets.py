@@ -72,7 +72,12 @@ def _yaml(text: str, source: str):
 def _read_preset(name_or_path: str) -> dict:
     path = Path(name_or_path)
     source = f"--config {name_or_path}"
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.is_dir() and name_or_path not in preset_names():  # (a preset's name wins)
+        raise ConfigError(
+            f"{source}: a directory, not a YAML file; give a YAML file or one of the "
+            f"presets {preset_names()}"
+        )
+    if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
             raise ConfigError(
                 f"{source}: no such file; give a YAML file or one of the presets {preset_names()}"

@@ -22,6 +22,7 @@ Tokens are marked by their character offsets in the rendered text.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -45,21 +46,61 @@ class Template:
     """A tokenizer's chat template, compiled once."""
 
     def __init__(self, folder: Path):
+        self.folder = folder
         self.source, self.tokens = _read(folder)
         self.compiled = None if self.source is None else _compile(self.source)
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.compiled.render(
-            messages=messages, add_generation_prompt=generation_prompt, **self.tokens
+        """The conversation as the template writes it; ConfigError where the template
+        raises (its own raise_exception, or an error in it), naming the conversation."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.compiled.render(
+                messages=messages, add_generation_prompt=generation_prompt, **self.tokens
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            first = messages[0].get("content", "") if messages else ""
+            raise ConfigError(
+                f"--tokenizer {self.folder}: its chat template raised on the conversation "
+                f"beginning {str(first)[:40]!r} ({type(e).__name__}: {e}); fix the "
+                "template (tokenizer_config.json's `chat_template`), or the conversation"
+            ) from None
+
+
+def tokenizer(folder: Path):
+    """The `tokenizers.Tokenizer` in `folder`/tokenizer.json, or ConfigError naming what
+    is wrong with the file."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"--tokenizer {folder}: no tokenizer.json there; give the folder of a Hugging "
+            "Face tokenizer (tokenizer.save() or save_pretrained writes it)"
         )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust parser's errors, as one line
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"--tokenizer {folder}: tokenizer.json is not a tokenizer `tokenizers` reads "
+            f"({reason[:200]}); give the folder save_pretrained wrote"
+        ) from None
 
 
 def _read(folder: Path) -> tuple[str | None, dict]:
     path = folder / "tokenizer_config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"--tokenizer {folder}: tokenizer_config.json unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"--tokenizer {folder}: tokenizer_config.json holds a JSON "
+            f"{type(config).__name__}, not an object of settings; give the file "
+            "save_pretrained wrote"
+        )
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -95,53 +136,63 @@ def _compile(source: str):
 def check_file(path: Path, template: Template) -> None:
     """Every line of `path` a conversation this template can render, or ConfigError
     naming the line: checked before anything is written."""
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                row, where = parse(line, path, number)
-                if check_row(row, where) == "messages" and template.compiled is None:
-                    raise ConfigError(
-                        f"prepare-data: {where}: a conversation of `messages`, but the tokenizer "
-                        "has no chat template (tokenizer_config.json's `chat_template`); give a "
-                        'tokenizer that has one, or write the lines as {"prompt": ..., '
-                        '"completion": ...}'
-                    )
+    for row, where, _ in lines(path, "prepare-data"):
+        if row is not None and check_row(row, where) == "messages" and template.compiled is None:
+            raise ConfigError(
+                f"prepare-data: {where}: a conversation of `messages`, but the tokenizer "
+                "has no chat template (tokenizer_config.json's `chat_template`); give a "
+                'tokenizer that has one, or write the lines as {"prompt": ..., '
+                '"completion": ...}'
+            )
 
 
-def parse(line: str, path: Path, number: int) -> tuple[object, str]:
-    """(the line's JSON, where it is: file:line)."""
-    where = f"{path}:{number}"
-    try:
-        return json.loads(line), where
-    except ValueError as e:
-        raise ConfigError(f"prepare-data: {where}: not JSON ({e})") from None
+def lines(path: Path, who: str) -> Iterator[tuple[object, str, int]]:
+    """(the JSON of a line or None for a blank one, where it is as file:line, its bytes)
+    for each line of a JSONL file; ConfigError, prefixed `who` (the command or the flag
+    that named the file), for a line that is not UTF-8 text or not JSON."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{who}: {where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}); a JSONL file is one JSON object per line of text"
+                ) from None
+            if not line.strip():
+                yield None, where, len(raw)
+                continue
+            try:
+                yield json.loads(line), where, len(raw)
+            except ValueError as e:
+                raise ConfigError(f"{who}: {where}: not JSON ({e})") from None
 
 
-def check_row(row, where: str) -> str:
-    """The row's kind ('messages' or 'prompt'), or ConfigError naming file:line."""
+def check_row(row, where: str, who: str = "prepare-data") -> str:
+    """The row's kind ('messages' or 'prompt'), or ConfigError naming file:line (prefixed
+    `who`)."""
     if not isinstance(row, dict):
-        raise ConfigError(
-            f"prepare-data: {where}: a JSON object per line, not {type(row).__name__}"
-        )
+        raise ConfigError(f"{who}: {where}: a JSON object per line, not {type(row).__name__}")
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
-            raise ConfigError(f"prepare-data: {where}: `messages` must be a non-empty list")
+            raise ConfigError(f"{who}: {where}: `messages` must be a non-empty list")
         for n, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
                 raise ConfigError(
-                    f"prepare-data: {where}: message {n} needs a string `content` and a `role`"
+                    f"{who}: {where}: message {n} needs a string `content` and a `role`"
                 )
             if m.get("role") not in ROLES:
                 raise ConfigError(
-                    f"prepare-data: {where}: message {n} has role {m.get('role')!r}; "
+                    f"{who}: {where}: message {n} has role {m.get('role')!r}; "
                     f"roles are {', '.join(ROLES)}"
                 )
         return "messages"
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
         return "prompt"
     raise ConfigError(
-        f"prepare-data: {where}: no `messages` list, nor string `prompt` and `completion` "
+        f"{who}: {where}: no `messages` list, nor string `prompt` and `completion` "
         f"fields (keys: {sorted(row)})"
     )
 

@@ -21,6 +21,8 @@ time; the output is written as it is encoded.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,11 +54,7 @@ def check(
                 f"prepare-data --format chat: {path}: conversations are read from .jsonl "
                 "files (one conversation per line)"
             )
-    if not (tokenizer / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"--tokenizer {tokenizer}: no tokenizer.json there; give the folder of a "
-            "Hugging Face tokenizer (tokenizer.save() or save_pretrained writes it)"
-        )
+    chat.tokenizer(tokenizer)  # read whole: a file that is not one is named now
     if not 0 < val_fraction <= 0.5:
         raise ConfigError(f"--val-fraction {val_fraction}: give a share > 0 and <= 0.5")
     if any(p.suffix == ".parquet" for p in inputs):
@@ -66,8 +64,13 @@ def check(
             raise ConfigError(
                 "prepare-data: reading Parquet needs pyarrow; pip install 'jaxpar[parquet]'"
             ) from None
-    if (out / "train.bin").exists():
+    if (out / data.META).exists():
         raise ConfigError(f"--out {out}: holds a prepared dataset already; give another --out")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(
+            f"--out {out}: is not empty, and holds no complete dataset (no {data.META}: an "
+            "incomplete one, or other files); remove it, or give another --out"
+        )
     if fmt == "chat":  # every line, before anything is written
         template = chat.Template(tokenizer)
         for path in inputs:
@@ -77,10 +80,9 @@ def check(
 def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of one input file."""
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    yield _text_of(json.loads(line), path, number), True
+        for row, where, _ in chat.lines(path, "prepare-data"):
+            if row is not None:
+                yield _text_of(row, where), True
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -98,9 +100,9 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
             yield "".join(piece), True
 
 
-def _text_of(row, path: Path, number: int) -> str:
+def _text_of(row, where: str) -> str:
     if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-        raise ConfigError(f"prepare-data: {path}:{number}: no string field `text`")
+        raise ConfigError(f"prepare-data: {where}: no string field `text`")
     return row["text"]
 
 
@@ -140,22 +142,37 @@ def prepare(
     """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
     JSONL `text` or Parquet documents) or chat (JSONL conversations, with a loss mask);
     `val_fraction` None: the format's VAL_FRACTION."""
-    from tokenizers import Tokenizer
-
     check(inputs, tokenizer, out, val_fraction, fmt)
+    # written whole into a folder beside --out, renamed into place once complete: a
+    # refused or killed run leaves no --out that blocks its retry (the next one clears
+    # the partial folder)
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt)
+        os.replace(partial, out)  # over an empty --out, if one was made
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return meta
+
+
+def _prepare(
+    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float | None, fmt: str
+) -> dict:
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
-    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    tok = chat.tokenizer(tokenizer)
     vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     eos = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
     every = max(1, round(1 / val_fraction))
-    out.mkdir(parents=True, exist_ok=True)
-    chat = fmt == "chat"
-    splits = {name: _Split(out, name, dtype, chat) for name in ("train", "val")}
+    conversations = fmt == "chat"
+    splits = {name: _Split(out, name, dtype, conversations) for name in ("train", "val")}
     total = sum(p.stat().st_size for p in inputs)
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data") as bar:
-            if chat:
+            if conversations:
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
             else:
                 counts = _text(inputs, tok, eos, every, splits, bar)
@@ -178,14 +195,14 @@ def prepare(
             "holds": "the offset in {split}.bin of each document's first id, ascending from 0",
         },
     }
-    if chat:
+    if conversations:
         meta[data.MASK_META] = {
             "files": f"{{split}}.{data.MASK}",
             "dtype": data.MASK_DTYPE.name,
             "holds": "one per id of {split}.bin: 1 where it is trained on (an answer), else 0",
             "trained_tokens": {name: split.trained for name, split in splits.items()},
         }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out / data.META).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -217,20 +234,18 @@ def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> d
     template = chat.Template(tokenizer)
     documents = skipped = 0
     for path in inputs:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                bar.update(len(line.encode("utf-8")))
-                if not line.strip():
-                    continue
-                row, where = chat.parse(line, path, number)
-                kind = chat.check_row(row, where)
-                one = chat.example(tok, template, row, kind, eos, where)
-                if one is None:
-                    skipped += 1
-                    continue
-                split = "val" if documents % every == every - 1 else "train"
-                splits[split].write(one.ids, True, one.mask)
-                documents += 1
+        for row, where, size in chat.lines(path, "prepare-data"):
+            bar.update(size)
+            if row is None:
+                continue
+            kind = chat.check_row(row, where)
+            one = chat.example(tok, template, row, kind, eos, where)
+            if one is None:
+                skipped += 1
+                continue
+            split = "val" if documents % every == every - 1 else "train"
+            splits[split].write(one.ids, True, one.mask)
+            documents += 1
     if not documents:
         raise ConfigError(
             f"prepare-data: {', '.join(map(str, inputs))}: no conversation with an assistant "

@@ -45,6 +45,7 @@ from jaxpar.training.export import checkpoint_dir
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket; buckets double from it
 NEW_BUCKET = 16  # cache slots for new tokens come in multiples of this
+MAX_TEMPERATURE = 100.0  # --temperature: past this every draw is all but uniform
 CACHE_NAMES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)  # the logical names of k and v
 
 
@@ -56,15 +57,25 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ConfigError(
-                f"--temperature {self.temperature}: give 0 (greedy) or more (1 samples "
-                "the model's own distribution)"
+                f"--temperature {self.temperature}: give 0 (greedy) to {MAX_TEMPERATURE:g} "
+                "(1 samples the model's own distribution; past it, nearly uniform)"
             )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p {self.top_p}: give a share of the mass in (0, 1]")
-        if self.top_k < 0:
+        if not 0 <= self.top_k <= 2**31 - 1:
             raise ConfigError(f"--top-k {self.top_k}: give a count of tokens, or 0 for all")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed {self.seed}: give 0 to 2**63 - 1")
+
+    def check_vocab(self, vocab: int) -> None:
+        """The cut against the model's vocabulary (known once the model is read)."""
+        if self.top_k > vocab:
+            raise ConfigError(
+                f"--top-k {self.top_k}: the model has {vocab} ids; give at most {vocab}, "
+                "or 0 for all"
+            )
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
@@ -198,6 +209,15 @@ def _degrees(model: Model, devices: int, overrides: list[str]) -> tuple[int, int
     data, tensor = layout(model, devices)
     given = presets.parse_overrides([o for o in overrides if o.startswith("parallel.")])
     given_d, given_t = (given.get("parallel", {}).get(k) for k in ("data", "tensor"))
+    for key, value in (("data", given_d), ("tensor", given_t)):
+        if value is not None and value != -1 and not 1 <= value <= devices:
+            raise ConfigError(
+                f"parallel.{key}={value}: generate runs on {devices} devices; give 1 to "
+                f"{devices}, or -1 for the devices the other degree leaves"
+            )
+    if given_d == given_t == -1:
+        raise ConfigError("parallel.data and parallel.tensor are both -1: give one of them")
+    given_d, given_t = (None if v == -1 else v for v in (given_d, given_t))
     if given_t is not None or given_d is not None:
         tensor = given_t or max(1, devices // given_d)
         data = given_d or devices // tensor

@@ -43,14 +43,7 @@ def read(args) -> Request:
 def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) -> Request:
     """Rows ({"prompt": text} or {"messages": [...]}) as the model reads them, with the
     tokenizer of folder `tokenizer` (and its chat template, with `chat_`)."""
-    from tokenizers import Tokenizer
-
-    if not (tokenizer / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"--tokenizer {tokenizer}: no tokenizer.json there; give the folder of a "
-            "Hugging Face tokenizer"
-        )
-    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    tok = chat.tokenizer(tokenizer)
     template = chat.Template(tokenizer)
     if chat_ and template.compiled is None:
         raise ConfigError(
@@ -61,7 +54,7 @@ def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) 
     for n, row in enumerate(rows, 1):
         if chat_:
             messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
-            chat.check_row({"messages": messages}, where(n))
+            chat.check_row({"messages": messages}, where(n), "generate")
             texts.append(template.render(messages, generation_prompt=True))
         elif isinstance(row.get("prompt"), str):
             texts.append(row["prompt"])
@@ -112,13 +105,10 @@ def _lines(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"--prompts {path}: no such file")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                row, where = chat.parse(line, path, number)
-                if not isinstance(row, dict):
-                    raise ConfigError(f"--prompts {where}: a JSON object per line")
-                rows.append(row)
+    for row, where, _ in chat.lines(path, "--prompts"):
+        if row is not None and not isinstance(row, dict):
+            raise ConfigError(f"--prompts {where}: a JSON object per line")
+        rows += [] if row is None else [row]
     if not rows:
         raise ConfigError(f"--prompts {path}: no prompts in it")
     return rows

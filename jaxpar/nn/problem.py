@@ -11,10 +11,12 @@ the step's compute view (jaxpar.parallel.zero.ZeroPolicy.compute_view).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from inspect import Parameter
 from typing import Any
 
 import jax
@@ -36,7 +38,8 @@ class Stages:
     pre: Callable[[nnx.Module, Any], jax.Array]  # (model, batch) -> activation
     stack: str  # attribute holding the nnx.vmap-stacked layers
     # (one layer, activation, batch) -> activation: the micro-batch the activation is of,
-    # for what every layer reads of it (jaxpar.nn.documents: segment ids, positions)
+    # for what every layer reads of it (jaxpar.nn.documents: segment ids, positions); a
+    # layer that reads nothing of it may take (one layer, activation) alone
     layer: Callable[[nnx.Module, jax.Array, Any], jax.Array]
     post: Callable[[nnx.Module, jax.Array, Any], jax.Array]  # (model, act., batch) -> losses
     costs: tuple[float, float, float] = (0.0, 1.0, 0.0)  # relative cost: pre, a layer, post
@@ -161,6 +164,23 @@ def from_nnx(
     )
 
 
+def _with_batch(layer: Callable) -> Callable:
+    """Stages.layer as (layer, activation, batch) -> activation. A layer that takes no
+    batch, (layer, activation) -> activation (the form before micro-batches carried
+    their documents), is called without it."""
+    try:
+        params = inspect.signature(layer).parameters.values()
+    except (TypeError, ValueError):  # a callable Python cannot inspect: as documented
+        return layer
+    kinds = [p.kind for p in params]
+    positional = sum(
+        k in (Parameter.POSITIONAL_ONLY, Parameter.POSITIONAL_OR_KEYWORD) for k in kinds
+    )
+    if Parameter.VAR_POSITIONAL in kinds or positional >= 3:
+        return layer
+    return lambda one, x, batch: layer(one, x)
+
+
 def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Parts:
     stack_graphdef, _ = nnx.split(abstract_stack)
     prefix = (stages.stack,)
@@ -168,9 +188,11 @@ def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Part
     if not stack_entries:
         raise ConfigError(f"Stages.stack={stages.stack!r}: the model has no parameters there")
 
+    run_layer = _with_batch(stages.layer)
+
     def chunk(params, h, active, batch):
         stack = nnx.merge(stack_graphdef, variables(params, stack_entries))
-        return scan_layers(stack, h, lambda layer, x: stages.layer(layer, x, batch), active)
+        return scan_layers(stack, h, lambda layer, x: run_layer(layer, x, batch), active)
 
     return Parts(
         stack_keys=tuple(k for k, _, _ in stack_entries),

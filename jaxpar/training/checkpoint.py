@@ -374,9 +374,15 @@ def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np
     """(the parameters of a checkpoint as host arrays by key, its meta), read without
     knowing the model: shapes and dtypes from the checkpoint itself."""
     ckpts = Checkpoints(directory, create=False)
-    step = ckpts.latest if step is None else step
-    if step is None:
+    steps = sorted(ckpts.manager.all_steps())
+    if not steps:
         raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
+    if step is not None and step not in steps:
+        raise CheckpointError(
+            f"--step {step}: no complete checkpoint of that step in {ckpts.directory}; "
+            f"it holds {', '.join(map(str, steps))} (the newest is taken without --step)"
+        )
+    step = steps[-1] if step is None else step
     tree = ckpts.manager.item_metadata(step)[STATE].tree
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(

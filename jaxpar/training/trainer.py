@@ -99,8 +99,6 @@ def train(
         start = saver.latest or 0
         if start >= cfg.train.steps:  # said before anything compiles
             say(finished(start, cfg.train.steps))
-        elif start:
-            say(f"resuming from step {start}: {saver.directory / str(start)}")
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
         first = batches(0)
         check_first_batch(first, cfg.train.batch_size)
@@ -110,6 +108,8 @@ def train(
         saver.bind(problem, run.engine, mesh)
         if start:
             state = saver.restore(start)
+            if start < cfg.train.steps:  # said once the checkpoint has been read
+                say(f"resuming from step {start}: {saver.directory / str(start)}")
         elif params is not None:  # given, e.g. read from a Hugging Face checkpoint
             state = saver.layout.fresh(params(saver.layout.target["params"]))
         else:

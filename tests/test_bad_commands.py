@@ -1,0 +1,165 @@
+"""Bad input to `jaxpar generate` and `jaxpar prepare-data`: every numeric flag their
+parsers declare, given values out of any range (generated from the parsers, as
+test_bad_input.py generates the config keys'), and the files they read made wrong. Each
+exits 2 with one line naming the flag or file, before any model is read; prepare-data
+leaves nothing behind, and its retry works."""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import script
+
+from jaxpar.cli import main as cli
+from jaxpar.data import tokens as data
+
+BAD_NUMBERS = ("abc", "nan", "-inf", "inf", "-5", "1e30", "9" * 5000)
+
+
+def numeric_flags(command: str) -> list[str]:
+    """The flags of `command` that take a number, as its parser declares them."""
+    (sub,) = [a for a in cli._parser()._actions if getattr(a, "choices", None)]
+    actions = sub.choices[command]._actions
+    return [a.option_strings[0] for a in actions if a.type in (int, float) and a.option_strings]
+
+
+def refused(argv: list[str], capsys, *needles: str) -> str:
+    """The one error line `argv` ends with (after prepare-data's progress bar, where it
+    had started), holding each needle."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    progress, _, line = capsys.readouterr().err.rpartition("jaxpar: error: ")
+    err = "jaxpar: error: " + line
+    assert not progress or progress.startswith("\rprepare-data:"), progress
+    assert "Traceback" not in progress and err.count("\n") == 1, err
+    assert "Traceback" not in err and len(err) < 1200, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    script("make_tiny_llama").save_tokenizer(folder, data.corpus_bytes().decode()[:20000], 300)
+    return folder
+
+
+GENERATE = [(flag, value) for flag in numeric_flags("generate") for value in BAD_NUMBERS]
+
+
+@pytest.mark.parametrize(("flag", "value"), GENERATE)
+def test_every_numeric_flag_of_generate_has_a_range(flag, value, tokenizer, capsys):
+    argv = ["generate", "hf:/no/model", "--tokenizer", str(tokenizer), "--prompt", "hi"]
+    refused([*argv, flag, value], capsys, flag)
+
+
+PREPARE = [(flag, value) for flag in numeric_flags("prepare-data") for value in BAD_NUMBERS]
+
+
+@pytest.mark.parametrize(("flag", "value"), PREPARE)
+def test_every_numeric_flag_of_prepare_data_has_a_range(flag, value, tokenizer, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("some text\n")
+    argv = ["prepare-data", str(tmp_path / "in.txt"), "--tokenizer", str(tokenizer)]
+    refused([*argv, "--out", str(tmp_path / "out"), flag, value], capsys, flag)
+    assert not (tmp_path / "out").exists()
+
+
+def _broken_tokenizer(tokenizer: Path, tmp: Path, what: str) -> Path:
+    """A copy of `tokenizer` with one file made wrong."""
+    folder = tmp / f"tokenizer-{what}"
+    folder.mkdir()
+    for f in tokenizer.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if what == "not-a-tokenizer":
+        (folder / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
+    elif what == "config-a-list":
+        (folder / "tokenizer_config.json").write_text('["a", "list"]')
+    elif what == "template-raises":
+        config["chat_template"] = "{{ raise_exception('this template refuses') }}"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+# name -> (tokenizer made wrong, or none; the file given, by its bytes; needles)
+GENERATE_FILES = {
+    "not-a-tokenizer": ("not-a-tokenizer", None, ["tokenizer.json is not a tokenizer"]),
+    "config-a-list": ("config-a-list", None, ["tokenizer_config.json holds a JSON list"]),
+    "template-raises": ("template-raises", None, ["chat template raised", "this template"]),
+    "binary-prompts": (None, b"\x80\x81\xfe\xff\n", ["--prompts", "not UTF-8 text"]),
+    "prompts-not-json": (None, b'{"prompt": "a"\n', ["--prompts", "not JSON"]),
+    "prompts-not-objects": (None, b'["a"]\n', ["--prompts", "a JSON object per line"]),
+    "prompts-empty": (None, b"\n\n", ["--prompts", "no prompts in it"]),
+    "prompts-a-folder": (None, "folder", ["--prompts", "no such file"]),
+}
+
+
+@pytest.mark.parametrize("case", GENERATE_FILES)
+def test_bad_files_to_generate_are_named(case, tokenizer, tmp_path, capsys):
+    broken, prompts, needles = GENERATE_FILES[case]
+    tok = _broken_tokenizer(tokenizer, tmp_path, broken) if broken else tokenizer
+    argv = ["generate", "hf:/no/model", "--tokenizer", str(tok), "--chat"]
+    if prompts is None:
+        argv += ["--prompt", "What is 1 plus 1?"]
+    else:
+        path = tmp_path / "prompts.jsonl"
+        path.mkdir() if prompts == "folder" else path.write_bytes(prompts)
+        argv += ["--prompts", str(path)]
+    err = refused(argv, capsys, *needles)
+    assert "prepare-data" not in err  # each refusal names the command or flag it is of
+
+
+# name -> (tokenizer made wrong, or none; the chat file's bytes; needles)
+PREPARE_FILES = {
+    "not-a-tokenizer": ("not-a-tokenizer", b"", ["tokenizer.json is not a tokenizer"]),
+    "binary-chat": (None, b"\x80\x81\xfe\xff\n", ["prepare-data", "not UTF-8 text"]),
+    "empty-chat": (None, b"\n", ["no conversation with an assistant turn"]),
+    "no-answer": (None, b'{"messages": [{"role": "user", "content": "hi"}]}\n', ["assistant"]),
+    "template-raises": (
+        "template-raises",
+        b'{"messages": [{"role": "user", "content": "a"}, '
+        b'{"role": "assistant", "content": "b"}]}\n',
+        ["chat template raised", "this template refuses"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PREPARE_FILES)
+def test_a_refused_prepare_data_leaves_nothing_and_its_retry_works(
+    case, tokenizer, tmp_path, capsys
+):
+    """Refused at any point, before writing or half way: no --out (nor a partial one)
+    is left, and the same command with the cause fixed prepares the data."""
+    broken, lines, needles = PREPARE_FILES[case]
+    tok = _broken_tokenizer(tokenizer, tmp_path, broken) if broken else tokenizer
+    source, out = tmp_path / "chat.jsonl", tmp_path / "out"
+    source.write_bytes(lines)
+    argv = ["prepare-data", str(source), "--out", str(out), "--format", "chat"]
+    refused([*argv, "--tokenizer", str(tok)], capsys, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    source.write_text(json.dumps(good) + "\n")
+    assert cli.main([*argv, "--tokenizer", str(tokenizer)]) == 0
+    assert (out / data.META).is_file()
+
+
+def test_a_killed_prepare_data_leaves_no_out_and_an_incomplete_one_is_named(
+    tokenizer, tmp_path, capsys
+):
+    """A kill -9 half way leaves the partial folder beside --out, never --out: the next
+    run clears it and prepares. A folder holding ids but no meta.json (as an older
+    jaxpar left one) is named incomplete, not a prepared dataset."""
+    (tmp_path / "in.txt").write_text("some text to prepare\n\nand a second paragraph\n")
+    out = tmp_path / "out"
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / "train.bin").write_bytes(b"\0\0")  # what a killed run left
+    argv = ["prepare-data", str(tmp_path / "in.txt"), "--tokenizer", str(tokenizer)]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert (out / data.META).is_file() and not partial.exists()
+    refused([*argv, "--out", str(out)], capsys, "holds a prepared dataset already")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "train.bin").write_bytes(b"\0\0")
+    refused([*argv, "--out", str(old)], capsys, "holds no complete dataset", "incomplete")
