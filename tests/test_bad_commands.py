@@ -13,7 +13,7 @@ from helpers import script
 from jaxpar.cli import main as cli
 from jaxpar.data import tokens as data
 
-BAD_NUMBERS = ("abc", "nan", "-inf", "inf", "-5", "1e30", "9" * 5000)
+BAD_NUMBERS = ("abc", "nan", "-inf", "inf", "-5", "1e30", str(2**70), "9" * 5000)
 
 
 def numeric_flags(command: str) -> list[str]:
@@ -163,3 +163,46 @@ def test_a_killed_prepare_data_leaves_no_out_and_an_incomplete_one_is_named(
     old.mkdir()
     (old / "train.bin").write_bytes(b"\0\0")
     refused([*argv, "--out", str(old)], capsys, "holds no complete dataset", "incomplete")
+
+
+def test_overrides_after_prompt_are_overrides(capsys):
+    """Flags and overrides in any order, for generate too: a word after --prompt that sets
+    a declared key is an override; any other word is a prompt; overrides alone are not."""
+    argv = ["generate", "hf:x", "--tokenizer", "t", "--prompt", "hi", "parallel.tensor=3"]
+    args = cli._parse([*argv, "a=b", "--max-new-tokens", "4"])
+    assert args.prompt == ["hi", "a=b"] and "parallel.tensor=3" in args.overrides
+    refused(["generate", "hf:x", "--tokenizer", "t", "--prompt", "parallel.data=2"], capsys,
+            "--prompt: only KEY=VALUE overrides")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["parallel.tensor=16"], "parallel.tensor=16: generate runs on 8 devices"),
+        (["parallel.tensor=-1", "parallel.data=-1"], "both -1"),
+        (["parallel.data=0"], "parallel.data=0"),
+    ],
+)
+def test_generate_names_the_degrees_given(overrides, needle):
+    """A degree decoding cannot take is named as given (not as the other degree it
+    would leave)."""
+    from jaxpar.config import presets
+    from jaxpar.errors import ConfigError
+    from jaxpar.generation import decoding
+
+    with pytest.raises(ConfigError, match=needle):
+        decoding._degrees(presets.load("llama-tiny").model, 8, overrides)
+
+
+def test_a_folder_named_like_a_preset_is_not_a_config(tmp_path, monkeypatch):
+    """A run directory called `default` in the working folder: --config default is the
+    preset (a folder is never a config); a folder that is no preset is named a folder."""
+    from jaxpar.config import presets
+    from jaxpar.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    assert presets.load("default").model.name == presets.load("gpt-tiny").model.name
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ConfigError, match="--config mine: a directory, not a YAML file"):
+        presets.load("mine")
