@@ -213,6 +213,9 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     assert cli.main([*gen, "--prompt", "Hello"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("Hello") and "prefill " in err and "decode " in err
+    # an override that changes the model's shape: named, not a scan's traceback
+    assert cli.main([*gen, "--prompt", "Hello", "model.layers=2"]) == 2
+    one_line_error(capsys, "checkpoint is not this model", "as saved", "model.layers=2")
     # one prompt with --chat streams the question as asked, not the template around it
     assert cli.main([*gen, "--chat", "--prompt", "What is 2 plus 2?"]) == 0
     out = capsys.readouterr().out

@@ -140,6 +140,19 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
         cfg = presets.from_dict(meta["config"], overrides)
 
         def fill(targets):
+            changed = [
+                f"{k} {tuple(saved[k].shape)} as saved, {tuple(t.shape)} as configured"
+                for k, t in targets.items()
+                if k in saved and tuple(saved[k].shape) != tuple(t.shape)
+            ]
+            missing = sorted(set(targets) - set(saved))
+            if changed or missing:
+                given = [o for o in overrides if o.startswith("model.")]
+                raise ConfigError(
+                    f"generate: {source}'s checkpoint is not this model: "
+                    + "; ".join(changed[:2] + [f"no {k}" for k in missing[:2]])
+                    + f"; drop the overrides that change it ({' '.join(given) or 'none given'})"
+                )
             return {k: jax.device_put(saved[k], t.sharding) for k, t in targets.items()}
 
         positions = None
