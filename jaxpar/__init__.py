@@ -32,6 +32,8 @@ _EXPORTS = {
         + ("UserError", "Stopped", "NonFinite", "ReplicasDiverged")
     },
     "ModelSpec": ("jaxpar.config.registry", "ModelSpec"),
+    "ModelDims": ("jaxpar.config.registry", "ModelDims"),
+    "BlockKind": ("jaxpar.config.registry", "BlockKind"),
     "register_model": ("jaxpar.config.registry", "register"),
     "load_exported": ("jaxpar.training.export", "load"),
     "to_nnx": ("jaxpar.training.export", "to_nnx"),
