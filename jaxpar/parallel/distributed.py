@@ -242,7 +242,9 @@ def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None)
                 return _wait_stopped(procs, first, signal.Signals(stopping[0]).name, ckpt_dir)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i = failed[0]
+                # the cause, not a casualty: a worker whose peer died aborts in gloo
+                # (SIGABRT), and may be seen dead in the same poll as the one that died
+                i = min(failed, key=lambda i: codes[i] == -signal.SIGABRT)
                 running = [p for p in procs if p.poll() is None]
                 for p in running:
                     p.kill()
