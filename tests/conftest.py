@@ -11,19 +11,22 @@ and the single-device references (helpers.reference) are trained once into it.""
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
 import jax
 import pytest
 
 CACHE = os.environ.get("JAXPAR_TEST_CACHE")
-if CACHE is None:  # the session's first process (pytest itself, or xdist's controller)
+FIRST = CACHE is None  # the session's first process (pytest itself, or xdist's controller)
+if FIRST:
     CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-compiled-")
     atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
 # XLA:CPU's backend at -O0: the same HLO (its passes, collectives and buffers, which the
 # tests read) compiled by LLVM without optimisation, 35-45% sooner; the tests' steps are
 # few and tiny, and every comparison runs both sides under the same flag
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 os.environ.update(
@@ -86,3 +89,27 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.nodeid.split("tests/")[-1].startswith(s) for s in SMOKE):
             item.add_marker(pytest.mark.smoke)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _untracked() -> set[str]:
+    """Files in the checkout that git does not track nor ignore (none outside a checkout)."""
+    done = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    return set(done.stdout.split()) if done.returncode == 0 else set()
+
+
+BEFORE = _untracked() if FIRST else set()
+
+
+def pytest_sessionfinish(session):
+    """A test writes into tmp_path, never into the checkout (a default output path
+    taken from the working folder, say): what the suite left there fails it."""
+    left = _untracked() - BEFORE if FIRST else set()
+    if left:
+        print(f"\nthe tests wrote into the checkout: {sorted(left)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -139,12 +139,14 @@ def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def one_line_error(capsys, *needles: str) -> None:
-    """What the command printed is one `jaxpar: error:` line holding every needle."""
-    err = capsys.readouterr().err
+def one_line_error(capsys, *needles: str) -> str:
+    """What the command printed to stderr is one `jaxpar: error:` line holding every
+    needle; returns what it printed to stdout before it."""
+    out, err = capsys.readouterr()
     assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, err
+    return out
 
 
 def perturb_one_copy(x: jax.Array, device_id: int, delta: float = 1e-3) -> jax.Array:

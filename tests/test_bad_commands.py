@@ -194,15 +194,28 @@ def test_generate_names_the_degrees_given(overrides, needle):
         decoding._degrees(presets.load("llama-tiny").model, 8, overrides)
 
 
-def test_a_folder_named_like_a_preset_is_not_a_config(tmp_path, monkeypatch):
+def test_a_name_both_a_preset_and_a_file_or_folder_takes_the_preset_and_says_so(
+    tmp_path, monkeypatch, capsys
+):
     """A run directory called `default` in the working folder: --config default is the
-    preset (a folder is never a config); a folder that is no preset is named a folder."""
+    preset (a folder is never a config); a folder that is no preset is named a folder.
+    A file called `gpt-tiny`: the bare name is the preset, ./gpt-tiny the file; each
+    time both exist, a note says which was taken."""
     from jaxpar.config import presets
     from jaxpar.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)
+    preset = presets.load("default")
     (tmp_path / "default").mkdir()
-    assert presets.load("default").model.name == presets.load("gpt-tiny").model.name
+    assert presets.load("default") == preset
+    assert "--config default is the preset; a folder of that name" in capsys.readouterr().err
     (tmp_path / "mine").mkdir()
     with pytest.raises(ConfigError, match="--config mine: a directory, not a YAML file"):
         presets.load("mine")
+    (tmp_path / "gpt-tiny").write_text("train: {steps: 7}\n")
+    assert presets.load("gpt-tiny").train.steps != 7
+    note = capsys.readouterr().err
+    assert "--config gpt-tiny is the preset; a file of that name is here too" in note
+    assert "give ./gpt-tiny to read the file" in note
+    assert presets.load("./gpt-tiny").train.steps == 7
+    assert capsys.readouterr().err == ""

@@ -25,7 +25,8 @@ def test_remat_section(devices, capsys, monkeypatch):
 @pytest.mark.slow
 def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, capsys, monkeypatch):
     monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
-    layouts = {k: v for k, v in bench.CONTEXT.items() if k.startswith("S=256")}
+    # each strategy that moves bytes over `context` (data=8 moves none there)
+    layouts = {k: v for k, v in bench.CONTEXT.items() if k.startswith("S=256") and "context" in k}
     monkeypatch.setattr(bench, "CONTEXT", layouts)
     rows = run_bench(steps=2, only=["context"])["context"]
     assert list(rows) == list(layouts)
@@ -64,6 +65,8 @@ def test_unknown_section_exits_2():
 @pytest.mark.slow
 def test_hosts_section_puts_replicas_and_averaging_beside_flat_zero(devices, capsys, monkeypatch):
     monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is bytes, not timing
+    checked = ("flat zero1", "replica2 zero1", "params every 1", "params every 36")
+    monkeypatch.setattr(bench, "ACROSS_HOSTS", {k: bench.ACROSS_HOSTS[k] for k in checked})
     rows = bench.run_bench(steps=2, only=["hosts"])["hosts"]
     flat, hsdp = rows["flat zero1"]["report"].comm, rows["replica2 zero1"]["report"].comm
     # across the two halves: the replicas' slice only, against the flat ring's two hops
@@ -73,13 +76,16 @@ def test_hosts_section_puts_replicas_and_averaging_beside_flat_zero(devices, cap
     assert rows["flat zero1"]["across_2_hosts"] == pytest.approx(
         flat.by_axis["data"].wire * 2 / 8, rel=0.01
     )
-    every = {k: rows[f"params every {k}"]["report"].comm.by_axis["data"].wire for k in (1, 4, 36)}
+    every = {k: rows[f"params every {k}"]["report"].comm.by_axis["data"].wire for k in (1, 36)}
     assert every[1] / every[36] == pytest.approx(36, rel=0.02)
     assert "across 2 hosts" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_bench_takes_a_config_and_skips_what_it_cannot_split(devices, capsys, monkeypatch):
+def test_bench_takes_a_config_and_skips_what_it_cannot_split(
+    devices, capsys, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(tmp_path)  # where the picture goes by default
     two = {name: bench.STRATEGIES[name] for name in ("dp8-zero0", "tp8")}
     monkeypatch.setattr(bench, "STRATEGIES", two)
     base = Base("gpt-tiny", ("model.heads=2", "model.embed=32"))
@@ -89,6 +95,7 @@ def test_bench_takes_a_config_and_skips_what_it_cannot_split(devices, capsys, mo
     out = capsys.readouterr().out
     assert "gpt-tiny model.heads=2 model.embed=32 on 8 cpu devices" in out
     assert "skipped tp8: model.heads=2" in out
+    assert (tmp_path / "bench-strategies.png").is_file()
 
 
 @pytest.mark.slow

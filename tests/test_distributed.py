@@ -17,9 +17,9 @@ from jaxpar.parallel.distributed import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-LAYOUTS = {
+ZERO3_TP = ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"]
+LAYOUTS = {  # and ZERO3_TP, in test_checkpoints_move_between_two_processes_and_one
     "dp": ["parallel.data=8"],
-    "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
     "3d-1f1b": THREE_D_1F1B,
     # one replica per process: only the replicas' reduction crosses
     "hsdp-zero3": ["parallel.replica=2", "parallel.data=4", "parallel.zero=3"],
@@ -70,12 +70,9 @@ def test_two_processes_train_like_one(devices, tmp_path, name):
     launch(tmp_path, *LAYOUTS[name], "train.steps=5")
     one = run("gpt-tiny", LAYOUTS[name], steps=5)
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path)], one.losses, rtol=1e-6)
-    # the ledger reads the same program: the same collectives, per device, per step
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["collective_counts"] == one.report.collective_counts
-    assert summary["devices"] == 8
-    data, replica = (summary["comm"]["by_axis"][a] for a in ("data", "replica"))
     assert one.report.comm.by_axis["data"].across_processes == 0
+    summary = same_program(tmp_path, one.report.collective_counts)
+    data, replica = (summary["comm"]["by_axis"][a] for a in ("data", "replica"))
     if name == "dp":  # one ring of 8 over two processes: 2 of its 8 hops cross
         assert data["across_processes"] == pytest.approx(data["wire"] * 2 / 8)
     if name == "hsdp-zero3":  # the replicas' all-reduce of 1/data of the gradients, alone
@@ -84,34 +81,38 @@ def test_two_processes_train_like_one(devices, tmp_path, name):
         assert replica["minimum"] == pytest.approx(2 * (2 - 1) / 2 * 4 * 235_904 / 4)
     else:
         assert 0 < data["across_processes"] <= data["wire"]
-    assert {p.name for p in tmp_path.glob("process-*.log")} == {"process-0.log", "process-1.log"}
+
+
+def same_program(two: Path, counts: dict) -> dict:
+    """The two processes' summary.json, whose ledger read the one process's program (the
+    same collectives, per device, per step, `counts`) on 8 devices; a log per process."""
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["collective_counts"] == counts
+    assert summary["devices"] == 8
+    assert {p.name for p in two.glob("process-*.log")} == {"process-0.log", "process-1.log"}
+    return summary
 
 
 def test_checkpoints_move_between_two_processes_and_one(devices, tmp_path):
-    """Saved by 2 processes, resumed by 1; saved by 1, resumed by 2: each resumed run
-    goes on as the straight run does."""
-    steps = [
-        "parallel.data=4",
-        "parallel.tensor=2",
-        "parallel.zero=3",
-        "train.steps=6",
-        "checkpoint.every=3",
-    ]
-    straight = [r["loss"] for r in rows_of_straight(tmp_path / "straight", steps)]
+    """ZeRO-3 with tensor parallelism: two processes train like one (the losses, the
+    program's collectives and the bytes that cross); saved by 2 processes, resumed by 1;
+    saved by 1, resumed by 2: each resumed run goes on as the straight run does."""
+    steps = [*ZERO3_TP, "train.steps=6", "checkpoint.every=3"]
+    run_one(tmp_path / "one", steps)
+    straight = [r["loss"] for r in rows(tmp_path / "one")]
     launch(tmp_path / "two", *steps)
+    np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "two")], straight, rtol=1e-6)
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["comm"]["by_axis"]["data"]["across_processes"] == 0
+    data = same_program(tmp_path / "two", one["collective_counts"])["comm"]["by_axis"]["data"]
+    assert 0 < data["across_processes"] <= data["wire"]
     keep_first_half(tmp_path / "two")
     resumed = run_one(tmp_path / "two", steps)
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "two")], straight, rtol=1e-6)
     assert resumed.returncode == 0 and "resuming from step 3" in resumed.stdout
-    run_one(tmp_path / "one", steps)
-    keep_first_half(tmp_path / "one")
+    keep_first_half(tmp_path / "one")  # the straight run, saved by one process
     launch(tmp_path / "one", *steps)
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "one")], straight, rtol=1e-6)
-
-
-def rows_of_straight(out, steps):
-    run_one(out, steps)
-    return rows(out)
 
 
 def run_one(out, steps):

@@ -216,6 +216,14 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     # an override that changes the model's shape: named, not a scan's traceback
     assert cli.main([*gen, "--prompt", "Hello", "model.layers=2"]) == 2
     one_line_error(capsys, "checkpoint is not this model", "as saved", "model.layers=2")
+    # what only the run's checkpoint decides: one line, and not a word of the prompt first
+    for flags, needle in [
+        (["--step", "7"], "--step 7: no complete checkpoint of that step in"),
+        (["--top-k", "100000"], "--top-k 100000: the model has 512 ids"),
+        (["--max-new-tokens", "1048576"], "positions, but"),
+    ]:
+        assert cli.main([*gen, "--prompt", "Hello", *flags]) == 2
+        assert one_line_error(capsys, needle) == ""
     # one prompt with --chat streams the question as asked, not the template around it
     assert cli.main([*gen, "--chat", "--prompt", "What is 2 plus 2?"]) == 0
     out = capsys.readouterr().out

@@ -61,7 +61,7 @@ class Section:
     SECTION: ClassVar[str]  # its name in dotted keys: parallel, model, ...
 
     def __post_init__(self):
-        hints = _hints(type(self))
+        hints = declared(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             checked = check_value(f"{self.SECTION}.{f.name}", value, hints[f.name])
@@ -70,9 +70,9 @@ class Section:
 
 
 @functools.cache
-def _hints(cls) -> dict:
-    """A section's declarations (read once per class: configs are built by the thousand
-    when the planner enumerates layouts)."""
+def declared(cls) -> dict:
+    """A dataclass's declared field types (read once per class: configs are built by
+    the thousand when the planner enumerates layouts)."""
     return typing.get_type_hints(cls, include_extras=True)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import sys
 import typing
 from importlib import resources
 from pathlib import Path
@@ -72,7 +73,18 @@ def _yaml(text: str, source: str):
 def _read_preset(name_or_path: str) -> dict:
     path = Path(name_or_path)
     source = f"--config {name_or_path}"
-    if path.is_dir() and name_or_path not in preset_names():  # (a preset's name wins)
+    if name_or_path in preset_names():  # a preset's bare name wins over a file or folder
+        if path.exists():
+            kind = "folder" if path.is_dir() else "file"
+            print(
+                f"jaxpar: note: --config {name_or_path} is the preset; a {kind} of that name "
+                f"is here too: give ./{name_or_path} to read the {kind}",
+                file=sys.stderr,
+            )
+        return _tree(
+            (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text(), source
+        )
+    if path.is_dir():
         raise ConfigError(
             f"{source}: a directory, not a YAML file; give a YAML file or one of the "
             f"presets {preset_names()}"
@@ -93,12 +105,14 @@ def _read_preset(name_or_path: str) -> dict:
                 "a config is a YAML file of sections, e.g. `train: {steps: 20}`"
             ) from None
     else:
-        if name_or_path not in preset_names():
-            raise ConfigError(
-                f"{source}: no such preset; choose one of {preset_names()} or give a path "
-                f"to a YAML file{near(name_or_path, preset_names())}"
-            )
-        text = (resources.files("jaxpar") / "configs" / f"{name_or_path}.yaml").read_text()
+        raise ConfigError(
+            f"{source}: no such preset; choose one of {preset_names()} or give a path "
+            f"to a YAML file{near(name_or_path, preset_names())}"
+        )
+    return _tree(text, source)
+
+
+def _tree(text: str, source: str) -> dict:
     tree = _yaml(text, source) or {}
     if not isinstance(tree, dict):
         raise ConfigError(

@@ -7,12 +7,11 @@ checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
 from __future__ import annotations
 
 import enum
-import typing
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from jaxpar.config import registry
-from jaxpar.config.options import Range, Section, key, near, shown
+from jaxpar.config.options import Range, Section, declared, key, near, shown
 from jaxpar.errors import ConfigError
 
 
@@ -406,7 +405,7 @@ class Config:
     distributed: Distributed = field(default_factory=Distributed)
 
     def __post_init__(self):
-        for section, cls in typing.get_type_hints(Config).items():
+        for section, cls in declared(Config).items():
             if not isinstance(getattr(self, section), cls):
                 raise ConfigError(
                     f"{section}: expected a jaxpar.{cls.__name__}(...), got "

@@ -191,11 +191,14 @@ def _multipliers(lines: list[str]) -> tuple[dict[str, int], dict[int, str], int]
 
 
 def loop_trip_counts(hlo_text: str, scope: str) -> list[int]:
-    """Trip counts of the while loops traced under jax.named_scope(scope)."""
+    """Trip counts of the while loops that jax.named_scope(scope) opens itself: the loop
+    whose op name ends in the scope (inside jvp(...) or transpose(...)) and `/while`,
+    not the loops XLA makes of ops inside its body (a scatter the CPU backend expands)."""
+    opens = re.compile(rf'op_name="[^"]*{re.escape(scope)}\)*/while"')
     return [
         int(trip.group(1))
         for line in hlo_text.splitlines()
-        if " while(" in line and scope in line and (trip := _TRIP.search(line))
+        if " while(" in line and opens.search(line) and (trip := _TRIP.search(line))
     ]
 
 

@@ -7,6 +7,7 @@ into a leaf's storage / compute / gradient / optimizer-state PartitionSpecs.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -336,6 +337,8 @@ def _entry_axes(entry) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,) if entry else ()
 
 
+@functools.lru_cache(maxsize=4096)
 def axes_of(spec: PartitionSpec) -> tuple[str, ...]:
-    """Every mesh axis a spec splits a dim over."""
+    """Every mesh axis a spec splits a dim over (remembered: the planner asks millions of
+    times about a few hundred specs)."""
     return tuple(a for entry in spec for a in _entry_axes(entry))

@@ -14,7 +14,10 @@ a pure function of (seed, step), and the step is in the state.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,12 +217,24 @@ class Checkpoints:
     def restore(self, step: int, target) -> dict:
         return self._restore(step, **{STATE: ocp.args.StandardRestore(target)})[STATE]
 
+    def saved_tree(self, step: int):
+        """The saved state's tree of array metadata (shape, dtype), read without a model."""
+        return self._read(step, lambda: self.manager.item_metadata(step)[STATE].tree)
+
     def _restore(self, step: int, **items):
+        return self._read(
+            step, lambda: self.manager.restore(step, args=ocp.args.Composite(**items))
+        )
+
+    def _read(self, step: int, read: Callable[[], Any]):
+        _quiet_the_reads_in_flight()
         try:
-            return self.manager.restore(step, args=ocp.args.Composite(**items))
+            if not (self.directory / str(step) / STATE / "_METADATA").is_file():
+                raise FileNotFoundError(f"{STATE}/_METADATA (orbax's index of it) is missing")
+            return read()
         except Exception as e:  # a corrupt or foreign checkpoint: one line, no traceback
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)}: cannot be read ({_first_line(e)}); "
+                f"checkpoint {self.directory / str(step)}: cannot be read ({_cause(e)}); "
                 "move it away (or use --restart) to start fresh"
             ) from None
 
@@ -231,6 +246,50 @@ class Checkpoints:
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _cause(e: BaseException) -> str:
+    """The first failure under orbax's wrappers, in one line: TensorStore's own words
+    (which file, what is wrong with it), without the spec it appends."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = _first_line(e)
+    for tail in (" [tensorstore_spec", " See full TensorStore details"):
+        text = text.split(tail)[0]
+    return text
+
+
+def _echo(value: BaseException | None, tb) -> bool:
+    """An orbax read's failure, or its callback finding orbax's event loop closed."""
+    frames = traceback.extract_tb(tb)
+    closed = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+    return any(f"{os.sep}orbax{os.sep}" in f.filename for f in frames) or (
+        closed and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)
+    )
+
+
+def _quiet_the_reads_in_flight() -> None:
+    """When a restore fails, orbax's other reads still in flight fail as they land (their
+    event loop closed, their results never collected), and each reports the same broken
+    checkpoint with a traceback, from the moment of the failure to the interpreter's
+    exit. The failure is reported once, as a CheckpointError: from the first restore on,
+    drop those echoes (tracebacks through orbax, or of asyncio's closed loop alone)."""
+    if getattr(sys.unraisablehook, "quiets_orbax", False):
+        return
+
+    def unraisable(u, previous=sys.unraisablehook):
+        if not _echo(u.exc_value, u.exc_traceback):
+            previous(u)
+
+    def excepthook(kind, value, tb, previous=sys.excepthook):
+        if not _echo(value, tb):
+            previous(kind, value, tb)
+
+    unraisable.quiets_orbax = True
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not (record.exc_info and _echo(*record.exc_info[1:]))
+    )
 
 
 def _check_directory(directory: Path, create: bool) -> None:
@@ -383,7 +442,7 @@ def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np
             f"it holds {', '.join(map(str, steps))} (the newest is taken without --step)"
         )
     step = steps[-1] if step is None else step
-    tree = ckpts.manager.item_metadata(step)[STATE].tree
+    tree = ckpts.saved_tree(step)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,21 @@ TENSORBOARD_TAGS = (
     "flops_per_s_per_device",
     "mfu",
 )
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch
+    when it is installed (0.8 s, for tensors we never pass; an `hf` install has it), so
+    the import is made with torch marked absent unless torch is loaded already."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # import torch raises ImportError: tensorboardX's cue
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsLog:
@@ -41,9 +57,7 @@ class MetricsLog:
         self._file = path.open("a") if path else None
         self._events = None
         if events:
-            from tensorboardX import SummaryWriter
-
-            self._events = SummaryWriter(
+            self._events = _summary_writer()(
                 str(events), purge_step=resume_at + 1 if resume_at else None
             )
 
