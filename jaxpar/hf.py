@@ -229,9 +229,15 @@ def read_config(directory: Path) -> dict:
             "transformers' save_pretrained"
         )
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"model.init=hf:{directory}: config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"model.init=hf:{directory}: config.json holds a JSON {type(config).__name__}, "
+            "not a model's settings; give a directory written by transformers' save_pretrained"
+        )
+    return config
 
 
 def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:

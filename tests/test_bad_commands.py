@@ -79,6 +79,8 @@ def _broken_tokenizer(tokenizer: Path, tmp: Path, what: str) -> Path:
     elif what == "template-raises":
         config["chat_template"] = "{{ raise_exception('this template refuses') }}"
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    elif what == "template-a-number":
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": 5}))
     return folder
 
 
@@ -87,11 +89,12 @@ GENERATE_FILES = {
     "not-a-tokenizer": ("not-a-tokenizer", None, ["tokenizer.json is not a tokenizer"]),
     "config-a-list": ("config-a-list", None, ["tokenizer_config.json holds a JSON list"]),
     "template-raises": ("template-raises", None, ["chat template raised", "this template"]),
+    "template-a-number": ("template-a-number", None, ["chat_template is a JSON int"]),
     "binary-prompts": (None, b"\x80\x81\xfe\xff\n", ["--prompts", "not UTF-8 text"]),
     "prompts-not-json": (None, b'{"prompt": "a"\n', ["--prompts", "not JSON"]),
     "prompts-not-objects": (None, b'["a"]\n', ["--prompts", "a JSON object per line"]),
     "prompts-empty": (None, b"\n\n", ["--prompts", "no prompts in it"]),
-    "prompts-a-folder": (None, "folder", ["--prompts", "no such file"]),
+    "prompts-a-folder": (None, "folder", ["--prompts", "a folder, not a file"]),
 }
 
 
@@ -110,19 +113,39 @@ def test_bad_files_to_generate_are_named(case, tokenizer, tmp_path, capsys):
     assert "prepare-data" not in err  # each refusal names the command or flag it is of
 
 
-# name -> (tokenizer made wrong, or none; the chat file's bytes; needles)
+def _parquet(path: Path, **columns) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
+CHAT = b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+# name -> (tokenizer made wrong, or none; the input's name; what to write there; needles);
+# .jsonl is read as chat, the others as text
 PREPARE_FILES = {
-    "not-a-tokenizer": ("not-a-tokenizer", b"", ["tokenizer.json is not a tokenizer"]),
-    "binary-chat": (None, b"\x80\x81\xfe\xff\n", ["prepare-data", "not UTF-8 text"]),
-    "empty-chat": (None, b"\n", ["no conversation with an assistant turn"]),
-    "no-answer": (None, b'{"messages": [{"role": "user", "content": "hi"}]}\n', ["assistant"]),
-    "template-raises": (
-        "template-raises",
-        b'{"messages": [{"role": "user", "content": "a"}, '
-        b'{"role": "assistant", "content": "b"}]}\n',
-        ["chat template raised", "this template refuses"],
+    "not-a-tokenizer": ("not-a-tokenizer", "in.jsonl", b"", ["tokenizer.json is not a tokenizer"]),
+    "binary-chat": (None, "in.jsonl", b"\x80\x81\xfe\xff\n", ["prepare-data", "not UTF-8 text"]),
+    "empty-chat": (None, "in.jsonl", b"\n", ["no conversation with an assistant turn"]),
+    "no-answer": (
+        None, "in.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n', ["assistant"],
     ),
-}
+    "template-raises": (
+        "template-raises", "in.jsonl", CHAT, ["chat template raised", "this template refuses"],
+    ),
+    "template-a-number": ("template-a-number", "in.jsonl", CHAT, ["chat_template is a JSON int"]),
+    "empty-text": (None, "in.txt", b"", ["in.txt: no text in it"]),
+    "blank-text": (None, "in.txt", b"\n  \n\n", ["in.txt: no text in it"]),
+    "binary-text": (None, "in.txt", b"text, then\n\x00\x9f\x92\n", ["in.txt:2: not UTF-8 text"]),
+    "a-folder": (None, "in.txt", "folder", ["in.txt: a folder, not a file"]),
+    "parquet-garbage": (None, "in.parquet", b"PAR", ["not a Parquet file pyarrow reads"]),
+    "parquet-no-text": (
+        None, "in.parquet", lambda p: _parquet(p, body=["a"]), ["no `text` column (it has body)"],
+    ),
+    "parquet-numbers": (
+        None, "in.parquet", lambda p: _parquet(p, text=[1, 2]), ["`text` column holds int64"],
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", PREPARE_FILES)
@@ -131,15 +154,24 @@ def test_a_refused_prepare_data_leaves_nothing_and_its_retry_works(
 ):
     """Refused at any point, before writing or half way: no --out (nor a partial one)
     is left, and the same command with the cause fixed prepares the data."""
-    broken, lines, needles = PREPARE_FILES[case]
+    broken, name, contents, needles = PREPARE_FILES[case]
     tok = _broken_tokenizer(tokenizer, tmp_path, broken) if broken else tokenizer
-    source, out = tmp_path / "chat.jsonl", tmp_path / "out"
-    source.write_bytes(lines)
-    argv = ["prepare-data", str(source), "--out", str(out), "--format", "chat"]
+    source, out, chat = tmp_path / name, tmp_path / "out", name.endswith(".jsonl")
+    if contents == "folder":
+        source.mkdir()
+    elif callable(contents):
+        contents(source)
+    else:
+        source.write_bytes(contents)
+    argv = ["prepare-data", str(source), "--out", str(out), *(["--format", "chat"] * chat)]
     refused([*argv, "--tokenizer", str(tok)], capsys, *needles)
     assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
-    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    source.write_text(json.dumps(good) + "\n")
+    if source.is_dir():
+        source.rmdir()
+    if source.suffix == ".parquet":
+        _parquet(source, text=["some text"])
+    else:
+        source.write_bytes(CHAT if chat else b"some text\n")
     assert cli.main([*argv, "--tokenizer", str(tokenizer)]) == 0
     assert (out / data.META).is_file()
 

@@ -392,7 +392,8 @@ CORRUPTIONS = {  # what a disk or a copy cut short does to a saved state, and it
 def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
     """Each corruption, resumed or exported: one line naming the checkpoint and what is
     wrong in TensorStore's words (no spec, no pybind text, no echo of the reads still in
-    flight), nothing said of resuming; the run directory as it was."""
+    flight), nothing said of resuming; the run directory as it was. So for a spoilt
+    metrics.jsonl, which a resume would otherwise rewrite without its lines."""
     assert run_cli("checkpoint.every=2", "--out", str(tmp_path / "saved")) == 0
     capsys.readouterr()
     for name, (corrupt, needle) in CORRUPTIONS.items():
@@ -407,6 +408,15 @@ def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
         one_line_error(capsys, "checkpoints/2: cannot be read", needle)
     err = capsys.readouterr().err
     assert "Traceback" not in err and "pybind" not in err, err
+    # metrics.jsonl spoilt past a torn last row: refused, and left as it was
+    run = tmp_path / "metrics-spoilt"
+    shutil.copytree(tmp_path / "saved", run)
+    rows = run / "metrics.jsonl"
+    rows.write_bytes(b"\x89PNG\r\n\x1a\n" + rows.read_bytes())
+    spoilt = rows.read_bytes()
+    assert run_cli("train.steps=4", "--out", str(run)) == 2
+    one_line_error(capsys, "metrics.jsonl:1: not a JSON row of metrics", "move the file away")
+    assert rows.read_bytes() == spoilt
 
 
 def test_checkpoint_dir_that_is_a_file_exits_2(tmp_path, capsys, devices):

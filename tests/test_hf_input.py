@@ -50,6 +50,11 @@ def _edit_tensors(d: Path, fn) -> None:
 # name -> (how to spoil a good checkpoint directory, extra overrides, needles)
 BAD = {
     "no-config": (lambda d: (d / "config.json").unlink(), [], ["no config.json there"]),
+    "config-a-list": (
+        lambda d: (d / "config.json").write_text("[1, 2]"),
+        [],
+        ["config.json holds a JSON list, not a model's settings"],
+    ),
     "truncated": (
         _truncate,
         [],

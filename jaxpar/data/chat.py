@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.config.options import shown
 from jaxpar.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -103,13 +104,26 @@ def _read(folder: Path) -> tuple[str | None, dict]:
         )
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
     if template is None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(
+            f"--tokenizer {folder}: tokenizer_config.json's chat_template is a JSON "
+            f"{type(template).__name__}, not a Jinja template (a string, or a list of "
+            "{name, template} with one named default)"
+        )
     tokens = {}
     for name in SPECIAL:
         value = config.get(name)
-        tokens[name] = value.get("content") if isinstance(value, dict) else value
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"--tokenizer {folder}: tokenizer_config.json's {name} is "
+                f"{shown(value)}, not a token's text"
+            )
+        tokens[name] = value
     return template, tokens
 
 
@@ -146,27 +160,42 @@ def check_file(path: Path, template: Template) -> None:
             )
 
 
-def lines(path: Path, who: str) -> Iterator[tuple[object, str, int]]:
-    """(the JSON of a line or None for a blank one, where it is as file:line, its bytes)
-    for each line of a JSONL file; ConfigError, prefixed `who` (the command or the flag
-    that named the file), for a line that is not UTF-8 text or not JSON."""
+def input_file(path: Path, who: str) -> None:
+    """`path` is a file: else ConfigError, prefixed `who`, saying what is there instead."""
+    if path.is_dir():
+        raise ConfigError(f"{who}: {path}: a folder, not a file; give the file in it")
+    if not path.is_file():
+        raise ConfigError(f"{who}: {path}: no such file")
+
+
+def text_lines(path: Path, who: str, what: str) -> Iterator[tuple[str, str, int]]:
+    """(the line, where it is as file:line, its bytes) for each line of a UTF-8 text
+    file; ConfigError, prefixed `who` (the command or the flag that named the file), at
+    the first byte that is not UTF-8 (`what`: what the file should be, for the fix)."""
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}:{number}"
             try:
-                line = raw.decode("utf-8")
+                yield raw.decode("utf-8"), where, len(raw)
             except UnicodeDecodeError as e:
                 raise ConfigError(
                     f"{who}: {where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                    f"{e.start + 1}); a JSONL file is one JSON object per line of text"
+                    f"{e.start + 1}); {what}"
                 ) from None
-            if not line.strip():
-                yield None, where, len(raw)
-                continue
-            try:
-                yield json.loads(line), where, len(raw)
-            except ValueError as e:
-                raise ConfigError(f"{who}: {where}: not JSON ({e})") from None
+
+
+def lines(path: Path, who: str) -> Iterator[tuple[object, str, int]]:
+    """(the JSON of a line or None for a blank one, where it is as file:line, its bytes)
+    for each line of a JSONL file; ConfigError, prefixed `who`, for a line that is not
+    UTF-8 text or not JSON."""
+    for line, where, size in text_lines(path, who, "a JSONL file is one JSON object per line"):
+        if not line.strip():
+            yield None, where, size
+            continue
+        try:
+            yield json.loads(line), where, size
+        except ValueError as e:
+            raise ConfigError(f"{who}: {where}: not JSON ({e})") from None
 
 
 def check_row(row, where: str, who: str = "prepare-data") -> str:

@@ -47,8 +47,7 @@ def check(
     VAL_FRACTION)."""
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     for path in inputs:
-        if not path.is_file():
-            raise ConfigError(f"prepare-data: {path}: no such file")
+        chat.input_file(path, "prepare-data")
         if fmt == "chat" and path.suffix != ".jsonl":
             raise ConfigError(
                 f"prepare-data --format chat: {path}: conversations are read from .jsonl "
@@ -57,13 +56,8 @@ def check(
     chat.tokenizer(tokenizer)  # read whole: a file that is not one is named now
     if not 0 < val_fraction <= 0.5:
         raise ConfigError(f"--val-fraction {val_fraction}: give a share > 0 and <= 0.5")
-    if any(p.suffix == ".parquet" for p in inputs):
-        try:
-            import pyarrow.parquet  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "prepare-data: reading Parquet needs pyarrow; pip install 'jaxpar[parquet]'"
-            ) from None
+    for path in (p for p in inputs if p.suffix == ".parquet"):
+        _check_parquet(path)
     if (out / data.META).exists():
         raise ConfigError(f"--out {out}: holds a prepared dataset already; give another --out")
     if out.is_dir() and any(out.iterdir()):
@@ -75,6 +69,29 @@ def check(
         template = chat.Template(tokenizer)
         for path in inputs:
             chat.check_file(path, template)
+
+
+def _check_parquet(path: Path) -> None:
+    """A Parquet file pyarrow opens, with a `text` column."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            "prepare-data: reading Parquet needs pyarrow; pip install 'jaxpar[parquet]'"
+        ) from None
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"prepare-data: {path}: not a Parquet file pyarrow reads ({e})") from None
+    if "text" not in schema.names:
+        raise ConfigError(
+            f"prepare-data: {path}: no `text` column (it has "
+            f"{', '.join(schema.names) or 'none'}); documents are read from a column named text"
+        )
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f"prepare-data: {path}: its `text` column holds {kind}, not strings")
 
 
 def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
@@ -90,14 +107,14 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
             for text in batch.column(0).to_pylist():
                 yield text or "", True
     else:  # a text file is one document, held out or trained on by its paragraphs
-        with path.open(encoding="utf-8", errors="replace") as f:
-            piece: list[str] = []
-            for line in f:
-                piece.append(line)
-                if not line.strip() and len(piece) > 1:
-                    yield "".join(piece), False
-                    piece = []
-            yield "".join(piece), True
+        piece: list[str] = []
+        fix = "convert it to UTF-8 first (e.g. iconv -t utf-8), or give text, not a binary file"
+        for line, _, _ in chat.text_lines(path, "prepare-data", fix):
+            piece.append(line)
+            if not line.strip() and len(piece) > 1:
+                yield "".join(piece), False
+                piece = []
+        yield "".join(piece), True
 
 
 def _text_of(row, where: str) -> str:
@@ -171,7 +188,7 @@ def _prepare(
     splits = {name: _Split(out, name, dtype, conversations) for name in ("train", "val")}
     total = sum(p.stat().st_size for p in inputs)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data") as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False) as bar:
             if conversations:
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
             else:
@@ -209,7 +226,7 @@ def _prepare(
 def _text(inputs, tok, eos, every: int, splits: dict, bar) -> dict:
     """Documents of text, JSONL and Parquet files, encoded BATCH units at a time."""
     pending: list[tuple[str, bool, str]] = []
-    documents = units = 0
+    documents = units = written = 0
 
     def flush() -> None:
         encoded = tok.encode_batch([text for text, _, _ in pending], add_special_tokens=False)
@@ -222,10 +239,15 @@ def _text(inputs, tok, eos, every: int, splits: dict, bar) -> dict:
         for text, ends in _pieces(path):
             split = "val" if units % every == every - 1 else "train"
             pending.append((text, ends, split))
-            documents, units = documents + ends, units + 1
+            documents, units, written = documents + ends, units + 1, written + bool(text.strip())
             if len(pending) >= BATCH:
                 flush()
     flush()
+    if not written:
+        raise ConfigError(
+            f"prepare-data: {', '.join(map(str, inputs))}: no text in it (empty, or blank "
+            "lines only); nothing to train on"
+        )
     return {"documents": documents}
 
 

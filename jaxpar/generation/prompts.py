@@ -102,8 +102,7 @@ def generate(
 
 
 def _lines(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise ConfigError(f"--prompts {path}: no such file")
+    chat.input_file(path, "--prompts")
     rows = []
     for row, where, _ in chat.lines(path, "--prompts"):
         if row is not None and not isinstance(row, dict):

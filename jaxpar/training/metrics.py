@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.errors import ConfigError
+
 # What TensorBoard gets of each metrics row (those present in it).
 TENSORBOARD_TAGS = (
     "loss",
@@ -85,14 +87,22 @@ class MetricsLog:
 
 
 def _rows(path: Path, up_to: int) -> list[dict]:
+    """The rows of steps up to `up_to`; a last line torn by a kill is dropped, but a
+    file whose other lines are not rows is refused, not rewritten without them."""
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by a kill
-            continue
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if number == len(lines) and line.startswith(b'{"'):  # a row torn by a kill
+                continue
+            raise ConfigError(
+                f"{path}:{number}: not a JSON row of metrics (the run's rows are written one "
+                "a line); move the file away to resume with its rows started afresh"
+            ) from None
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= up_to:
             rows.append(row)
     return rows
