@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -19,16 +20,15 @@ def accumulate(value_and_grad: Callable, zeros, each: Callable = lambda grads: g
     """
 
     def run(params, micro_batches):
-        def body(carry, micro_batch):
-            value, acc = carry
-            mb_value, grads = value_and_grad(params, micro_batch)
-            value = jax.tree.map(jnp.add, value, mb_value)
-            return (value, jax.tree.map(jnp.add, acc, each(grads))), None
+        def body(acc, micro_batch):
+            value, grads = value_and_grad(params, micro_batch)
+            return jax.tree.map(jnp.add, acc, each(grads)), value
 
-        first = jax.tree.map(lambda x: x[0], micro_batches)
-        shapes = jax.eval_shape(lambda: value_and_grad(params, first)[0])
-        start = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (value, grads), _ = jax.lax.scan(body, (start, zeros), micro_batches)
+        # the values come out of the scan a micro-batch each (scalars), so the model is
+        # traced once, not a second time to learn their shapes for a carry
+        grads, values = jax.lax.scan(body, zeros, micro_batches)
+        # added in micro-batch order, as a carry from zero adds them
+        value = jax.tree.map(lambda v: functools.reduce(jnp.add, list(v)), values)
         return value, grads
 
     return run
