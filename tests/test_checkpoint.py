@@ -349,7 +349,8 @@ def test_checkpoint_of_another_model_exits_2(tmp_path, capsys, devices):
     assert run_cli("checkpoint.every=2", "--out", str(tmp_path)) == 0
     capsys.readouterr()
     assert run_cli("train.steps=4", "model.embed=128", "--out", str(tmp_path)) == 2
-    said = one_line_error(capsys, "blocks/attn/wo", "saved from another model", "--restart")
+    needles = ("parameter blocks/attn/wo", "saved from another model", "--restart")
+    said = one_line_error(capsys, *needles)
     assert "resuming" not in said  # said only once the restore holds
 
 
