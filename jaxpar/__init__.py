@@ -23,7 +23,8 @@ _EXPORTS = {
     },
     **{
         name: ("jaxpar.config.sections", name)
-        for name in ("Checkpoint", "Config", "Data", "Distributed", "Model", "Parallel", "Train")
+        for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Model")
+        + ("Parallel", "Train")
     },
     "load": ("jaxpar.config.presets", "load"),
     **{

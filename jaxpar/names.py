@@ -18,4 +18,6 @@ EXPERTS = "experts"  # a mixture's experts (their weights' leading dim)
 ROUTES = "routes"  # the router's logits over the experts (every device routes its tokens)
 VOCAB = "vocab"
 LAYERS = "layers"
+LORA_RANK = "lora_rank"  # a low-rank adapter's rank (jaxpar.adapters; never split)
+SCALE_ONE = "scale_one"  # a quantized weight's scale's size-1 dims (never split)
 STAGE = "stage"

@@ -17,6 +17,7 @@ LAYERS = (
     "parallel",
     "nn",
     "models",
+    "adapters",  # low-rank adapters on a registered model, its base frozen or quantized
     "cost",
     "step",
     "training",

@@ -14,9 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import hf
+from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import AdapterKind, Config
 from jaxpar.data import tokens as data
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, registered
@@ -51,6 +52,8 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     mesh_rules.check_train(cfg, mesh_shape)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
+    if cfg.adapter.kind is AdapterKind.LORA:
+        shipped = lora.adapted(shipped, cfg.adapter, cfg.model)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     return shipped, _batches(cfg, tokens, 0, "train")
 

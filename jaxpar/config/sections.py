@@ -1,4 +1,4 @@
-"""The configuration: frozen, keyword-only sections (parallel, model, train, data,
+"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, data,
 checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
 when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
 checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
@@ -86,6 +86,18 @@ class LossMask(enum.StrEnum):
     AUTO = "auto"
     TRUE = "true"
     FALSE = "false"
+
+
+class AdapterKind(enum.StrEnum):
+    NONE = "none"
+    LORA = "lora"
+
+
+class BaseStorage(enum.StrEnum):
+    SAME = "same"
+    BF16 = "bf16"
+    INT8 = "int8"
+    NF4 = "nf4"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -246,6 +258,45 @@ class Model(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Adapter(Section):
+    """Low-rank adapters (LoRA): W + (alpha/rank) B A on the `targets`, the base frozen
+    (jaxpar.adapters)."""
+
+    SECTION: ClassVar[str] = "adapter"
+    kind: AdapterKind = key(
+        AdapterKind.NONE, "none (train every weight) | lora (train low-rank adapters, base frozen)"
+    )
+    rank: Annotated[int, Range(1, 65536, "an adapter's rank, e.g. 8 to 64")] = key(
+        8, "the adapters' rank r"
+    )
+    alpha: Annotated[float, Range(0, 1e6, "a scale numerator, e.g. 16", True)] = key(
+        16.0, "the adapters' scale is alpha / rank, as PEFT's lora_alpha"
+    )
+    dropout: Annotated[float, Range(0, 0.999, "a probability below 1")] = key(
+        0.0, "dropout on an adapter's input (PEFT's lora_dropout)"
+    )
+    targets: str = key(
+        "",
+        (
+            "comma-separated projections that carry an adapter, in PEFT's names (q_proj, k_proj, "
+            "v_proj, o_proj, gate_proj, up_proj, down_proj; a mixture's experts by their own); "
+            "empty = PEFT's default for the family (q_proj,v_proj)"
+        ),
+    )
+    base: BaseStorage = key(
+        BaseStorage.SAME,
+        (
+            "the frozen base's storage: same (as train.precision stores weights: fp32) | bf16 | "
+            "int8 (a scale per output channel) | nf4 (4-bit NormalFloat, a scale per block of "
+            "64: QLoRA)"
+        ),
+    )
+    init: str = key(
+        "", "where the adapters start: empty = A random, B zero; peft:DIR = an adapter PEFT wrote"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Train(Section):
     SECTION: ClassVar[str] = "train"
     steps: Steps = key(10, "optimizer steps")
@@ -399,6 +450,7 @@ class Distributed(Section):
 class Config:
     parallel: Parallel = field(default_factory=Parallel)
     model: Model = field(default_factory=Model)
+    adapter: Adapter = field(default_factory=Adapter)
     train: Train = field(default_factory=Train)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -290,7 +290,14 @@ def minimum(
         CONTEXT: None
         if c > 1 and staged
         else context_bytes(
-            par, train, specs, trained.shapes, mesh_shape, attention, documents, experts
+            par,
+            train,
+            trained.trainable(specs),
+            trained.trainable(trained.shapes),
+            mesh_shape,
+            attention,
+            documents,
+            experts,
         ),
         EXPERT: None
         if experts and staged and mesh_shape.get(EXPERT, 1) > 1
@@ -301,17 +308,51 @@ def minimum(
 def _minimum(
     par: Parallel, train: Train, specs, trained, mesh_shape: dict, tensor_elements
 ) -> dict:
-    return minimum_bytes(
-        specs,
-        trained.shapes,
+    """minimum_bytes of the trained leaves, and ZeRO-3's gathers of the frozen ones (an
+    adapter run's base: gathered as the trained are, never reduced)."""
+    own = trained.trainable
+    out = minimum_bytes(
+        own(specs),
+        own(trained.shapes),
         zero=par.zero,
         mesh_shape=mesh_shape,
         compute_bytes=dtype_bytes(train.precision),
         accum=train.grad_accum,
         tensor_elements=tensor_elements,
         reduce_bytes=reduce_bytes(train),
-        gathers=gathers(trained.names, trained.scans_layers),
+        gathers=own(gathers(trained.names, trained.scans_layers)),
         sync_every=par.sync_every if par.dp_sync is DpSync.PARAMS else None,
+    )
+    if par.zero == 3:
+        times = gathers(trained.names, trained.scans_layers)
+        for k in trained.frozen:
+            s, x = specs[k], trained.shapes[k]
+            if s.dim is None:
+                continue
+            moved = dtype_bytes(train.precision) if jnp.issubdtype(x.dtype, jnp.floating) else 1
+            part = local_elems(x.shape, s.compute, mesh_shape)
+            for axis in s.over:
+                n = mesh_shape[axis]
+                out[axis] += (n - 1) / n * part * times[k] * moved * train.grad_accum
+                part /= n
+    return out
+
+
+def frozen_bytes(specs, trained, mesh_shape: dict) -> float:
+    """Per-device bytes of the frozen leaves (an adapter run's base) as stored: no
+    gradient, no optimizer state."""
+    return sum(
+        trained.shapes[k].dtype.itemsize
+        * local_elems(trained.shapes[k].shape, specs[k].storage, mesh_shape)
+        for k in trained.frozen
+    )
+
+
+def problem_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) -> float:
+    """model_state of the trained leaves, plus the frozen ones as stored."""
+    own = trained.trainable
+    return model_state(par, train, own(specs), own(trained.shapes), mesh_shape) + frozen_bytes(
+        specs, trained, mesh_shape
     )
 
 
@@ -326,9 +367,11 @@ class PlacedState:
     opt_elements: float  # parameter elements in the optimizer's split
 
 
-def placed_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> PlacedState:
-    """The planner's state bytes for the layout (what the ledger measures as
-    `state_bytes.actual` once compiled)."""
+def placed_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) -> PlacedState:
+    """The planner's state bytes for the layout of `trained` (a Problem; what the ledger
+    measures as `state_bytes.actual` once compiled): its frozen leaves as stored."""
+    frozen = frozen_bytes(specs, trained, mesh_shape)
+    specs, shapes = trained.trainable(specs), trained.trainable(trained.shapes)
     k = optimizer_bytes(train)
     pairs = leaf_pairs(specs, shapes)
     local = {
@@ -346,7 +389,7 @@ def placed_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -
         master, adam = dtype_bytes(train.precision) * local["storage"], 0  # compute copy
         if par.offload is Offload.OPTIMIZER_PARAMS:
             host, master = host + master, 0
-    return PlacedState(master + grads + adam, host, model, local["opt"])
+    return PlacedState(master + grads + adam + frozen, host, model + frozen, local["opt"])
 
 
 def model_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> float:

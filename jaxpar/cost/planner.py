@@ -283,7 +283,7 @@ def predict(
     d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     specs = specs or placed_on(trained, mesh, par.zero)
     pairs = cost.leaf_pairs(specs, trained.shapes)
-    placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained.shapes, mesh)
+    placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained, mesh)
     compute_bytes = cost.dtype_bytes(train.precision)
     split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
@@ -368,7 +368,7 @@ def predict(
         mesh=mesh,
         state=state,
         model_state=placed.model,
-        formula_state=cost.model_state(cfg.parallel, cfg.train, specs, trained.shapes, mesh),
+        formula_state=cost.problem_state(cfg.parallel, cfg.train, specs, trained, mesh),
         paper_state=sum(
             cost.paper_state(par.zero, psi, n)
             for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()

@@ -39,6 +39,16 @@ from jaxpar.parallel.zero import Keep
 KEY = "jaxpar_key"  # Variable metadata set by from_nnx: the leaf's key in the parameters
 
 
+class Assembled:
+    """A weight that a layer computes from several stored leaves (a low-rank adapted or
+    quantized weight: jaxpar.adapters), a pytree of them. scan_layers slices each of
+    its leaves to the layer and asks `ready(fetch)` for the weight, where fetch(key,
+    leaf) makes one stored leaf ready (the ZeRO-3 gather, the offload fetch)."""
+
+    def ready(self, fetch: Callable[[str, jax.Array], jax.Array]) -> jax.Array:
+        raise NotImplementedError
+
+
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
     """An fp32 parameter with one logical name per dim; jaxpar decides where it lives."""
     return nnx.Param(
@@ -151,8 +161,10 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     ctx = scope.current()
 
     def ready(var: nnx.Variable) -> nnx.Variable:
-        key = var.get_metadata().get(KEY)
-        return var if ctx is None or key is None else var.replace(ctx.layer(key, var.get_value()))
+        key, value = var.get_metadata().get(KEY), var.get_value()
+        if isinstance(value, Assembled):
+            return var.replace(value.ready(ctx.layer if ctx else lambda _, x: x))
+        return var if ctx is None or key is None else var.replace(ctx.layer(key, value))
 
     def body(carry, layer_state):
         if ctx and ctx.keep is Keep.INPUT_ON_HOST:

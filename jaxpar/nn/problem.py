@@ -83,6 +83,17 @@ class Problem:
     count: Callable[[Any], jax.Array] | None = None
     # params -> the NNX module holding them (from_nnx; traceable: for decoding)
     module: Callable[[Any], nnx.Module] | None = None
+    # keys of the leaves that are not trained (an adapter run's base, jaxpar.adapters):
+    # no gradient, no optimizer state, no gradient reduction; a dict of params only
+    frozen: frozenset[str] = frozenset()
+
+    def trainable(self, tree):
+        """The trained leaves of a params-shaped tree (all of them but `frozen`)."""
+        return {k: v for k, v in tree.items() if k not in self.frozen} if self.frozen else tree
+
+    def joined(self, tree, trained):
+        """`tree` with its trained leaves taken from `trained`."""
+        return {**tree, **trained} if self.frozen else trained
 
 
 def loss_elements(problem: Problem, batch) -> int:

@@ -5,8 +5,12 @@ planner for each layout it considers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.config.options import default_of
 from jaxpar.config.sections import (
+    Adapter,
+    AdapterKind,
     Config,
     DpCollective,
     DpSync,
@@ -20,6 +24,34 @@ from jaxpar.errors import ConfigError
 from jaxpar.parallel import context
 from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.batches import batch_split
+
+
+def _check_adapter(cfg: Config) -> None:
+    adapter = cfg.adapter
+    if adapter.kind is AdapterKind.NONE:
+        default = Adapter()
+        changed = [
+            f"adapter.{f.name}={getattr(adapter, f.name)}"
+            for f in dataclasses.fields(Adapter)
+            if getattr(adapter, f.name) != getattr(default, f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"{changed[0]} shapes adapters, and adapter.kind=none trains every weight: "
+                "set adapter.kind=lora, or drop the key"
+            )
+        return
+    if adapter.dropout:
+        raise ConfigError(
+            f"adapter.dropout={adapter.dropout:g}: jaxpar adds each adapter into its weight "
+            "as the layer is made ready (so that every layout runs it), where dropout on an "
+            "adapter's input has no place; use adapter.dropout=0"
+        )
+    if cfg.parallel.dp_sync is DpSync.PARAMS:
+        raise ConfigError(
+            "adapter.kind=lora with parallel.dp_sync=params: averaging copies of the "
+            "parameters is not built for adapters; use parallel.dp_sync=grads"
+        )
 
 
 def check_train(cfg: Config, mesh_shape: dict) -> None:
@@ -42,6 +74,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
+    _check_adapter(cfg)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

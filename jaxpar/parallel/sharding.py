@@ -23,11 +23,13 @@ from jaxpar.names import (
     HEADS,
     KV_HEADS,
     LAYERS,
+    LORA_RANK,
     MLP,
     POSITION,
     QKV,
     ROUTES,
     SEQ,
+    SCALE_ONE,
     SEQ_RESIDUAL,
     STAGE,
     VOCAB,
@@ -53,6 +55,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (EXPERTS, EXPERT),
     (ROUTES, None),
     (LAYERS, None),
+    (LORA_RANK, None),
+    (SCALE_ONE, None),
     (STAGE, PIPE),
 )
 ZERO_AXES = (DATA, EXPERT)  # what ZeRO splits a leaf over, outermost first (zero_axes)

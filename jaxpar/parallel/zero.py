@@ -68,7 +68,16 @@ class ZeroPolicy:
     dp_mode: str = "xla"  # parallel.dp_collective: how the reductions (and gathers) run
     bucket_bytes: float = 25 * 2**20  # ring/server bucket size
     fetch: bool = False  # stored parameter shards live in host memory
+    # leaves not trained (Problem.frozen): made ready for compute, never reduced
+    frozen: frozenset = frozenset()
     _by_key: dict = field(init=False, repr=False, compare=False)
+
+    @property
+    def grad_specs(self):
+        """The specs of the trained leaves: what gradients are reduced by."""
+        if not self.frozen:
+            return self.specs
+        return {k: s for k, s in self.specs.items() if k not in self.frozen}
 
     def __post_init__(self):
         table = {}
@@ -94,6 +103,7 @@ class ZeroPolicy:
             return x
         spec = PartitionSpec(*s.compute[lead:])
         ring = self.dp_mode is DpCollective.RING
+        floating = jnp.issubdtype(x.dtype, jnp.floating)  # a quantized base's codes: as they are
         for axis in reversed(s.over):
             x = collectives.gather(
                 x,
@@ -101,7 +111,7 @@ class ZeroPolicy:
                 spec,
                 axis,
                 ring=ring,
-                dtype=self.dtype,
+                dtype=self.dtype if floating else x.dtype,
                 reduce_dtype=self.reduce_dtype,
             )
         return x
@@ -154,7 +164,9 @@ class ZeroPolicy:
                 shape = tuple(d // n if i == s.dim else d for i, d in enumerate(shape))
             return jnp.zeros(shape, jnp.float32)
 
-        return jax.tree.map(zeros, params, self.specs, is_leaf=lambda x: isinstance(x, LeafSpecs))
+        return jax.tree.map(
+            zeros, params, self.grad_specs, is_leaf=lambda x: isinstance(x, LeafSpecs)
+        )
 
     def each_micro_batch(self, grads):
         """A micro-batch's gradients, as they are added to the accumulator."""
@@ -174,26 +186,26 @@ class ZeroPolicy:
         carry 1/(data x expert) of the gradient."""
         if self.stage == 1:
             grads = self._scatter(grads)
-        whole = _leaves_map(lambda s: dp.SUM if s.dim is None else None, self.specs)
+        whole = _leaves_map(lambda s: dp.SUM if s.dim is None else None, self.grad_specs)
         grads = self._reduce(grads, whole)
         if jax.lax.axis_size(EXPERT) > 1:  # the copies over it (ZeRO<1 or unsplit leaves)
             copies = _leaves_map(
-                lambda s: None if EXPERT in s.compute or s.dim is not None else dp.SUM, self.specs
+                lambda s: None if EXPERT in s.compute or s.dim is not None else dp.SUM, self.grad_specs
             )
             grads = self._reduce(grads, copies, EXPERT)
         if jax.lax.axis_size(REPLICA) > 1:
-            grads = self._reduce(grads, _leaves_map(lambda s: dp.SUM, self.specs), REPLICA)
+            grads = self._reduce(grads, _leaves_map(lambda s: dp.SUM, self.grad_specs), REPLICA)
         return grads
 
     def _scatter(self, grads):
         """Reduce-scatter every split leaf over its ZeRO axes, outermost first: each
         axis cuts the slice the one before left."""
         for axis in (DATA, EXPERT):
-            todo = _leaves_map(lambda s, a=axis: dp.SCATTER if a in s.over else None, self.specs)
+            todo = _leaves_map(lambda s, a=axis: dp.SCATTER if a in s.over else None, self.grad_specs)
             grads = self._reduce(grads, todo, axis)
         return grads
 
     def _reduce(self, grads, todo, axis: str = DATA):
         return dp.reduce(
-            grads, self.specs, todo, self.dp_mode, self.bucket_bytes, self.reduce_dtype, axis
+            grads, self.grad_specs, todo, self.dp_mode, self.bucket_bytes, self.reduce_dtype, axis
         )

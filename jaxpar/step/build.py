@@ -181,11 +181,13 @@ def describe_step(
         documents,
         experts,
     )
-    formula = cost.model_state(cfg.parallel, cfg.train, engine.specs, trained.shapes, mesh_shape)
+    formula = cost.problem_state(cfg.parallel, cfg.train, engine.specs, trained, mesh_shape)
     device, host = ledger.memory(
         step.executable,
         step.state_shapes,
-        cost.grad_bytes(engine.specs, trained.shapes, mesh_shape),
+        cost.grad_bytes(
+            trained.trainable(engine.specs), trained.trainable(trained.shapes), mesh_shape
+        ),
         step.host_activations,
     )
     unsplit = unsplit_leaves(engine.specs, shapes, mesh_shape) if par.zero else []

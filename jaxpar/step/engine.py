@@ -74,7 +74,7 @@ class Engine:
         return staging.unstaged(self.problem, self.layout, jax.device_get(params))
 
 
-def zero_policy(train: Train, par: Parallel, specs, names) -> ZeroPolicy:
+def zero_policy(train: Train, par: Parallel, specs, names, frozen=frozenset()) -> ZeroPolicy:
     return ZeroPolicy(
         stage=par.zero,
         specs=specs,
@@ -84,6 +84,7 @@ def zero_policy(train: Train, par: Parallel, specs, names) -> ZeroPolicy:
         dp_mode=par.dp_collective,
         bucket_bytes=par.bucket_mb * 2**20,
         fetch=par.offload is Offload.OPTIMIZER_PARAMS,
+        frozen=frozen,
     )
 
 
@@ -209,11 +210,14 @@ def local_value_and_grad(
     pipe = None
     if layout is None:
 
-        @functools.partial(jax.value_and_grad, has_aux=True)
         def value_and_grad(params, mb, count):
-            with scope.reporting() as reports:
-                losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
-            return jnp.sum(losses.astype(jnp.float32)) / count, reports
+            def loss(trained):  # the frozen leaves are constants: no gradient
+                view = policy.compute_view(problem.joined(params, trained))
+                with scope.reporting() as reports:
+                    losses = sequence.per_token(problem.loss(view, mb))
+                return jnp.sum(losses.astype(jnp.float32)) / count, reports
+
+            return jax.value_and_grad(loss, has_aux=True)(problem.trainable(params))
 
     else:
         pipe = pipelined.Pipe(problem, layout, par.schedule, par.microbatches)
@@ -224,7 +228,7 @@ def local_value_and_grad(
         with scope.active(ctx):
             return accumulate(
                 lambda p, mb: value_and_grad(p, mb, count),
-                policy.accumulator(params),
+                policy.accumulator(problem.trainable(params)),
                 each=policy.each_micro_batch,
             )(params, _micro_batches(train, par, mesh, batch))
 

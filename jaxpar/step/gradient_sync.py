@@ -53,27 +53,26 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
         mesh_shape=dict(mesh.shape),
     )
     dtype = cost.DTYPES[train.precision]
-    policy = zero_policy(train, par, specs, trained.names)
-    tx, schedule = optim.optimizer(train, trained.names)
+    policy = zero_policy(train, par, specs, trained.names, trained.frozen)
+    tx, schedule = optim.optimizer(train, trained.trainable(trained.names))
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
-    device = state_lib.shardings(mesh, specs, tx, trained.shapes)
+    device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable)
     clip = functools.partial(optim.clip, clip_norm=train.clip_norm)
     verdict = functools.partial(optim.verdict, on_nonfinite=train.on_nonfinite)
     if par.offload is Offload.NONE:
-        shardings, update = device, _device_update(tx, clip, verdict, device, opt_params)
+        update = _device_update(tx, clip, verdict, device, opt_params, trained)
+        shardings = device
     else:
         shardings = offload.layout(par.offload, device, opt_params)
-        update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params)
+        update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params, trained)
     grads_of = _local_grads(trained, train, par, mesh, policy, layout)
     mean_loss = evaluator(trained, train, par, mesh, policy, layout, problem)
 
     def init(key):
         params = trained.init(key)
-        compute = (
-            None if par.offload is Offload.NONE else jax.tree.map(lambda p: p.astype(dtype), params)
-        )
+        compute = None if par.offload is Offload.NONE else offload.compute_copy(params, dtype)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, tx.init(params), zero, compute)
+        return TrainState(zero, params, tx.init(trained.trainable(params)), zero, compute)
 
     def train_step(state: TrainState, batch):
         # the loss is the global batch's summed loss over its trained elements' count
@@ -100,22 +99,24 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
     )
 
 
-def _device_update(tx, clip, verdict, shardings: TrainState, opt_params):
+def _device_update(tx, clip, verdict, shardings: TrainState, opt_params, problem: Problem):
     """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
-    norm, applied, finite): clip, then AdamW on the optimizer's split of the parameters
-    (ZeRO>=1: a slice), all-gathered back to their storage."""
+    norm, applied, finite): clip, then AdamW on the optimizer's split of the trained
+    parameters (ZeRO>=1: a slice), all-gathered back to their storage."""
+    trained = problem.trainable
 
     def update(state: TrainState, grads, loss):
         grads, grad_norm = clip(grads)
         applied, finite = verdict(loss, grad_norm, state.skipped)
-        params = jax.lax.with_sharding_constraint(state.params, opt_params)
+        stored = trained(state.params)
+        params = jax.lax.with_sharding_constraint(stored, trained(opt_params))
         updates, opt = tx.update(grads, state.opt, params)
         new = jax.lax.with_sharding_constraint(
-            optax.apply_updates(params, updates), shardings.params
+            optax.apply_updates(params, updates), trained(shardings.params)
         )
         # (choosing between the stored parameters, not their optimizer slices: one
         # all-gather of the new ones, as without the choice)
-        params = optim.keep_if(applied, new, state.params)
+        params = problem.joined(state.params, optim.keep_if(applied, new, stored))
         opt = optim.keep_if(applied, opt, state.opt)
         return state.replace(params=params, opt=opt), grad_norm, applied, finite
 
@@ -145,7 +146,7 @@ def _local_grads(
             local,
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES), PartitionSpec()),
-            out_specs=(PartitionSpec(), manual(policy.specs, "opt")),
+            out_specs=(PartitionSpec(), manual(policy.grad_specs, "opt")),
             axis_names=set(MANUAL_AXES),
             check_vma=False,
         )(params, batch, count)

@@ -42,6 +42,15 @@ def layout(mode: str, device: TrainState, opt_params: object) -> TrainState:
     )
 
 
+def compute_copy(params, dtype):
+    """The device's compute copy of the parameters: floating leaves in `dtype` (a
+    quantized base's codes as they are)."""
+    return jax.tree.map(
+        lambda p: p.astype(dtype) if jax.numpy.issubdtype(p.dtype, jax.numpy.floating) else p,
+        params,
+    )
+
+
 def host_update(
     tx: optax.GradientTransformation,
     dtype,
@@ -49,10 +58,13 @@ def host_update(
     verdict: Callable,
     shardings: TrainState,
     opt_params,
+    problem,
 ) -> Callable:
     """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
     norm, applied, finite), clipping and updating on the host: the gradients go there
-    (split as `opt_params`), the compute copy comes back."""
+    (split as `opt_params`), the compute copy comes back. Only `problem`'s trained leaves
+    move (Problem.trainable)."""
+    trained = problem.trainable
 
     @compute_on("device_host")
     @jax.jit
@@ -62,20 +74,24 @@ def host_update(
         updates, new_opt = tx.update(grads, opt_state, master)
         master = keep_if(applied, optax.apply_updates(master, updates), master)
         opt_state = keep_if(applied, new_opt, opt_state)
-        compute = jax.tree.map(lambda p: p.astype(dtype), master)
+        compute = compute_copy(master, dtype)
         return master, opt_state, compute, grad_norm, applied, finite
 
     def update(state: TrainState, grads, loss):
         host = on_host(shardings.step)
         master, opt, compute, *scalars = on_the_host(
-            jax.device_put(grads, on_host(opt_params)),
+            jax.device_put(grads, on_host(trained(opt_params))),
             state.opt,
-            state.params,
+            trained(state.params),
             jax.device_put(loss, host),
             jax.device_put(state.skipped, host),
         )
         new = state.replace(
-            params=master, opt=opt, compute=jax.device_put(compute, shardings.compute)
+            params=problem.joined(state.params, master),
+            opt=opt,
+            compute=problem.joined(
+                state.compute, jax.device_put(compute, trained(shardings.compute))
+            ),
         )
         return new, *jax.device_put(scalars, shardings.step)
 

@@ -49,13 +49,17 @@ def value_and_grad(pipe: Pipe, prepare):
     the model reported (jaxpar.report), its mean over the micro-batches, on every stage),
     local gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
     what the forward pass reads (jaxpar.parallel.zero.ZeroPolicy.compute_view)."""
+    problem = pipe.problem
     if pipe.schedule is Schedule.ONE_F_ONE_B:
         run = lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)  # noqa: E731
     else:
-        run = jax.value_and_grad(
-            lambda params, batch, count: _circular_loss(pipe, prepare(params), batch, count),
-            has_aux=True,
-        )
+
+        def run(params, batch, count):  # the frozen leaves are constants: no gradient
+            def loss(trained):
+                return _circular_loss(pipe, prepare(problem.joined(params, trained)), batch, count)
+
+            return jax.value_and_grad(loss, has_aux=True)(problem.trainable(params))
+
 
     def staged(params, batch, count):
         (loss, reports), grads = run(params, batch, count)
@@ -178,17 +182,22 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
     sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
     stage = jax.lax.axis_index(PIPE)
-    stack, rest_storage = _split(params, pipe.stack_keys)
+    every_stack, rest_storage = _split(params, pipe.stack_keys)
+    # gradients of the trained leaves alone; the frozen ones are constants
+    trained = pipe.problem.trainable
+    stack = trained(every_stack)
+    frozen_stack = {k: v for k, v in every_stack.items() if k not in stack}
     # the rest (embedding, head, ...) made ready once per step, its gradient transposed once
-    rest, rest_vjp = jax.vjp(prepare, rest_storage)
+    rest, rest_vjp = jax.vjp(prepare, trained(rest_storage))
+    frozen_rest = prepare({k: v for k, v in rest_storage.items() if k not in rest})
     active = jnp.asarray(layout.slot_layer >= 0)[stage]
     mbs = _micro(batch, m)
-    whole = lambda r: {**stack, **r}  # noqa: E731  (pre/post read only `rest`)
+    whole = lambda r: {**every_stack, **frozen_rest, **r}  # noqa: E731  (pre/post read `rest`)
     h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), _take(mbs, 0)))
     zeros_h = _zeros(h_shape)
 
     def run_chunk(local_stack, x, mb):
-        local = prepare({key: val[0] for key, val in local_stack.items()})
+        local = prepare({key: val[0] for key, val in {**frozen_stack, **local_stack}.items()})
         return parts.chunk(local, x, active, mb)
 
     def post_loss(r, y, mb):

@@ -41,9 +41,12 @@ class TrainState:
         )
 
 
-def shardings(mesh: Mesh, specs, tx: optax.GradientTransformation, shapes) -> TrainState:
+def shardings(
+    mesh: Mesh, specs, tx: optax.GradientTransformation, shapes, trainable=lambda tree: tree
+) -> TrainState:
     """The state's shardings on the device, from the plan (`specs`) of params `shapes`:
-    parameters as stored, the optimizer state as the optimizer's split of them."""
+    parameters as stored, the optimizer state as the optimizer's split of the
+    `trainable` ones."""
     replicated = NamedSharding(mesh, PartitionSpec())
     return TrainState(
         step=replicated,
@@ -51,8 +54,8 @@ def shardings(mesh: Mesh, specs, tx: optax.GradientTransformation, shapes) -> Tr
         opt=optax.tree_map_params(
             tx,
             lambda _, sh: sh,
-            jax.eval_shape(tx.init, shapes),
-            named(mesh, pick(specs, "opt")),
+            jax.eval_shape(tx.init, trainable(shapes)),
+            named(mesh, pick(trainable(specs), "opt")),
             transform_non_params=lambda _: replicated,
         ),
         skipped=replicated,

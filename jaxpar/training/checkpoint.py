@@ -38,6 +38,7 @@ from jaxpar.nn.problem import Problem
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.mesh import build_mesh, describe
 from jaxpar.parallel.sharding import leaf_key, plan
+from jaxpar.step import offload
 from jaxpar.step import state as state_lib
 from jaxpar.step.build import build
 from jaxpar.step.engine import Engine
@@ -65,14 +66,16 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     with, so any layout restores into any other."""
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=zero, mesh_shape=describe(mesh))
-    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes)
+    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes, problem.trainable)
     staged = engine.layout
     stack = set(problem.parts.stack_keys) if staged else set()
     keys = jax.tree_util.tree_map_with_path(lambda path, _: leaf_key(path), problem.shapes)
 
     def params_map(fn, tree_of_params_like):
         """Apply fn(key, leaf) to the params and every params-like part of the opt state."""
-        return optax.tree_map_params(engine.tx, lambda x, k: fn(k, x), tree_of_params_like, keys)
+        return optax.tree_map_params(
+            engine.tx, lambda x, k: fn(k, x), tree_of_params_like, problem.trainable(keys)
+        )
 
     def unstage(k, x):
         return pipeline.from_stages(staged, x) if k in stack else x
@@ -99,7 +102,7 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
         params = {k: stage(k, x) for k, x in saved["params"].items()} if staged else saved["params"]
         compute = None
         if engine.state_shardings.compute is not None:
-            compute = jax.tree.map(lambda p: p.astype(dtype), params)
+            compute = offload.compute_copy(params, dtype)
         return TrainState(
             step=saved["step"],
             params=params,
