@@ -193,8 +193,10 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
         shape, n = problem.shapes[p.key].shape, problem.names[p.key]
         (codes, dtype), scales = quant.storage(kind, shape, p.input_dims())
         names[p.codes], shapes[p.codes] = n, jax.ShapeDtypeStruct(codes, dtype)
-        scale_names = n if kind == "nf4" else tuple(
-            SCALE_ONE if i in p.input_dims() else d for i, d in enumerate(n)
+        scale_names = (
+            n
+            if kind == "nf4"
+            else tuple(SCALE_ONE if i in p.input_dims() else d for i, d in enumerate(n))
         )
         names[p.scale], shapes[p.scale] = scale_names, jax.ShapeDtypeStruct(scales, jnp.float32)
     for p in targets:
@@ -262,8 +264,9 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
 
 def merged(problem: Problem, adapter: Adapter, model, params: dict) -> dict:
     """An adapter run's parameters (host arrays) -> the model's own, fp32: the base
-    dequantized and each adapter added in (W + (alpha / r) A B)."""
-    targets, scale = targets_of(adapter, model), scale_of(adapter)
+    dequantized and each adapter there added in (W + (alpha / r) A B)."""
+    scale = scale_of(adapter)
+    targets = [p for p in targets_of(adapter, model) if p.a in params]
     out = {k: jnp.asarray(v, jnp.float32) for k, v in params.items() if k in problem.names}
     for p in quantized_of(adapter, model, problem.shapes):
         codes, scales = jnp.asarray(params[p.codes]), jnp.asarray(params[p.scale], jnp.float32)

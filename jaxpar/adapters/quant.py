@@ -50,7 +50,8 @@ def quantize(kind: str, w: jax.Array, inputs: tuple[int, ...]) -> tuple[jax.Arra
         blocks = w.reshape(*lead, last // NF4_BLOCK, NF4_BLOCK)
         absmax = jnp.max(jnp.abs(blocks), -1)
         normed = blocks / jnp.where(absmax == 0, 1.0, absmax)[..., None]
-        nearest = jnp.argmin(jnp.abs(normed[..., None] - jnp.asarray(NF4)), -1)
+        book = jnp.asarray(NF4).reshape((1,) * normed.ndim + (len(NF4),))
+        nearest = jnp.argmin(jnp.abs(normed[..., None] - book), -1)
         pairs = nearest.astype(jnp.uint8).reshape(*lead, last // 2, 2)
         return pairs[..., 0] << 4 | pairs[..., 1], absmax
     scale = jnp.max(jnp.abs(w), inputs, keepdims=True)

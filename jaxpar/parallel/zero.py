@@ -190,7 +190,8 @@ class ZeroPolicy:
         grads = self._reduce(grads, whole)
         if jax.lax.axis_size(EXPERT) > 1:  # the copies over it (ZeRO<1 or unsplit leaves)
             copies = _leaves_map(
-                lambda s: None if EXPERT in s.compute or s.dim is not None else dp.SUM, self.grad_specs
+                lambda s: None if EXPERT in s.compute or s.dim is not None else dp.SUM,
+                self.grad_specs,
             )
             grads = self._reduce(grads, copies, EXPERT)
         if jax.lax.axis_size(REPLICA) > 1:
@@ -201,7 +202,9 @@ class ZeroPolicy:
         """Reduce-scatter every split leaf over its ZeRO axes, outermost first: each
         axis cuts the slice the one before left."""
         for axis in (DATA, EXPERT):
-            todo = _leaves_map(lambda s, a=axis: dp.SCATTER if a in s.over else None, self.grad_specs)
+            todo = _leaves_map(
+                lambda s, a=axis: dp.SCATTER if a in s.over else None, self.grad_specs
+            )
             grads = self._reduce(grads, todo, axis)
         return grads
 

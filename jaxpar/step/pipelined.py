@@ -60,7 +60,6 @@ def value_and_grad(pipe: Pipe, prepare):
 
             return jax.value_and_grad(loss, has_aux=True)(problem.trainable(params))
 
-
     def staged(params, batch, count):
         (loss, reports), grads = run(params, batch, count)
         # the last stage's alone (the others ran no loss), shared with every stage, as

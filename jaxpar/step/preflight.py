@@ -62,7 +62,9 @@ def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
     specs, problem = engine.specs, engine.problem
     psi = cost.params_per_device(specs, problem.shapes, mesh_shape)
     offloaded = cfg.parallel.offload is not Offload.NONE
-    state = 0 if offloaded else cost.problem_state(cfg.parallel, cfg.train, specs, problem, mesh_shape)
+    state = (
+        0 if offloaded else cost.problem_state(cfg.parallel, cfg.train, specs, problem, mesh_shape)
+    )
     own = problem.trainable
     need = state + cost.grad_bytes(own(specs), own(problem.shapes), mesh_shape)
     if need > have.bytes_per_device:

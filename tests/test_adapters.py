@@ -1,0 +1,197 @@
+"""Adapters (LoRA, QLoRA): every layout equal to one device, the same weights as a full
+fine-tune that trains only the adapters, step 0 the base model exactly, the NF4 format
+as QLoRA publishes it, the frozen base never reduced, and bad keys refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import THREE_D_1F1B, _setup, assert_same_training, compile_only, trained
+from helpers import reference as one_device
+
+from jaxpar.adapters import lora, quant
+from jaxpar.cli import main as cli
+from jaxpar.nn.problem import registered
+
+ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+LORA = ("model.layers=2", "adapter.kind=lora", "adapter.rank=4", f"adapter.targets={ALL}")
+MIXTRAL = ("adapter.kind=lora", "adapter.rank=4", "adapter.targets=q_proj,v_proj,w1,w2,w3")
+STEPS = 3
+LAYOUTS = {
+    "data8": ("parallel.data=8",),
+    "tp4-zero3": ("parallel.data=2", "parallel.tensor=4", "parallel.zero=3"),
+    "3d-1f1b": tuple(THREE_D_1F1B),
+    "context4": ("parallel.data=2", "parallel.context=4"),
+    "offload": ("parallel.data=8", "parallel.zero=1", "parallel.offload=optimizer"),
+}
+# QLoRA's published NF4 values (bitsandbytes' table; Dettmers et al. 2023, appendix E)
+PUBLISHED_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]  # fmt: skip
+# head_dim, embed and mlp multiples of NF4's block of 64
+NF4_DIMS = ("model.embed=128", "model.heads=2", "model.kv_heads=1", "model.mlp=128")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_adapters_train_in_every_layout_as_on_one_device(name, devices):
+    want = one_device("llama-tiny", LORA, steps=STEPS)
+    got = trained("llama-tiny", [*LORA, *LAYOUTS[name]], steps=STEPS)
+    assert_same_training(got, want)
+    assert got.losses[-1] < got.losses[0]
+
+
+@pytest.mark.slow
+def test_expert_adapters_train_over_the_expert_axis_as_on_one_device(devices):
+    want = one_device("mixtral-tiny", MIXTRAL, steps=STEPS)
+    got = trained("mixtral-tiny", [*MIXTRAL, "parallel.data=2", "parallel.expert=4"], steps=STEPS)
+    assert_same_training(got, want)
+    assert "blocks/mlp/w_gate/lora_a" in got.params
+
+
+def _problems(overrides):
+    cfg, s = _setup("llama-tiny", ["parallel.data=1", *overrides])
+    return cfg, registered(cfg.model, cfg.train.seq_len), s.problem, s.batches(0)
+
+
+def test_step_zero_is_the_base_model_exactly(devices):
+    cfg, base, adapted, batch = _problems(LORA)
+    key = jax.random.key(cfg.train.seed)
+    params = adapted.init(key)
+    assert sorted(k for k in adapted.names if k not in adapted.frozen) == sorted(
+        f"blocks/{w}/lora_{ab}"
+        for w in (
+            "attn/wq",
+            "attn/wk",
+            "attn/wv",
+            "attn/wo",
+            "mlp/w_gate",
+            "mlp/w_up",
+            "mlp/w_down",
+        )
+        for ab in "ab"
+    )
+    assert not np.any(params["blocks/attn/wq/lora_b"]) and np.any(params["blocks/attn/wq/lora_a"])
+    np.testing.assert_array_equal(adapted.loss(params, batch), base.loss(base.init(key), batch))
+
+
+def test_merged_weights_equal_a_full_fine_tune_of_only_the_adapters(devices):
+    steps, overrides = 3, (*LORA, "train.clip_norm=0", "train.weight_decay=0.01")
+    cfg, base, adapted, _ = _problems(overrides)
+    t = cfg.train
+    start = adapted.init(jax.random.key(t.seed))
+    frozen = lora.merged(base, cfg.adapter, cfg.model, {k: start[k] for k in adapted.frozen})
+    targets = lora.targets_of(cfg.adapter, cfg.model)
+    scale = cfg.adapter.alpha / cfg.adapter.rank
+
+    def added(weights, ab):  # W + scale A B, as matrices [layers, in, out]
+        out = dict(weights)
+        for p in targets:
+            w, a, b = weights[p.key], ab[p.a], ab[p.b]
+            product = a.reshape(len(a), -1, a.shape[-1]) @ b.reshape(len(b), b.shape[1], -1)
+            out[p.key] = w + scale * product.reshape(w.shape)
+        return out
+
+    def loss(ab, batch):  # the plain model, autodiff on A and B alone
+        return jnp.mean(base.loss(added(frozen, ab), batch))
+
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, t.warmup, max(t.steps, t.warmup + 1), t.lr * 0.1
+    )
+    tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=t.weight_decay)
+    ab = {k: v for k, v in start.items() if k not in adapted.frozen}
+    opt = tx.init(ab)
+    _, s = _setup("llama-tiny", ["parallel.data=1", *overrides])
+    for step in range(steps):
+        grads = jax.grad(loss)(ab, s.batches(step))
+        updates, opt = tx.update(grads, opt, ab)
+        ab = optax.apply_updates(ab, updates)
+    want = added(frozen, ab)
+    run = trained("llama-tiny", ["parallel.data=1", *overrides], steps=steps)
+    got = lora.merged(base, cfg.adapter, cfg.model, run.params)
+    for k, w in want.items():
+        err = np.linalg.norm(np.asarray(got[k]) - np.asarray(w)) / np.linalg.norm(w)
+        assert err < 1e-5, (k, err)
+    changed = np.linalg.norm(
+        np.asarray(got["blocks/attn/wq"]) - np.asarray(frozen["blocks/attn/wq"])
+    )
+    assert changed > 1e-3  # the adapters moved the weights
+
+
+def test_the_nf4_code_book_is_qlora_s():
+    np.testing.assert_allclose(quant.NF4, PUBLISHED_NF4, rtol=0, atol=2e-7)
+
+
+def _unpacked_nf4(codes, absmax):
+    """NF4 read back as the format says, in numpy: the high nibble first, each value the
+    published table's, times its block's absmax."""
+    codes = np.asarray(codes)
+    idx = np.stack([codes >> 4, codes & 15], -1).reshape(*codes.shape[:-1], -1)
+    values = np.asarray(PUBLISHED_NF4, np.float32)[idx]
+    blocks = values.reshape(*values.shape[:-1], -1, 64) * np.asarray(absmax)[..., None]
+    return blocks.reshape(values.shape)
+
+
+def test_nf4_stores_each_value_as_its_nearest_code_in_half_a_byte():
+    w = jax.random.normal(jax.random.key(1), (2, 8, 128))
+    codes, absmax = quant.quantize("nf4", w, (1,))
+    assert codes.dtype == jnp.uint8 and codes.shape == (2, 8, 64) and absmax.shape == (2, 8, 2)
+    got = _unpacked_nf4(codes, absmax)
+    np.testing.assert_allclose(quant.dequantize("nf4", codes, absmax), got, rtol=1e-6, atol=1e-7)
+    # the nearest of the 16 values: within half the widest gap, times the block's absmax
+    half_gap = np.max(np.diff(PUBLISHED_NF4)) / 2
+    blocks_absmax = np.repeat(np.asarray(absmax), 64, -1)
+    assert np.all(np.abs(got - np.asarray(w)) <= half_gap * blocks_absmax + 1e-6)
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_a_quantized_base_trains_as_its_dequantized_fp32_model(base, devices):
+    overrides = (*LORA, *NF4_DIMS, f"adapter.base={base}")
+    cfg, plain, adapted, batch = _problems(overrides)
+    params = adapted.init(jax.random.key(cfg.train.seed))
+    stored = {k: v for k, v in params.items() if k in adapted.frozen}
+    fp32 = lora.merged(plain, cfg.adapter, cfg.model, stored)
+    want = float(jnp.mean(plain.loss(fp32, batch)))
+    run = trained("llama-tiny", ["parallel.data=2", "parallel.zero=3", *overrides], steps=1)
+    assert abs(run.losses[0] - want) <= 1e-5 * abs(want)
+    assert run.params["blocks/attn/wq/codes"].dtype == (np.uint8 if base == "nf4" else np.int8)
+
+
+def test_only_the_adapters_cross_the_data_axis(devices):
+    full = compile_only("llama-tiny", ("model.layers=2", "parallel.data=8"))
+    lora_ = compile_only("llama-tiny", (*LORA, "parallel.data=8"))
+    assert 1.0 <= lora_.comm.ratio <= 1.001, lora_.comm
+    assert lora_.comm.wire_bytes_per_device < full.comm.wire_bytes_per_device / 5
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (
+            ["adapter.kind=lora", "adapter.targets=q_proj,x_proj"],
+            ["adapter.targets", "x_proj", "o_proj"],
+        ),
+        (["adapter.kind=lora", "adapter.rank=0"], ["adapter.rank", "out of range"]),
+        (
+            ["adapter.kind=lora", "adapter.base=nf4"],
+            ["adapter.base=nf4", "blocks of 64", "head_dim"],
+        ),
+        (["adapter.kind=lora", "adapter.dropout=0.1"], ["adapter.dropout=0.1"]),
+        (["adapter.rank=16"], ["adapter.rank=16", "adapter.kind=lora"]),
+        (["--config", "gpt-tiny", "adapter.kind=lora"], ["model.name=gpt", "no projections"]),
+        (["adapter.kind=lora", "parallel.dp_sync=params"], ["parallel.dp_sync=params"]),
+    ],
+    ids=["unknown-target", "rank-0", "nf4-block", "dropout", "no-kind", "gpt", "dp-sync"],
+)
+def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
+    config = [] if "--config" in overrides else ["--config", "llama-tiny"]
+    argv = ["train", *config, *overrides, "train.steps=1", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    from helpers import one_line_error
+
+    one_line_error(capsys, *needles)
+    assert not (tmp_path / "run").exists()
