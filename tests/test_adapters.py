@@ -12,6 +12,7 @@ from helpers import reference as one_device
 
 from jaxpar.adapters import lora, quant
 from jaxpar.cli import main as cli
+from jaxpar.config import presets
 from jaxpar.nn.problem import registered
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -195,3 +196,32 @@ def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
 
     one_line_error(capsys, *needles)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_adapter_run_exports_merged_and_decodes_with_its_adapters(tmp_path, devices):
+    run = tmp_path / "run"
+    train = ["train", "--config", "llama-tiny", *LORA, *NF4_DIMS, "adapter.base=nf4"]
+    assert (
+        cli.main(
+            [*train, "parallel.data=4", "parallel.context=2", "train.steps=2", "--out", str(run)]
+        )
+        == 0
+    )
+    from jaxpar.generation import decoding
+    from jaxpar.training import checkpoint
+
+    params, meta = checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"], [])
+    assert "blocks/attn/wq/codes" in params and "blocks/attn/wq" not in params
+    want = lora.merged(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model, params)
+    loaded = decoding.load(str(run), [], devices=devices[:2])
+    for k, w in want.items():
+        np.testing.assert_array_equal(np.asarray(loaded.params[k]), np.asarray(w))
+    out = decoding.generate(
+        decoding.Decoder(loaded), [[1, 2, 3]], 4, decoding.Sampling(temperature=0.0), set()
+    )
+    assert len(out.completions[0]) == 4
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()

@@ -218,9 +218,9 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
             out[p.codes], out[p.scale] = quant.quantize(kind, base[p.key], p.input_dims())
         return out
 
-    def init(key):
-        base = problem.init(key)  # as the model's own run from this seed starts
-        params = store(base)
+    def fresh(key):
+        """The adapters at the start: A as PEFT draws it, B zero."""
+        params = {}
         for i, p in enumerate(targets):
             fan_in = math.prod(shapes[p.a].shape[p.stacked : p.stacked + p.inputs])
             bound = 1 / math.sqrt(fan_in)
@@ -228,6 +228,11 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
             params[p.a] = jax.random.uniform(sub, shapes[p.a].shape, jnp.float32, -bound, bound)
             params[p.b] = jnp.zeros(shapes[p.b].shape, jnp.float32)
         return params
+
+    def init(key):  # the base as the model's own run from this seed starts
+        return {**store(problem.init(key)), **fresh(key)}
+
+    init.store, init.fresh = store, fresh  # for a base read from files (initial)
 
     def view(params: dict) -> dict:
         """Stored leaves (any sub-dict of them) -> the model's own leaves, a quantized or
@@ -260,6 +265,29 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
         module=None,
         frozen=frozenset(k for k in names if k not in trained),
     )
+
+
+def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int):
+    """(targets -> params) of an adapter run whose base is read from files: base_fill
+    (jaxpar.hf.initial_params of the model's own `problem`) reads each base leaf, stored
+    then as adapter.base says, beside fresh adapters from `seed`."""
+
+    def build(targets: dict) -> dict:
+        at = {k: targets.get(k) or targets[f"{k}/codes"] for k in problem.shapes}
+        base = base_fill(
+            {
+                k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=at[k].sharding)
+                for k, s in problem.shapes.items()
+            }
+        )
+        init = adapted_problem.init
+        made = jax.jit(
+            lambda base, key: {**init.store(base), **init.fresh(key)},
+            out_shardings={k: t.sharding for k, t in targets.items()},
+        )
+        return made(base, jax.random.key(seed))
+
+    return build
 
 
 def merged(problem: Problem, adapter: Adapter, model, params: dict) -> dict:

@@ -100,7 +100,10 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     params = None
     if directory:
         fmt = registry.hf_format(cfg.model.name, "model.init")
-        params = hf.initial_params(fmt, cfg.model, directory, s.problem.shapes)
+        base = registered(cfg.model, cfg.train.seq_len)
+        params = hf.initial_params(fmt, cfg.model, directory, base.shapes)
+        if cfg.adapter.kind is AdapterKind.LORA:
+            params = lora.initial(base, s.problem, params, cfg.train.seed)
     return train(
         s.problem,
         cfg,

@@ -156,10 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--to", type=Path, required=True, metavar="FILE_OR_DIR")
     export.add_argument(
         "--format",
-        choices=("safetensors", "hf"),
+        choices=("safetensors", "hf", "peft"),
         default="safetensors",
         help="safetensors: one file, jaxpar's keys; hf: config.json and model.safetensors "
-        "that transformers' from_pretrained loads",
+        "that transformers' from_pretrained loads (an adapter run's adapters merged in); "
+        "peft: an adapter run's adapter_model.safetensors and adapter_config.json, as "
+        "peft.PeftModel.from_pretrained loads them",
     )
     prep = sub.add_parser(
         "prepare-data",
@@ -328,7 +330,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     elif args.command == "export":
         if not args.run_dir.is_dir():
             raise ConfigError(f"export: {args.run_dir}: no such run directory")
-        if args.format == "hf":
+        if args.format in ("hf", "peft"):
             rundir.check_writable(args.to, "--to")
         else:
             rundir.check_file_target(args.to, "--to")
@@ -520,11 +522,14 @@ def _run(args: argparse.Namespace) -> int:
 
         print(inspect_config(cfg, out / "layout.png"))
     elif args.command == "export":
-        from jaxpar.training.export import export, export_hf
+        from jaxpar.training.export import export, export_hf, export_peft
 
         if args.format == "hf":
             step, tensors = export_hf(args.run_dir, args.to)
             print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
+        elif args.format == "peft":
+            step, tensors = export_peft(args.run_dir, args.to)
+            print(f"wrote {tensors} adapter tensors of step {step} to {args.to} (PEFT)")
         else:
             step, tensors = export(args.run_dir, args.to)
             print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")

@@ -32,8 +32,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import hf
+from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config, Model, Offload
+from jaxpar.config.sections import AdapterKind, Config, Model, Offload
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ
 from jaxpar.nn.problem import Problem, registered
@@ -138,6 +139,10 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
             raise ConfigError(f"generate: {source}: no such run directory (or give hf:DIR)")
         saved, meta = checkpoint.saved_params(checkpoint_dir(run), step)
         cfg = presets.from_dict(meta["config"], overrides)
+        if cfg.adapter.kind is AdapterKind.LORA:  # decoded with the adapters added in
+            base = registered(cfg.model, cfg.train.seq_len)
+            merged = lora.merged(base, cfg.adapter, cfg.model, saved)
+            saved = {k: np.asarray(v) for k, v in merged.items()}
 
         def fill(targets):
             changed = [

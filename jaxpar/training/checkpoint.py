@@ -147,7 +147,8 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
 
     def fresh(params) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
-        saved = {"step": zero, "skipped": zero, "params": params, "opt": engine.tx.init(params)}
+        opt = engine.tx.init(problem.trainable(params))
+        saved = {"step": zero, "skipped": zero, "params": params, "opt": opt}
         if engine.spread is not None:
             saved["local"] = engine.spread(params)
         return from_saved(saved)

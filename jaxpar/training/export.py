@@ -15,10 +15,11 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxpar import hf
+from jaxpar.adapters import lora, peft
 from jaxpar.config import registry
-from jaxpar.config.sections import Model
+from jaxpar.config.sections import Adapter, AdapterKind, Model
 from jaxpar.errors import ConfigError, ParamsError
-from jaxpar.nn.problem import Problem
+from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint
 
@@ -51,15 +52,43 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
     return meta["step"], len(params)
 
 
-def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
-    """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
-    model.safetensors) for the run's model; returns (step, tensors)."""
+def _saved(run_dir: Path, what: str):
+    """(the latest checkpoint's parameters, its meta, the run's model.*, its adapter.*)."""
     params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
     model_keys = meta["config"]["model"]
     model = (registry.config_class(model_keys["name"]) or Model)(**model_keys)
+    registry.hf_format(model.name, what)
+    adapter = Adapter(**meta["config"].get("adapter", {}))
+    return params, meta, model, adapter
+
+
+def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
+    """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
+    model.safetensors) for the run's model, an adapter run's adapters merged into its
+    base; returns (step, tensors)."""
+    params, meta, model, adapter = _saved(run_dir, "--format hf")
+    seq_len = meta["config"]["train"]["seq_len"]
+    if adapter.kind is AdapterKind.LORA:
+        params = {
+            k: np.asarray(v)
+            for k, v in lora.merged(registered(model, seq_len), adapter, model, params).items()
+        }
     fmt = registry.hf_format(model.name, "--format hf")
-    tensors = hf.export(fmt, model, meta["config"]["train"]["seq_len"], params, Path(to))
+    tensors = hf.export(fmt, model, seq_len, params, Path(to))
     return meta["step"], tensors
+
+
+def export_peft(run_dir: Path, to: Path) -> tuple[int, int]:
+    """Write an adapter run's adapters as a PEFT adapter directory; returns (step,
+    tensors)."""
+    params, meta, model, adapter = _saved(run_dir, "--format peft")
+    if adapter.kind is not AdapterKind.LORA:
+        raise ConfigError(
+            f"--format peft: {run_dir} trained every weight (adapter.kind=none), and has no "
+            "adapters to write; use --format hf"
+        )
+    base = model.init.removeprefix(hf.SCHEME)
+    return meta["step"], peft.export(adapter, model, params, Path(to), base)
 
 
 def load(path: Path, problem: Problem | None = None):
