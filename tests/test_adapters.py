@@ -185,8 +185,9 @@ def test_only_the_adapters_cross_the_data_axis(devices):
         (["adapter.rank=16"], ["adapter.rank=16", "adapter.kind=lora"]),
         (["--config", "gpt-tiny", "adapter.kind=lora"], ["model.name=gpt", "no projections"]),
         (["adapter.kind=lora", "parallel.dp_sync=params"], ["parallel.dp_sync=params"]),
+        (["adapter.kind=lora", "adapter.init=peft:/x"], ["adapter.init=peft:/x", "not built"]),
     ],
-    ids=["unknown-target", "rank-0", "nf4-block", "dropout", "no-kind", "gpt", "dp-sync"],
+    ids=["unknown-target", "rank-0", "nf4-block", "dropout", "no-kind", "gpt", "dp-sync", "init"],
 )
 def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
     config = [] if "--config" in overrides else ["--config", "llama-tiny"]
