@@ -73,7 +73,7 @@ class HFFormat:
     training: tuple[str, ...] = ()
 
 
-def _groups(dims: str) -> list[list[str]]:
+def dims_of(dims: str) -> list[list[str]]:
     """'(h d) e' -> [['h', 'd'], ['e']]."""
     return [g.split() for g in re.findall(r"\(([^)]*)\)|(\w+)", dims) for g in g if g]
 
@@ -86,13 +86,13 @@ def _sizes(t: Tensor, shape: tuple[int, ...]) -> dict[str, int]:
 
 def file_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     sizes = _sizes(t, shape)
-    return tuple(math.prod(sizes[d] for d in g) for g in _groups(t.file_dims))
+    return tuple(math.prod(sizes[d] for d in g) for g in dims_of(t.file_dims))
 
 
 def _block(reader: _Reader, name: str, t: Tensor, sizes: dict, region: dict) -> np.ndarray:
     """Our dims' `region` (letter -> slice) of the file's tensor `name`: the rows of the
     file that hold it (each group's first letter sliced, the others whole), then sliced."""
-    groups, ours = _groups(t.file_dims), t.our_dims.split()
+    groups, ours = dims_of(t.file_dims), t.our_dims.split()
     index, shape, order = [], [], []
     for g in groups:
         first, inner = region[g[0]], math.prod(sizes[d] for d in g[1:])
@@ -107,7 +107,7 @@ def _block(reader: _Reader, name: str, t: Tensor, sizes: dict, region: dict) -> 
 
 def to_file(t: Tensor, ours: np.ndarray) -> np.ndarray:
     """One of our arrays (one layer's, for a stack) in the file's layout."""
-    groups, dims = _groups(t.file_dims), t.our_dims.split()
+    groups, dims = dims_of(t.file_dims), t.our_dims.split()
     order = [d for g in groups for d in g]
     return np.ascontiguousarray(
         ours.transpose([dims.index(d) for d in order]).reshape(file_shape(t, ours.shape))

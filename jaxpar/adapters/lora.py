@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxpar import hf
 from jaxpar.adapters import quant
 from jaxpar.config import registry
 from jaxpar.config.sections import Adapter, BaseStorage
@@ -72,16 +72,12 @@ class Linear:
         return tuple(range(self.stacked, self.stacked + self.inputs))
 
 
-def _dims(dims: str) -> list[list[str]]:
-    return [g.split() for g in re.findall(r"\(([^)]*)\)|(\w+)", dims) for g in g if g]
-
-
 def linears(tensors: list[Tensor]) -> list[Linear]:
     """The layer stack's nn.Linear weights among a model's tensors: [out, in] in the file,
     [in..., out...] in ours."""
     found = []
     for t in tensors:
-        groups = _dims(t.file_dims)
+        groups = hf.dims_of(t.file_dims)
         if "{layer}" not in t.name or not t.name.endswith(".weight") or len(groups) != 2:
             continue
         out, inp = groups

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar import hf
-from jaxpar.adapters.lora import Linear, _dims, targets_of
+from jaxpar.adapters.lora import Linear, targets_of
 from jaxpar.config.sections import Adapter
 from jaxpar.hf import Tensor
 
@@ -21,7 +21,7 @@ PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's module name
 def tensors(p: Linear) -> tuple[Tensor, Tensor]:
     """A's and B's tensors in PEFT's file: nn.Linear's [out, in] of lora_A (in -> r)
     and lora_B (r -> out); R is the rank."""
-    out, inp = (" ".join(g) for g in _dims(p.tensor.file_dims))
+    out, inp = (" ".join(g) for g in hf.dims_of(p.tensor.file_dims))
     module = PREFIX + p.tensor.name.removesuffix(".weight")
     t = p.tensor
     return (

@@ -67,10 +67,3 @@ def dequantize(kind: str, codes: jax.Array, scale: jax.Array) -> jax.Array:
         values = jnp.asarray(NF4, scale.dtype)[pairs]
         return (values * scale[..., None]).reshape(*lead, last)
     return codes.astype(scale.dtype) * (scale / 127)
-
-
-def stored_bytes(kind: str, elements: int) -> float:
-    """Bytes per weight of `elements` values stored as `kind` (fp32 scales)."""
-    if kind == "nf4":
-        return elements / 2 + 4 * elements / NF4_BLOCK
-    return float(elements)  # int8 (+ a scale per output channel, counted apart)
