@@ -171,7 +171,7 @@ class _File:
 class _Reader:
     """The tensors of a Hugging Face checkpoint directory: one file or many, by index."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, where: str):
         self.directory = directory
         index = directory / "model.safetensors.index.json"
         files = sorted(directory.glob("*.safetensors"))
@@ -181,7 +181,7 @@ class _Reader:
             weight_map = None
         else:
             raise CheckpointError(
-                f"model.init=hf:{directory}: {len(files)} *.safetensors files and no "
+                f"{where}: {len(files)} *.safetensors files and no "
                 "model.safetensors.index.json; give the directory save_pretrained wrote"
             )
         self.files = {}
@@ -189,9 +189,7 @@ class _Reader:
             try:
                 self.files[path.name] = _File(path)
             except (OSError, ValueError, KeyError, TypeError) as e:  # truncated, foreign
-                raise CheckpointError(
-                    f"model.init=hf:{directory}: {path.name} cannot be read ({e})"
-                ) from None
+                raise CheckpointError(f"{where}: {path.name} cannot be read ({e})") from None
         self.where = weight_map or {
             name: files[0].name for name in self.files[files[0].name].tensors
         }
@@ -268,12 +266,22 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     its own layout): the files' tensors checked now (names, shapes), before anything is
     compiled; then, given each leaf's target with its sharding, the leaves built from
     `directory`, each device's shard read from its own slices."""
+    where = f"model.init=hf:{directory}"
+    return read_params(
+        fmt.tensors(model), Path(directory), shapes, where, f"model.name={model.name}", fmt.ignore
+    )
+
+
+def read_params(
+    tensors: list[Tensor], directory: Path, shapes: dict, where: str, owner: str, ignore: str
+):
+    """initial_params of the leaves `tensors` name, from the safetensors in `directory`
+    (`where` names it in a refusal, `owner` what declares the layout; tensors matching
+    `ignore` may be there unread)."""
     import jax
 
-    directory = Path(directory)
-    reader = _Reader(directory)
-    tensors = {t.key: t for t in fmt.tensors(model)}
-    where = f"model.init=hf:{directory}"
+    reader = _Reader(directory, where)
+    tensors = {t.key: t for t in tensors}
     names = {}  # file tensor -> (its Tensor, our leaf's shape)
     for key, t in tensors.items():
         shape = tuple(shapes[key].shape)
@@ -282,16 +290,15 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     missing = [n for n in names if n not in reader.where]
     if missing:
         raise CheckpointError(f"{where}: no tensor {missing[0]} ({len(missing)} missing)")
-    extra = [n for n in reader.where if n not in names and not re.search(fmt.ignore, n)]
+    extra = [n for n in reader.where if n not in names and not re.search(ignore, n)]
     if extra:
         raise CheckpointError(
-            f"{where}: unexpected tensor {extra[0]} ({len(extra)} not in model.name="
-            f"{model.name}'s layout)"
+            f"{where}: unexpected tensor {extra[0]} ({len(extra)} not in {owner}'s layout)"
         )
     for name, (t, shape) in names.items():
         if reader.shape(name) != file_shape(t, shape):
             raise CheckpointError(
-                f"{where}: {name} has shape {list(reader.shape(name))}; config.json's "
+                f"{where}: {name} has shape {list(reader.shape(name))}; {owner}'s "
                 f"dims make it {list(file_shape(t, shape))}"
             )
 

@@ -10,6 +10,11 @@ answers only: it writes DIR/chat.jsonl (small arithmetic conversations, some wit
 system turn, some of two rounds, some as prompt/completion pairs), prepares it with the
 checkpoint's tokenizer and chat template (`jaxpar prepare-data --format chat`) into
 DIR/tokens, and trains on that.
+
+With --lora it trains low-rank adapters on every projection instead of all the weights
+(the base frozen; --base nf4 holds it in 4 bits, QLoRA) and exports them both ways: merged
+into a Hugging Face checkpoint (OUT/hf), and as a PEFT adapter (OUT/peft) that
+`peft.PeftModel.from_pretrained` loads on the base.
 """
 
 import argparse
@@ -70,6 +75,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lora", action="store_true", help="train adapters, the base frozen")
+    parser.add_argument("--rank", type=int, default=8, help="with --lora")
+    parser.add_argument("--base", default="same", help="with --lora: same, bf16, int8 or nf4")
     parser.add_argument("--device-memory", default="2GB", help="per device, for the plan")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
@@ -88,10 +96,18 @@ def main() -> None:
 
     from jaxpar.cli import commands
     from jaxpar.config import presets
+    from jaxpar.config.sections import AdapterKind, BaseStorage
     from jaxpar.cost import planner
     from jaxpar.models import LlamaConfig
     from jaxpar.nn.problem import registered
-    from jaxpar.training.export import export_hf
+    from jaxpar.training.export import export_hf, export_peft
+
+    adapter = jaxpar.Adapter()
+    if args.lora:
+        targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+        adapter = jaxpar.Adapter(
+            kind=AdapterKind.LORA, rank=args.rank, targets=targets, base=BaseStorage(args.base)
+        )
 
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),  # its dims come from config.json
@@ -104,11 +120,12 @@ def main() -> None:
         ),
         data=jaxpar.Data(source="tokens", path=str(args.data)),
         checkpoint=jaxpar.Checkpoint(every=max(1, args.steps // 2)),
+        adapter=adapter,
     )
     cfg = presets.resolve_init(cfg)
     plan = planner.make_plan(
         cfg,
-        registered(cfg.model, cfg.train.seq_len),
+        commands.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg),
         planner.machine(jax.device_count(), args.device_memory),
         planner.of_config(cfg),
     )
@@ -125,6 +142,9 @@ def main() -> None:
             f"step {steps} exported"
         )
         print(f"transformers: LlamaForCausalLM.from_pretrained('{args.out / 'hf'}')")
+        if args.lora:
+            export_peft(args.out, args.out / "peft")
+            print(f"peft: PeftModel.from_pretrained(base, '{args.out / 'peft'}')")
 
 
 if __name__ == "__main__":

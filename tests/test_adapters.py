@@ -13,7 +13,10 @@ from helpers import reference as one_device
 from jaxpar.adapters import lora, quant
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
+from jaxpar.cost import planner
 from jaxpar.nn.problem import registered
+from jaxpar.parallel.mesh import resolve_degrees
+from jaxpar.training import console
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 LORA = ("model.layers=2", "adapter.kind=lora", "adapter.rank=4", f"adapter.targets={ALL}")
@@ -169,6 +172,54 @@ def test_only_the_adapters_cross_the_data_axis(devices):
     assert lora_.comm.wire_bytes_per_device < full.comm.wire_bytes_per_device / 5
 
 
+def nf4_base_bytes(cfg, plain) -> float:
+    """An NF4 base's bytes: each quantized weight of n elements n/2 bytes of codes and a
+    fp32 scale per 64, the rest bf16."""
+    quantized = {p.key for p in lora.quantized_of(cfg.adapter, cfg.model, plain.shapes)}
+    return sum(
+        s.size * (0.5 + 4 / 64) if k in quantized else 2 * s.size for k, s in plain.shapes.items()
+    )
+
+
+def test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s(devices):
+    """QLoRA's base on one device is nf4_base_bytes. Split (tensor=2, ZeRO-3 over
+    data=4), the compiled base is the planner's; `jaxpar inspect`'s start-up says it."""
+    nf4 = (*LORA, *NF4_DIMS, "adapter.base=nf4")
+    cfg, plain, adapted, _ = _problems(nf4)
+    want = nf4_base_bytes(cfg, plain)
+    assert compile_only("llama-tiny", (*nf4, "parallel.data=1")).memory_per_device.base == want
+    split = ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3")
+    compiled = compile_only("llama-tiny", (*nf4, *split))
+    cfg = presets.load("llama-tiny", [*nf4, *split])
+    mesh = resolve_degrees(cfg.parallel, 8)
+    machine = planner.machine(8, "80GB")
+    guess = planner.predict(cfg, mesh, machine, adapted, planner.of_config(cfg))
+    assert compiled.memory_per_device.base == guess.base < want / 4  # 1/8 but norms
+    assert "of them the frozen base" in console.startup(compiled, 1, "cpu", "synthetic")
+
+
+@pytest.mark.slow
+def test_qlora_plans_llama3_8b_on_one_24gb_device(capsys):
+    """The issue's plan: it fits, and shows the base, the adapters, their optimizer state
+    and the activations apart; the base is what NF4 makes of 8B parameters."""
+    argv = ["plan", "--config", "llama3-8b", "adapter.kind=lora", "adapter.base=nf4",
+            "train.seq_len=4096", "--devices", "1", "--device-memory", "24GB"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    header, _, best = out.split("\n\n")[1].splitlines()[:3]
+
+    def cell(name: str) -> str:  # the table's columns are right-aligned under their names
+        return best[: header.index(name) + len(name)].split()[-1]
+
+    cfg = presets.load("llama3-8b", ["adapter.kind=lora", "adapter.base=nf4"])
+    plain = registered(cfg.model, 4096)
+    base = nf4_base_bytes(cfg, plain)
+    assert float(cell("base")) == round(base / 2**30, 1) == 5.6
+    assert float(cell("device GiB")) <= 24e9 / 2**30
+    assert float(cell("activations")) > 0 and 0 < int(cell("opt state MiB")) < 100
+    assert "recommended: dp1 pp1 tp1" in out
+
+
 @pytest.mark.parametrize(
     "overrides, needles",
     [
@@ -185,9 +236,22 @@ def test_only_the_adapters_cross_the_data_axis(devices):
         (["adapter.rank=16"], ["adapter.rank=16", "adapter.kind=lora"]),
         (["--config", "gpt-tiny", "adapter.kind=lora"], ["model.name=gpt", "no projections"]),
         (["adapter.kind=lora", "parallel.dp_sync=params"], ["parallel.dp_sync=params"]),
-        (["adapter.kind=lora", "adapter.init=peft:/x"], ["adapter.init=peft:/x", "not built"]),
+        (["adapter.kind=lora", "adapter.init=peft:/x"], ["adapter.init=peft:/x", "peft:DIR"]),
+        (["adapter.kind=lora", "adapter.init=peft:."], ["adapter.init=peft:.", "model.init=hf:"]),
     ],
-    ids=["unknown-target", "rank-0", "nf4-block", "dropout", "no-kind", "gpt", "dp-sync", "init"],
+    # fmt: off
+    ids=[
+        "unknown-target",
+        "rank-0",
+        "nf4-block",
+        "dropout",
+        "no-kind",
+        "gpt",
+        "dp-sync",
+        "init",
+        "init-no-base",
+    ],
+    # fmt: on
 )
 def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
     config = [] if "--config" in overrides else ["--config", "llama-tiny"]

@@ -106,4 +106,5 @@ def test_the_walk_through_and_the_tour_run_as_written(tmp_path):
     train = json.loads((runs / "ft-chat" / "summary.json").read_text())["config"]["train"]
     assert 0 < rows[0]["trained_tokens"] < train["batch_size"] * train["seq_len"]
     assert (runs / "ft-chat" / "hf" / "model.safetensors").is_file()
+    assert (runs / "ft-lora" / "peft" / "adapter_model.safetensors").is_file()
     assert (runs / "tour" / "model.safetensors").is_file()

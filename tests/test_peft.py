@@ -11,11 +11,15 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from helpers import one_line_error  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from test_hf import jaxpar_logits, loaded_config, save_tiny_llama, torch_logits  # noqa: E402
 
 from jaxpar.adapters import lora  # noqa: E402
+from jaxpar.adapters import peft as peft_io  # noqa: E402
 from jaxpar.cli import commands  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets  # noqa: E402
 from jaxpar.nn.problem import registered  # noqa: E402
 from jaxpar.training import checkpoint  # noqa: E402
 
@@ -55,3 +59,50 @@ def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices
     assert np.abs(ours - theirs).max() / scale < 1e-5
     assert np.abs(theirs - torch_logits(source, tokens)).max() / scale > 1e-3  # it trained
     assert np.abs(torch_logits(tmp_path / "hf", tokens) - theirs).max() / scale < 1e-5
+
+
+def test_an_adapter_peft_made_trains_on_from_peft_s_loss(tmp_path, devices, capsys):
+    """adapter.init=peft:DIR reads an adapter PEFT saved (A and B both random, so that
+    each counts), its rank, alpha and targets from adapter_config.json: the first loss,
+    data=4 x tensor=2, is PEFT's forward's cross-entropy."""
+    source = save_tiny_llama(tmp_path / "source")
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    base = transformers.LlamaForCausalLM.from_pretrained(source)
+    model = peft.get_peft_model(base, config).eval()
+    model.save_pretrained(tmp_path / "made")
+    cfg = loaded_config(source, "adapter.kind=lora", f"adapter.init=peft:{tmp_path / 'made'}")
+    cfg = peft_io.resolve(cfg, set())
+    assert (cfg.adapter.rank, cfg.adapter.alpha, cfg.adapter.targets) == (
+        4,
+        8.0,
+        "down_proj,q_proj,v_proj",
+    )
+    keys = ["parallel.data=4", "parallel.tensor=2", "train.steps=1"]
+    result = commands.train_config(presets.from_dict(presets.to_dict(cfg), keys), quiet=True)
+    tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"]
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits
+    want = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.tensor(tokens[:, 1:].reshape(-1)).long()
+    ).item()
+    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+    assert abs(torch_logits(source, tokens[:, :-1]) - logits.numpy()).max() > 1e-2  # it counts
+
+    # another rank, or an adapter of another base's shape: one line each
+    made = ["train", "--config", "llama-tiny", f"model.init=hf:{source}", "adapter.kind=lora"]
+    argv = [*made, f"adapter.init=peft:{tmp_path / 'made'}", "adapter.rank=8"]
+    capsys.readouterr()  # transformers' progress bars
+    assert cli.main([*argv, "--out", str(tmp_path / "r")]) == 2
+    one_line_error(capsys, "adapter.rank=8", "gives 4")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "adapter_config.json").write_text(
+        (tmp_path / "made" / "adapter_config.json").read_text()
+    )
+    tensors = load_file(tmp_path / "made" / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+    tensors[name] = tensors[name][:, :96].contiguous()
+    save_file(tensors, other / "adapter_model.safetensors")
+    assert cli.main([*made, f"adapter.init=peft:{other}", "--out", str(tmp_path / "s")]) == 2
+    one_line_error(capsys, name, "[4, 96]", "[4, 128]")

@@ -263,10 +263,11 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
     )
 
 
-def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int):
+def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int, read=None):
     """(targets -> params) of an adapter run whose base is read from files: base_fill
     (jaxpar.hf.initial_params of the model's own `problem`) reads each base leaf, stored
-    then as adapter.base says, beside fresh adapters from `seed`."""
+    then as adapter.base says, beside the adapters `read` gives (jaxpar.adapters.peft.
+    initial), or fresh ones from `seed`."""
 
     def build(targets: dict) -> dict:
         at = {k: targets.get(k) or targets[f"{k}/codes"] for k in problem.shapes}
@@ -276,12 +277,14 @@ def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int):
                 for k, s in problem.shapes.items()
             }
         )
-        init = adapted_problem.init
-        made = jax.jit(
-            lambda base, key: {**init.store(base), **init.fresh(key)},
-            out_shardings={k: t.sharding for k, t in targets.items()},
-        )
-        return made(base, jax.random.key(seed))
+        init, frozen = adapted_problem.init, adapted_problem.frozen
+        shardings = {k: t.sharding for k, t in targets.items()}
+        stored = jax.jit(init.store, out_shardings={k: shardings[k] for k in frozen})(base)
+        trained = {k: t for k, t in targets.items() if k not in frozen}
+        if read is not None:
+            return {**stored, **read(trained)}
+        fresh = jax.jit(init.fresh, out_shardings={k: shardings[k] for k in trained})
+        return {**stored, **fresh(jax.random.key(seed))}
 
     return build
 

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar import hf
-from jaxpar.adapters import lora
+from jaxpar.adapters import lora, peft
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
 from jaxpar.config.sections import AdapterKind, Config
@@ -52,10 +52,16 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     mesh_rules.check_train(cfg, mesh_shape)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    if cfg.adapter.kind is AdapterKind.LORA:
-        shipped = lora.adapted(shipped, cfg.adapter, cfg.model)
+    shipped = with_adapters(shipped, cfg)
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     return shipped, _batches(cfg, tokens, 0, "train")
+
+
+def with_adapters(problem: Problem, cfg: Config) -> Problem:
+    """The registered model's `problem` with adapter.* on it (unchanged for kind=none)."""
+    if cfg.adapter.kind is AdapterKind.LORA:
+        return lora.adapted(problem, cfg.adapter, cfg.model)
+    return problem
 
 
 def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
@@ -103,7 +109,10 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         base = registered(cfg.model, cfg.train.seq_len)
         params = hf.initial_params(fmt, cfg.model, directory, base.shapes)
         if cfg.adapter.kind is AdapterKind.LORA:
-            params = lora.initial(base, s.problem, params, cfg.train.seed)
+            read = (
+                peft.initial(cfg.adapter, cfg.model, s.problem.shapes) if cfg.adapter.init else None
+            )
+            params = lora.initial(base, s.problem, params, cfg.train.seed, read)
     return train(
         s.problem,
         cfg,
@@ -207,7 +216,8 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.cost.report import human_bytes
     from jaxpar.errors import ConfigError
 
-    problem, work = registered(cfg.model, cfg.train.seq_len), planner.of_config(cfg)
+    problem = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
+    work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:
         staged = problem.parts is not None

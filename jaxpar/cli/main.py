@@ -453,9 +453,13 @@ def _check_config(args: argparse.Namespace):
     if args.config is None:  # bench: the default model's tiny preset
         args.config = registry.tiny_preset(registry.default_name())
     cfg, out = load(args.config, args.overrides), None
+    given = {o.split("=", 1)[0] for o in args.overrides}
     if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
-        given = {o.split("=", 1)[0].removeprefix("model.") for o in args.overrides}
-        cfg = resolve_init(cfg, {k for k in given if "." not in k})
+        cfg = resolve_init(cfg, {k.removeprefix("model.") for k in given} - given)
+    if cfg.adapter.init:  # adapter_config.json into adapter.*, as config.json
+        from jaxpar.adapters import peft
+
+        cfg = peft.resolve(cfg, {k.removeprefix("adapter.") for k in given} - given)
     if args.command in ("train", "inspect"):
         name = Path(args.config).stem + ("-inspect" if args.command == "inspect" else "")
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"

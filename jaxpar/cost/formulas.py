@@ -365,6 +365,8 @@ class PlacedState:
     host: float  # offloaded: fp32 master weights and optimizer state in host memory
     model: float  # fp32 master parameters and optimizer state, device and host
     opt_elements: float  # parameter elements in the optimizer's split
+    frozen: float = 0.0  # of `device`: the frozen leaves as stored (an adapter run's base)
+    opt: float = 0.0  # of `device`: the optimizer state
 
 
 def placed_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) -> PlacedState:
@@ -389,7 +391,9 @@ def placed_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) 
         master, adam = dtype_bytes(train.precision) * local["storage"], 0  # compute copy
         if par.offload is Offload.OPTIMIZER_PARAMS:
             host, master = host + master, 0
-    return PlacedState(master + grads + adam + frozen, host, model + frozen, local["opt"])
+    return PlacedState(
+        master + grads + adam + frozen, host, model + frozen, local["opt"], frozen, adam
+    )
 
 
 def model_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> float:

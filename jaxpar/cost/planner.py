@@ -80,6 +80,8 @@ class Candidate:
     activations: float
     gather_temp: float  # ZeRO-3's gathered layer (two in flight)
     device: float  # all of it
+    base: float  # of `state`: an adapter run's frozen base, as stored
+    opt: float  # of `state`: the optimizer state on the device
     host: float  # offloaded state, per host
     comm: dict  # wire bytes per axis per step
     comm_s: float
@@ -377,6 +379,8 @@ def predict(
         activations=acts,
         gather_temp=gather,
         device=device,
+        base=placed.frozen,
+        opt=placed.opt,
         host=placed.host * inside,
         comm=comm,
         comm_s=comm_s,
@@ -566,13 +570,20 @@ def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:
 def report(plan: Plan, top: int = 10) -> str:
     machine = plan.machine
     gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    adapters = any(c.base for c in plan.ranked)  # the state as its three parts
+
+    def state(c: Candidate) -> list[str]:
+        if adapters:
+            mib = (c.state - c.base - c.opt, c.opt)
+            return [gib(c.base), *(f"{b / 2**20:,.0f}" for b in mib)]
+        return [gib(c.state), gib(c.paper_state)]
+
     rows = [
         [
             str(i + 1),
             c.label(),
             gib(c.device),
-            gib(c.state),
-            gib(c.paper_state),
+            *state(c),
             gib(c.activations),
             gib(c.host),
             human_bytes(sum(c.comm.values())),
@@ -587,8 +598,7 @@ def report(plan: Plan, top: int = 10) -> str:
         "#",
         "layout",
         "device GiB",
-        "state",
-        "paper state",
+        *(["base", "adapters MiB", "opt state MiB"] if adapters else ["state", "paper state"]),
         "activations",
         "host GiB",
         "comm/step",

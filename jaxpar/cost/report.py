@@ -13,6 +13,7 @@ class DeviceMemory:  # device memory
     grads: int  # the fp32 gradient accumulator, as its gradient spec splits it
     opt_state: int
     temp: int  # the compiled step's temporaries (memory_analysis)
+    base: int = 0  # of `params`: an adapter run's frozen base, as stored (adapter.base)
 
 
 @dataclass(frozen=True)

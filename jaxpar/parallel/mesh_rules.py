@@ -47,11 +47,6 @@ def _check_adapter(cfg: Config) -> None:
             "as the layer is made ready (so that every layout runs it), where dropout on an "
             "adapter's input has no place; use adapter.dropout=0"
         )
-    if adapter.init:
-        raise ConfigError(
-            f"adapter.init={adapter.init}: starting from an adapter PEFT wrote is not built "
-            "yet; drop the key to start from fresh adapters (A random, B zero)"
-        )
     if cfg.parallel.dp_sync is DpSync.PARAMS:
         raise ConfigError(
             "adapter.kind=lora with parallel.dp_sync=params: averaging copies of the "

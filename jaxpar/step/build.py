@@ -189,6 +189,7 @@ def describe_step(
             trained.trainable(engine.specs), trained.trainable(trained.shapes), mesh_shape
         ),
         step.host_activations,
+        trained.frozen,
     )
     unsplit = unsplit_leaves(engine.specs, shapes, mesh_shape) if par.zero else []
     return Report(

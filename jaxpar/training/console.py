@@ -45,6 +45,7 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
             f"{k} {human_bytes(v)}"
             for k, v in (
                 ("params", mem.params),
+                *((("of them the frozen base", mem.base),) if mem.base else ()),
                 ("grads", mem.grads),
                 ("opt_state", mem.opt_state),
                 ("temp", mem.temp),
