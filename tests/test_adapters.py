@@ -264,29 +264,55 @@ def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_adapter_run_exports_merged_and_decodes_with_its_adapters(tmp_path, devices):
-    run = tmp_path / "run"
-    train = ["train", "--config", "llama-tiny", *LORA, *NF4_DIMS, "adapter.base=nf4"]
-    assert (
-        cli.main(
-            [*train, "parallel.data=4", "parallel.context=2", "train.steps=2", "--out", str(run)]
-        )
-        == 0
-    )
-    from jaxpar.generation import decoding
-    from jaxpar.training import checkpoint
+def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(tmp_path, devices):
+    """A QLoRA run in 3D with 1F1B saves its adapters, their optimizer state and a
+    reference to its base (no base leaf); it resumes bitwise, restores into another
+    layout, refuses another base, exports merged and as PEFT, and decodes."""
+    import shutil
 
-    params, meta = checkpoint.saved_params(run / "checkpoints")
-    cfg = presets.from_dict(meta["config"], [])
-    assert "blocks/attn/wq/codes" in params and "blocks/attn/wq" not in params
+    import jaxpar
+    from jaxpar.errors import CheckpointError
+    from jaxpar.generation import decoding
+    from jaxpar.training import checkpoint, export
+
+    def run_in(layout, *more):
+        cfg, s = _setup("llama-tiny", [*LORA, *NF4_DIMS, "adapter.base=nf4", *layout, *more])
+        return cfg, s
+
+    steps = ["train.steps=3", "checkpoint.every=2"]
+    cfg, s = run_in(THREE_D_1F1B, *steps)
+    out = tmp_path / "run"
+    straight = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True)
+    saved, meta = checkpoint.saved_params(out / "checkpoints")
+    assert set(saved) == {k for p in lora.targets_of(cfg.adapter, cfg.model) for k in (p.a, p.b)}
+    assert meta["base"]["from"] == "train.seed=0" and len(meta["base"]["hash"]) == 16
+    tree = checkpoint.Checkpoints(out / "checkpoints", create=False).saved_tree(3)
+    held = {"/".join(map(str, p)) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+    assert not [k for k in held if "codes" in k or "norm" in k or "embed" in k]  # no base leaf
+
+    shutil.move(out / "checkpoints" / "3", tmp_path / "3")  # resume from step 2
+    resumed = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True)
+    assert len(resumed.losses) == 1 and resumed.losses[-1] == straight.losses[-1]
+    for k, v in straight.params.items():
+        np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
+
+    cfg2, s2 = run_in(["parallel.data=4", "parallel.context=2"], *steps)
+    state = jaxpar.restore(out / "checkpoints", s2.problem, cfg2, s2.mesh)
+    for k, v in straight.params.items():
+        np.testing.assert_array_equal(np.asarray(state.params[k]), np.asarray(v), err_msg=k)
+    cfg3, s3 = run_in(["parallel.data=4", "parallel.context=2"], *steps, "train.seed=1")
+    with pytest.raises(CheckpointError, match="train.seed=0.*fingerprint.*changed"):
+        jaxpar.restore(out / "checkpoints", s3.problem, cfg3, s3.mesh)
+
+    params, meta = export.run_params(out)
     want = lora.merged(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model, params)
-    loaded = decoding.load(str(run), [], devices=devices[:2])
+    loaded = decoding.load(str(out), [], devices=devices[:2])
     for k, w in want.items():
         np.testing.assert_array_equal(np.asarray(loaded.params[k]), np.asarray(w))
-    out = decoding.generate(
+    out_tokens = decoding.generate(
         decoding.Decoder(loaded), [[1, 2, 3]], 4, decoding.Sampling(temperature=0.0), set()
     )
-    assert len(out.completions[0]) == 4
-    assert cli.main(["export", str(run), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    assert cli.main(["export", str(run), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
+    assert len(out_tokens.completions[0]) == 4
+    assert cli.main(["export", str(out), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert cli.main(["export", str(out), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()

@@ -21,7 +21,7 @@ from jaxpar.cli import commands  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets  # noqa: E402
 from jaxpar.nn.problem import registered  # noqa: E402
-from jaxpar.training import checkpoint  # noqa: E402
+from jaxpar.training import export  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,  # trains, and runs transformers and PEFT
@@ -32,7 +32,7 @@ pytestmark = [
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
-def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices):
+def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices, capsys):
     source = save_tiny_llama(tmp_path / "source")
     run = tmp_path / "run"
     lora_keys = ["adapter.kind=lora", "adapter.rank=4", f"adapter.targets={TARGETS}"]
@@ -47,7 +47,7 @@ def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices
     assert (written["r"], written["lora_alpha"], written["peft_type"]) == (4, 16.0, "LORA")
 
     cfg = loaded_config(source, *lora_keys)
-    params, _ = checkpoint.saved_params(run / "checkpoints")
+    params, _ = export.run_params(run)
     merged = lora.merged(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model, params)
     tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
     ours = jaxpar_logits(cfg, {k: np.asarray(v) for k, v in merged.items()}, tokens)
@@ -59,6 +59,16 @@ def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices
     assert np.abs(ours - theirs).max() / scale < 1e-5
     assert np.abs(theirs - torch_logits(source, tokens)).max() / scale > 1e-3  # it trained
     assert np.abs(torch_logits(tmp_path / "hf", tokens) - theirs).max() / scale < 1e-5
+
+    # the checkpoint holds the adapters and a reference to the base: a base whose files
+    # changed since is named, not merged
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name] * 1.001
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' progress bars
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "hf2"), "--format", "hf"]) == 2
+    one_line_error(capsys, f"hf:{source}", "fingerprint", "changed")
 
 
 def test_an_adapter_peft_made_trains_on_from_peft_s_loss(tmp_path, devices, capsys):

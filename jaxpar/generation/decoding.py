@@ -41,8 +41,7 @@ from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import RULES, compute_spec, named, pick, plan
-from jaxpar.training import checkpoint
-from jaxpar.training.export import checkpoint_dir
+from jaxpar.training import export
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket; buckets double from it
 NEW_BUCKET = 16  # cache slots for new tokens come in multiples of this
@@ -137,7 +136,7 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
         run = Path(source)
         if not run.is_dir():
             raise ConfigError(f"generate: {source}: no such run directory (or give hf:DIR)")
-        saved, meta = checkpoint.saved_params(checkpoint_dir(run), step)
+        saved, meta = export.run_params(run, step)
         cfg = presets.from_dict(meta["config"], overrides)
         if cfg.adapter.kind is AdapterKind.LORA:  # decoded with the adapters added in
             base = registered(cfg.model, cfg.train.seq_len)

@@ -6,7 +6,11 @@ model's own layout (a pipeline's staged layer stack unstaged, in device memory),
 parameter's shape. Orbax writes a step into a temporary directory and renames it when
 complete, so a save cut short (kill -9) is never taken for the latest.
 
-Not stored: the compute copy of an offloaded run. It is the master weights cast to the
+Nor is the frozen base of a run that trains adapters (Problem.frozen): `meta` names where
+it came from and its fingerprint (jaxpar.adapters.base), and a restore makes it again
+from there, checked by that fingerprint.
+
+Not stored either: the compute copy of an offloaded run. It is the master weights cast to the
 compute dtype, bit for bit (at init and after every host update), so a restore makes it
 again, in whatever precision the restoring run uses. Nor the data position: a batch is
 a pure function of (seed, step), and the step is in the state.
@@ -30,6 +34,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jaxpar.adapters import base as base_lib
 from jaxpar.config.presets import to_dict
 from jaxpar.config.sections import Config, OnNonfinite, Precision
 from jaxpar.cost.formulas import DTYPES
@@ -52,11 +57,14 @@ class Layout:
     """A run's TrainState <-> its checkpoint (the model's own layout)."""
 
     to_saved: Callable  # TrainState (run layout, any memory) -> saved dict
-    from_saved: Callable  # saved dict -> TrainState in the run's shardings
+    # saved dict, its params joined by the frozen ones -> TrainState in the run's shardings
+    from_saved: Callable
     target: Any  # saved dict of ShapeDtypeStructs with this run's shardings: restore targets
+    params: dict  # every parameter's ShapeDtypeStruct with its sharding, the model's layout
     shapes: dict[str, list[int]]  # parameter key -> shape, in the model's layout
-    # parameters (the model's layout, target["params"]'s shardings) -> a step-0 TrainState
-    fresh: Callable
+    fresh: Callable  # parameters (the model's layout, `params`' shardings) -> a step-0 state
+    base_hash: Callable  # TrainState -> the fingerprint of its frozen (unsaved) parameters
+    frozen: frozenset[str] = frozenset()  # the parameters not saved (a frozen base)
     copies: int | None = None  # parallel.dp_sync=params: the devices' copies (data)
 
 
@@ -87,9 +95,7 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
         saved = {
             "step": state.step,
             "skipped": state.skipped,
-            "params": {k: unstage(k, x) for k, x in state.params.items()}
-            if staged
-            else state.params,
+            "params": {k: unstage(k, x) for k, x in problem.trainable(state.params).items()},
             "opt": params_map(unstage, state.opt) if staged else state.opt,
         }
         if state.local is not None:  # parameter averaging: each device's copy
@@ -134,7 +140,7 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     saved_shardings = {
         "step": model.step,
         "skipped": model.skipped,
-        "params": model.params,
+        "params": problem.trainable(model.params),
         "opt": model.opt,
     }
     if engine.spread is not None:
@@ -153,12 +159,26 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
             saved["local"] = engine.spread(params)
         return from_saved(saved)
 
+    def leaf_sum(k: str, x):  # of a stored leaf, in the model's layout (on the device)
+        return base_lib.leaf_sum(unstage(k, jax.device_put(x, on_device.params[k])))
+
+    def base_hash(state: TrainState) -> str:
+        sums = {k: leaf_sum(k, state.params[k]) for k in problem.frozen}
+        return base_lib.fingerprint(sums, problem.shapes)
+
     return Layout(
         to_saved=to_saved_on_device,
         from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
         target=target,
+        params=jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            problem.shapes,
+            model.params,
+        ),
         shapes={k: list(v) for k, v in _flat(shapes).items()},
         fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
+        base_hash=base_hash,
+        frozen=problem.frozen,
         copies=describe(mesh)["data"] if engine.spread is not None else None,
     )
 
@@ -311,8 +331,26 @@ def _check_directory(directory: Path, create: bool) -> None:
         raise CheckpointError(f"{directory}: no such checkpoint directory")
 
 
-def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int) -> dict:
-    return {"config": to_dict(cfg), "mesh": describe(mesh), "shapes": ckpt.shapes, "step": step}
+def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int, base: dict | None = None) -> dict:
+    """What a checkpoint says of itself; `base`: its frozen base's reference (where from,
+    fingerprint), for a run that has one."""
+    out = {"config": to_dict(cfg), "mesh": describe(mesh), "shapes": ckpt.shapes, "step": step}
+    return out if base is None else {**out, "base": base}
+
+
+def frozen_base(ckpt: Layout, problem: Problem, params: Callable | None, seed: int) -> dict:
+    """The frozen parameters of a fresh run, in the model's layout and `ckpt`'s shardings:
+    from `params` (as jaxpar.training.trainer.train takes it), else the problem's own
+    init from `seed`."""
+    if params is not None:
+        made = params(ckpt.params)
+        return {k: made[k] for k in ckpt.frozen}
+    shardings = {k: ckpt.params[k].sharding for k in ckpt.frozen}
+
+    def init(key):
+        return {k: v for k, v in problem.init(key).items() if k in ckpt.frozen}
+
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
 def check_compatible(saved_meta: dict, ckpt: Layout, where: Path) -> None:
@@ -353,8 +391,13 @@ def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int
     if step is None:
         raise CheckpointError(f"{ckpts.directory}: no complete checkpoint there")
     ckpt = layout(problem, engine, mesh, cfg.parallel.zero, cfg.train.precision)
-    check_compatible(ckpts.meta(step), ckpt, ckpts.directory / str(step))
-    return ckpt.from_saved(ckpts.restore(step, ckpt.target))
+    saved_meta, where = ckpts.meta(step), ckpts.directory / str(step)
+    check_compatible(saved_meta, ckpt, where)
+    base = frozen_base(ckpt, problem, None, cfg.train.seed) if ckpt.frozen else {}
+    if ckpt.frozen:
+        base_lib.check(saved_meta.get("base"), base_lib.of(base), where)
+    restored = ckpts.restore(step, ckpt.target)
+    return ckpt.from_saved({**restored, "params": {**base, **restored["params"]}})
 
 
 class Saver:
@@ -370,6 +413,7 @@ class Saver:
             self._open()
         self.latest = self.ckpts.latest if self.ckpts else None
         self.newest = self.latest  # the newest step saved (or found)
+        self.base = None  # a frozen base's reference (jaxpar.adapters.base), saved in meta
 
     def _open(self) -> None:
         self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
@@ -387,9 +431,16 @@ class Saver:
             problem, engine, mesh, self.cfg.parallel.zero, self.cfg.train.precision
         )
 
-    def restore(self, step: int):
-        check_compatible(self.ckpts.meta(step), self.layout, self.where(step))
-        state = self.layout.from_saved(self.ckpts.restore(step, self.layout.target))
+    def restore(self, step: int, base: dict):
+        """The state saved at `step`, its frozen parameters `base` (checked against the
+        checkpoint's fingerprint of them)."""
+        saved_meta = self.ckpts.meta(step)
+        check_compatible(saved_meta, self.layout, self.where(step))
+        if self.layout.frozen:
+            base_lib.check(saved_meta.get("base"), base_lib.of(base), self.where(step))
+            self.base = saved_meta["base"]
+        restored = self.ckpts.restore(step, self.layout.target)
+        state = self.layout.from_saved({**restored, "params": {**base, **restored["params"]}})
         if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
             state = state.replace(skipped=state.skipped * 0)
         return state
@@ -398,7 +449,7 @@ class Saver:
         """Start saving (returns once the state is copied off the device)."""
         if self.ckpts is None:
             self._open()
-        saved = meta(self.cfg, self.mesh, self.layout, step)
+        saved = meta(self.cfg, self.mesh, self.layout, step, self.base)
         self.ckpts.save(step, self.layout.to_saved(state), saved)
         self.newest = step
 

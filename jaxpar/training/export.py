@@ -15,8 +15,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxpar import hf
-from jaxpar.adapters import lora, peft
-from jaxpar.config import registry
+from jaxpar.adapters import base, lora, peft
+from jaxpar.config import presets, registry
 from jaxpar.config.sections import Adapter, AdapterKind, Model
 from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.nn.problem import Problem, registered
@@ -30,9 +30,23 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return inside if inside.is_dir() else Path(run_dir)
 
 
+def run_params(run_dir: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(a run's parameters as trained, host arrays by key, and the meta of its newest
+    checkpoint or of `step`): an adapter run's frozen base made again from the reference
+    its checkpoint holds (jaxpar.adapters.base), beside the adapters."""
+    directory = checkpoint_dir(run_dir)
+    params, meta = checkpoint.saved_params(directory, step)
+    cfg = presets.from_dict(meta["config"])
+    if cfg.adapter.kind is AdapterKind.LORA:
+        problem = lora.adapted(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model)
+        where = directory / str(meta["step"])
+        params = base.rebuilt(cfg, problem, params, meta.get("base"), where)
+    return params, meta
+
+
 def export(run_dir: Path, to: Path) -> tuple[int, int]:
     """Write the latest checkpoint's parameters to `to`; returns (step, tensors)."""
-    params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
+    params, meta = run_params(run_dir)
     to = Path(to)
     if to.is_dir():
         raise ConfigError(
@@ -52,9 +66,10 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
     return meta["step"], len(params)
 
 
-def _saved(run_dir: Path, what: str):
-    """(the latest checkpoint's parameters, its meta, the run's model.*, its adapter.*)."""
-    params, meta = checkpoint.saved_params(checkpoint_dir(run_dir))
+def _saved(run_dir: Path, what: str, read=run_params):
+    """(the latest checkpoint's parameters as `read` gives them, its meta, the run's
+    model.*, its adapter.*)."""
+    params, meta = read(run_dir)
     model_keys = meta["config"]["model"]
     model = (registry.config_class(model_keys["name"]) or Model)(**model_keys)
     registry.hf_format(model.name, what)
@@ -81,7 +96,9 @@ def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
 def export_peft(run_dir: Path, to: Path) -> tuple[int, int]:
     """Write an adapter run's adapters as a PEFT adapter directory; returns (step,
     tensors)."""
-    params, meta, model, adapter = _saved(run_dir, "--format peft")
+    params, meta, model, adapter = _saved(  # the adapters alone: no base needed
+        run_dir, "--format peft", lambda d: checkpoint.saved_params(checkpoint_dir(d))
+    )
     if adapter.kind is not AdapterKind.LORA:
         raise ConfigError(
             f"--format peft: {run_dir} trained every weight (adapter.kind=none), and has no "

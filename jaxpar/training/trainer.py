@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from jaxpar.adapters.base import source as base_source
 from jaxpar.config.sections import Checkpoint, Config, OnNonfinite, profile_range
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
@@ -107,13 +108,22 @@ def train(
             run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
         saver.bind(problem, run.engine, mesh)
         if start:
-            state = saver.restore(start)
+            base = {}  # the frozen parameters, not in the checkpoint: made again
+            if problem.frozen:
+                base = checkpoint.frozen_base(saver.layout, problem, params, cfg.train.seed)
+            state = saver.restore(start, base)
             if start < cfg.train.steps:  # said once the checkpoint has been read
                 say(f"resuming from step {start}: {saver.directory / str(start)}")
-        elif params is not None:  # given, e.g. read from a Hugging Face checkpoint
-            state = saver.layout.fresh(params(saver.layout.target["params"]))
         else:
-            state = run.engine.init(jax.random.key(cfg.train.seed))
+            if params is not None:  # given, e.g. read from a Hugging Face checkpoint
+                state = saver.layout.fresh(params(saver.layout.params))
+            else:
+                state = run.engine.init(jax.random.key(cfg.train.seed))
+            if problem.frozen:
+                saver.base = {
+                    "from": base_source(cfg, params is not None),
+                    "hash": saver.layout.base_hash(state),
+                }
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
