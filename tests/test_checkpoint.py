@@ -64,8 +64,9 @@ def assert_identical(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
 
 
+# (plain data parallelism is inside each layout here, and resumes alone, data=2, in
+# test_kill_9_where_it_can_hurt_resumes_to_the_straight_run)
 RESUME = {
-    "dp": ["parallel.data=8"],
     "zero3-tp": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=3"],
     "3d-1f1b": THREE_D_1F1B,
     # DiLoCo with tensor parallelism, saved between averages: each copy and its AdamW state

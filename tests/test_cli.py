@@ -53,7 +53,9 @@ def test_train_writes_run_directory(tmp_path, capsys, monkeypatch):
     assert summary["devices"] == 8
     assert summary["config"]["parallel"]["zero"] == 1
     assert summary["final_loss"] == rows[-1]["loss"]
-    assert set(summary["memory_per_device"]) == {"params", "grads", "opt_state", "temp"}
+    # DESIGN's four, and the frozen base of an adapter run (none here)
+    assert set(summary["memory_per_device"]) == {"params", "grads", "opt_state", "temp", "base"}
+    assert summary["memory_per_device"]["base"] == 0
     assert set(summary["host_memory_per_device"]) == {
         "params",
         "opt_state",
