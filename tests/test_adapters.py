@@ -7,10 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import THREE_D_1F1B, _setup, assert_same_training, compile_only, trained
+from helpers import (
+    THREE_D_1F1B,
+    _setup,
+    assert_same_training,
+    compile_only,
+    prepared,
+    trained,
+)
 from helpers import reference as one_device
 
 from jaxpar.adapters import lora, quant
+from jaxpar.cli import inspect
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
 from jaxpar.cost import planner
@@ -189,7 +197,11 @@ def test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s(devices):
     want = nf4_base_bytes(cfg, plain)
     assert compile_only("llama-tiny", (*nf4, "parallel.data=1")).memory_per_device.base == want
     split = ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3")
-    compiled = compile_only("llama-tiny", (*nf4, *split))
+    run = prepared("llama-tiny", (*nf4, *split))
+    compiled = run.report
+    rows = {r["path"]: r for r in inspect.leaves(run)}  # jaxpar inspect's leaf table
+    assert rows["blocks/attn/wq/codes"]["grad"] is None is rows["blocks/attn/wq/codes"]["opt"]
+    assert "data" in tuple(rows["blocks/attn/wq/lora_a"]["opt"])  # ZeRO-3 splits A's state
     cfg = presets.load("llama-tiny", [*nf4, *split])
     mesh = resolve_degrees(cfg.parallel, 8)
     machine = planner.machine(8, "80GB")
@@ -316,3 +328,12 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(tm
     assert cli.main(["export", str(out), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
     assert cli.main(["export", str(out), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+
+
+def test_a_finished_adapter_run_names_its_peft_export(tmp_path):
+    from jaxpar.cli.commands import next_steps
+
+    cfg = presets.load("llama-tiny", ["adapter.kind=lora"])
+    steps = next_steps(cfg, tmp_path)
+    assert f"jaxpar export {tmp_path} --to {tmp_path / 'peft'} --format peft" in steps
+    assert not any("peft" in s for s in next_steps(presets.load("llama-tiny"), tmp_path))

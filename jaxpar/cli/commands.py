@@ -263,12 +263,15 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
 
 def next_steps(cfg: Config, out: Path) -> list[str]:
     """The commands that take a finished run on, each as it runs when typed: its weights
-    exported (and as a Hugging Face checkpoint, for a model that has the format), and,
+    exported (and as a Hugging Face checkpoint, for a model that has the format; an
+    adapter run's adapters as PEFT's), and,
     for a model that decodes, `jaxpar generate` with the tokenizer its data was made by."""
     spec = registry.get(cfg.model.name)
     steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
     if spec.hf is not None:
         steps.append(f"jaxpar export {out} --to {out / 'hf'} --format hf")
+    if cfg.adapter.kind is AdapterKind.LORA:
+        steps.append(f"jaxpar export {out} --to {out / 'peft'} --format peft")
     if spec.cache_dims is not None:
         tokenizer = data.tokenizer_of(cfg.data) or "TOKENIZER_DIR"
         steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')

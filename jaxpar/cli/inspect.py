@@ -1,7 +1,8 @@
 """`jaxpar inspect`: a compiled (never run) step, leaf by leaf.
 
 Every parameter leaf with its shape, logical names, its storage / compute / gradient /
-optimizer-state PartitionSpecs and its stored bytes per device; then the ledger's
+optimizer-state PartitionSpecs (a frozen leaf has neither of the last two) and its stored
+bytes per device; then the ledger's
 summary; and a picture of how the largest leaves and the batch lie over the mesh: one
 panel each, a cell per device, cells holding the same block in the same colour.
 """
@@ -39,12 +40,17 @@ def leaves(run: Run) -> list[dict]:
 
     def visit(path, specs: LeafSpecs, names, shape):
         stored = NamedSharding(mesh, specs.storage).shard_shape(shape.shape)
+        key = leaf_key(path)
+        frozen = key in trained.frozen  # no gradient, no optimizer state
         rows.append(
             {
-                "path": leaf_key(path),
+                "path": key,
                 "shape": tuple(shape.shape),
                 "names": tuple(names),
-                **{field: getattr(specs, field) for field in SPEC_FIELDS},
+                **{
+                    f: None if frozen and f in ("grad", "opt") else getattr(specs, f)
+                    for f in SPEC_FIELDS
+                },
                 "bytes": math.prod(stored) * shape.dtype.itemsize,
             }
         )
@@ -66,7 +72,7 @@ def leaf_table(rows: list[dict]) -> str:
             r["path"],
             "x".join(map(str, r["shape"])),
             " ".join(r["names"]),
-            *(_spec(r[f]) for f in SPEC_FIELDS),
+            *("frozen" if r[f] is None else _spec(r[f]) for f in SPEC_FIELDS),
             human_bytes(r["bytes"]),
         ]
         for r in rows
