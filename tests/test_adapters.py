@@ -337,3 +337,20 @@ def test_a_finished_adapter_run_names_its_peft_export(tmp_path):
     steps = next_steps(cfg, tmp_path)
     assert f"jaxpar export {tmp_path} --to {tmp_path / 'peft'} --format peft" in steps
     assert not any("peft" in s for s in next_steps(presets.load("llama-tiny"), tmp_path))
+
+
+def test_the_base_fingerprint_is_its_formula_in_any_layout(devices):
+    """The sum a checkpoint's base reference is made of: every element's bits times
+    (position * 2654435761 + 1), mod 2**32, whatever the sharding computing it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxpar.adapters.base import leaf_sum
+
+    x = jax.random.normal(jax.random.key(0), (8, 6, 4)).astype(jnp.bfloat16)
+    bits = np.asarray(x).view(np.uint16).astype(np.uint64).ravel()
+    weights = (np.arange(bits.size, dtype=np.uint64) * 2654435761 + 1) % 2**32
+    want = int((bits * weights).sum() % 2**32)
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    split = jax.device_put(x, NamedSharding(mesh, PartitionSpec("b", None, "a")))
+    assert int(leaf_sum(x)) == int(leaf_sum(split)) == want
+    assert int(leaf_sum(x.at[3, 2, 1].add(1))) != want

@@ -35,8 +35,8 @@ _GOLDEN = 2654435761  # Knuth's multiplicative hash: positions weigh differently
 def leaf_sum(x: jax.Array) -> jax.Array:
     """One leaf's fingerprint: sum of bits * (position * golden + 1), mod 2**32."""
     bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
-    position = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
-    for dim in range(1, x.ndim):  # the flat index, dim by dim
+    position = jnp.zeros(x.shape, jnp.uint32)
+    for dim in range(x.ndim):  # the flat index, dim by dim
         position = position * jnp.uint32(x.shape[dim]) + jax.lax.broadcasted_iota(
             jnp.uint32, x.shape, dim
         )
@@ -94,7 +94,7 @@ def rebuilt(cfg: Config, problem: Problem, trained: dict, reference: dict | None
     targets = {
         k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one) for k, s in problem.shapes.items()
     }
-    frozen = {k: targets[k] for k in problem.frozen}
+    frozen = problem.frozen
     if required(reference, where)["from"].startswith(hf.SCHEME):
         plain = registered(cfg.model, cfg.train.seq_len)
         fmt = registry.hf_format(cfg.model.name, "model.init")
