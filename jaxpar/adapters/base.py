@@ -22,10 +22,9 @@ import numpy as np
 
 from jaxpar import hf
 from jaxpar.adapters import lora
-from jaxpar.config import registry
 from jaxpar.config.sections import Config
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.nn.problem import Problem, registered
+from jaxpar.nn.problem import Problem
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _GOLDEN = 2654435761  # Knuth's multiplicative hash: positions weigh differently
@@ -96,16 +95,13 @@ def rebuilt(cfg: Config, problem: Problem, trained: dict, reference: dict | None
     }
     frozen = problem.frozen
     if required(reference, where)["from"].startswith(hf.SCHEME):
-        plain = registered(cfg.model, cfg.train.seq_len)
-        fmt = registry.hf_format(cfg.model.name, "model.init")
         directory = hf.directory_of(reference["from"])
         if not directory.is_dir():
             raise ConfigError(
                 f"checkpoint {where}: its frozen base is {reference['from']}, which is not a "
                 "directory now; put the base back there to export or decode this run"
             )
-        fill = hf.initial_params(fmt, cfg.model, directory, plain.shapes)
-        params = lora.initial(plain, problem, fill, cfg.train.seed)(targets)
+        params = lora.from_files(cfg, problem, directory)(targets)
         base = {k: params[k] for k in frozen}
     elif reference["from"].startswith("train.seed="):
         seed = int(reference["from"].removeprefix("train.seed="))

@@ -29,7 +29,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.hf import Tensor
 from jaxpar.names import LAYERS, LORA_RANK, SCALE_ONE
 from jaxpar.nn.layers import Assembled
-from jaxpar.nn.problem import Parts, Problem
+from jaxpar.nn.problem import Parts, Problem, registered
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for every family jaxpar ships
 
@@ -287,6 +287,15 @@ def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int, re
         return {**stored, **fresh(jax.random.key(seed))}
 
     return build
+
+
+def from_files(cfg, problem: Problem, directory, read=None):
+    """(targets -> params) of an adapter run (`problem`) on the base in model.init's
+    Hugging Face `directory`, with the adapters `read` gives or fresh ones."""
+    plain = registered(cfg.model, cfg.train.seq_len)
+    fmt = registry.hf_format(cfg.model.name, "model.init")
+    fill = hf.initial_params(fmt, cfg.model, directory, plain.shapes)
+    return initial(plain, problem, fill, cfg.train.seed, read)
 
 
 def merged(problem: Problem, adapter: Adapter, model, params: dict) -> dict:

@@ -104,15 +104,13 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     s = setup(cfg)
     directory = hf.directory_of(cfg.model.init)
     params = None
-    if directory:
+    if directory and cfg.adapter.kind is AdapterKind.LORA:
+        read = peft.initial(cfg.adapter, cfg.model, s.problem.shapes) if cfg.adapter.init else None
+        params = lora.from_files(cfg, s.problem, directory, read)
+    elif directory:
         fmt = registry.hf_format(cfg.model.name, "model.init")
         base = registered(cfg.model, cfg.train.seq_len)
         params = hf.initial_params(fmt, cfg.model, directory, base.shapes)
-        if cfg.adapter.kind is AdapterKind.LORA:
-            read = (
-                peft.initial(cfg.adapter, cfg.model, s.problem.shapes) if cfg.adapter.init else None
-            )
-            params = lora.initial(base, s.problem, params, cfg.train.seed, read)
     return train(
         s.problem,
         cfg,
