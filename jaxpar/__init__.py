@@ -23,7 +23,7 @@ _EXPORTS = {
     },
     **{
         name: ("jaxpar.config.sections", name)
-        for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Model")
+        for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Dpo", "Model")
         + ("Parallel", "Train")
     },
     "load": ("jaxpar.config.presets", "load"),

@@ -17,8 +17,11 @@ from jaxpar import hf
 from jaxpar.adapters import lora, peft
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
-from jaxpar.config.sections import AdapterKind, Config
+from jaxpar.config.sections import AdapterKind, Config, Objective
+from jaxpar.data import pairs
 from jaxpar.data import tokens as data
+from jaxpar.errors import ConfigError
+from jaxpar.objectives import dpo
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel import mesh_rules
@@ -50,9 +53,17 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
     registry.check_model(cfg.model, mesh_shape)
     mesh_rules.check_train(cfg, mesh_shape)
-    shipped = registered(cfg.model, cfg.train.seq_len)
+    shipped = registered(dpo.model_of(cfg), cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    shipped = with_adapters(shipped, cfg)
+    shipped = with_objective(with_adapters(shipped, cfg), cfg)
+    if cfg.train.objective is Objective.DPO:
+        return shipped, _pair_batches(cfg, "train")
+    if pairs.meta_of(cfg.data) is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
+            "preference), and train.objective=lm would train on the rejected answers too; "
+            "train them with train.objective=dpo"
+        )
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     return shipped, _batches(cfg, tokens, 0, "train")
 
@@ -62,6 +73,26 @@ def with_adapters(problem: Problem, cfg: Config) -> Problem:
     if cfg.adapter.kind is AdapterKind.LORA:
         return lora.adapted(problem, cfg.adapter, cfg.model)
     return problem
+
+
+def with_objective(problem: Problem, cfg: Config) -> Problem:
+    """`problem` trained by train.objective (unchanged for lm)."""
+    if cfg.train.objective is Objective.DPO:
+        return dpo.objective(problem, cfg)
+    return problem
+
+
+def _pair_batches(cfg: Config, split: str) -> Callable[..., dict]:
+    """(i, rows=slice(None)) -> batch i of `split`'s preference pairs."""
+    t = cfg.train
+    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
+
+    def batches(i: int, rows: slice = slice(None)) -> dict:
+        return pairs.batch_at(
+            held, seed=t.seed, step=i, batch_size=t.batch_size, seq_len=t.seq_len, rows=rows
+        )
+
+    return batches
 
 
 def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
@@ -89,6 +120,8 @@ def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
     """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
     if not cfg.train.eval_every:
         return None
+    if cfg.train.objective is Objective.DPO:
+        return _pair_batches(cfg, "val")
     tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
     first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
     return _batches(cfg, tokens, first, "val")
@@ -104,13 +137,15 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     s = setup(cfg)
     directory = hf.directory_of(cfg.model.init)
     params = None
+    own = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)  # without the objective
     if directory and cfg.adapter.kind is AdapterKind.LORA:
-        read = peft.initial(cfg.adapter, cfg.model, s.problem.shapes) if cfg.adapter.init else None
-        params = lora.from_files(cfg, s.problem, directory, read)
+        read = peft.initial(cfg.adapter, cfg.model, own.shapes) if cfg.adapter.init else None
+        params = lora.from_files(cfg, own, directory, read)
     elif directory:
         fmt = registry.hf_format(cfg.model.name, "model.init")
-        base = registered(cfg.model, cfg.train.seq_len)
-        params = hf.initial_params(fmt, cfg.model, directory, base.shapes)
+        params = hf.initial_params(fmt, cfg.model, directory, own.shapes)
+    if params is not None and s.problem.reference:
+        params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
     return train(
         s.problem,
         cfg,

@@ -17,7 +17,7 @@ from jaxpar import __version__
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
-from jaxpar.data.prepare import VAL_FRACTION
+from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
 from jaxpar.training import rundir
 
@@ -167,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
         "prepare-data",
         help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
         description="Tokenize INPUT files (text; JSONL with a `text` field per line; Parquet "
-        "with a `text` column; with --format chat, JSONL conversations) with a local Hugging "
+        "with a `text` column; with --format chat, JSONL conversations; with --format "
+        "preference, JSONL pairs of a chosen and a rejected answer) with a local Hugging "
         "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
         "train.idx and val.idx (where each document starts), with --format chat train.mask "
         "and val.mask (1 per trained id), and meta.json, for `jaxpar train "
@@ -187,12 +188,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep.add_argument(
         "--format",
-        choices=("text", "chat"),
+        choices=("text", "chat", "preference"),
         default="text",
         help="text: documents (text files, JSONL `text`, Parquet `text`); chat: JSONL "
         'conversations, {"messages": [{"role", "content"}, ...]} rendered with the '
         'tokenizer\'s chat template, or {"prompt", "completion"}; writes a loss mask that '
-        "trains on the answers only",
+        'trains on the answers only; preference: JSONL pairs as TRL reads them, {"prompt", '
+        '"chosen", "rejected"} as text or {"chosen": [messages], "rejected": [messages]}, for '
+        "train.objective=dpo",
+    )
+    prep.add_argument(
+        "--max-length",
+        type=int,
+        default=MAX_LENGTH,
+        metavar="N",
+        help="--format preference: ids of a prompt and its answer at most; a longer answer "
+        f"loses its end, as TRL's max_length (default {MAX_LENGTH})",
     )
     gen = sub.add_parser(
         "generate",
@@ -326,7 +337,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         from jaxpar.data.prepare import check
 
         rundir.check_writable(args.out)
-        check(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+        check(
+            args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
+        )
     elif args.command == "export":
         if not args.run_dir.is_dir():
             raise ConfigError(f"export: {args.run_dir}: no such run directory")
@@ -486,7 +499,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare-data":
         from jaxpar.data.prepare import prepare
 
-        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+        meta = prepare(
+            args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
+        )
         trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
         print(
             f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
@@ -498,6 +513,13 @@ def _run(args: argparse.Namespace) -> int:
             print(
                 f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
                 "turn: nothing in them to train on"
+            )
+        if pairs := meta.get("pairs"):
+            print(
+                f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
+                f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
+                f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
+                f"{pairs['longest_pair'] - 1}"
             )
         return 0
     if args.command == "generate":

@@ -1,4 +1,4 @@
-"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, data,
+"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, dpo, data,
 checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
 when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
 checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
@@ -98,6 +98,23 @@ class BaseStorage(enum.StrEnum):
     BF16 = "bf16"
     INT8 = "int8"
     NF4 = "nf4"
+
+
+class Objective(enum.StrEnum):
+    LM = "lm"
+    DPO = "dpo"
+
+
+class DpoLoss(enum.StrEnum):
+    SIGMOID = "sigmoid"
+    IPO = "ipo"
+
+
+class Reference(enum.StrEnum):
+    AUTO = "auto"
+    COPY = "copy"
+    ADAPTERS_OFF = "adapters-off"
+    PRECOMPUTE = "precompute"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -355,6 +372,13 @@ class Train(Section):
             "false (train every target)"
         ),
     )
+    objective: Objective = key(
+        Objective.LM,
+        (
+            "lm (next-token loss) | dpo (Direct Preference Optimization on pairs from `jaxpar "
+            "prepare-data --format preference`; the dpo.* keys)"
+        ),
+    )
     on_nonfinite: OnNonfinite = key(
         OnNonfinite.STOP,
         (
@@ -389,6 +413,40 @@ class Train(Section):
     def __post_init__(self):
         super().__post_init__()
         profile_range(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dpo(Section):
+    """Direct Preference Optimization (train.objective=dpo; jaxpar.objectives.dpo)."""
+
+    SECTION: ClassVar[str] = "dpo"
+    beta: Annotated[float, Range(0, 1e6, "a positive strength, e.g. 0.1", True)] = key(
+        0.1, "how far the policy may move from the reference (TRL's beta; IPO's tau)"
+    )
+    loss: DpoLoss = key(
+        DpoLoss.SIGMOID,
+        "sigmoid (DPO: -log sigmoid(beta x margin)) | ipo (IPO: (margin per token - 1/(2 beta))^2)",
+    )
+    label_smoothing: Annotated[float, Range(0, 0.499, "a flip probability below 0.5")] = key(
+        0.0, "conservative DPO (cDPO): the chance that a pair's preference is flipped"
+    )
+    reference: Reference = key(
+        Reference.AUTO,
+        (
+            "the model the policy is held to: auto (adapters-off for fresh adapters, else copy) | "
+            "copy (a frozen copy of the trained weights at the start) | adapters-off (the base, "
+            "adapter.kind=lora) | precompute (its log-probabilities computed once before "
+            "training, beside the data; no model held)"
+        ),
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.label_smoothing and self.loss is DpoLoss.IPO:
+            raise ConfigError(
+                f"dpo.label_smoothing={self.label_smoothing} with dpo.loss=ipo: label smoothing "
+                "is conservative DPO's (dpo.loss=sigmoid); drop it, or use dpo.loss=sigmoid"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -452,6 +510,7 @@ class Config:
     model: Model = field(default_factory=Model)
     adapter: Adapter = field(default_factory=Adapter)
     train: Train = field(default_factory=Train)
+    dpo: Dpo = field(default_factory=Dpo)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     distributed: Distributed = field(default_factory=Distributed)

@@ -146,25 +146,34 @@ def _part(state, dotted: str):
 
 
 def memory(
-    compiled, state_shapes, grads: int, host_activations: int, frozen=frozenset()
+    compiled,
+    state_shapes,
+    grads: int,
+    host_activations: int,
+    frozen=frozenset(),
+    reference=frozenset(),
 ) -> tuple[DeviceMemory, HostMemory]:
     """Per-device memory of the compiled step, on the device and in host memory; of the
-    parameters, the `frozen` leaves' (an adapter run's base) apart."""
+    parameters, the `frozen` leaves' apart: an adapter run's base, and a reference
+    model's copy (DPO's `reference` keys)."""
     t = _state_totals(compiled, state_shapes)
     stats = compiled.memory_analysis()
     shardings = compiled.input_shardings[0][0].params
-    base = sum(
-        math.prod(shardings[k].shard_shape(state_shapes.params[k].shape))
-        * state_shapes.params[k].dtype.itemsize
-        for k in frozen
-    )
+
+    def held(keys) -> int:
+        return sum(
+            math.prod(shardings[k].shard_shape(state_shapes.params[k].shape))
+            * state_shapes.params[k].dtype.itemsize
+            for k in keys
+        )
     device = DeviceMemory(
         # the parameters it computes with (a compute copy when offloaded)
         params=t["params", False] + t["compute", False] + t["local.params", False],
         grads=grads,
         opt_state=t["opt", False] + t["local.opt", False],
         temp=int(stats.temp_size_in_bytes),
-        base=base,
+        base=held(frozen - reference),
+        reference=held(reference),
     )
     host = HostMemory(
         params=t["params", True] + t["compute", True],

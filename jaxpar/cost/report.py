@@ -14,6 +14,7 @@ class DeviceMemory:  # device memory
     opt_state: int
     temp: int  # the compiled step's temporaries (memory_analysis)
     base: int = 0  # of `params`: an adapter run's frozen base, as stored (adapter.base)
+    reference: int = 0  # of `params`: DPO's copy of the trained leaves (dpo.reference=copy)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ document's first id, as int64 offsets), and a small `meta.json` (vocab size, dty
 token counts, the tokenizer, the index's format), what `data.source=tokens
 data.path=DIR` trains on. `--format chat` reads JSONL conversations instead
 (jaxpar.data.chat) and writes `train.mask` and `val.mask` beside them too: one uint8 per id,
-1 where it is trained on (the answers).
+1 where it is trained on (the answers). `--format preference` reads JSONL preference pairs
+(jaxpar.data.preference) and writes each as two documents, chosen then rejected, with
+their masks: `data.path` of a `train.objective=dpo` run.
 
 The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
 encoder runs on all cores. A text document ends with the tokenizer's end-of-text token
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.data import chat
+from jaxpar.data import chat, preference
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 
@@ -37,22 +39,33 @@ END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BATCH = 256  # units encoded at once
 # the held-out share of documents by --format: a chat set is smaller, and its held-out
 # loss counts only the answers' tokens
-VAL_FRACTION = {"text": 0.005, "chat": 0.05}
+VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05}
+MAX_LENGTH = 1024  # --format preference: ids of prompt + answer at most (TRL's max_length)
 
 
 def check(
-    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float | None, fmt: str = "text"
+    inputs: list[Path],
+    tokenizer: Path,
+    out: Path,
+    val_fraction: float | None,
+    fmt: str = "text",
+    max_length: int = MAX_LENGTH,
 ) -> None:
     """Every path and number, before anything is read (val_fraction None: the format's
     VAL_FRACTION)."""
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     for path in inputs:
         chat.input_file(path, "prepare-data")
-        if fmt == "chat" and path.suffix != ".jsonl":
+        if fmt != "text" and path.suffix != ".jsonl":
             raise ConfigError(
-                f"prepare-data --format chat: {path}: conversations are read from .jsonl "
-                "files (one conversation per line)"
+                f"prepare-data --format {fmt}: {path}: {fmt} lines are read from .jsonl "
+                "files (one JSON object per line)"
             )
+    if fmt == "preference" and max_length < 2:
+        raise ConfigError(
+            f"--max-length {max_length}: a sequence holds a prompt and an answer; give at "
+            "least 2 (TRL's default is 1024)"
+        )
     chat.tokenizer(tokenizer)  # read whole: a file that is not one is named now
     if not 0 < val_fraction <= 0.5:
         raise ConfigError(f"--val-fraction {val_fraction}: give a share > 0 and <= 0.5")
@@ -69,6 +82,23 @@ def check(
         template = chat.Template(tokenizer)
         for path in inputs:
             chat.check_file(path, template)
+    if fmt == "preference":
+        _check_pairs(inputs, tokenizer)
+
+
+def _check_pairs(inputs: list[Path], tokenizer: Path) -> None:
+    """Every line a pair, conversations only with a chat template to render them."""
+    template = chat.Template(tokenizer)
+    for path in inputs:
+        for row, where, _ in chat.lines(path, "prepare-data"):
+            if row is None:
+                continue
+            if preference.check_row(row, where) == "messages" and template.compiled is None:
+                raise ConfigError(
+                    f"prepare-data --format preference: {where}: conversations, but the "
+                    "tokenizer has no chat template (tokenizer_config.json's `chat_template`); "
+                    "give a tokenizer that has one, or write the pair as text"
+                )
 
 
 def _check_parquet(path: Path) -> None:
@@ -155,11 +185,13 @@ def prepare(
     out: Path,
     val_fraction: float | None = None,
     fmt: str = "text",
+    max_length: int = MAX_LENGTH,
 ) -> dict:
     """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
-    JSONL `text` or Parquet documents) or chat (JSONL conversations, with a loss mask);
+    JSONL `text` or Parquet documents), chat (JSONL conversations, with a loss mask) or
+    preference (JSONL pairs, each answer's sequence at most `max_length` ids);
     `val_fraction` None: the format's VAL_FRACTION."""
-    check(inputs, tokenizer, out, val_fraction, fmt)
+    check(inputs, tokenizer, out, val_fraction, fmt, max_length)
     # written whole into a folder beside --out, renamed into place once complete: a
     # refused or killed run leaves no --out that blocks its retry (the next one clears
     # the partial folder)
@@ -167,7 +199,7 @@ def prepare(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt)
+        meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt, max_length)
         os.replace(partial, out)  # over an empty --out, if one was made
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -176,7 +208,12 @@ def prepare(
 
 
 def _prepare(
-    inputs: list[Path], tokenizer: Path, out: Path, val_fraction: float | None, fmt: str
+    inputs: list[Path],
+    tokenizer: Path,
+    out: Path,
+    val_fraction: float | None,
+    fmt: str,
+    max_length: int,
 ) -> dict:
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     tok = chat.tokenizer(tokenizer)
@@ -184,12 +221,14 @@ def _prepare(
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     eos = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
     every = max(1, round(1 / val_fraction))
-    conversations = fmt == "chat"
-    splits = {name: _Split(out, name, dtype, conversations) for name in ("train", "val")}
+    masked = fmt != "text"
+    splits = {name: _Split(out, name, dtype, masked) for name in ("train", "val")}
     total = sum(p.stat().st_size for p in inputs)
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False) as bar:
-            if conversations:
+            if fmt == "preference":
+                counts = _pairs(inputs, tok, tokenizer, eos, every, splits, bar, max_length)
+            elif fmt == "chat":
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
             else:
                 counts = _text(inputs, tok, eos, every, splits, bar)
@@ -212,7 +251,7 @@ def _prepare(
             "holds": "the offset in {split}.bin of each document's first id, ascending from 0",
         },
     }
-    if conversations:
+    if masked:
         meta[data.MASK_META] = {
             "files": f"{{split}}.{data.MASK}",
             "dtype": data.MASK_DTYPE.name,
@@ -274,3 +313,39 @@ def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> d
             "turn; nothing to train on"
         )
     return {"documents": documents, "skipped_without_answer": skipped}
+
+
+def _pairs(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar, max_length) -> dict:
+    """Preference pairs of JSONL files, a line at a time: two documents each."""
+    template = chat.Template(tokenizer)
+    eos_text = template.tokens.get("eos_token") or (None if eos is None else tok.id_to_token(eos))
+    pairs, truncated, longest = {"train": 0, "val": 0}, 0, 0
+    for path in inputs:
+        for row, where, size in chat.lines(path, "prepare-data"):
+            bar.update(size)
+            if row is None:
+                continue
+            kind = preference.check_row(row, where)
+            one = preference.pair(tok, template, row, kind, eos_text, max_length, where)
+            split = "val" if sum(pairs.values()) % every == every - 1 else "train"
+            for document in one.documents():
+                splits[split].write(document.ids, True, document.mask)
+            pairs[split] += 1
+            truncated += one.truncated
+            longest = max(longest, sum(len(d.ids) for d in one.documents()))
+    if not sum(pairs.values()):
+        raise ConfigError(
+            f"prepare-data: {', '.join(map(str, inputs))}: no pair in it (empty, or blank "
+            "lines only); nothing to train on"
+        )
+    return {
+        "documents": 2 * sum(pairs.values()),
+        data.PAIRS_META: {
+            "pairs": pairs,
+            "max_length": max_length,
+            "truncated": truncated,
+            "longest_pair": longest,
+            "holds": "documents 2i and 2i + 1 of each split are pair i's chosen and rejected "
+            "answers, each prompt + answer (the answer masked)",
+        },
+    }

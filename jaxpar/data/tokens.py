@@ -151,7 +151,7 @@ def token_file(data: Data, vocab: int, split: str = "train") -> TokenFile:
             "prepare-data` wrote, a flat binary of token ids, or a .npy file"
         )
     if path.is_dir():
-        meta = _meta(path)
+        meta = meta_of(path)
         if meta["vocab_size"] > vocab:
             raise ConfigError(
                 f"model.vocab={vocab}, but {path / META} says the tokenizer has "
@@ -175,7 +175,7 @@ def tokenizer_of(data: Data) -> str | None:
         return None
 
 
-def _meta(folder: Path) -> dict:
+def meta_of(folder: Path) -> dict:
     try:
         meta = json.loads((folder / META).read_text())
         meta = {**meta, "vocab_size": int(meta["vocab_size"]), "dtype": np.dtype(meta["dtype"])}
@@ -236,6 +236,7 @@ def _check_ids(tokens: TokenFile, vocab: int) -> None:
 # {split}.idx and {split}.mask beside {split}.bin, described in meta.json under these keys
 INDEX, MASK = "idx", "mask"
 INDEX_META, MASK_META = "index", "loss_mask"
+PAIRS_META = "pairs"  # a preference folder's pair counts (jaxpar.data.pairs)
 INDEX_DTYPE, MASK_DTYPE = np.dtype("<i8"), np.dtype(np.uint8)
 
 
@@ -251,7 +252,7 @@ def uses(data: Data, train: Train) -> tuple[bool, bool]:
     """(pack documents, mask the loss): data.packing and train.loss_mask resolved
     against what the data has; ConfigError where one asks for what it lacks."""
     folder = Path(data.path) if data.source is Source.TOKENS else None
-    meta = _meta(folder) if folder is not None and folder.is_dir() else {}
+    meta = meta_of(folder) if folder is not None and folder.is_dir() else {}
     where = f"data.path={data.path}" if data.path else f"data.source={data.source}"
     fix = "prepare it with `jaxpar prepare-data` (which writes {})"
     if data.packing is Packing.DOCUMENTS and INDEX_META not in meta:
@@ -280,12 +281,12 @@ def load_marks(data: Data, train: Train, tokens, split: str = "train") -> Marks:
     against its ids."""
     packing, masked = uses(data, train)
     folder = Path(data.path)
-    starts = _index(folder / f"{split}.{INDEX}", len(tokens)) if packing else None
-    mask = _mask(folder / f"{split}.{MASK}", len(tokens)) if masked else None
+    starts = index_file(folder / f"{split}.{INDEX}", len(tokens)) if packing else None
+    mask = mask_file(folder / f"{split}.{MASK}", len(tokens)) if masked else None
     return Marks(starts, mask)
 
 
-def _index(path: Path, count: int) -> TokenFile:
+def index_file(path: Path, count: int) -> TokenFile:
     """The document index, checked a chunk at a time through a buffer (ascending offsets
     from 0, each below `count`)."""
     if not path.is_file():
@@ -310,7 +311,7 @@ def _index(path: Path, count: int) -> TokenFile:
     return TokenFile(path, INDEX_DTYPE, 0, size // INDEX_DTYPE.itemsize)
 
 
-def _mask(path: Path, count: int) -> TokenFile:
+def mask_file(path: Path, count: int) -> TokenFile:
     if not path.is_file():
         raise ConfigError(f"data.path: {path}: no such file; prepare the folder again")
     marks = path.stat().st_size // MASK_DTYPE.itemsize

@@ -86,6 +86,9 @@ class Problem:
     # keys of the leaves that are not trained (an adapter run's base, jaxpar.adapters):
     # no gradient, no optimizer state, no gradient reduction; a dict of params only
     frozen: frozenset[str] = frozenset()
+    # of `frozen`, the keys of a reference model's copy of trained leaves (DPO's,
+    # jaxpar.objectives.dpo): memory reports count them apart from an adapter run's base
+    reference: frozenset[str] = frozenset()
 
     def trainable(self, tree):
         """The trained leaves of a params-shaped tree (all of them but `frozen`)."""

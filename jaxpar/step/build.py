@@ -190,6 +190,7 @@ def describe_step(
         ),
         step.host_activations,
         trained.frozen,
+        trained.reference,
     )
     unsplit = unsplit_leaves(engine.specs, shapes, mesh_shape) if par.zero else []
     return Report(

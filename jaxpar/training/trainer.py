@@ -166,7 +166,9 @@ def train(
     report = _finish(run, loop, log.rows, files, saver, say)
     return Result(
         losses=loop.losses,
-        params=run.engine.export(state.params),
+        params={k: v for k, v in run.engine.export(state.params).items() if k not in problem.reference}
+        if problem.reference
+        else run.engine.export(state.params),
         report=report,
         rows=log.rows,
         checkpoints=saver.directory if saver.opened else None,
