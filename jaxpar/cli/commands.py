@@ -21,9 +21,9 @@ from jaxpar.config.sections import AdapterKind, Config, Objective
 from jaxpar.data import pairs
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
-from jaxpar.objectives import dpo
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, registered
+from jaxpar.objectives import dpo
 from jaxpar.parallel import mesh_rules
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe

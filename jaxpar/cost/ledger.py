@@ -166,6 +166,7 @@ def memory(
             * state_shapes.params[k].dtype.itemsize
             for k in keys
         )
+
     device = DeviceMemory(
         # the parameters it computes with (a compute copy when offloaded)
         params=t["params", False] + t["compute", False] + t["local.params", False],

@@ -63,8 +63,7 @@ def check_row(row, where: str) -> str:
     if len(set(kinds.values())) != 1 or None in kinds.values():
         said = ", ".join(f"{k} is {v or type(row[k]).__name__}" for k, v in kinds.items())
         raise ConfigError(
-            f"{who}: {where}: {said}; give every field as text, or every one as a list of "
-            "messages"
+            f"{who}: {where}: {said}; give every field as text, or every one as a list of messages"
         )
     if "messages" in kinds.values():
         for k in kinds:
@@ -118,9 +117,8 @@ def pair(tok, template: chat.Template, row: dict, kind: str, eos: str | None, ma
                 f"{who}: --tokenizer has no end-of-text token (tokenizer_config.json's "
                 "eos_token), which ends each answer as TRL's does; give a tokenizer that has one"
             )
-        ids = [tok.encode(prompt).ids] + [
-            tok.encode(prompt + a + ("" if a.endswith(eos) else eos)).ids for a in (chosen, rejected)
-        ]
+        ended = [a if a.endswith(eos) else a + eos for a in (chosen, rejected)]
+        ids = [tok.encode(t).ids for t in (prompt, *(prompt + a for a in ended))]
     else:
         texts = [template.render(prompt, generation_prompt=True)] + [
             template.render(prompt + a) for a in (chosen, rejected)

@@ -145,8 +145,8 @@ def objective(problem: Problem, cfg: Config) -> Problem:
         return jax.lax.stop_gradient(out)
 
     def finish(policy_losses, reference_losses, batch):
-        reference = batch[REFERENCE] if how is Reference.PRECOMPUTE else logps(
-            reference_losses, batch
+        reference = (
+            batch[REFERENCE] if how is Reference.PRECOMPUTE else logps(reference_losses, batch)
         )
         mine = logps(policy_losses, batch)
         return as_tokens(pair_losses(mine, jax.lax.stop_gradient(reference), batch, dpo),

@@ -166,14 +166,19 @@ def train(
     report = _finish(run, loop, log.rows, files, saver, say)
     return Result(
         losses=loop.losses,
-        params={k: v for k, v in run.engine.export(state.params).items() if k not in problem.reference}
-        if problem.reference
-        else run.engine.export(state.params),
+        params=_policy(problem, run.engine.export(state.params)),
         report=report,
         rows=log.rows,
         checkpoints=saver.directory if saver.opened else None,
         stopped=loop.stopped,
     )
+
+
+def _policy(problem: Problem, params):
+    """The trained model's parameters: without a reference model's copy (DPO's)."""
+    if not problem.reference:
+        return params
+    return {k: v for k, v in params.items() if k not in problem.reference}
 
 
 @contextlib.contextmanager
