@@ -62,7 +62,8 @@ class Engine:
     # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
     # optimizer state (jaxpar.step.local_sgd.Local)
     spread: Any = None
-    # jitted: (state, batch) -> the batch's mean loss, forward only (held-out loss)
+    # jitted: (state, batch) -> (the batch's mean loss, the model's reports), forward
+    # only (held-out loss)
     evaluate: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA flags (GPU)
 
@@ -163,16 +164,18 @@ def evaluator(
     layout,
     given: Problem,
 ):
-    """(stored compute params, global batch) -> the batch's mean loss: the forward pass
-    alone, in the training layout (a pipeline runs its forward ticks only, as GPipe;
-    ZeRO-3 gathers each layer as in training), over train.grad_accum micro-batches.
-    `problem` as trained (pipeline-staged), `given` as the user gave it."""
+    """(stored compute params, global batch) -> (the batch's mean loss, the model's
+    reports' mean over micro-batches): the forward pass alone, in the training layout (a
+    pipeline runs its forward ticks only, as GPipe; ZeRO-3 gathers each layer as in
+    training), over train.grad_accum micro-batches. `problem` as trained
+    (pipeline-staged), `given` as the user gave it."""
     ctx = _context(train, par, mesh, policy)
     if layout is None:
 
         def loss_sum(params, mb):
-            losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
-            return jnp.sum(losses.astype(jnp.float32))
+            with scope.reporting() as reports:
+                losses = sequence.per_token(problem.loss(policy.compute_view(params), mb))
+            return jnp.sum(losses.astype(jnp.float32)), dict(reports)
 
     else:
         forward = Schedule.INTERLEAVED if par.schedule is Schedule.INTERLEAVED else Schedule.GPIPE
@@ -182,11 +185,14 @@ def evaluator(
     def local(params, batch):
         with scope.active(ctx):
             micro = _micro_batches(train, par, mesh, batch)
-            sums = jax.lax.map(lambda mb: loss_sum(params, mb), micro)
-        return jax.lax.psum(jnp.sum(sums), MANUAL_AXES)
+            sums, reports = jax.lax.map(lambda mb: loss_sum(params, mb), micro)
+        reports = jax.tree.map(lambda r: jnp.mean(r, 0), reports)
+        if layout is not None:  # reported on the last stage, zeros elsewhere
+            reports = jax.tree.map(lambda r: jax.lax.psum(r, PIPE), reports)
+        return jax.lax.psum(jnp.sum(sums), MANUAL_AXES), reports
 
     def mean_loss(params, batch):
-        total = jax.shard_map(
+        total, reports = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
@@ -194,7 +200,7 @@ def evaluator(
             axis_names=set(MANUAL_AXES),
             check_vma=False,
         )(params, batch)
-        return total / at_least_one(trained_count(given, batch))
+        return total / at_least_one(trained_count(given, batch)), reports
 
     return mean_loss
 

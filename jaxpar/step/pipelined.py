@@ -71,9 +71,11 @@ def value_and_grad(pipe: Pipe, prepare):
 
 
 def forward_loss(pipe: Pipe, prepare, params, batch):
-    """(stored params, micro-batch) -> this device's summed loss (zero but on the last
-    chunk's device): the forward ticks alone, for a gpipe or interleaved `pipe`."""
-    return _circular_loss(pipe, prepare(params), batch, 1)[0]
+    """(stored params, micro-batch) -> (this device's summed loss, the model's reports
+    summed over the micro-batches) (zeros but on the last chunk's device): the forward
+    ticks alone, for a gpipe or interleaved `pipe`."""
+    loss, reports = _circular_loss(pipe, prepare(params), batch, 1)
+    return loss, jax.tree.map(lambda r: r / pipe.microbatches, reports)
 
 
 def _reported_post(parts, params, y, mb):

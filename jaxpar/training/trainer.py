@@ -266,17 +266,25 @@ class Loop:
 
 
 def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
-    """state -> the mean loss over train.eval_batches held-out batches (one compiled
-    forward step, in the training layout)."""
+    """state -> {"eval_loss": the mean loss over train.eval_batches held-out batches, and
+    eval_NAME: the mean of what the model reports as NAME} (one compiled forward step,
+    in the training layout)."""
     sharding, shapes = run.engine.batch_sharding, run.step.batch_shapes
     n = run.cfg.train.eval_batches
 
-    def evaluate(state) -> float:
-        losses = [
-            run.engine.evaluate(state, batch_for(eval_batches, i, sharding, shapes))
-            for i in range(n)
-        ]
-        return float(np.mean(jax.device_get(losses)))
+    def evaluate(state) -> dict:
+        losses, reports = zip(
+            *(
+                run.engine.evaluate(state, batch_for(eval_batches, i, sharding, shapes))
+                for i in range(n)
+            ),
+            strict=True,
+        )
+        means = jax.tree.map(lambda *r: float(np.mean(r)), *jax.device_get(reports))
+        return {
+            "eval_loss": float(np.mean(jax.device_get(losses))),
+            **{f"eval_{k}": v for k, v in sorted(means.items())},
+        }
 
     return evaluate
 
@@ -377,7 +385,8 @@ class _Rows:
         now = time.perf_counter()
         loop.times.append(now - self.last)
         self.since_log.append(now - self.last)
-        eval_loss = evaluate(loop.state) if evaluate else None
+        held_out = evaluate(loop.state) if evaluate else {}
+        eval_loss = held_out.get("eval_loss")
         self.last = time.perf_counter()
         loss, grad_norm = float(host.loss), float(host.grad_norm)
         loop.losses.append(loss)
@@ -401,7 +410,7 @@ class _Rows:
             **_throughput(self.run, dt),
             "skipped": int(host.skipped),
             "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
-            **({} if eval_loss is None else {"eval_loss": eval_loss}),
+            **held_out,
             **{name: float(value) for name, value in sorted(host.reports.items())},
         }
         self.log.write(row)
