@@ -18,6 +18,7 @@ LAYERS = (
     "nn",
     "models",
     "adapters",  # low-rank adapters on a registered model, its base frozen or quantized
+    "objectives",  # what a run trains for besides the next token: DPO on preference pairs
     "cost",
     "step",
     "training",

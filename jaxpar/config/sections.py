@@ -114,7 +114,6 @@ class Reference(enum.StrEnum):
     AUTO = "auto"
     COPY = "copy"
     ADAPTERS_OFF = "adapters-off"
-    PRECOMPUTE = "precompute"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -435,8 +434,7 @@ class Dpo(Section):
         (
             "the model the policy is held to: auto (adapters-off for fresh adapters, else copy) | "
             "copy (a frozen copy of the trained weights at the start) | adapters-off (the base, "
-            "adapter.kind=lora) | precompute (its log-probabilities computed once before "
-            "training, beside the data; no model held)"
+            "adapter.kind=lora)"
         ),
     )
 

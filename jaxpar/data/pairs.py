@@ -22,8 +22,6 @@ from jaxpar.errors import ConfigError
 
 CHOSEN, REJECTED, PADDING = 0, 1, 2  # the segments of a row
 PAD_ID = 0
-# a batch's precomputed reference log-probabilities, [rows, 2] (chosen, rejected)
-REFERENCE = "reference_logps"
 
 
 @dataclass(frozen=True)
@@ -93,14 +91,14 @@ def indices(n: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
 
 
 def batch_at(pairs: Pairs, *, seed: int, step: int, batch_size: int, seq_len: int,
-             rows: slice = slice(None), reference: np.ndarray | None = None) -> dict:  # fmt: skip
+             rows: slice = slice(None)) -> dict:  # fmt: skip
     """Global batch `step` of pairs (or its `rows`), one pair a row (the module's
-    docstring); with `reference` ([pairs, 2] precomputed log-probabilities), each row's."""
+    docstring)."""
     index = indices(len(pairs), seed=seed, step=step, batch_size=batch_size)[rows]
-    return rows_of(pairs, index, seq_len, reference)
+    return rows_of(pairs, index, seq_len)
 
 
-def rows_of(pairs: Pairs, index: np.ndarray, seq_len: int, reference=None) -> dict:
+def rows_of(pairs: Pairs, index: np.ndarray, seq_len: int) -> dict:
     """The pairs `index` as rows of seq_len + 1 ids."""
     n, width = len(index), seq_len + 1
     out = {
@@ -119,6 +117,4 @@ def rows_of(pairs: Pairs, index: np.ndarray, seq_len: int, reference=None) -> di
         out[tokens.POSITIONS][row, :length] = np.r_[
             np.arange(middle - first), np.arange(end - middle)
         ]
-    if reference is not None:
-        out[REFERENCE] = reference[index].astype(np.float32)
     return out

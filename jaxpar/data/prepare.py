@@ -41,6 +41,7 @@ BATCH = 256  # units encoded at once
 # loss counts only the answers' tokens
 VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05}
 MAX_LENGTH = 1024  # --format preference: ids of prompt + answer at most (TRL's max_length)
+MAX_IDS = 1 << 20  # the longest --max-length (train.seq_len's bound)
 
 
 def check(
@@ -61,10 +62,10 @@ def check(
                 f"prepare-data --format {fmt}: {path}: {fmt} lines are read from .jsonl "
                 "files (one JSON object per line)"
             )
-    if fmt == "preference" and max_length < 2:
+    if not 2 <= max_length <= MAX_IDS:
         raise ConfigError(
-            f"--max-length {max_length}: a sequence holds a prompt and an answer; give at "
-            "least 2 (TRL's default is 1024)"
+            f"--max-length {max_length}: a sequence holds a prompt and an answer; give 2 to "
+            f"{MAX_IDS} ids (TRL's default is 1024)"
         )
     chat.tokenizer(tokenizer)  # read whole: a file that is not one is named now
     if not 0 < val_fraction <= 0.5:
@@ -83,22 +84,30 @@ def check(
         for path in inputs:
             chat.check_file(path, template)
     if fmt == "preference":
-        _check_pairs(inputs, tokenizer)
+        for _ in _pair_rows(inputs, tokenizer, max_length):
+            pass
 
 
-def _check_pairs(inputs: list[Path], tokenizer: Path) -> None:
-    """Every line a pair, conversations only with a chat template to render them."""
-    template = chat.Template(tokenizer)
+def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
+    """(each line's pair or None for a blank line, its bytes), a line at a time; every
+    line a pair the tokenizer can render, else ConfigError naming it. The tokenizer's
+    end-of-text text ends each text answer, as TRL's does."""
+    tok, template = chat.tokenizer(tokenizer), chat.Template(tokenizer)
+    eos = next((t for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+    eos = template.tokens.get("eos_token") or eos
     for path in inputs:
-        for row, where, _ in chat.lines(path, "prepare-data"):
+        for row, where, size in chat.lines(path, "prepare-data"):
             if row is None:
+                yield None, size
                 continue
-            if preference.check_row(row, where) == "messages" and template.compiled is None:
+            kind = preference.check_row(row, where)
+            if kind == "messages" and template.compiled is None:
                 raise ConfigError(
                     f"prepare-data --format preference: {where}: conversations, but the "
                     "tokenizer has no chat template (tokenizer_config.json's `chat_template`); "
                     "give a tokenizer that has one, or write the pair as text"
                 )
+            yield preference.pair(tok, template, row, kind, eos, max_length, where), size
 
 
 def _check_parquet(path: Path) -> None:
@@ -227,7 +236,7 @@ def _prepare(
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False) as bar:
             if fmt == "preference":
-                counts = _pairs(inputs, tok, tokenizer, eos, every, splits, bar, max_length)
+                counts = _pairs(inputs, tokenizer, every, splits, bar, max_length)
             elif fmt == "chat":
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
             else:
@@ -315,24 +324,19 @@ def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> d
     return {"documents": documents, "skipped_without_answer": skipped}
 
 
-def _pairs(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar, max_length) -> dict:
+def _pairs(inputs, tokenizer: Path, every: int, splits: dict, bar, max_length) -> dict:
     """Preference pairs of JSONL files, a line at a time: two documents each."""
-    template = chat.Template(tokenizer)
-    eos_text = template.tokens.get("eos_token") or (None if eos is None else tok.id_to_token(eos))
     pairs, truncated, longest = {"train": 0, "val": 0}, 0, 0
-    for path in inputs:
-        for row, where, size in chat.lines(path, "prepare-data"):
-            bar.update(size)
-            if row is None:
-                continue
-            kind = preference.check_row(row, where)
-            one = preference.pair(tok, template, row, kind, eos_text, max_length, where)
-            split = "val" if sum(pairs.values()) % every == every - 1 else "train"
-            for document in one.documents():
-                splits[split].write(document.ids, True, document.mask)
-            pairs[split] += 1
-            truncated += one.truncated
-            longest = max(longest, sum(len(d.ids) for d in one.documents()))
+    for one, size in _pair_rows(inputs, tokenizer, max_length):
+        bar.update(size)
+        if one is None:
+            continue
+        split = "val" if sum(pairs.values()) % every == every - 1 else "train"
+        for document in one.documents():
+            splits[split].write(document.ids, True, document.mask)
+        pairs[split] += 1
+        truncated += one.truncated
+        longest = max(longest, sum(len(d.ids) for d in one.documents()))
     if not sum(pairs.values()):
         raise ConfigError(
             f"prepare-data: {', '.join(map(str, inputs))}: no pair in it (empty, or blank "

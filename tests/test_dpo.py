@@ -1,0 +1,224 @@
+"""DPO: preference pairs prepared as TRL prepares them, the loss, gradient and TRL's
+metrics equal to TRL's DPOTrainer (sigmoid and IPO), every layout equal to one device
+(answers of lengths 2x apart, so that a mean of per-device means would differ), the
+reference holding still, and bad input refused in one line."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from helpers import THREE_D_1F1B, assert_same_training, one_line_error, reference, script, trained
+
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.data import pairs
+from jaxpar.data.prepare import prepare
+
+VOCAB = 512  # the chat tokenizer's
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A BPE trained on the corpus, with ChatML's special tokens and template."""
+    from jaxpar.data.tokens import corpus_bytes
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    script("make_tiny_llama").save_tokenizer(folder, corpus_bytes().decode(), VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tokenizer, tmp_path_factory):
+    """dpo_llama.py's pairs (text and conversations; one answer of each pair at least
+    twice the other's length), 8 of them to train on."""
+    root = tmp_path_factory.mktemp("pairs")
+    script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
+    prepare([root / "pairs.jsonl"], tokenizer, root / "tokens", 0.2, "preference", 64)
+    return root / "tokens"
+
+
+def keys(folder, *more):
+    # fmt: off
+    return ("model.vocab=512", "data.source=tokens", f"data.path={folder}",
+            "train.objective=dpo", "train.seq_len=96", "train.batch_size=8",
+            "train.optimizer=sgd", "train.lr=0.5", "train.warmup=0", "train.clip_norm=0",
+            "train.weight_decay=0", *more)
+    # fmt: on
+
+
+def test_a_pair_is_one_row_of_two_documents_with_its_answers_masked(folder):
+    cfg = presets.load("llama-tiny", list(keys(folder)))
+    held = pairs.load(cfg.data, cfg.train, VOCAB)
+    meta = json.loads((folder / "meta.json").read_text())["pairs"]
+    assert len(held) == meta["pairs"]["train"] == 8 and meta["pairs"]["val"] == 2
+    batch = pairs.batch_at(held, seed=0, step=0, batch_size=8, seq_len=96)
+    assert sorted(pairs.indices(8, seed=0, step=0, batch_size=8)) == list(range(8))  # an epoch
+    for row in range(8):
+        segments, positions = batch["segment_ids"][row], batch["positions"][row]
+        mask = batch["loss_mask"][row]
+        lengths = [int(np.sum(segments == s)) for s in (pairs.CHOSEN, pairs.REJECTED)]
+        answers = [int(np.sum(mask[segments == s])) for s in (pairs.CHOSEN, pairs.REJECTED)]
+        assert max(answers) >= 2 * min(answers)  # what a mean of means would get wrong
+        # each document from position 0, its prompt untrained, its answer trained to its end
+        for s, n, a in zip((pairs.CHOSEN, pairs.REJECTED), lengths, answers, strict=True):
+            assert list(positions[segments == s]) == list(range(n))
+            assert list(mask[segments == s]) == [0] * (n - a) + [1] * a
+        assert not mask[segments == pairs.PADDING].any()
+
+
+LAYOUTS = {
+    "data8": ("parallel.data=8",),
+    "3d-1f1b": tuple(THREE_D_1F1B),
+    "tensor4-zero3-accum2": (
+        "parallel.data=2",
+        "parallel.tensor=4",
+        "parallel.zero=3",
+        "train.grad_accum=2",
+    ),  # fmt: skip
+    "context2": ("parallel.data=4", "parallel.context=2"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dpo_in_every_layout_equals_one_device(layout, folder):
+    got = trained("llama-tiny", keys(folder, *LAYOUTS[layout]))
+    assert_same_training(got, reference("llama-tiny", keys(folder)))
+
+
+@pytest.mark.slow
+def test_dpo_on_adapters_in_3d_equals_one_device(folder):
+    """The reference is the base with the adapters off: no copy."""
+    lora = ("adapter.kind=lora", "train.lr=5")
+    got = trained("llama-tiny", keys(folder, *lora, *THREE_D_1F1B))
+    assert_same_training(got, reference("llama-tiny", keys(folder, *lora)))
+
+
+@pytest.mark.slow
+def test_the_step_is_log_2_at_first_and_the_reference_holds_still(folder, tmp_path):
+    """Each step's batch is all 8 pairs, so the reference's mean log-probabilities
+    (logps - rewards / beta) are the same at every step, while the policy's move."""
+    argv = ["train", "--config", "llama-tiny", *keys(folder, "parallel.data=8"), "train.steps=3",
+            "train.eval_every=3", "train.eval_batches=1", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert math.isclose(rows[0]["loss"], math.log(2), rel_tol=1e-6)
+    for side in ("chosen", "rejected"):
+        ref = [r[f"logps/{side}"] - r[f"rewards/{side}"] / 0.1 for r in rows]
+        np.testing.assert_allclose(ref, ref[0], rtol=1e-5)
+        assert abs(rows[-1][f"logps/{side}"] - rows[0][f"logps/{side}"]) > 1e-2
+    assert rows[-1]["rewards/accuracies"] > 0.5 and rows[-1]["rewards/margins"] > 0
+    assert {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"} <= set(rows[-1])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    params = summary["memory_per_device"]["params"]
+    assert summary["memory_per_device"]["reference"] == params / 2  # a copy, as the policy
+
+
+@pytest.mark.parametrize(
+    "line, max_length, needle",
+    [
+        ({"prompt": "a", "chosen": "b"}, 64, "no `rejected`"),
+        ({"prompt": "1 + 1 = " * 20, "chosen": "2", "rejected": "3"}, 16, "no room"),
+        (
+            {"prompt": "a", "chosen": "b", "rejected": [{"role": "user", "content": "c"}]},
+            64,
+            "every field as text",
+        ),  # fmt: skip
+        ({"chosen": "b", "rejected": "c"}, 64, '"prompt"'),
+    ],
+)
+def test_bad_pairs_are_refused_before_anything_is_written(
+    line, max_length, needle, tokenizer, tmp_path, capsys
+):
+    good = {"prompt": "x", "chosen": "y", "rejected": "z"}
+    (tmp_path / "p.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(tokenizer),
+            "--out", str(tmp_path / "out"), "--format", "preference",
+            "--max-length", str(max_length)]  # fmt: skip
+    assert cli.main(argv) == 2
+    one_line_error(capsys, "p.jsonl:2", needle)
+    assert not (tmp_path / "out").exists()  # nothing left that blocks the retry
+
+
+@pytest.mark.parametrize(
+    "more, needle",
+    [
+        (("dpo.beta=0",), "dpo.beta=0"),
+        (("data.source=corpus", "model.vocab=256"), "holds no preference pairs"),
+        (("train.seq_len=32",), "train.seq_len=32"),
+        (("train.objective=lm",), "train.objective=dpo"),
+        (("dpo.reference=adapters-off",), "adapter.kind=lora"),
+    ],
+)
+def test_bad_dpo_runs_are_refused(more, needle, folder, tmp_path, capsys):
+    argv = ["train", "--config", "llama-tiny", *keys(folder, *more), "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    one_line_error(capsys, needle)
+
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                            "ignore::UserWarning")  # fmt: skip
+@pytest.mark.parametrize("loss, layout, max_length", [("sigmoid", "text", 64),
+                                                      ("ipo", "conversations", 40)])  # fmt: skip
+def test_dpo_equals_trl(loss, layout, max_length, tokenizer, tmp_path):
+    """TRL's DPOTrainer on a random Hugging Face Llama, eight pairs, beta 0.1, plain SGD
+    at a constant rate: at step 1 (policy = reference, any DPO loss is log 2) the
+    gradient's norm; at step 2, after one step, the loss, rewards and margins; and the
+    pairs tokenized and truncated alike (IPO's at --max-length 40 loses answers' ends); both in
+    fp32 (TRL's default is bf16 autocast)."""
+    from datasets import Dataset
+
+    from jaxpar.cli.commands import train_config
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, tie_word_embeddings=False,
+                                      rms_norm_eps=1e-5)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in key else 0.0, 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    script("dpo_llama").write_pairs(tmp_path / "all.jsonl", 16)
+    rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if ("prompt" in r) == (layout == "text")][:8]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = prepare([tmp_path / "pairs.jsonl"], tokenizer, tmp_path / "data", 0.01,
+                   "preference", max_length)["pairs"]  # fmt: skip
+    assert meta["pairs"]["train"] == 8 and (meta["truncated"] > 0) == (max_length == 40)
+
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=2,
+        learning_rate=0.05, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        optim="sgd", max_grad_norm=1e9, logging_steps=1, beta=0.1, loss_type=[loss],
+        max_length=max_length, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    trainer = trl.DPOTrainer(
+        model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"), args=args,
+        processing_class=transformers.AutoTokenizer.from_pretrained(tokenizer),
+        train_dataset=Dataset.from_list(rows),
+    )  # fmt: skip
+    trainer.train()
+    theirs = trainer.state.log_history[:2]
+
+    # fmt: off
+    over = [f"model.init=hf:{tmp_path / 'hf'}", "data.source=tokens",
+            f"data.path={tmp_path / 'data'}", "train.objective=dpo", f"dpo.loss={loss}",
+            f"train.seq_len={meta['longest_pair'] - 1}", "train.batch_size=8",
+            "train.optimizer=sgd", "train.lr=0.05", "train.warmup=0", "train.clip_norm=0",
+            "train.weight_decay=0", "train.steps=2", "parallel.data=8"]
+    # fmt: on
+    ours = train_config(presets.resolve_init(presets.load("llama-tiny", over)), quiet=True).rows
+    assert math.isclose(ours[0]["grad_norm"], theirs[0]["grad_norm"], rel_tol=1e-4)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                "logps/chosen", "logps/rejected"):  # fmt: skip
+        assert math.isclose(ours[1][key], theirs[1][key], rel_tol=1e-4), key
+    assert ours[1]["rewards/accuracies"] == theirs[1]["rewards/accuracies"]
