@@ -226,7 +226,7 @@ def test_qlora_plans_llama3_8b_on_one_24gb_device(capsys):
     cfg = presets.load("llama3-8b", ["adapter.kind=lora", "adapter.base=nf4"])
     plain = registered(cfg.model, 4096)
     base = nf4_base_bytes(cfg, plain)
-    assert float(cell("base")) == round(base / 2**30, 1) == 5.6
+    assert float(cell("frozen")) == round(base / 2**30, 1) == 5.6
     assert float(cell("device GiB")) <= 24e9 / 2**30
     assert float(cell("activations")) > 0 and 0 < int(cell("opt state MiB")) < 100
     assert "recommended: dp1 pp1 tp1" in out

@@ -54,8 +54,9 @@ def test_train_writes_run_directory(tmp_path, capsys, monkeypatch):
     assert summary["config"]["parallel"]["zero"] == 1
     assert summary["final_loss"] == rows[-1]["loss"]
     # DESIGN's four, and the frozen base of an adapter run (none here)
-    assert set(summary["memory_per_device"]) == {"params", "grads", "opt_state", "temp", "base"}
-    assert summary["memory_per_device"]["base"] == 0
+    memory = summary["memory_per_device"]
+    assert set(memory) == {"params", "grads", "opt_state", "temp", "base", "reference"}
+    assert memory["base"] == memory["reference"] == 0
     assert set(summary["host_memory_per_device"]) == {
         "params",
         "opt_state",

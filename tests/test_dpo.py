@@ -88,6 +88,18 @@ def test_dpo_in_every_layout_equals_one_device(layout, folder):
 
 
 @pytest.mark.slow
+def test_a_precomputed_reference_equals_the_held_copy(folder):
+    """dpo.reference=precompute scores every pair once, in a serving layout, into the
+    data folder; then context=2 x tensor=2 with ZeRO-3 holds no reference, and trains as
+    one device holding a copy."""
+    more = ("parallel.data=2", "parallel.context=2", "parallel.tensor=2", "parallel.zero=3",
+            "dpo.reference=precompute")  # fmt: skip
+    got = trained("llama-tiny", keys(folder, *more))
+    assert_same_training(got, reference("llama-tiny", keys(folder)))
+    assert len(list((folder / "reference").glob("*.train.npy"))) == 1
+
+
+@pytest.mark.slow
 def test_dpo_on_adapters_in_3d_equals_one_device(folder):
     """The reference is the base with the adapters off: no copy."""
     lora = ("adapter.kind=lora", "train.lr=5")

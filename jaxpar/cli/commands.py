@@ -13,17 +13,16 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from jaxpar import hf
-from jaxpar.adapters import lora, peft
+from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
-from jaxpar.config.sections import AdapterKind, Config, Objective
+from jaxpar.config.sections import AdapterKind, Config, Objective, Reference
 from jaxpar.data import pairs
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import dpo
+from jaxpar.objectives import dpo, precompute
 from jaxpar.parallel import mesh_rules
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -45,19 +44,23 @@ def setup(cfg: Config, devices=None) -> Setup:
     """The mesh over `devices` (default: all), the model as a Problem and its batches:
     the config checked against the mesh first."""
     mesh = build_mesh(cfg.parallel, devices)
-    problem, batches = model_problem(cfg, describe(mesh))
-    return Setup(mesh, problem, batches, data.describe(cfg.data, cfg.train), held_out_batches(cfg))
+    problem, batches = model_problem(cfg, describe(mesh), devices)
+    return Setup(
+        mesh, problem, batches, data.describe(cfg.data, cfg.train), held_out_batches(cfg, devices)
+    )
 
 
-def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[..., dict]]:
+def model_problem(
+    cfg: Config, mesh_shape: dict, devices=None
+) -> tuple[Problem, Callable[..., dict]]:
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
     registry.check_model(cfg.model, mesh_shape)
     mesh_rules.check_train(cfg, mesh_shape)
     shipped = registered(dpo.model_of(cfg), cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    shipped = with_objective(with_adapters(shipped, cfg), cfg)
+    own = with_adapters(shipped, cfg)
     if cfg.train.objective is Objective.DPO:
-        return shipped, _pair_batches(cfg, "train")
+        return dpo.objective(own, cfg), _pair_batches(cfg, own, "train", devices)
     if pairs.meta_of(cfg.data) is not None:
         raise ConfigError(
             f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
@@ -65,7 +68,7 @@ def model_problem(cfg: Config, mesh_shape: dict) -> tuple[Problem, Callable[...,
             "train them with train.objective=dpo"
         )
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
-    return shipped, _batches(cfg, tokens, 0, "train")
+    return own, _batches(cfg, tokens, 0, "train")
 
 
 def with_adapters(problem: Problem, cfg: Config) -> Problem:
@@ -75,21 +78,25 @@ def with_adapters(problem: Problem, cfg: Config) -> Problem:
     return problem
 
 
-def with_objective(problem: Problem, cfg: Config) -> Problem:
-    """`problem` trained by train.objective (unchanged for lm)."""
-    if cfg.train.objective is Objective.DPO:
-        return dpo.objective(problem, cfg)
-    return problem
-
-
-def _pair_batches(cfg: Config, split: str) -> Callable[..., dict]:
-    """(i, rows=slice(None)) -> batch i of `split`'s preference pairs."""
+def _pair_batches(cfg: Config, own: Problem, split: str, devices=None) -> Callable[..., dict]:
+    """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, with the
+    reference's log-probabilities where dpo.reference=precompute (`own`: the model
+    before the objective, scored once)."""
     t = cfg.train
     held = pairs.load(cfg.data, t, cfg.model.vocab, split)
+    reference = None
+    if dpo.mode(cfg) is Reference.PRECOMPUTE:
+        reference = precompute.reference_logps(cfg, own, split, devices)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         return pairs.batch_at(
-            held, seed=t.seed, step=i, batch_size=t.batch_size, seq_len=t.seq_len, rows=rows
+            held,
+            seed=t.seed,
+            step=i,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            rows=rows,
+            reference=reference,
         )
 
     return batches
@@ -116,12 +123,13 @@ def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]
     return batches
 
 
-def held_out_batches(cfg: Config) -> Callable[..., dict] | None:
+def held_out_batches(cfg: Config, devices=None) -> Callable[..., dict] | None:
     """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
     if not cfg.train.eval_every:
         return None
     if cfg.train.objective is Objective.DPO:
-        return _pair_batches(cfg, "val")
+        own = with_adapters(registered(dpo.model_of(cfg), cfg.train.seq_len), cfg)
+        return _pair_batches(cfg, own, "val", devices)
     tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
     first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
     return _batches(cfg, tokens, first, "val")
@@ -135,15 +143,8 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         print(finished(done, cfg.train.steps))
         return None
     s = setup(cfg)
-    directory = hf.directory_of(cfg.model.init)
-    params = None
     own = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)  # without the objective
-    if directory and cfg.adapter.kind is AdapterKind.LORA:
-        read = peft.initial(cfg.adapter, cfg.model, own.shapes) if cfg.adapter.init else None
-        params = lora.from_files(cfg, own, directory, read)
-    elif directory:
-        fmt = registry.hf_format(cfg.model.name, "model.init")
-        params = hf.initial_params(fmt, cfg.model, directory, own.shapes)
+    params = precompute.initial(cfg, own)
     if params is not None and s.problem.reference:
         params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
     return train(
@@ -250,6 +251,8 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.errors import ConfigError
 
     problem = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
+    if cfg.train.objective is Objective.DPO:  # its reference held, or not
+        problem = dpo.objective(problem, cfg)
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:

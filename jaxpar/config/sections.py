@@ -114,6 +114,7 @@ class Reference(enum.StrEnum):
     AUTO = "auto"
     COPY = "copy"
     ADAPTERS_OFF = "adapters-off"
+    PRECOMPUTE = "precompute"
 
 
 class OnNonfinite(enum.StrEnum):
@@ -434,7 +435,8 @@ class Dpo(Section):
         (
             "the model the policy is held to: auto (adapters-off for fresh adapters, else copy) | "
             "copy (a frozen copy of the trained weights at the start) | adapters-off (the base, "
-            "adapter.kind=lora)"
+            "adapter.kind=lora) | precompute (its log-probabilities computed once before "
+            "training and stored beside the data: no reference held)"
         ),
     )
 

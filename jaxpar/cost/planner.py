@@ -80,7 +80,7 @@ class Candidate:
     activations: float
     gather_temp: float  # ZeRO-3's gathered layer (two in flight)
     device: float  # all of it
-    base: float  # of `state`: an adapter run's frozen base, as stored
+    base: float  # of `state`: the frozen leaves (an adapter run's base, DPO's reference copy)
     opt: float  # of `state`: the optimizer state on the device
     host: float  # offloaded state, per host
     comm: dict  # wire bytes per axis per step
@@ -570,10 +570,10 @@ def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:
 def report(plan: Plan, top: int = 10) -> str:
     machine = plan.machine
     gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
-    adapters = any(c.base for c in plan.ranked)  # the state as its three parts
+    frozen = any(c.base for c in plan.ranked)  # the state as its three parts
 
     def state(c: Candidate) -> list[str]:
-        if adapters:
+        if frozen:
             mib = (c.state - c.base - c.opt, c.opt)
             return [gib(c.base), *(f"{b / 2**20:,.0f}" for b in mib)]
         return [gib(c.state), gib(c.paper_state)]
@@ -598,7 +598,7 @@ def report(plan: Plan, top: int = 10) -> str:
         "#",
         "layout",
         "device GiB",
-        *(["base", "adapters MiB", "opt state MiB"] if adapters else ["state", "paper state"]),
+        *(["frozen", "trained MiB", "opt state MiB"] if frozen else ["state", "paper state"]),
         "activations",
         "host GiB",
         "comm/step",

@@ -22,6 +22,8 @@ from jaxpar.errors import ConfigError
 
 CHOSEN, REJECTED, PADDING = 0, 1, 2  # the segments of a row
 PAD_ID = 0
+# a batch's precomputed reference log-probabilities, [rows, 2] (chosen, rejected)
+REFERENCE = "reference_logps"
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,14 @@ def indices(n: int, *, seed: int, step: int, batch_size: int) -> np.ndarray:
 
 
 def batch_at(pairs: Pairs, *, seed: int, step: int, batch_size: int, seq_len: int,
-             rows: slice = slice(None)) -> dict:  # fmt: skip
+             rows: slice = slice(None), reference: np.ndarray | None = None) -> dict:  # fmt: skip
     """Global batch `step` of pairs (or its `rows`), one pair a row (the module's
-    docstring)."""
+    docstring); with `reference` ([pairs, 2] precomputed log-probabilities), each row's."""
     index = indices(len(pairs), seed=seed, step=step, batch_size=batch_size)[rows]
-    return rows_of(pairs, index, seq_len)
+    out = rows_of(pairs, index, seq_len)
+    if reference is not None:
+        out[REFERENCE] = reference[index]
+    return out
 
 
 def rows_of(pairs: Pairs, index: np.ndarray, seq_len: int) -> dict:

@@ -39,7 +39,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ
 from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel.axes import DATA
-from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.mesh import build_mesh, serving_layout
 from jaxpar.parallel.sharding import RULES, compute_spec, named, pick, plan
 from jaxpar.training import export
 
@@ -108,15 +108,6 @@ class Loaded:
     positions: int  # the most positions it takes (prompt and new tokens)
     cache_dims: tuple[int, int, int]  # layers, key/value heads, head dim
     source: str
-
-
-def layout(model: Model, devices: int) -> tuple[int, int]:
-    """(data, tensor) for decoding on `devices` (the module's docstring)."""
-    split = [model.heads, getattr(model, "kv_heads", model.heads), model.mlp, model.vocab]
-    tensor = max(
-        t for t in range(1, devices + 1) if devices % t == 0 and not any(n % t for n in split)
-    )
-    return devices // tensor, tensor
 
 
 def load(source: str, overrides: list[str], step: int | None = None, devices=None) -> Loaded:
@@ -222,8 +213,9 @@ def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -
 
 
 def _degrees(model: Model, devices: int, overrides: list[str]) -> tuple[int, int]:
-    """layout()'s degrees, or those parallel.data / parallel.tensor among `overrides` set."""
-    data, tensor = layout(model, devices)
+    """serving_layout()'s degrees, or those parallel.data / parallel.tensor among
+    `overrides` set."""
+    data, tensor = serving_layout(model, devices)
     given = presets.parse_overrides([o for o in overrides if o.startswith("parallel.")])
     given_d, given_t = (given.get("parallel", {}).get(k) for k in ("data", "tensor"))
     for key, value in (("data", given_d), ("tensor", given_t)):

@@ -17,7 +17,9 @@ so the loss is the mean over pairs whatever the layout. The reference is one of:
 - copy: the trained leaves at the start, frozen, under `reference/` keys beside them
   (stored like the policy's, in the same placement and ZeRO stage; an adapter run copies
   its adapters only and shares the base);
-- adapters-off: an adapter run's base alone, no copy (its adapters left out of the view).
+- adapters-off: an adapter run's base alone, no copy (its adapters left out of the view);
+- precompute: the batch's `reference_logps`, computed once before training
+  (jaxpar.objectives.precompute).
 
 Its forward pass runs beside the policy's in the same program (through each pipeline
 stage too), with no gradient. The step's metrics are TRL's: rewards/chosen,
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config.sections import Config, Dpo, DpoLoss, Objective, Reference
-from jaxpar.data.pairs import CHOSEN, REJECTED
+from jaxpar.data.pairs import CHOSEN, REFERENCE, REJECTED
 from jaxpar.data.tokens import SEGMENT_IDS
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
@@ -130,9 +132,9 @@ def as_tokens(losses: jax.Array, like: jax.Array) -> jax.Array:
 def objective(problem: Problem, cfg: Config) -> Problem:
     """`problem` (a registered model, adapters on it or not) trained by DPO on pairs, with
     its reference as dpo.reference says."""
-    dpo = cfg.dpo
+    dpo, how = cfg.dpo, mode(cfg)
     trained = [k for k in problem.names if k not in problem.frozen]
-    copied = trained if mode(cfg) is Reference.COPY else []
+    copied = trained if how is Reference.COPY else []
 
     def policy(params):
         return {k: v for k, v in params.items() if not k.startswith(COPY)}
@@ -143,17 +145,22 @@ def objective(problem: Problem, cfg: Config) -> Problem:
         out.update({k: params[COPY + k] for k in copied if COPY + k in params})
         return jax.lax.stop_gradient(out)
 
+    precomputed = how is Reference.PRECOMPUTE
+
     def finish(policy_losses, reference_losses, batch):
-        reference = jax.lax.stop_gradient(logps(reference_losses, batch))
-        losses = pair_losses(logps(policy_losses, batch), reference, batch, dpo)
+        reference = batch[REFERENCE] if precomputed else logps(reference_losses, batch)
+        losses = pair_losses(logps(policy_losses, batch), jax.lax.stop_gradient(reference),
+                             batch, dpo)  # fmt: skip
         return as_tokens(losses, policy_losses)
 
     def loss(params, batch):
         # the reference first: the policy's reports (a mixture's) are the ones kept
-        ref = problem.loss(held(params), batch)
+        ref = None if precomputed else problem.loss(held(params), batch)
         return finish(problem.loss(policy(params), batch), ref, batch)
 
-    parts = None if problem.parts is None else _parts(problem.parts, policy, held, finish, copied)
+    parts = None
+    if problem.parts is not None:
+        parts = _parts(problem.parts, policy, held, finish, copied, precomputed)
     flops = problem.flops_per_token
     return dataclasses.replace(
         problem,
@@ -165,7 +172,7 @@ def objective(problem: Problem, cfg: Config) -> Problem:
         module=None,
         count=lambda batch: jnp.float32(batch["tokens"].shape[0]),
         # the reference's forward pass: a third of a trained token's
-        flops_per_token=None if flops is None else flops * 4 / 3,
+        flops_per_token=None if flops is None or precomputed else flops * 4 / 3,
         frozen=problem.frozen | {COPY + k for k in copied},
         reference=frozenset(COPY + k for k in copied),
     )
@@ -193,7 +200,12 @@ def copies(params, copied_keys) -> callable:
     return made
 
 
-def _parts(inner: Parts, policy, held, finish, copied) -> Parts:
+def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Parts:
+    if precomputed:  # the policy's own pieces, the loss from the batch's reference
+        return dataclasses.replace(
+            inner, post=lambda params, h, batch: finish(inner.post(params, h, batch), None, batch)
+        )
+
     def pre(params, batch):
         return inner.pre(policy(params), batch), inner.pre(held(params), batch)
 

@@ -119,3 +119,14 @@ def use_cpu_devices(n: int) -> None:
         return
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def serving_layout(model, devices: int) -> tuple[int, int]:
+    """(data, tensor) for a forward pass alone on `devices` (decoding, scoring): tensor is
+    the most devices that divide the model's heads, key/value heads, MLP width and
+    vocab; the rest split the rows over data."""
+    split = [model.heads, getattr(model, "kv_heads", model.heads), model.mlp, model.vocab]
+    tensor = max(
+        t for t in range(1, devices + 1) if devices % t == 0 and not any(n % t for n in split)
+    )
+    return devices // tensor, tensor

@@ -1,0 +1,135 @@
+"""dpo.reference=precompute: the reference's log-probabilities of every pair, computed once
+before training and stored beside the data, so that no reference model is held.
+
+The reference is the model the run starts as: its initial parameters (model.init's
+files, with adapter.init's adapters, or the init from train.seed), scored forward only in
+a serving layout of the devices (tensor as far as the model's dims divide, the rows over
+the rest; no pipeline or ZeRO), each pair as the training row holds it. The result,
+[pairs, 2] (chosen, rejected) per split, is written to `DATA/reference/KEY.SPLIT.npy`,
+KEY a hash of what it depends on: the model and adapter keys, train.seq_len, the seed or
+the initial files (their sizes and times), and the data's meta.json. A later run (a
+resume, another layout) reads it; a change to any of those computes it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import hf
+from jaxpar.adapters import lora, peft
+from jaxpar.config import presets, registry
+from jaxpar.config.sections import AdapterKind, Config, Parallel
+from jaxpar.data import pairs
+from jaxpar.data.tokens import META
+from jaxpar.errors import ConfigError
+from jaxpar.nn.problem import Problem
+from jaxpar.objectives import dpo
+from jaxpar.parallel.axes import DATA
+from jaxpar.parallel.mesh import build_mesh, serving_layout
+from jaxpar.parallel.sharding import named, pick, plan
+
+FOLDER = "reference"  # under data.path
+
+
+def initial(cfg: Config, own: Problem) -> Callable[[dict], dict] | None:
+    """The run's initial parameters from files (targets -> arrays, as jaxpar.train takes
+    them) for `own` (the registered model, adapters on it, no objective): model.init's
+    checkpoint, with adapter.init's adapters; None for the init from train.seed."""
+    directory = hf.directory_of(cfg.model.init)
+    if directory and cfg.adapter.kind is AdapterKind.LORA:
+        read = peft.initial(cfg.adapter, cfg.model, own.shapes) if cfg.adapter.init else None
+        return lora.from_files(cfg, own, directory, read)
+    if directory:
+        fmt = registry.hf_format(cfg.model.name, "model.init")
+        return hf.initial_params(fmt, cfg.model, directory, own.shapes)
+    return None
+
+
+def reference_logps(cfg: Config, own: Problem, split: str, devices=None) -> np.ndarray:
+    """[pairs of `split`, 2] the reference's log-probabilities (the module's docstring)."""
+    folder = Path(cfg.data.path) / FOLDER
+    key = _key(cfg)
+    path = folder / f"{key}.{split}.npy"
+    if not path.is_file():
+        _compute(cfg, own, folder, key, devices)
+    return np.load(path)
+
+
+def _key(cfg: Config) -> str:
+    directory = hf.directory_of(cfg.model.init)
+    files = []
+    for d in [
+        directory,
+        Path(cfg.adapter.init.removeprefix("peft:")) if cfg.adapter.init else None,
+    ]:
+        for f in sorted(d.iterdir()) if d and d.is_dir() else []:
+            files.append([f.name, f.stat().st_size, f.stat().st_mtime_ns])
+    what = {
+        "model": presets.to_dict(cfg)["model"],
+        "adapter": presets.to_dict(cfg)["adapter"],
+        "seq_len": cfg.train.seq_len,
+        "seed": cfg.train.seed,
+        "files": files,
+        "data": (Path(cfg.data.path) / META).read_text(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None:
+    devices = jax.devices() if devices is None else devices
+    data, tensor = serving_layout(cfg.model, len(devices))
+    mesh = build_mesh(Parallel(data=data, tensor=tensor), devices[: data * tensor])
+    shapes = {k: s.shape for k, s in own.shapes.items()}
+    shardings = named(mesh, pick(plan(own.names, shapes, zero=0, mesh_shape=dict(mesh.shape)),
+                                 "storage"))  # fmt: skip
+    targets = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+        for k, s in own.shapes.items()
+    }
+    fill = initial(cfg, own)
+    if fill is None:
+        params = jax.jit(own.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
+    else:
+        params = fill(targets)
+    rows = NamedSharding(mesh, PartitionSpec(DATA))
+    score = jax.jit(
+        lambda p, batch: dpo.logps(own.loss(p, batch), batch),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )
+    chunk = data * max(1, cfg.train.batch_size // data)
+    scored = {}
+    for split in ("train", "val"):
+        count = (pairs.meta_of(cfg.data) or {}).get("pairs", {}).get(split, 0)
+        if not count:
+            continue
+        held = pairs.load(cfg.data, cfg.train, cfg.model.vocab, split)
+        out = []
+        for first in range(0, count, chunk):
+            index = np.arange(first, first + chunk) % count  # the last chunk padded
+            batch = jax.device_put(pairs.rows_of(held, index, cfg.train.seq_len), rows)
+            out.append(np.asarray(score(params, batch))[: count - first])
+        scored[split] = np.concatenate(out).astype(np.float32)
+    if jax.process_index() == 0:
+        try:
+            folder.mkdir(exist_ok=True)
+            for split, values in scored.items():
+                partial = folder / f".{key}.{split}.npy.partial"
+                with partial.open("wb") as f:
+                    np.save(f, values)
+                os.replace(partial, folder / f"{key}.{split}.npy")
+        except OSError as e:
+            raise ConfigError(
+                f"dpo.reference=precompute: cannot write the reference's log-probabilities "
+                f"into {folder} ({e.strerror}); make data.path writable, or use "
+                "dpo.reference=copy"
+            ) from None
+    multihost_utils.sync_global_devices("dpo reference written")
