@@ -8,7 +8,15 @@ import math
 
 import numpy as np
 import pytest
-from helpers import THREE_D_1F1B, assert_same_training, one_line_error, reference, script, trained
+from helpers import (
+    THREE_D_1F1B,
+    assert_same_training,
+    compile_only,
+    one_line_error,
+    reference,
+    script,
+    trained,
+)
 
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
@@ -125,6 +133,27 @@ def test_the_step_is_log_2_at_first_and_the_reference_holds_still(folder, tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     params = summary["memory_per_device"]["params"]
     assert summary["memory_per_device"]["reference"] == params / 2  # a copy, as the policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset, more",
+    [
+        ("llama-tiny", ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3")),
+        ("llama-tiny", ("parallel.data=4", "parallel.context=2", "adapter.kind=lora")),
+        ("mixtral-tiny", ("parallel.data=4", "parallel.expert=2")),
+    ],
+)
+def test_the_reference_s_forward_pass_moves_the_textbook_bytes(preset, more, folder):
+    """Compiled, not run: the reference's forward pass (its copy gathered once under
+    ZeRO-3; Megatron's forward all-reduces once more; context's keys and values; a
+    mixture's all-to-alls) at the ledger's minimum, and its copy's bytes apart."""
+    report = compile_only(preset, keys(folder, *more))
+    assert 0.99 < report.comm.ratio < 1.01, report.comm.by_axis
+    memory = report.memory_per_device
+    lora = "adapter.kind=lora" in more
+    assert memory.reference == (0 if lora else memory.params / 2)  # adapters-off: no copy
+    assert (memory.base > 0) == lora
 
 
 @pytest.mark.parametrize(

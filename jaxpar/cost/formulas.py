@@ -188,25 +188,31 @@ def expert_bytes(
     """Textbook wire bytes per device per step on `expert`: the other leaves' gradient
     sync over it (minimum_bytes) and the mixture's all-to-alls (dispatch_bytes)."""
     synced = _minimum(par, train, specs, trained, mesh_shape, None)[EXPERT]
-    return synced + dispatch_bytes(par, train, mesh_shape, experts)
+    return synced + dispatch_bytes(par, train, mesh_shape, experts, extra_forwards(trained))
+
+
+def extra_forwards(trained) -> int:
+    """Forward passes a step runs without a backward: a DPO reference's (Problem.
+    reference_forward), 1; else 0."""
+    return int(trained.reference_forward)
 
 
 def dispatch_bytes(
-    par: Parallel, train: Train, mesh_shape: dict, experts: ExpertDims | None
+    par: Parallel, train: Train, mesh_shape: dict, experts: ExpertDims | None, extra: int = 0
 ) -> float:
     """A mixture's all-to-all bytes per device per step on `expert`
     (jaxpar.models.moe): per sparse layer, each forward pass (`forward_passes`) sends
     the dispatched slots of this device's rows, [rows, experts, slots, embed], to the
     experts' devices and their outputs back (two all-to-alls), and the backward pass
     the same two again: (X-1)/X of them each; a pipeline stage holds 1/pipeline of the
-    layers."""
+    layers. `extra`: forward passes without a backward (a DPO reference's)."""
     x = mesh_shape.get(EXPERT, 1)
     if x == 1 or experts is None:
         return 0.0
     rows = train.batch_size // data_parallel(mesh_shape)
     held = experts.held(mesh_shape.get(CONTEXT, 1))
     slots = rows * experts.experts * held * experts.embed
-    passes = 2 * forward_passes(par) + 2
+    passes = 2 * (forward_passes(par) + extra) + 2
     layers = experts.layers / mesh_shape.get(PIPE, 1)
     return layers * passes * (x - 1) / x * slots * dtype_bytes(train.precision)
 
@@ -226,13 +232,15 @@ def context_bytes(
     attention: AttentionDims | None,
     documents: bool,
     experts: ExpertDims | None = None,
+    extra: int = 0,
 ) -> float:
     """Textbook wire bytes per device per step on `context` (jaxpar.parallel.context): per
-    attention layer and pass (each forward, `forward_passes`, and the backward),
+    attention layer and pass (each forward, `forward_passes` and `extra` ones without a
+    backward, and the backward),
     all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
     each (forward a gather, backward a reduce-scatter), plus with documents their int32
-    segment ids and positions (forward only); Ulysses four all-to-alls, (C-1)/C of q,
-    k, v and the output on the device; per sparse layer, a mixture's input gathered
+    segment ids and positions (forward only, once for the batch); Ulysses four
+    all-to-alls, (C-1)/C of q, k, v and the output on the device; per sparse layer, a mixture's input gathered
     each pass and its output reduce-scattered forward and backward (jaxpar.models.moe),
     (C-1)/C of [rows, S, embed] each; and once a step the gradients, as `data` leaves
     them (ZeRO>=1: the optimizer's split), all-reduced: 2(C-1)/C."""
@@ -251,17 +259,18 @@ def context_bytes(
     local = attention.heads // t
     moved = context.kv_heads_moved(local, attention.heads // attention.kv_heads, split)
     layers = attention.layers
-    f = forward_passes(par)
+    f = forward_passes(par) + extra
     cb = dtype_bytes(train.precision)
     if experts:  # a recomputed forward's output is not needed: scattered once forward
-        total += experts.layers * (f + 3) * share * tokens * experts.embed * cb
+        total += experts.layers * (f + 3 + extra) * share * tokens * experts.embed * cb
+    # the documents' ids and positions: once per forward of the same batch (a reference's
+    # forward reads the policy's)
+    ids = layers * (f - extra) * documents * 2 * share * tokens * 4
     if par.context_strategy is ContextStrategy.ALL_GATHER:
         per_pass = 2 * share * tokens * moved * attention.head_dim * cb
-        total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
-        return total
+        return total + layers * (f + 1) * per_pass + ids
     per_pass = share * tokens / c * attention.head_dim * cb * (2 * local + 2 * moved)
-    total += layers * (f + 1) * per_pass + layers * f * documents * 2 * share * tokens * 4
-    return total
+    return total + layers * (f + 1) * per_pass + ids
 
 
 def minimum(
@@ -284,6 +293,8 @@ def minimum(
     c = mesh_shape.get(CONTEXT, 1)
     if tensor_elements:  # each device holds 1/C of the tokens
         tensor_elements = tensor_elements / c
+        if trained.reference_forward:  # Megatron's forward half once more
+            tensor_elements *= 1.5
     base = _minimum(par, train, specs, trained, mesh_shape, tensor_elements)
     return {
         **base,
@@ -298,10 +309,12 @@ def minimum(
             attention,
             documents,
             experts,
+            extra_forwards(trained),
         ),
         EXPERT: None
         if experts and staged and mesh_shape.get(EXPERT, 1) > 1
-        else base[EXPERT] + dispatch_bytes(par, train, mesh_shape, experts),
+        else base[EXPERT]
+        + dispatch_bytes(par, train, mesh_shape, experts, extra_forwards(trained)),
     }
 
 
@@ -309,7 +322,9 @@ def _minimum(
     par: Parallel, train: Train, specs, trained, mesh_shape: dict, tensor_elements
 ) -> dict:
     """minimum_bytes of the trained leaves, and ZeRO-3's gathers of the frozen ones (an
-    adapter run's base: gathered as the trained are, never reduced)."""
+    adapter run's base: gathered as the trained are, never reduced; once more for a
+    reference's forward pass with the adapters off; a reference's copy (DPO) once, for
+    its forward pass alone)."""
     own = trained.trainable
     out = minimum_bytes(
         own(specs),
@@ -329,6 +344,10 @@ def _minimum(
             s, x = specs[k], trained.shapes[k]
             if s.dim is None:
                 continue
+            if k in trained.reference:
+                times[k] = 1
+            elif trained.reference_forward and times[k] == 2:  # a stack's, not kept whole
+                times[k] = 3
             moved = dtype_bytes(train.precision) if jnp.issubdtype(x.dtype, jnp.floating) else 1
             part = local_elems(x.shape, s.compute, mesh_shape)
             for axis in s.over:

@@ -334,6 +334,7 @@ def predict(
             work.attention,
             False,
             work.experts,
+            cost.extra_forwards(trained),
         ),
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,

@@ -89,6 +89,9 @@ class Problem:
     # of `frozen`, the keys of a reference model's copy of trained leaves (DPO's,
     # jaxpar.objectives.dpo): memory reports count them apart from an adapter run's base
     reference: frozenset[str] = frozenset()
+    # whether each step runs the model forward a second time, without gradient (DPO's
+    # reference model, copied or the base with adapters off): what the cost model counts
+    reference_forward: bool = False
 
     def trainable(self, tree):
         """The trained leaves of a params-shaped tree (all of them but `frozen`)."""

@@ -175,6 +175,7 @@ def objective(problem: Problem, cfg: Config) -> Problem:
         flops_per_token=None if flops is None or precomputed else flops * 4 / 3,
         frozen=problem.frozen | {COPY + k for k in copied},
         reference=frozenset(COPY + k for k in copied),
+        reference_forward=not precomputed,
     )
 
 
