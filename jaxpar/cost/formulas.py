@@ -240,8 +240,9 @@ def context_bytes(
     all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
     each (forward a gather, backward a reduce-scatter), plus with documents their int32
     segment ids and positions (forward only, once for the batch); Ulysses four
-    all-to-alls, (C-1)/C of q, k, v and the output on the device; per sparse layer, a mixture's input gathered
-    each pass and its output reduce-scattered forward and backward (jaxpar.models.moe),
+    all-to-alls, (C-1)/C of q, k, v and the output on the device; per sparse layer, a
+    mixture's input gathered each pass and its output reduce-scattered forward and
+    backward (jaxpar.models.moe),
     (C-1)/C of [rows, S, embed] each; and once a step the gradients, as `data` leaves
     them (ZeRO>=1: the optimizer's split), all-reduced: 2(C-1)/C."""
     c = mesh_shape.get(CONTEXT, 1)
