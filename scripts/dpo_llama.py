@@ -2,8 +2,9 @@
 questions, the correct sum chosen over a wrong one; then `jaxpar generate` answers.
 
     python scripts/make_tiny_llama.py --out runs/tiny-llama --corpus-out runs/corpus.txt
-    python scripts/finetune_llama.py --hf runs/tiny-llama --chat runs/chat --out runs/ft
-    python scripts/dpo_llama.py --hf runs/ft/hf --pairs runs/pairs --out runs/dpo
+    python scripts/finetune_llama.py --hf runs/tiny-llama --chat runs/chat --out runs/ft-chat
+    python scripts/dpo_llama.py --hf runs/ft-chat/hf --tokenizer runs/tiny-llama \
+        --pairs runs/pairs --out runs/dpo
 
 It writes DIR/pairs.jsonl (half as text {"prompt", "chosen", "rejected"}, half as
 conversations {"chosen": [messages], "rejected": [messages]}; the wrong answers are long
@@ -51,16 +52,18 @@ def write_pairs(path: Path, count: int, seed: int = 0) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", type=Path, required=True, help="a Hugging Face checkpoint")
+    parser.add_argument("--tokenizer", type=Path, help="its tokenizer's folder (default: --hf)")
     parser.add_argument("--pairs", type=Path, required=True, help="write and prepare pairs here")
     parser.add_argument("--count", type=int, default=512, help="pairs to write")
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--lora", action="store_true", help="train adapters, the base frozen")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
+    tokenizer = args.tokenizer or args.hf
     if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
         jaxpar.mesh.use_cpu_devices(args.cpu_devices)
 
@@ -73,7 +76,7 @@ def main() -> None:
     tokens = args.pairs / "tokens"
     if not (tokens / "meta.json").is_file():
         write_pairs(args.pairs / "pairs.jsonl", args.count)
-        meta = prepare([args.pairs / "pairs.jsonl"], args.hf, tokens, fmt="preference")
+        prepare([args.pairs / "pairs.jsonl"], tokenizer, tokens, fmt="preference")
     meta = json.loads((tokens / "meta.json").read_text())["pairs"]
     print(f"pairs: {meta['pairs']['train']} to train on, {meta['pairs']['val']} held out")
     adapter = jaxpar.Adapter(kind=AdapterKind.LORA if args.lora else AdapterKind.NONE)
@@ -109,7 +112,7 @@ def main() -> None:
     print(f"{question!r} ->", flush=True)
     subprocess.run(
         [sys.executable, "-m", "jaxpar.cli.main", "generate", str(args.out), "--tokenizer",
-         str(args.hf), "--prompt", question, "--chat", "--max-new-tokens", "12"],
+         str(tokenizer), "--prompt", question, "--chat", "--max-new-tokens", "12"],
         check=True,
     )  # fmt: skip
 

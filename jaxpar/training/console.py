@@ -105,12 +105,17 @@ DROPPED = "moe/dropped"  # a mixture's share of expert choices dropped (jaxpar.r
 TOO_MANY_DROPPED = 0.10  # past this share of dropped choices, the closing lines warn
 
 
+def _first_to_last(values: list[float]) -> str:
+    """A metric over the rows that log it (a held-out one: the evaluations')."""
+    return f"{values[0]:.3f} -> {values[-1]:.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
 def closing(report: Report, losses: list[float], rows: list[dict] = ()) -> str:
     """The closing table: the run's figures, and what the model reported (a mixture's
     drops, ...) from the first logged step to the last; a warning under it when a
     mixture drops more than TOO_MANY_DROPPED of its tokens' expert choices."""
     mem = report.memory_per_device
-    reported = [k for k in (rows[-1] if rows else {}) if "/" in k and rows[-1][k] is not None]
+    reported = list(dict.fromkeys(k for r in rows for k in r if "/" in k and r[k] is not None))
     figures = [
         ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
         *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
@@ -128,7 +133,7 @@ def closing(report: Report, losses: list[float], rows: list[dict] = ()) -> str:
             "comm / device",
             f"{human_bytes(report.comm.wire_bytes_per_device)} ({_comm(report, 'minimum')})",
         ],
-        *([k, f"{rows[0].get(k) or 0:.3f} -> {rows[-1][k]:.3f}"] for k in reported),
+        *([k, _first_to_last([r[k] for r in rows if r.get(k) is not None])] for k in reported),
     ]
     lines = "\n" + table(figures, ["done", report.strategy])
     dropped = rows[-1].get(DROPPED) if rows else None
