@@ -167,19 +167,33 @@ def test_the_reference_s_forward_pass_moves_the_textbook_bytes(preset, more, fol
             "every field as text",
         ),  # fmt: skip
         ({"chosen": "b", "rejected": "c"}, 64, '"prompt"'),
+        ("", 64, "no pair"),
     ],
 )
 def test_bad_pairs_are_refused_before_anything_is_written(
     line, max_length, needle, tokenizer, tmp_path, capsys
 ):
-    good = {"prompt": "x", "chosen": "y", "rejected": "z"}
-    (tmp_path / "p.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+    good = json.dumps({"prompt": "x", "chosen": "y", "rejected": "z"}) + "\n"
+    (tmp_path / "p.jsonl").write_text(good + json.dumps(line) + "\n" if line else "\n")
     argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(tokenizer),
             "--out", str(tmp_path / "out"), "--format", "preference",
             "--max-length", str(max_length)]  # fmt: skip
     assert cli.main(argv) == 2
-    one_line_error(capsys, "p.jsonl:2", needle)
+    one_line_error(capsys, "p.jsonl" + (":2" if line else ""), needle)
     assert not (tmp_path / "out").exists()  # nothing left that blocks the retry
+
+
+def test_a_damaged_preference_folder_is_named(folder, tmp_path, capsys):
+    import shutil
+
+    damaged = tmp_path / "tokens"
+    shutil.copytree(folder, damaged)
+    meta = json.loads((damaged / "meta.json").read_text())
+    del meta["pairs"]["longest_pair"]
+    (damaged / "meta.json").write_text(json.dumps(meta))
+    argv = ["train", "--config", "llama-tiny", *keys(damaged), "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    one_line_error(capsys, "meta.json", "prepare the pairs again")
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,23 @@ def meta_of(data: Data) -> dict | None:
     folder = Path(data.path)
     if data.source is not Source.TOKENS or not folder.is_dir():
         return None
-    return tokens.meta_of(folder).get(tokens.PAIRS_META)
+    meta = tokens.meta_of(folder).get(tokens.PAIRS_META)
+    if meta is not None and not _counts(meta):
+        raise ConfigError(
+            f"data.path={data.path}: {tokens.META}'s `{tokens.PAIRS_META}` is not what "
+            "prepare-data --format preference writes; prepare the pairs again"
+        )
+    return meta
+
+
+def _counts(meta) -> bool:
+    """Whether a folder's pair counts are whole numbers >= 0 where prepare-data puts them."""
+    try:
+        counts = [meta["pairs"][s] for s in ("train", "val")]
+        counts += [meta[k] for k in ("longest_pair", "max_length", "truncated")]
+    except (KeyError, TypeError):
+        return False
+    return all(isinstance(n, int) and n >= 0 for n in counts)
 
 
 def load(data: Data, train: Train, vocab: int, split: str = "train") -> Pairs:

@@ -83,9 +83,14 @@ def check(
         template = chat.Template(tokenizer)
         for path in inputs:
             chat.check_file(path, template)
-    if fmt == "preference":
-        for _ in _pair_rows(inputs, tokenizer, max_length):
-            pass
+    # every line, before anything is written
+    if fmt == "preference" and not sum(
+        one is not None for one, _ in _pair_rows(inputs, tokenizer, max_length)
+    ):
+        raise ConfigError(
+            f"prepare-data: {', '.join(map(str, inputs))}: no pair in it (empty, or blank "
+            "lines only); nothing to train on"
+        )
 
 
 def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
@@ -337,11 +342,6 @@ def _pairs(inputs, tokenizer: Path, every: int, splits: dict, bar, max_length) -
         pairs[split] += 1
         truncated += one.truncated
         longest = max(longest, sum(len(d.ids) for d in one.documents()))
-    if not sum(pairs.values()):
-        raise ConfigError(
-            f"prepare-data: {', '.join(map(str, inputs))}: no pair in it (empty, or blank "
-            "lines only); nothing to train on"
-        )
     return {
         "documents": 2 * sum(pairs.values()),
         data.PAIRS_META: {

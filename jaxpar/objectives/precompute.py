@@ -61,7 +61,18 @@ def reference_logps(cfg: Config, own: Problem, split: str, devices=None) -> np.n
     path = folder / f"{key}.{split}.npy"
     if not path.is_file():
         _compute(cfg, own, folder, key, devices)
-    return np.load(path)
+    count = pairs.meta_of(cfg.data)["pairs"][split]
+    try:
+        values = np.load(path)
+    except (OSError, ValueError) as e:
+        values = e
+    if not isinstance(values, np.ndarray) or values.shape != (count, 2):
+        found = values if isinstance(values, Exception) else f"shape {list(values.shape)}"
+        raise ConfigError(
+            f"dpo.reference=precompute: {path} is not the reference's log-probabilities of "
+            f"the {count} {split} pairs ({found}); remove it, and the run computes them again"
+        )
+    return values
 
 
 def _key(cfg: Config) -> str:
