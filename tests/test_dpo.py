@@ -75,6 +75,28 @@ def test_a_pair_is_one_row_of_two_documents_with_its_answers_masked(folder):
         assert not mask[segments == pairs.PADDING].any()
 
 
+@pytest.mark.parametrize("loss, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_each_pair_s_loss_is_its_formula(loss, smoothing):
+    """Away from step 1 (where every form is log 2): conservative DPO's smoothing, and
+    IPO's log-ratios over each answer's trained tokens (2 and 5 here)."""
+    from jaxpar.config.sections import Dpo
+    from jaxpar.objectives.dpo import pair_losses
+
+    policy, ref = np.array([[-3.0, -9.0], [-7.0, -4.0]]), np.array([[-4.0, -8.0], [-6.0, -6.0]])
+    segments = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1, 2]] * 2)  # chosen 3 ids, rejected 6
+    mask = np.array([[0, 1, 1, 0, 1, 1, 1, 1, 1, 0]] * 2)  # answers: 2 and 5 targets
+    batch = {"tokens": np.zeros((2, 10), np.int32), "segment_ids": segments, "loss_mask": mask}
+    got = pair_losses(policy, ref, batch, Dpo(beta=0.5, loss=loss, label_smoothing=smoothing))
+    ratios = policy - ref
+    if loss == "ipo":
+        d = ratios[:, 0] / 2 - ratios[:, 1] / 5
+        want = (d - 1 / (2 * 0.5)) ** 2
+    else:
+        d = 0.5 * (ratios[:, 0] - ratios[:, 1])
+        want = (1 - smoothing) * np.log1p(np.exp(-d)) + smoothing * np.log1p(np.exp(d))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 LAYOUTS = {
     "data8": ("parallel.data=8",),
     "3d-1f1b": tuple(THREE_D_1F1B),
