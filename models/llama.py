@@ -311,6 +311,7 @@ class Llama(nnx.Module):
             self.embed(tokens_BxT),
             cache,
             lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
+            slot,
         )
         if n > 1:
             cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)

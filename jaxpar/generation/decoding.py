@@ -45,6 +45,7 @@ from jaxpar.training import export
 
 PROMPT_BUCKET = 16  # the smallest prompt bucket; buckets double from it
 NEW_BUCKET = 16  # cache slots for new tokens come in multiples of this
+CHUNK = NEW_BUCKET  # decode steps per dispatch (a device-side loop); the bucket holds them
 MAX_TEMPERATURE = 100.0  # --temperature: past this every draw is all but uniform
 CACHE_NAMES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)  # the logical names of k and v
 
@@ -275,7 +276,7 @@ def _bucket(n: int) -> int:
 
 
 class Decoder:
-    """The jitted prefill and decode step of one model (compiled per bucket)."""
+    """The jitted prefill and decode loop of one model (compiled per bucket)."""
 
     def __init__(self, m: Loaded):
         self.m = m
@@ -287,8 +288,30 @@ class Decoder:
             logits, cache = model.decode(tokens, positions, cache, slot, pad)
             return logits[:, -1].astype(jnp.float32), cache
 
-        self.run = jax.jit(run, donate_argnums=3)
-        self.sample = jax.jit(sample, static_argnums=2)
+        def first(params, tokens, positions, cache, pad, key, sampling):
+            """The prefill, and the first new id of each row sampled from it."""
+            logits, cache = run(params, tokens, positions, cache, 0, pad)
+            return sample(logits, jax.random.fold_in(key, 0), sampling), cache
+
+        def chunk(params, ids, cache, slot, pad, key, t, sampling):
+            """CHUNK decode steps on the device from step t (slot `slot`): each row's
+            last id in, its next sampled with the key of its step; the ids [B, CHUNK]."""
+            model = m.problem.module(params)
+
+            def step(carry, i):
+                ids, cache = carry
+                at = slot + i
+                positions = (at - pad)[:, None]
+                logits, cache = model.decode(ids[:, None], positions, cache, at, pad)
+                key_i = jax.random.fold_in(key, t + i + 1)
+                nxt = sample(logits[:, -1].astype(jnp.float32), key_i, sampling)
+                return (nxt, cache), nxt
+
+            (_, cache), out = jax.lax.scan(step, (ids, cache), jnp.arange(CHUNK))
+            return out.T, cache
+
+        self.first = jax.jit(first, donate_argnums=3, static_argnums=6)
+        self.chunk = jax.jit(chunk, donate_argnums=2, static_argnums=7)
 
     def empty(self, rows: int, slots: int):
         """The cache, k and v each [layers, rows, slots, kv heads, head dim], placed by the
@@ -336,44 +359,42 @@ def generate(
     positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
     put = lambda x: jax.device_put(x, decoder.rows)  # noqa: E731
     key = jax.random.key(sampling.seed)
+    pad_d = put(pad)
     start = time.perf_counter()
     cache = decoder.empty(rows, m_slots)
-    args = (m.params, put(tokens), put(positions), cache, 0, put(pad))
-    compiled = decoder.run.lower(*args).compile()
+    prefill = decoder.first.lower(m.params, put(tokens), put(positions), cache, pad_d, key,
+                                  sampling).compile()  # fmt: skip
+    first_id = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=decoder.rows)
+    loop = decoder.chunk.lower(m.params, first_id, cache, p_slots, pad_d, key, 0,
+                               sampling).compile()  # fmt: skip
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
-    logits, cache = compiled(*args)
-    nxt = decoder.sample(logits, jax.random.fold_in(key, 0), sampling)
-    nxt.block_until_ready()
+    nxt, cache = prefill(m.params, put(tokens), put(positions), cache, pad_d, key)
+    ids = np.asarray(nxt)[:, None]
     prefill_s = time.perf_counter() - start
     completions: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
-    start, compile_step = time.perf_counter(), 0.0
-    for t in range(max_new):
-        ids = np.asarray(nxt)
-        for i in np.flatnonzero(~done):
-            completions[i].append(int(ids[i]))
-            if on_token:
-                on_token(int(i), int(ids[i]))
-            done[i] = ids[i] in stop
-        if done.all() or t + 1 == max_new:
+    start, t = time.perf_counter(), 0
+    while True:
+        for step in range(ids.shape[1]):  # each row's ids in order, up to its stop
+            for i in np.flatnonzero(~done):
+                completions[i].append(int(ids[i, step]))
+                if on_token:
+                    on_token(int(i), int(ids[i, step]))
+                done[i] = ids[i, step] in stop or len(completions[i]) == max_new
+        if done.all():
             break
-        slot = p_slots + t
-        pos = (slot - pad)[:, None].astype(np.int32)
-        before = time.perf_counter()
-        logits, cache = decoder.run(m.params, put(ids[:, None]), put(pos), cache, slot, put(pad))
-        nxt = decoder.sample(logits, jax.random.fold_in(key, t + 1), sampling)
-        if t == 0:  # the decode step's own compile, kept out of its speed
-            nxt.block_until_ready()
-            compile_step = time.perf_counter() - before
-    decode_s = time.perf_counter() - start - compile_step
+        out, cache = loop(m.params, nxt, cache, p_slots + t, pad_d, key, t)
+        nxt, ids = out[:, -1], np.asarray(out)
+        t += CHUNK
+    decode_s = time.perf_counter() - start
     return Generated(
         completions=completions,
         prefill_tokens=sum(len(p) for p in prompts),
         prefill_s=prefill_s,
         decode_tokens=sum(len(c) for c in completions),
         decode_s=decode_s,
-        compile_s=compile_s + compile_step,
+        compile_s=compile_s,
         rows=rows,
         prompt_slots=p_slots,
         cache_slots=m_slots,

@@ -201,26 +201,32 @@ def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) 
 
 
 def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):
-    """Attention of T new queries through a KV cache: their keys and values written at
-    slots slot..slot+T-1 of `cache` (k, v [B, M, K, D], K key/value heads, each serving
-    H/K query heads in order), each query seeing the slots at or before its own and at or
-    after its row's first real token (`pad_B`: the left padding of each row), and within
-    the sliding `window` if one is given. Returns
-    (out [B, T, H, D], the cache with the new keys and values)."""
+    """Attention of T new queries through a KV cache (k, v [B, M, K, D], K key/value
+    heads, each serving H/K query heads in order) whose slots before `slot` hold the
+    earlier tokens: each query sees those at or after its row's first real token (`pad_B`:
+    the left padding of each row) and the new ones up to its own, within the sliding
+    `window` if one is given. The cache is read, never written: returns (out [B, T, H, D],
+    the new keys and values [B, T, K, D], for slots slot..slot+T-1), so that a decode
+    step writes T slots of the stacked cache in place (jaxpar.nn.layers.scan_cached)
+    rather than a copy of it."""
     cache_k, cache_v = cache
-    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxD.astype(cache_k.dtype), slot, 1)
-    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxTxKxD.astype(cache_v.dtype), slot, 1)
     b, t, h, d = q_BxTxHxD.shape
     kv, m = cache_k.shape[2], cache_k.shape[1]
+    dt = q_BxTxHxD.dtype
     q_BxTxKxGxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d)
-    att_BxKxGxTxM = jnp.einsum(
-        "btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(q_BxTxHxD.dtype)
-    ).astype(jnp.float32)
-    keys_M, queries_T = jnp.arange(m), slot + jnp.arange(t)
-    back_TxM = queries_T[:, None] - keys_M[None, :]
-    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
-    visible_BxTxM = visible_TxM[None] & (keys_M[None, None, :] >= pad_B[:, None, None])
-    mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
-    prob = jax.nn.softmax(att_BxKxGxTxM + mask_Bx1x1xTxM, axis=-1).astype(q_BxTxHxD.dtype)
-    out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob, cache_v.astype(q_BxTxHxD.dtype))
-    return out_BxTxKxGxD.reshape(b, t, h, d), (cache_k, cache_v)
+    old_BxKxGxTxM = jnp.einsum("btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(dt))
+    new_BxKxGxTxT = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxTxKxD.astype(dt))
+    queries_T = slot + jnp.arange(t)
+    keys = jnp.concatenate([jnp.arange(m), queries_T])  # M old slots, then the T new
+    back_TxN = queries_T[:, None] - keys[None, :]
+    old_N = jnp.arange(m + t) < m
+    visible_TxN = (back_TxN >= 0) & ((back_TxN < window) if window else True)
+    visible_TxN &= ~old_N[None] | (keys[None, :] < slot)  # old slots: the earlier tokens only
+    visible_BxTxN = visible_TxN[None] & (keys[None, None, :] >= pad_B[:, None, None])
+    mask_Bx1x1xTxN = jnp.where(visible_BxTxN, 0.0, -1e30)[:, None, None]
+    att = jnp.concatenate([old_BxKxGxTxM, new_BxKxGxTxT], -1).astype(jnp.float32)
+    prob = jax.nn.softmax(att + mask_Bx1x1xTxN, axis=-1).astype(dt)
+    out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob[..., :m], cache_v.astype(dt))
+    out_BxTxKxGxD += jnp.einsum("bkgts,bskd->btkgd", prob[..., m:], v_BxTxKxD.astype(dt))
+    new = (k_BxTxKxD.astype(cache_k.dtype), v_BxTxKxD.astype(cache_v.dtype))
+    return out_BxTxKxGxD.reshape(b, t, h, d), new

@@ -191,15 +191,19 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     return carry
 
 
-def scan_cached(stack: nnx.Module, carry, cache, fn: Callable):
-    """(carry, cache) from carry, layer_cache = fn(layer, carry, layer_cache) for each
-    layer of `stack`, `cache` a pytree of [layers, ...] arrays (a KV cache): decoding,
-    outside a training step."""
+def scan_cached(stack: nnx.Module, carry, cache, fn: Callable, slot):
+    """(carry, cache) from carry, new = fn(layer, carry, layer_cache) for each layer of
+    `stack`, `cache` a pytree of [layers, ..., M, K, D] arrays (a KV cache) and `new` the
+    layer's entries for slots slot..slot+T-1 ([..., T, K, D] each): decoding, outside a
+    training step. The new entries of every layer are written into the cache after the
+    scan, in place where the cache is donated: a step writes T slots, not the cache."""
     graphdef, state = nnx.split(stack)
 
     def body(carry, xs):
         layer_state, layer_cache = xs
-        carry, layer_cache = fn(nnx.merge(graphdef, layer_state), carry, layer_cache)
-        return carry, layer_cache
+        return fn(nnx.merge(graphdef, layer_state), carry, layer_cache)
 
-    return jax.lax.scan(body, carry, (state, cache))
+    carry, new = jax.lax.scan(body, carry, (state, cache))
+    return carry, jax.tree.map(
+        lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n, slot, c.ndim - 3), cache, new
+    )
