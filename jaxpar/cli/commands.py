@@ -56,9 +56,9 @@ def model_problem(
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
     registry.check_model(cfg.model, mesh_shape)
     mesh_rules.check_train(cfg, mesh_shape)
-    shipped = registered(dpo.model_of(cfg), cfg.train.seq_len)
+    own = trained_model(cfg)
+    shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    own = with_adapters(shipped, cfg)
     if cfg.train.objective is Objective.DPO:
         return dpo.objective(own, cfg), _pair_batches(cfg, own, "train", devices)
     if pairs.meta_of(cfg.data) is not None:
@@ -69,6 +69,12 @@ def model_problem(
         )
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     return own, _batches(cfg, tokens, 0, "train")
+
+
+def trained_model(cfg: Config) -> Problem:
+    """The registered model with adapter.* on it, as the objective trains it (before the
+    objective: what DPO wraps and what its precomputed reference scores)."""
+    return with_adapters(registered(dpo.model_of(cfg), cfg.train.seq_len), cfg)
 
 
 def with_adapters(problem: Problem, cfg: Config) -> Problem:
@@ -128,8 +134,7 @@ def held_out_batches(cfg: Config, devices=None) -> Callable[..., dict] | None:
     if not cfg.train.eval_every:
         return None
     if cfg.train.objective is Objective.DPO:
-        own = with_adapters(registered(dpo.model_of(cfg), cfg.train.seq_len), cfg)
-        return _pair_batches(cfg, own, "val", devices)
+        return _pair_batches(cfg, trained_model(cfg), "val", devices)
     tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
     first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
     return _batches(cfg, tokens, first, "val")
@@ -143,8 +148,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         print(finished(done, cfg.train.steps))
         return None
     s = setup(cfg)
-    own = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)  # without the objective
-    params = precompute.initial(cfg, own)
+    params = precompute.initial(cfg, trained_model(cfg))
     if params is not None and s.problem.reference:
         params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
     return train(
