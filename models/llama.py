@@ -27,7 +27,7 @@ from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ,
 from jaxpar.nn import documents
 from jaxpar.nn.attention import cached_attention, causal_attention
 from jaxpar.nn.documents import Documents
-from jaxpar.nn.layers import constrain, dense, param, scan_cached, scan_layers, stack
+from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack, unrolled
 from jaxpar.nn.problem import Stages
 
 from . import LlamaConfig, RopeScaling
@@ -190,7 +190,10 @@ class Attention(nnx.Module):
         out_BxTxHxD, cache = cached_attention(
             q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window=self.window
         )
-        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.wo[...].astype(dt)), cache
+        # heads and head dim as one contracted dim: the weight read as it lies
+        b, t, h, d = out_BxTxHxD.shape
+        wo_HDxE = self.wo[...].astype(dt).reshape(h * d, -1)
+        return out_BxTxHxD.reshape(b, t, h * d) @ wo_HDxE, cache
 
 
 class SwiGLU(nnx.Module):
@@ -202,16 +205,23 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_down = param(rngs, normal(0.02 / (2 * cfg.layers) ** 0.5), (m, e), (MLP, EMBED))
 
-    def __call__(self, x_BxSxE):
+    def __call__(self, x_BxSxE, fused: bool = True):
+        """`fused`: gate and up as one product, for one partial sum (one all-reduce) of the
+        input gradient; decoding takes no gradient, and reads the two weights apart
+        rather than a stacked copy of them each step."""
         dt = x_BxSxE.dtype
-        # gate and up as one product: one partial sum (one all-reduce) for the input
-        # gradient
-        w_Ex2xM = constrain(
-            jnp.stack([self.w_gate[...].astype(dt), self.w_up[...].astype(dt)], axis=1),
-            (EMBED, QKV, MLP),
-        )
-        gate_up_BxSx2xM = dense("bse,etm->bstm", x_BxSxE, w_Ex2xM, (EMBED, QKV, MLP))
-        gate_BxSxM, up_BxSxM = gate_up_BxSx2xM[:, :, 0], gate_up_BxSx2xM[:, :, 1]
+        if fused:
+            w_Ex2xM = constrain(
+                jnp.stack([self.w_gate[...].astype(dt), self.w_up[...].astype(dt)], axis=1),
+                (EMBED, QKV, MLP),
+            )
+            gate_up_BxSx2xM = dense("bse,etm->bstm", x_BxSxE, w_Ex2xM, (EMBED, QKV, MLP))
+            gate_BxSxM, up_BxSxM = gate_up_BxSx2xM[:, :, 0], gate_up_BxSx2xM[:, :, 1]
+        else:
+            gate_BxSxM, up_BxSxM = (
+                dense("bse,em->bsm", x_BxSxE, w[...].astype(dt), (EMBED, MLP))
+                for w in (self.w_gate, self.w_up)
+            )
         h_BxSxM = constrain(jax.nn.silu(gate_BxSxM) * up_BxSxM, (BATCH, SEQ, MLP))
         y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_down[...].astype(dt), (MLP, EMBED))
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
@@ -234,18 +244,18 @@ class Block(nnx.Module):
         y_BxSxE, load = self.feed_forward(self.mlp_norm(x_BxSxE), trained_BxS)
         return x_BxSxE + y_BxSxE, load
 
-    def feed_forward(self, x_BxSxE, trained_BxS=None, dropless: bool = False):
+    def feed_forward(self, x_BxSxE, trained_BxS=None, decoding: bool = False):
+        """Decoding: every token to its experts (dropless), as transformers does."""
         if isinstance(self.mlp, MoE):
-            return self.mlp(x_BxSxE, trained_BxS, dropless)
-        return self.mlp(x_BxSxE), None
+            return self.mlp(x_BxSxE, trained_BxS, dropless=decoding)
+        return self.mlp(x_BxSxE, fused=not decoding), None
 
     def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
         y_BxTxE, cache = self.attn.decode(
             self.attn_norm(x_BxTxE), positions_BxT, cache, slot, pad_B
         )
         x_BxTxE = x_BxTxE + y_BxTxE
-        # every token to its experts while decoding, as transformers does
-        return x_BxTxE + self.feed_forward(self.mlp_norm(x_BxTxE), dropless=True)[0], cache
+        return x_BxTxE + self.feed_forward(self.mlp_norm(x_BxTxE), decoding=True)[0], cache
 
 
 class Group(nnx.Module):
@@ -265,15 +275,12 @@ class Group(nnx.Module):
             x_BxSxE = block(x_BxSxE, docs)
         return self.sparse.routed(x_BxSxE, docs, trained_BxS)
 
-    def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
-        """As Block.decode, `cache`'s leaves [n, ...]: the group's blocks' caches."""
-        blocks, caches = [*self.dense, self.sparse], []
-        for i, block in enumerate(blocks):
-            x_BxTxE, c = block.decode(
-                x_BxTxE, jax.tree.map(lambda a, i=i: a[i], cache), positions_BxT, slot, pad_B
-            )
-            caches.append(c)
-        return x_BxTxE, jax.tree.map(lambda *cs: jnp.stack(cs), *caches)
+    def decode(self, x_BxTxE, caches, positions_BxT, slot, pad_B):
+        """As Block.decode, `caches` the group's blocks' caches, in order."""
+        caches = list(caches)
+        for i, block in enumerate([*self.dense, self.sparse]):
+            x_BxTxE, caches[i] = block.decode(x_BxTxE, caches[i], positions_BxT, slot, pad_B)
+        return x_BxTxE, caches
 
 
 def sparse_every(m: LlamaConfig) -> int:
@@ -300,22 +307,19 @@ class Llama(nnx.Module):
         del docs  # positions are rotary: each layer's attention reads them
         return embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
 
-    def decode(self, tokens_BxT, positions_BxT, cache, slot, pad_B):
-        """(logits [B, T, V] of T new tokens at cache slots slot.., the cache with their
-        keys and values): `cache` is (k, v), each [layers, B, M, kv_heads, head_dim]."""
+    def decode(self, tokens_BxT, positions_BxT, caches, slot, pad_B):
+        """(logits [B, T, V] of T new tokens at cache slots slot.., the caches with their
+        keys and values): `caches`, one (k, v) per layer as jaxpar.nn.attention.CACHE_NAMES
+        lays them out."""
         n = self.every  # a Group's blocks: their caches side by side
-        if n > 1:
-            cache = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), cache)
-        x_BxTxE, cache = scan_cached(
+        units = [caches[i : i + n] for i in range(0, len(caches), n)] if n > 1 else caches
+        x_BxTxE, units = unrolled(
             self.blocks,
             self.embed(tokens_BxT),
-            cache,
+            units,
             lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
-            slot,
         )
-        if n > 1:
-            cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), cache)
-        return self.logits(x_BxTxE), cache
+        return self.logits(x_BxTxE), [c for u in units for c in u] if n > 1 else units
 
     def logits(self, x_BxSxE):
         x_BxSxE = self.norm(x_BxSxE)

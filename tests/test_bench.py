@@ -3,7 +3,7 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar.cli import bench
+from jaxpar.cli import bench, bench_generate
 from jaxpar.cli.bench import Base, run_bench
 
 
@@ -136,11 +136,29 @@ def test_plan_section_times_the_70b_plan(capsys):
 
 @pytest.mark.slow
 def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devices, monkeypatch):
-    monkeypatch.setattr(bench, "GENERATE_NEW", 4)  # what is checked is the table, not timing
-    two = {k: v for k, v in bench.GENERATE_LAYOUTS.items() if k != "tensor=2"}
-    monkeypatch.setattr(bench, "GENERATE_LAYOUTS", two)
-    rows = run_bench(only=["generate"])["generate"]
+    """The layouts' table, and the peer's (in its own process of one device): what is
+    checked is the tables and the bytes a step must read, not timing."""
+    monkeypatch.setattr(bench_generate, "LAYOUT_NEW", 4)
+    two = {k: v for k, v in bench_generate.LAYOUTS.items() if k != "tensor=2"}
+    monkeypatch.setattr(bench_generate, "LAYOUTS", two)
+    cases = (bench_generate.Case(1, 4), bench_generate.Case(2, 4, sampled=True))
+    monkeypatch.setattr(bench_generate, "PEER_CASES", cases)
+    monkeypatch.setattr(bench_generate, "ROUNDS", 1)
+    results = run_bench(only=["generate"])
+    rows = results["generate"]
     assert set(rows) == set(two)
     for r in rows.values():
         assert r["cache_bytes_per_token"] == r["formula_bytes_per_token"] == 2 * 4 * 2 * 8 * 4
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+    peer = results["generate-peer"]
+    assert list(peer) == ["1 x 4", "2 x 4 sampled"]
+    # the weights (8 layers of 512 x (512 + 2 x 256 + 512 + 3 x 1536) and 2 x 2048 x 512
+    # for the embedding and head; 2 norms a layer and the last, 512 each) in fp32 and the
+    # cache of each row filled to 16 + 4 / 2 ids, 2 x 8 x 4 x 64 x 4 bytes each
+    weights = 4 * (8 * (512 * (512 + 2 * 256 + 512 + 3 * 1536) + 2 * 512) + 2 * 2048 * 512 + 512)
+    for case, r in zip(cases, peer.values(), strict=True):
+        assert r["step_bytes"] == weights + case.prompts * 18 * 2 * 8 * 4 * 64 * 4
+        assert r["peer_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["over_roofline"] == pytest.approx(
+            r["step_ms"] / 1e3 / (r["step_bytes"] / (r["copy_gb_per_s"] * 1e9))
+        )

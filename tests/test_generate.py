@@ -15,6 +15,8 @@ from jaxpar.cli import main as cli
 from jaxpar.config import presets, registry
 from jaxpar.data import tokens as data
 from jaxpar.generation import decoding
+from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, SEQ
+from jaxpar.nn.attention import CACHE_NAMES
 from jaxpar.nn.layers import scan_layers
 from jaxpar.nn.problem import registered
 
@@ -51,7 +53,8 @@ def test_decoding_through_the_cache_equals_a_full_forward_pass(preset, overrides
     def step(tokens, positions, cache, slot):
         return model.decode(tokens, positions, cache, slot, pad)
 
-    cache = (jnp.zeros((layers, rows, slots, kv, d)),) * 2
+    sizes = {BATCH: rows, KV_HEADS: kv, SEQ: slots, HEAD_DIM: d}
+    cache = [tuple(jnp.zeros([sizes[n] for n in names]) for names in CACHE_NAMES)] * layers
     positions = np.maximum(np.arange(prompt)[None] - pad[:, None], 0)
     logits, cache = step(ids[:, :prompt], positions, cache, 0)
     steps = [logits]
@@ -136,7 +139,7 @@ def test_the_cache_holds_the_formula_per_token(checkpoint, devices):
     """2 x layers x kv_heads x head_dim x 4 bytes a token, as allocated."""
     _, model = greedy(f"hf:{checkpoint}", new=2)
     cache = decoding.Decoder(model).empty(rows=4, slots=48)
-    allocated = sum(x.nbytes for x in cache) / (4 * 48)
+    allocated = sum(x.nbytes for x in jax.tree.leaves(cache)) / (4 * 48)
     assert allocated == decoding.cache_bytes_per_token(model) == 2 * 2 * 2 * 8 * 4
 
 

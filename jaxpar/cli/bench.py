@@ -485,51 +485,6 @@ def plan_seconds(tables: dict) -> dict:
     return {"seconds": seconds, "considered": plan.considered, "fit": len(plan.ranked)}
 
 
-GENERATE_LAYOUTS = {
-    "one device": ("parallel.data=1", "parallel.tensor=1"),
-    "tensor=2": ("parallel.data=1", "parallel.tensor=2"),
-    "data=4 x tensor=2": ("parallel.data=4", "parallel.tensor=2"),
-}
-GENERATE_PROMPTS, GENERATE_NEW = (8, 16, 24, 32, 40, 48, 56, 64), 64  # 8 prompts' lengths
-
-
-def generate_speed(tables: dict) -> dict:
-    """`jaxpar generate`'s prefill and decode tokens/s on llama-tiny (random weights, every
-    layout greedy over the same 8 prompts, 64 new tokens each), and its KV cache bytes
-    per token as allocated against 2 x layers x kv_heads x head_dim x 4 bytes."""
-    from jaxpar.generation import decoding
-
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in GENERATE_PROMPTS]
-    results, rows = {}, []
-    for name, overrides in GENERATE_LAYOUTS.items():
-        model = decoding.random("llama-tiny", list(overrides))
-        decoder = decoding.Decoder(model)
-        done = decoding.generate(decoder, prompts, GENERATE_NEW, decoding.Sampling(), set())
-        cache = decoder.empty(done.rows, done.cache_slots)
-        allocated = sum(x.nbytes for x in cache) / (done.rows * done.cache_slots)
-        layers, kv, d = model.cache_dims
-        results[name] = {
-            "prefill_tokens_per_s": done.prefill_tokens / done.prefill_s,
-            "decode_tokens_per_s": done.decode_tokens / done.decode_s,
-            "compile_s": done.compile_s,
-            "cache_bytes_per_token": allocated,
-            "formula_bytes_per_token": 2 * layers * kv * d * 4,
-        }
-        r = results[name]
-        speeds = (f"{r[k]:,.0f}" for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
-        cache_text = f"{allocated:,.0f} / {r['formula_bytes_per_token']:,}"
-        rows.append([name, *speeds, f"{r['compile_s']:.1f}", cache_text])
-    lengths = f"{GENERATE_PROMPTS[0]}-{GENERATE_PROMPTS[-1]}"
-    title = (
-        f"jaxpar generate, llama-tiny, {len(prompts)} prompts of {lengths} ids, "
-        f"{GENERATE_NEW} new tokens each, greedy"
-    )
-    header = ["layout", "prefill tok/s", "decode tok/s", "compile s", "cache B/token / formula"]
-    _show(tables, "generate", title, table(rows, header))
-    return results
-
-
 def run_bench(
     base: Base = Base(), steps: int = 20, out: Path | None = None, only: list[str] | None = None
 ) -> dict:
@@ -615,7 +570,10 @@ def run_bench(
     if not only or "plan" in only:
         results["plan"] = {"gpt-70b": plan_seconds(tables)}
     if not only or "generate" in only:
-        results["generate"] = generate_speed(tables)
+        from jaxpar.cli import bench_generate
+
+        results["generate"] = bench_generate.layouts(tables, _show)
+        results["generate-peer"] = bench_generate.against_peer(tables, _show)
     if out:
         metrics.write_json(
             out,

@@ -271,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
             type=int,
             metavar="N",
             help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default "
-            f"{DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is installed)",
+            f"{1 if p is gen else DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is installed)",
         )
     return parser
 
@@ -284,13 +284,18 @@ def _check_cpu_devices(n: int | None, flag: str = "--cpu-devices") -> None:
         )
 
 
-def _setup_devices(n: int | None) -> None:
+def _setup_devices(n: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
+    """n simulated CPU devices, or those jaxpar launch set, or `default` where no
+    accelerator is installed (and jax has not started: in a process that has, a default
+    leaves its devices as they are)."""
+    from jax._src import xla_bridge
+
     from jaxpar.parallel.mesh import accelerator_installed, use_cpu_devices
 
     if n is None and os.environ.get("JAX_NUM_CPU_DEVICES"):  # set by jaxpar launch
         n = int(os.environ["JAX_NUM_CPU_DEVICES"])
-    if n is None and not accelerator_installed():
-        n = DEFAULT_CPU_DEVICES
+    if n is None and not accelerator_installed() and not xla_bridge.backends_are_initialized():
+        n = default
     if n is not None:
         _check_cpu_devices(n)
         use_cpu_devices(n)
@@ -416,7 +421,9 @@ def _generate(args: argparse.Namespace) -> int:
         )
     request = prompts.read(args)
     load(overrides=args.overrides)  # the overrides' keys and values, checked
-    _setup_devices(args.cpu_devices)
+    # one CPU device unless asked for more: simulated devices share the cores, and a
+    # process of 8 decodes 1.4x slower a step on one of them (docs/generation.md)
+    _setup_devices(args.cpu_devices, default=1)
     from jaxpar.generation import decoding
 
     model = decoding.load(args.source, args.overrides, args.step)

@@ -28,10 +28,15 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, SEQ
 from jaxpar.nn import scope, sequence
 from jaxpar.parallel import context
 
 BLOCK = 512  # query rows per block of the blocked form
+# one layer's KV cache (cached_attention): keys [B, K, D, M] and values [B, K, M, D] (K
+# key/value heads, M slots), each the right-hand side of its product in attention as
+# XLA's dot reads it, [batch..., contracted, kept], with no transpose of the cache
+CACHE_NAMES = ((BATCH, KV_HEADS, HEAD_DIM, SEQ), (BATCH, KV_HEADS, SEQ, HEAD_DIM))
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -201,32 +206,32 @@ def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) 
 
 
 def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):
-    """Attention of T new queries through a KV cache (k, v [B, M, K, D], K key/value
+    """Attention of T new queries through one layer's KV cache (CACHE_NAMES: K key/value
     heads, each serving H/K query heads in order) whose slots before `slot` hold the
-    earlier tokens: each query sees those at or after its row's first real token (`pad_B`:
-    the left padding of each row) and the new ones up to its own, within the sliding
-    `window` if one is given. The cache is read, never written: returns (out [B, T, H, D],
-    the new keys and values [B, T, K, D], for slots slot..slot+T-1), so that a decode
-    step writes T slots of the stacked cache in place (jaxpar.nn.layers.scan_cached)
-    rather than a copy of it."""
-    cache_k, cache_v = cache
+    earlier tokens: the new keys and values are written at slots slot..slot+T-1 (in
+    place, where the cache is donated: the write comes first, so nothing reads the
+    cache before it), then each query sees the slots at or after its row's first real
+    token (`pad_B`: the left padding of each row) up to its own, within the sliding
+    `window` if one is given. Returns (out [B, T, H, D], the written cache)."""
     b, t, h, d = q_BxTxHxD.shape
-    kv, m = cache_k.shape[2], cache_k.shape[1]
+    kv, m = cache[0].shape[1], cache[0].shape[3]
     dt = q_BxTxHxD.dtype
-    q_BxTxKxGxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d)
-    old_BxKxGxTxM = jnp.einsum("btkgd,bmkd->bkgtm", q_BxTxKxGxD, cache_k.astype(dt))
-    new_BxKxGxTxT = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxTxKxD.astype(dt))
-    queries_T = slot + jnp.arange(t)
-    keys = jnp.concatenate([jnp.arange(m), queries_T])  # M old slots, then the T new
-    back_TxN = queries_T[:, None] - keys[None, :]
-    old_N = jnp.arange(m + t) < m
-    visible_TxN = (back_TxN >= 0) & ((back_TxN < window) if window else True)
-    visible_TxN &= ~old_N[None] | (keys[None, :] < slot)  # old slots: the earlier tokens only
-    visible_BxTxN = visible_TxN[None] & (keys[None, None, :] >= pad_B[:, None, None])
-    mask_Bx1x1xTxN = jnp.where(visible_BxTxN, 0.0, -1e30)[:, None, None]
-    att = jnp.concatenate([old_BxKxGxTxM, new_BxKxGxTxT], -1).astype(jnp.float32)
-    prob = jax.nn.softmax(att + mask_Bx1x1xTxN, axis=-1).astype(dt)
-    out_BxTxKxGxD = jnp.einsum("bkgtm,bmkd->btkgd", prob[..., :m], cache_v.astype(dt))
-    out_BxTxKxGxD += jnp.einsum("bkgts,bskd->btkgd", prob[..., m:], v_BxTxKxD.astype(dt))
-    new = (k_BxTxKxD.astype(cache_k.dtype), v_BxTxKxD.astype(cache_v.dtype))
-    return out_BxTxKxGxD.reshape(b, t, h, d), new
+    cache_k = jax.lax.dynamic_update_slice_in_dim(
+        cache[0], k_BxTxKxD.transpose(0, 2, 3, 1).astype(cache[0].dtype), slot, 3
+    )
+    cache_v = jax.lax.dynamic_update_slice_in_dim(
+        cache[1], v_BxTxKxD.transpose(0, 2, 1, 3).astype(cache[1].dtype), slot, 2
+    )
+    # the written cache as one buffer: XLA would otherwise fuse the write into each of
+    # its readers, each a copy of the cache
+    cache_k, cache_v = jax.lax.optimization_barrier((cache_k, cache_v))
+    q_BxKxGxTxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, cache_k.astype(dt))
+    back_TxM = (slot + jnp.arange(t))[:, None] - jnp.arange(m)[None, :]
+    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
+    visible_BxTxM = visible_TxM[None] & (jnp.arange(m)[None, None, :] >= pad_B[:, None, None])
+    mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
+    prob = jax.nn.softmax(att_BxKxGxTxM.astype(jnp.float32) + mask_Bx1x1xTxM, axis=-1)
+    out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), cache_v.astype(dt))
+    out_BxTxHxD = out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out_BxTxHxD, (cache_k, cache_v)

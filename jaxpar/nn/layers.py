@@ -191,19 +191,18 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     return carry
 
 
-def scan_cached(stack: nnx.Module, carry, cache, fn: Callable, slot):
-    """(carry, cache) from carry, new = fn(layer, carry, layer_cache) for each layer of
-    `stack`, `cache` a pytree of [layers, ..., M, K, D] arrays (a KV cache) and `new` the
-    layer's entries for slots slot..slot+T-1 ([..., T, K, D] each): decoding, outside a
-    training step. The new entries of every layer are written into the cache after the
-    scan, in place where the cache is donated: a step writes T slots, not the cache."""
+def unrolled(stack: nnx.Module, carry, caches: list, fn: Callable):
+    """(carry, caches) from carry, caches[i] = fn(layer i, carry, caches[i]) for each layer
+    of `stack` in turn: decoding, outside a training step. The loop is unrolled, so that
+    each layer reads its slice of a stacked weight by a static index (a slice XLA drops
+    where the stack was built from per-layer arrays, as jaxpar.generation.decoding passes
+    them), and writes its own cache (`caches`: one per layer) in place, not a stacked
+    copy."""
     graphdef, state = nnx.split(stack)
-
-    def body(carry, xs):
-        layer_state, layer_cache = xs
-        return fn(nnx.merge(graphdef, layer_state), carry, layer_cache)
-
-    carry, new = jax.lax.scan(body, carry, (state, cache))
-    return carry, jax.tree.map(
-        lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n, slot, c.ndim - 3), cache, new
-    )
+    caches = list(caches)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    for i in range(len(caches)):
+        take = lambda v, i=i: v.replace(v.get_value()[i])  # noqa: E731
+        layer = nnx.merge(graphdef, jax.tree.map(take, state, is_leaf=is_var))
+        carry, caches[i] = fn(layer, carry, caches[i])
+    return carry, caches
