@@ -156,6 +156,19 @@ def test_a_fixed_seed_gives_the_same_text_and_top_k_keeps_to_the_top(devices):
     assert len(np.unique(draws[:, 0])) > 1  # it samples
 
 
+def test_a_decoder_compiles_a_bucket_once_and_a_seed_repeats_its_text(devices):
+    """What a rollout does each step: the same shapes with a new seed reuse the compiled
+    programs (the key is an argument, not a constant), and a seed gives its ids again."""
+    model = decoding.random("llama-tiny", ["parallel.data=1", "parallel.tensor=1"], devices[:1])
+    decoder = decoding.Decoder(model)
+    runs = [
+        decoding.generate(decoder, PROMPTS, 20, decoding.Sampling(1.0, seed=seed), set())
+        for seed in (0, 1, 0)
+    ]
+    assert len(decoder.compiled) == 1 and runs[1].compile_s < runs[0].compile_s / 10
+    assert runs[0].completions == runs[2].completions != runs[1].completions
+
+
 def test_sampling_at_temperature_1_matches_the_distribution():
     """A chi-squared test of 20,000 draws against softmax(logits), fixed seed."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])

@@ -337,19 +337,53 @@ class Decoder:
 
         self.first = jax.jit(first, donate_argnums=3, static_argnums=6)
         self.chunk = jax.jit(chunk, donate_argnums=2, static_argnums=7)
+        self.compiled: dict = {}
+        self.zeros: dict = {}
 
-    def empty(self, rows: int, slots: int) -> list:
+    def programs(self, tokens: tuple[int, int], slots: int, sampling: Sampling):
+        """(prefill, decode loop) compiled for prompts of `tokens` = (rows, P) ids in a
+        cache of `slots`, and for `sampling`'s cut (not its seed: the key is an
+        argument): compiled on first use, kept for the next call (a rollout's each)."""
+        cut = dataclasses.replace(sampling, seed=0)
+        at = (tokens, slots, cut)
+        if at not in self.compiled:
+            m, (rows, p_slots) = self.m, tokens
+            ids = jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=self.rows)
+            per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self.rows)
+            cache = self.cache_shapes(rows, slots)
+            key = jax.random.key(0)
+            options = CPU_DECODE_OPTIONS if m.mesh.devices.flat[0].platform == "cpu" else {}
+            self.compiled[at] = (
+                self.first.lower(m.params, ids, ids, cache, per_row, key, cut).compile(),
+                self.chunk.lower(m.params, per_row, cache, p_slots, per_row, key, 0, cut).compile(
+                    options
+                ),
+            )
+        return self.compiled[at]
+
+    def cache_shapes(self, rows: int, slots: int) -> list:
         """The cache: (k, v) of each layer, laid out as jaxpar.nn.attention.CACHE_NAMES
         and placed by the rules as the model's own key/value heads are."""
         layers, kv, d = self.m.cache_dims
         sizes = {BATCH: rows, KV_HEADS: kv, SEQ: slots, HEAD_DIM: d}
-        return [tuple(self._zeros(names, sizes) for names in CACHE_NAMES) for _ in range(layers)]
 
-    def _zeros(self, names, sizes):
-        shape = tuple(sizes[n] for n in names)
-        spec = compute_spec(names, shape, RULES, dict(self.m.mesh.shape))
-        placed = NamedSharding(self.m.mesh, spec)
-        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=placed)()
+        def one(names):
+            shape = tuple(sizes[n] for n in names)
+            spec = NamedSharding(
+                self.m.mesh, compute_spec(names, shape, RULES, dict(self.m.mesh.shape))
+            )
+            return jax.ShapeDtypeStruct(shape, self.dtype, sharding=spec)
+
+        return [tuple(one(names) for names in CACHE_NAMES) for _ in range(layers)]
+
+    def empty(self, rows: int, slots: int) -> list:
+        """cache_shapes' arrays, zeros (the program that makes them kept, as the others)."""
+        if (rows, slots) not in self.zeros:
+            shapes = self.cache_shapes(rows, slots)
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+            placed = jax.tree.map(lambda s: s.sharding, shapes)
+            self.zeros[(rows, slots)] = jax.jit(zeros, out_shardings=placed)
+        return self.zeros[(rows, slots)]()
 
 
 def check_lengths(m: Loaded, prompts: list[list[int]], max_new: int) -> None:
@@ -390,12 +424,7 @@ def generate(
     pad_d = put(pad)
     start = time.perf_counter()
     cache = decoder.empty(rows, m_slots)
-    prefill = decoder.first.lower(m.params, put(tokens), put(positions), cache, pad_d, key,
-                                  sampling).compile()  # fmt: skip
-    first_id = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=decoder.rows)
-    options = CPU_DECODE_OPTIONS if m.mesh.devices.flat[0].platform == "cpu" else {}
-    loop = decoder.chunk.lower(m.params, first_id, cache, p_slots, pad_d, key, 0,
-                               sampling).compile(options)  # fmt: skip
+    prefill, loop = decoder.programs(tokens.shape, m_slots, sampling)
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     nxt, cache = prefill(m.params, put(tokens), put(positions), cache, pad_d, key)
