@@ -7,7 +7,8 @@ rewritten from it. Never retype a measured number: run this.
     .venv/bin/python scripts/update_docs.py --from docs/bench.json --check   # exit 1 if stale
 
 NAME is a section of the bench (strategies, schedules, dp, hosts, offload, remat, context,
-experts, checkpoint, longest, compile, plan, generate), shown as its printed table, or
+experts, checkpoint, longest, compile, plan, generate, generate-peer), shown as its
+printed table, or
 `proven`: the README's table of what is proven, with each strategy's measured figure.
 """
 
