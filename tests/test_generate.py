@@ -3,6 +3,7 @@ continuations equal transformers' generate, the layouts agree, sampling is seede
 keeps to top-k and to the model's distribution, and bad input is refused."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,21 @@ def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(check
     }
     assert done.rows == 4  # 3 prompts, padded to the data degree
     assert (done.prompt_slots, done.cache_slots) == (32, 48)  # the buckets
+
+
+def test_the_decode_loop_moves_activations_only(devices):
+    """Under data=2 x tensor=2 a decode step's collectives are Megatron's: one
+    all-reduce of [rows per data shard, 1, embed] after each layer's attention and MLP,
+    one after the vocab-split embedding lookup, and the sampled ids' gather across the
+    vocab's shards; no weight or cache byte moves."""
+    model = decoding.random("llama-tiny", ["parallel.data=2", "parallel.tensor=2"], devices[:4])
+    _, loop = decoding.Decoder(model).programs((4, 16), 32, decoding.Sampling())
+    hlo, layers, embed = loop.as_text(), model.cfg.model.layers, model.cfg.model.embed
+    reduced = re.findall(r"= (\S+) all-reduce(?:-start)?\(", hlo)
+    assert reduced == [f"f32[2,1,{embed}]{{2,1,0}}"] * (2 * layers + 1)
+    gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+    assert sorted(g.split("[")[1].split("]")[0] for g in gathered) == ["2,2", "2,2"]  # (value, id)
+    assert not re.search(r" (reduce-scatter|all-to-all|collective-permute)(-start)?\(", hlo)
 
 
 def test_the_cache_holds_the_formula_per_token(checkpoint, devices):
