@@ -287,7 +287,7 @@ class Generated:
     completions: list[list[int]]  # new ids of each prompt (up to and with its stop id)
     prefill_tokens: int  # real prompt ids
     prefill_s: float
-    decode_tokens: int  # new ids kept
+    decode_tokens: int  # new ids kept from the decode loop (each row's first: the prefill's)
     decode_s: float
     decode_steps: int  # steps of the decode loop (the first id is the prefill's)
     compile_s: float
@@ -450,7 +450,7 @@ def generate(
         completions=completions,
         prefill_tokens=sum(len(p) for p in prompts),
         prefill_s=prefill_s,
-        decode_tokens=sum(len(c) for c in completions),
+        decode_tokens=sum(max(len(c) - 1, 0) for c in completions),
         decode_s=decode_s,
         decode_steps=t,
         compile_s=compile_s,
