@@ -3,13 +3,16 @@ Face checkpoint, through a KV cache.
 
 Decoding: the prompts of a batch are left-padded to a bucket of P ids (a power of two,
 at least 16) and prefilled in one pass, writing their keys and values into a cache of M
-= P + the new tokens (rounded up to 16) slots; then one token per step, each written at
-the next slot, every row at its own positions (counted from its first real id) behind a
-mask of its padding. Steps are compiled once per (rows, P, M), not per prompt; decoding
-stops where every row has met a stop id (the tokenizer's end of text; with a chat
-template, its end-of-turn token too) or at --max-new-tokens. Greedy at temperature 0;
-otherwise sampled from softmax(logits / temperature), cut to the top k and to the
-smallest set of top-p mass, with a key from (--seed, step): the same seed, the same text.
+= P + the new tokens (rounded up to 16) slots; then CHUNK steps a dispatch, in a loop on
+the device that samples each row's next id there, each step written at the next slot,
+every row at its own positions (counted from its first real id) behind a mask of its
+padding. Each layer reads its weights and its own cache where they lie (by_layer; the
+cache donated and written in place). A Decoder compiles a bucket (rows, P, M, the
+sampling's cut) once and keeps it. Decoding stops where every row has met a stop id (the
+tokenizer's end of text; with a chat template, its end-of-turn token too), checked after
+each chunk, or at --max-new-tokens. Greedy at temperature 0; otherwise sampled from
+softmax(logits / temperature), cut to the top k and to the smallest set of top-p mass,
+with a key from (--seed, step): the same seed, the same text.
 
 Layout: the devices as data x tensor. tensor is the largest count of devices that
 divides the model's heads, key/value heads, MLP width and vocab (Megatron's split of
