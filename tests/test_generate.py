@@ -3,6 +3,7 @@ continuations equal transformers' generate, the layouts agree, sampling is seede
 keeps to top-k and to the model's distribution, and bad input is refused."""
 
 import json
+import math
 import re
 
 import jax
@@ -134,6 +135,36 @@ def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(check
     }
     assert done.rows == 4  # 3 prompts, padded to the data degree
     assert (done.prompt_slots, done.cache_slots) == (32, 48)  # the buckets
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_decode_loop_copies_no_weight_and_no_cache(rows, devices):
+    """The compiled loop reads each weight and each layer's cache where they lie: no
+    copy, transpose, concatenation or slice in it is as large as a layer's cache buffer
+    or a weight matrix (before, every step copied each weight out of the layer stack,
+    gate and up into one, and the cache for both products). At 1 row too, where XLA had
+    fused the cache's write into both of its readers."""
+    model = decoding.random("llama-tiny", ["parallel.data=1", "parallel.tensor=1"], devices[:1])
+    decoder = decoding.Decoder(model)
+    _, loop = decoder.programs((rows, 16), 48, decoding.Sampling())
+    smallest = min(
+        *(math.prod(s.shape) for s in jax.tree.leaves(decoder.cache_shapes(rows, 48))),
+        *(math.prod(s.shape[1:]) for s in model.problem.shapes.values() if len(s.shape) > 2),
+    )
+    moved = re.findall(
+        r"%(\S+) = \w+\[([\d,]*)\]\S* (copy|transpose|concatenate|slice|dynamic-slice|fusion)\(",
+        loop.as_text(),
+    )
+    sizes = [
+        math.prod(int(n) for n in dims.split(",") if n)
+        for name, dims, op in moved
+        if any(
+            k in (name if op == "fusion" else op)
+            for k in ("copy", "transpose", "concatenate", "slice")
+        )
+        and "update" not in name  # fmt: skip
+    ]
+    assert sizes and max(sizes) < smallest
 
 
 def test_the_decode_loop_moves_activations_only(devices):
