@@ -109,18 +109,25 @@ def test_a_run_trained_over_any_axis_decodes_in_its_own_layout(axis, tmp_path, d
 
 
 @pytest.mark.slow
-def test_greedy_output_is_the_same_in_every_layout(checkpoint, devices):
+def test_greedy_and_sampled_output_is_the_same_in_every_layout(checkpoint, devices):
     """One device, tensor=2, tensor=4 (the 2 key/value heads then whole on each), and
-    data=2 x tensor=2 for the batch: the same ids."""
+    data=2 x tensor=2 for the batch: the same ids, greedy and sampled with a seed (the
+    draws do not depend on how the rows and the vocab are split: what a rollout needs)."""
     source = f"hf:{checkpoint}"
-    outputs = {}
+    outputs, sampled = {}, {}
     for name, overrides in LAYOUTS.items():
         done, model = greedy(source, *overrides, devices=4)
         degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides)
         assert {k: str(model.mesh.shape[k]) for k in degrees} == degrees
         outputs[name] = done.completions
+        draw = decoding.Sampling(temperature=1.0, top_p=0.9, seed=3)
+        sampled[name] = decoding.generate(
+            decoding.Decoder(model), PROMPTS, 12, draw, set()
+        ).completions
     assert all(o == outputs["one"] for o in outputs.values()), outputs
     assert [len(c) for c in outputs["one"]] == [32] * 3
+    assert all(o == sampled["one"] for o in sampled.values()), sampled
+    assert sampled["one"] != [c[:12] for c in outputs["one"]]  # it samples
 
 
 def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(checkpoint, devices):
