@@ -288,13 +288,11 @@ def _setup_devices(n: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
     """n simulated CPU devices, or those jaxpar launch set, or `default` where no
     accelerator is installed (and jax has not started: in a process that has, a default
     leaves its devices as they are)."""
-    from jax._src import xla_bridge
-
-    from jaxpar.parallel.mesh import accelerator_installed, use_cpu_devices
+    from jaxpar.parallel.mesh import accelerator_installed, jax_started, use_cpu_devices
 
     if n is None and os.environ.get("JAX_NUM_CPU_DEVICES"):  # set by jaxpar launch
         n = int(os.environ["JAX_NUM_CPU_DEVICES"])
-    if n is None and not accelerator_installed() and not xla_bridge.backends_are_initialized():
+    if n is None and not accelerator_installed() and not jax_started():
         n = default
     if n is not None:
         _check_cpu_devices(n)

@@ -103,11 +103,16 @@ def accelerator_installed() -> bool:
     return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
 
 
-def use_cpu_devices(n: int) -> None:
-    """Simulate n devices on the CPU. Must run before jax starts its backends."""
+def jax_started() -> bool:
+    """Whether jax has started its backends in this process (its devices then fixed)."""
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    return xla_bridge.backends_are_initialized()
+
+
+def use_cpu_devices(n: int) -> None:
+    """Simulate n devices on the CPU. Must run before jax starts its backends."""
+    if jax_started():
         have = jax.device_count()
         if have != n or jax.devices()[0].platform != "cpu":
             raise ConfigError(
