@@ -23,7 +23,8 @@ _EXPORTS = {
     },
     **{
         name: ("jaxpar.config.sections", name)
-        for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Dpo", "Model")
+        for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Dpo", "Grpo")
+        + ("Model",)
         + ("Parallel", "Train")
     },
     "load": ("jaxpar.config.presets", "load"),

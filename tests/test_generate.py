@@ -200,11 +200,11 @@ def test_the_cache_holds_the_formula_per_token(checkpoint, devices):
 def test_a_fixed_seed_gives_the_same_text_and_top_k_keeps_to_the_top(devices):
     logits = jax.random.normal(jax.random.key(0), (4, 256)) * 3
     s = decoding.Sampling(temperature=1.0, top_k=5, seed=0)
-    draws = np.stack([np.asarray(decoding.sample(logits, jax.random.key(i), s))
+    draws = np.stack([np.asarray(decoding.sample(logits, decoding.row_keys(i, 4), s))
                       for i in range(200)])  # fmt: skip
     top = np.asarray(jax.lax.top_k(logits, 5)[1])
     assert all(np.isin(draws[:, row], top[row]).all() for row in range(4))
-    again = np.stack([np.asarray(decoding.sample(logits, jax.random.key(i), s))
+    again = np.stack([np.asarray(decoding.sample(logits, decoding.row_keys(i, 4), s))
                       for i in range(200)])  # fmt: skip
     np.testing.assert_array_equal(draws, again)
     assert len(np.unique(draws[:, 0])) > 1  # it samples
@@ -227,13 +227,14 @@ def test_sampling_at_temperature_1_matches_the_distribution():
     """A chi-squared test of 20,000 draws against softmax(logits), fixed seed."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     logits = jnp.log(jnp.asarray(probs, jnp.float32))[None].repeat(20_000, axis=0)
-    draws = np.asarray(decoding.sample(logits, jax.random.key(7), decoding.Sampling(1.0)))
+    keys = decoding.row_keys(7, len(logits))
+    draws = np.asarray(decoding.sample(logits, keys, decoding.Sampling(1.0)))
     counts = np.bincount(draws, minlength=len(probs))
     expected = probs * len(draws)
     chi2 = np.sum((counts - expected) ** 2 / expected)
     assert chi2 < 15.09, (chi2, counts)  # chi-squared, 5 degrees of freedom: p > 0.01
     # top-p 0.7 keeps the three most likely (mass 0.8 reaches 0.7 with the third)
-    cut = decoding.sample(logits, jax.random.key(7), decoding.Sampling(1.0, top_p=0.7))
+    cut = decoding.sample(logits, keys, decoding.Sampling(1.0, top_p=0.7))
     assert set(np.unique(np.asarray(cut))) == {0, 1, 2}
 
 

@@ -17,12 +17,12 @@ from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
 from jaxpar.config.sections import AdapterKind, Config, Objective, Reference
-from jaxpar.data import pairs
+from jaxpar.data import pairs, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import dpo, precompute
+from jaxpar.objectives import dpo, grpo, precompute
 from jaxpar.parallel import mesh_rules
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -61,6 +61,17 @@ def model_problem(
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
     if cfg.train.objective is Objective.DPO:
         return dpo.objective(own, cfg), _pair_batches(cfg, own, "train", devices)
+    if cfg.train.objective is Objective.GRPO:
+        from jaxpar.training.rollouts import Rollouts
+
+        _check_grpo(cfg)
+        return grpo.objective(own, cfg), Rollouts(cfg, own)
+    if prompts.meta_of(cfg.data) is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path} holds prompts (prepare-data --format prompts), with no "
+            f"answers to train on by train.objective={cfg.train.objective}; train them with "
+            "train.objective=grpo"
+        )
     if pairs.meta_of(cfg.data) is not None:
         raise ConfigError(
             f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
@@ -69,6 +80,22 @@ def model_problem(
         )
     tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
     return own, _batches(cfg, tokens, 0, "train")
+
+
+def _check_grpo(cfg: Config) -> None:
+    g, every = cfg.grpo, cfg.checkpoint.every
+    if cfg.train.eval_every:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: train.objective=grpo has no held-out "
+            "loss (its measure is the rollouts' reward, in metrics.jsonl); give "
+            "train.eval_every=0"
+        )
+    if every % g.iterations:
+        raise ConfigError(
+            f"checkpoint.every={every}: a GRPO run saves between rollouts, each grpo.iterations="
+            f"{g.iterations} steps, so that a resume samples them again; give a multiple of "
+            f"{g.iterations}"
+        )
 
 
 def trained_model(cfg: Config) -> Problem:
@@ -151,6 +178,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     params = precompute.initial(cfg, trained_model(cfg))
     if params is not None and s.problem.reference:
         params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
+    grpo_run = cfg.train.objective is Objective.GRPO
     return train(
         s.problem,
         cfg,
@@ -160,6 +188,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         source=s.source,
         params=params,
         eval_batches=s.eval_batches,
+        rollouts=s.batches if grpo_run else None,
         **kwargs,
     )
 
@@ -257,6 +286,8 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     problem = with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
     if cfg.train.objective is Objective.DPO:  # its reference held, or not
         problem = dpo.objective(problem, cfg)
+    if cfg.train.objective is Objective.GRPO:
+        problem = grpo.objective(problem, cfg)
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:

@@ -188,14 +188,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep.add_argument(
         "--format",
-        choices=("text", "chat", "preference"),
+        choices=("text", "chat", "preference", "prompts"),
         default="text",
         help="text: documents (text files, JSONL `text`, Parquet `text`); chat: JSONL "
         'conversations, {"messages": [{"role", "content"}, ...]} rendered with the '
         'tokenizer\'s chat template, or {"prompt", "completion"}; writes a loss mask that '
         'trains on the answers only; preference: JSONL pairs as TRL reads them, {"prompt", '
         '"chosen", "rejected"} as text or {"chosen": [messages], "rejected": [messages]}, for '
-        "train.objective=dpo",
+        'train.objective=dpo; prompts: JSONL prompts for train.objective=grpo, {"prompt": text} '
+        'or {"messages": [...]} (rendered with the chat template\'s generation prompt); every '
+        'other field (e.g. "answer") is kept for the reward functions',
     )
     prep.add_argument(
         "--max-length",
@@ -508,6 +510,13 @@ def _run(args: argparse.Namespace) -> int:
             args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
         )
         trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
+        if asked := meta.get("prompts"):
+            print(
+                f"wrote {args.out}: {asked['prompts']['train']:,} training and "
+                f"{asked['prompts']['val']:,} held-out prompts (the longest "
+                f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
+            )
+            return 0
         print(
             f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
             f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "

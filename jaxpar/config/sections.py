@@ -1,5 +1,5 @@
-"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, dpo, data,
-checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
+"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, dpo, grpo,
+data, checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
 when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
 checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
 """
@@ -103,6 +103,19 @@ class BaseStorage(enum.StrEnum):
 class Objective(enum.StrEnum):
     LM = "lm"
     DPO = "dpo"
+    GRPO = "grpo"
+
+
+class GrpoLoss(enum.StrEnum):
+    GRPO = "grpo"
+    DAPO = "dapo"
+    DR_GRPO = "dr_grpo"
+
+
+class ScaleRewards(enum.StrEnum):
+    AUTO = "auto"
+    GROUP = "group"
+    NONE = "none"
 
 
 class DpoLoss(enum.StrEnum):
@@ -376,7 +389,9 @@ class Train(Section):
         Objective.LM,
         (
             "lm (next-token loss) | dpo (Direct Preference Optimization on pairs from `jaxpar "
-            "prepare-data --format preference`; the dpo.* keys)"
+            "prepare-data --format preference`; the dpo.* keys) | grpo (Group Relative Policy "
+            "Optimization on the policy's own completions to prompts from `jaxpar prepare-data "
+            "--format prompts`, scored by grpo.reward; the grpo.* keys)"
         ),
     )
     on_nonfinite: OnNonfinite = key(
@@ -450,6 +465,87 @@ class Dpo(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Grpo(Section):
+    """Group Relative Policy Optimization (train.objective=grpo; jaxpar.objectives.grpo).
+    train.batch_size counts completions: batch_size / group prompts a rollout."""
+
+    SECTION: ClassVar[str] = "grpo"
+    reward: str = key(
+        "",
+        (
+            "the reward functions, comma-separated: PATH.py:FUNCTION or MODULE:FUNCTION, each "
+            "called as TRL calls one, f(prompts, completions, **fields) -> a float per "
+            "completion (fields: the prompt file's other keys); shipped: "
+            "jaxpar.objectives.rewards:exact_answer and jaxpar.objectives.rewards:format_reward"
+        ),
+    )
+    reward_weights: str = key(
+        "", "a weight per reward function, comma-separated (empty: 1 each); the reward: their sum"
+    )
+    group: Annotated[
+        int, Range(2, 4096, "completions per prompt; a group of 1 has no baseline")
+    ] = key(4, "completions sampled for each prompt (TRL's num_generations)")
+    max_new_tokens: Annotated[int, Range(1, 1 << 20, "ids a completion holds at most")] = key(
+        32, "the longest completion, in ids (TRL's max_completion_length)"
+    )
+    temperature: Annotated[float, Range(0, 100, "a sampling temperature", True)] = key(
+        1.0, "sampling temperature of the rollouts"
+    )
+    top_p: Annotated[float, Range(0, 1, "a share of the probability mass", True)] = key(
+        1.0, "nucleus sampling: draw from the smallest set of ids holding this much mass"
+    )
+    epsilon: Annotated[float, Range(0, 10, "a clip range, e.g. 0.2", True)] = key(
+        0.2, "the ratio's clip range below 1 (and above it, unless grpo.epsilon_high)"
+    )
+    epsilon_high: Annotated[float, Range(0, 10, "a clip range, e.g. 0.28; 0 = grpo.epsilon")] = key(
+        0.0, "the ratio's clip range above 1 (DAPO's clip-higher); 0 = grpo.epsilon"
+    )
+    beta: Annotated[float, Range(0, 1e6, "a KL coefficient, >= 0")] = key(
+        0.0,
+        (
+            "the k3 KL penalty's weight against the reference (the model at the start: a copy, "
+            "or with adapters the base with the start's adapters); 0 holds no reference"
+        ),
+    )
+    iterations: Annotated[int, Range(1, 1024, "optimizer steps per rollout")] = key(
+        1, "policy updates on each batch of rollouts (TRL's num_iterations, mu)"
+    )
+    loss: GrpoLoss = key(
+        GrpoLoss.DAPO,
+        (
+            "grpo (each completion's token mean, then the mean over completions) | dapo (the "
+            "mean over every completion token of the batch) | dr_grpo (the sum over tokens / "
+            "(completions x grpo.max_new_tokens))"
+        ),
+    )
+    scale_rewards: ScaleRewards = key(
+        ScaleRewards.AUTO,
+        (
+            "advantages: group (reward - group mean, over the group's std) | none (reward - "
+            "group mean) | auto (none for grpo.loss=dr_grpo, else group)"
+        ),
+    )
+    generate_layout: str = key(
+        "auto",
+        (
+            "the rollouts' layout on the same devices: auto (tensor as `jaxpar generate` "
+            "chooses it, the prompts over the rest) | tensor=T | data=D,tensor=T"
+        ),
+    )
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_high or self.epsilon
+
+    @property
+    def scaled(self) -> bool:
+        """Whether advantages are divided by their group's std."""
+        if self.scale_rewards is ScaleRewards.AUTO:
+            return self.loss is not GrpoLoss.DR_GRPO
+        return self.scale_rewards is ScaleRewards.GROUP
+
+
+@dataclass(frozen=True, kw_only=True)
 class Data(Section):
     SECTION: ClassVar[str] = "data"
     source: Source = key(
@@ -511,6 +607,7 @@ class Config:
     adapter: Adapter = field(default_factory=Adapter)
     train: Train = field(default_factory=Train)
     dpo: Dpo = field(default_factory=Dpo)
+    grpo: Grpo = field(default_factory=Grpo)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     distributed: Distributed = field(default_factory=Distributed)

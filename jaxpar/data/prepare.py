@@ -7,7 +7,9 @@ data.path=DIR` trains on. `--format chat` reads JSONL conversations instead
 (jaxpar.data.chat) and writes `train.mask` and `val.mask` beside them too: one uint8 per id,
 1 where it is trained on (the answers). `--format preference` reads JSONL preference pairs
 (jaxpar.data.preference) and writes each as two documents, chosen then rejected, with
-their masks: `data.path` of a `train.objective=dpo` run.
+their masks: `data.path` of a `train.objective=dpo` run. `--format prompts` keeps JSONL
+prompts, tokenized, with their other fields (jaxpar.data.prompts): `data.path` of a
+`train.objective=grpo` run.
 
 The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
 encoder runs on all cores. A text document ends with the tokenizer's end-of-text token
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.data import chat, preference
+from jaxpar.data import chat, preference, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 
@@ -39,7 +41,7 @@ END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BATCH = 256  # units encoded at once
 # the held-out share of documents by --format: a chat set is smaller, and its held-out
 # loss counts only the answers' tokens
-VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05}
+VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05, "prompts": 0.05}
 MAX_LENGTH = 1024  # --format preference: ids of prompt + answer at most (TRL's max_length)
 MAX_IDS = 1 << 20  # the longest --max-length (train.seq_len's bound)
 
@@ -83,6 +85,9 @@ def check(
         template = chat.Template(tokenizer)
         for path in inputs:
             chat.check_file(path, template)
+    if fmt == "prompts":
+        for _ in prompts.rows(inputs, tokenizer):
+            pass
     # every line, before anything is written
     if fmt == "preference" and not sum(
         one is not None for one, _ in _pair_rows(inputs, tokenizer, max_length)
@@ -235,12 +240,15 @@ def _prepare(
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     eos = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
     every = max(1, round(1 / val_fraction))
-    masked = fmt != "text"
-    splits = {name: _Split(out, name, dtype, masked) for name in ("train", "val")}
+    masked = fmt not in ("text", "prompts")
+    names = () if fmt == "prompts" else ("train", "val")
+    splits = {name: _Split(out, name, dtype, masked) for name in names}
     total = sum(p.stat().st_size for p in inputs)
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False) as bar:
-            if fmt == "preference":
+            if fmt == "prompts":
+                counts = prompts.write(inputs, tokenizer, out, every, bar)
+            elif fmt == "preference":
                 counts = _pairs(inputs, tokenizer, every, splits, bar, max_length)
             elif fmt == "chat":
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
@@ -252,19 +260,20 @@ def _prepare(
     meta = {
         "vocab_size": vocab,
         "dtype": dtype.name,
-        "train_tokens": splits["train"].count,
-        "val_tokens": splits["val"].count,
+        "train_tokens": splits["train"].count if splits else 0,
+        "val_tokens": splits["val"].count if splits else 0,
         **counts,
         "end_of_text_id": eos,
         "tokenizer": str(tokenizer.absolute()),
         "inputs": [str(p) for p in inputs],
         "format": fmt,
-        data.INDEX_META: {
+    }
+    if splits:
+        meta[data.INDEX_META] = {
             "files": f"{{split}}.{data.INDEX}",
             "dtype": data.INDEX_DTYPE.name,
             "holds": "the offset in {split}.bin of each document's first id, ascending from 0",
-        },
-    }
+        }
     if masked:
         meta[data.MASK_META] = {
             "files": f"{{split}}.{data.MASK}",

@@ -12,7 +12,8 @@ sampling's cut) once and keeps it. Decoding stops where every row has met a stop
 tokenizer's end of text; with a chat template, its end-of-turn token too), checked after
 each chunk, or at --max-new-tokens. Greedy at temperature 0; otherwise sampled from
 softmax(logits / temperature), cut to the top k and to the smallest set of top-p mass,
-with a key from (--seed, step): the same seed, the same text.
+with a key from (--seed, row, step), or a key per row given: the same seed, the same
+text, whatever else is in the batch.
 
 Layout: the devices as data x tensor. tensor is the largest count of devices that
 divides the model's heads, key/value heads, MLP width and vocab (Megatron's split of
@@ -85,8 +86,9 @@ class Sampling:
             )
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """The next id of each row: the argmax at temperature 0, else a draw."""
+def sample(logits_BxV: jax.Array, keys_B: jax.Array, s: Sampling) -> jax.Array:
+    """The next id of each row: the argmax at temperature 0, else a draw with the row's
+    own key (so a row's ids never depend on the others in its batch)."""
     if s.temperature == 0:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     logits_BxV = logits_BxV.astype(jnp.float32) / s.temperature
@@ -101,7 +103,18 @@ def sample(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
         kept_B = jnp.sum(mass_BxV - jax.nn.softmax(sorted_BxV, axis=-1) < s.top_p, axis=-1)
         cut_Bx1 = jnp.take_along_axis(sorted_BxV, kept_B[:, None] - 1, axis=-1)
         logits_BxV = jnp.where(logits_BxV < cut_Bx1, -jnp.inf, logits_BxV)
-    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+    draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
+    return draw(keys_B, logits_BxV).astype(jnp.int32)
+
+
+def row_keys(seed: int, rows: int) -> jax.Array:
+    """[rows] each row's key: (seed, row)."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(rows))
+
+
+def at_step(keys_B: jax.Array, t) -> jax.Array:
+    """[rows] each row's key for decode step t."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, t))(keys_B)
 
 
 @dataclass
@@ -176,19 +189,37 @@ def random(preset: str, overrides: list[str] = (), devices=None) -> Loaded:
 def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -> Loaded:
     """The model of `cfg` on a decoding layout of `devices` (default: all), its
     parameters from fill(targets: key -> ShapeDtypeStruct with its sharding)."""
+    spec = registry.get(cfg.model.name)
+    positions = positions_of(cfg) if positions is None else positions
+    cfg, mesh, problem, shardings = layout(cfg, overrides, devices)
+    targets = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
+        for k, s in problem.shapes.items()
+    }
+    params = by_layer(fill(targets), problem.names)
+    return Loaded(cfg, problem, params, mesh, int(positions), spec.cache_dims(cfg.model), source)
+
+
+def positions_of(cfg: Config) -> int:
+    """The most positions `cfg`'s model takes: what its export writes (the trained
+    length, or more)."""
+    spec = registry.get(cfg.model.name)
+    to_hf = spec.hf.config_to_hf if spec.hf else None
+    if to_hf is None:
+        return cfg.train.seq_len
+    return int(to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"])
+
+
+def layout(cfg: Config, overrides, devices=None, problem: Problem | None = None):
+    """(cfg with decoding's parallel.*, its mesh over `devices` (default: all; in their
+    order), the model as a Problem (or `problem`, the same model with adapters), each
+    parameter's sharding there): data x tensor, as the module's docstring says."""
     devices = jax.devices() if devices is None else devices
     spec = registry.get(cfg.model.name)
     if spec.cache_dims is None:
         raise ConfigError(
             f"generate: model.name={cfg.model.name} has no decoder with a KV cache; "
             f"these do: {', '.join(_decoders())}"
-        )
-    if positions is None:  # what the export would write: the trained length, or more
-        to_hf = spec.hf.config_to_hf if spec.hf else None
-        positions = (
-            to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"]
-            if to_hf
-            else cfg.train.seq_len
         )
     data, tensor = _degrees(cfg.model, len(devices), overrides)
     # decoding's own layout, whatever the training layout was (pipeline, context, expert
@@ -207,16 +238,15 @@ def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -
     )
     cfg = dataclasses.replace(cfg, parallel=par)
     mesh = build_mesh(par, devices[: data * tensor])
-    problem = registered(cfg.model, cfg.train.seq_len)
+    problem = problem or registered(cfg.model, cfg.train.seq_len)
     specs = plan(problem.names, {k: s.shape for k, s in problem.shapes.items()}, zero=0,
                  mesh_shape=dict(mesh.shape))  # fmt: skip
-    shardings = named(mesh, pick(specs, "storage"))
-    targets = {
-        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
-        for k, s in problem.shapes.items()
-    }
-    params = by_layer(fill(targets), problem.names)
-    return Loaded(cfg, problem, params, mesh, int(positions), spec.cache_dims(cfg.model), source)
+    return cfg, mesh, problem, named(mesh, pick(specs, "storage"))
+
+
+def layer_sharding(sharding: NamedSharding) -> NamedSharding:
+    """A layer's sharding, of a layer stack placed as `sharding`."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
 
 
 def by_layer(params: dict, names: dict) -> dict:
@@ -228,9 +258,8 @@ def by_layer(params: dict, names: dict) -> dict:
     for k in list(params):
         if names[k][:1] == (LAYERS,):
             stack = params.pop(k)
-            spec = NamedSharding(stack.sharding.mesh, PartitionSpec(*stack.sharding.spec[1:]))
             split = lambda a: tuple(a)  # noqa: E731
-            params[k] = jax.jit(split, out_shardings=spec)(stack)
+            params[k] = jax.jit(split, out_shardings=layer_sharding(stack.sharding))(stack)
     return params
 
 
@@ -316,14 +345,14 @@ class Decoder:
             logits, cache = model.decode(tokens, positions, cache, slot, pad)
             return logits[:, -1].astype(jnp.float32), cache
 
-        def first(params, tokens, positions, cache, pad, key, sampling):
+        def first(params, tokens, positions, cache, pad, keys, sampling):
             """The prefill, and the first new id of each row sampled from it."""
             logits, cache = run(params, tokens, positions, cache, 0, pad)
-            return sample(logits, jax.random.fold_in(key, 0), sampling), cache
+            return sample(logits, at_step(keys, 0), sampling), cache
 
-        def chunk(params, ids, cache, slot, pad, key, t, sampling):
+        def chunk(params, ids, cache, slot, pad, keys, t, sampling):
             """CHUNK decode steps on the device from step t (slot `slot`): each row's
-            last id in, its next sampled with the key of its step; the ids [B, CHUNK]."""
+            last id in, its next sampled with its key of that step; the ids [B, CHUNK]."""
             model = m.problem.module(params)
 
             def step(carry, i):
@@ -331,8 +360,8 @@ class Decoder:
                 at = slot + i
                 positions = (at - pad)[:, None]
                 logits, cache = model.decode(ids[:, None], positions, cache, at, pad)
-                key_i = jax.random.fold_in(key, t + i + 1)
-                nxt = sample(logits[:, -1].astype(jnp.float32), key_i, sampling)
+                keys_i = at_step(keys, t + i + 1)
+                nxt = sample(logits[:, -1].astype(jnp.float32), keys_i, sampling)
                 return (nxt, cache), nxt
 
             (_, cache), out = jax.lax.scan(step, (ids, cache), jnp.arange(CHUNK))
@@ -354,7 +383,7 @@ class Decoder:
             ids = jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=self.rows)
             per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self.rows)
             cache = self.cache_shapes(rows, slots)
-            key = jax.random.key(0)
+            key = jax.ShapeDtypeStruct((rows,), jax.random.key(0).dtype, sharding=self.rows)
             options = CPU_DECODE_OPTIONS if m.mesh.devices.flat[0].platform == "cpu" else {}
             self.compiled[at] = (
                 self.first.lower(m.params, ids, ids, cache, per_row, key, cut).compile(),
@@ -408,9 +437,11 @@ def generate(
     sampling: Sampling,
     stop: set[int],
     on_token: Callable[[int, int], None] | None = None,
+    keys: jax.Array | None = None,
 ) -> Generated:
     """The continuations of `prompts` (ids), decoded together; `on_token(row, id)` is
-    called for each new id kept, as it is generated."""
+    called for each new id kept, as it is generated. Prompt i is sampled with keys[i]
+    (default: row_keys(sampling.seed, ...), a key per row from the seed)."""
     m = decoder.m
     check_lengths(m, prompts, max_new)
     data = m.mesh.shape[DATA]
@@ -423,7 +454,10 @@ def generate(
         tokens[i, p_slots - len(p) :], pad[i] = p, p_slots - len(p)
     positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
     put = lambda x: jax.device_put(x, decoder.rows)  # noqa: E731
-    key = jax.random.key(sampling.seed)
+    every = row_keys(sampling.seed, rows)
+    if keys is not None:  # the padding rows keep their own
+        every = jnp.concatenate([keys, every[len(prompts) :]])
+    key = put(every)
     pad_d = put(pad)
     start = time.perf_counter()
     cache = decoder.empty(rows, m_slots)

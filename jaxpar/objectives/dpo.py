@@ -164,7 +164,7 @@ def objective(problem: Problem, cfg: Config) -> Problem:
     flops = problem.flops_per_token
     return dataclasses.replace(
         problem,
-        init=_with_copies(problem.init, copied),
+        init=with_copies(problem.init, copied),
         shapes={**problem.shapes, **{COPY + k: problem.shapes[k] for k in copied}},
         names={**problem.names, **{COPY + k: problem.names[k] for k in copied}},
         loss=loss,
@@ -179,7 +179,7 @@ def objective(problem: Problem, cfg: Config) -> Problem:
     )
 
 
-def _with_copies(init, copied):
+def with_copies(init, copied):
     def made(key):
         params = init(key)
         return {**params, **{COPY + k: params[k] for k in copied}}

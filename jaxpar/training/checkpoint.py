@@ -470,7 +470,12 @@ class Saver:
             state = state.replace(skipped=state.skipped * 0)
         ckpt = self.cfg.checkpoint
         wanted = (
-            ckpt.every or ckpt.final or loop.stopped or loop.nonfinite is not None or loop.diverged
+            ckpt.every
+            or ckpt.final
+            or loop.stopped
+            or loop.nonfinite is not None
+            or loop.diverged
+            or loop.failed is not None
         )
         if wanted and loop.end not in loop.saved and loop.end != start:
             self.save(state, loop.end)

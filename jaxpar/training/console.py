@@ -46,7 +46,7 @@ def startup(report: Report, params: int, platform: str, source: str) -> str:
             for k, v in (
                 ("params", mem.params),
                 *((("of them the frozen base", mem.base),) if mem.base else ()),
-                *((("of them the DPO reference", mem.reference),) if mem.reference else ()),
+                *((("of them the reference", mem.reference),) if mem.reference else ()),
                 ("grads", mem.grads),
                 ("opt_state", mem.opt_state),
                 ("temp", mem.temp),

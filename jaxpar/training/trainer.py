@@ -66,6 +66,7 @@ def train(
     params: Callable[[dict], dict] | None = None,
     peak_tflops: float | None = None,
     eval_batches: Callable[..., dict] | None = None,
+    rollouts=None,
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
@@ -80,7 +81,8 @@ def train(
     `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
     `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
     every train.eval_every steps the mean loss over train.eval_batches of them is logged
-    as eval_loss."""
+    as eval_loss. `rollouts` (jaxpar.training.rollouts.Rollouts, also the `batches`):
+    GRPO's, made from the state before each of its steps."""
     out_dir = None if out_dir is None else Path(out_dir)
     if cfg.train.eval_every and eval_batches is None:
         raise ConfigError(
@@ -131,6 +133,8 @@ def train(
         if files:
             files.mkdir(parents=True, exist_ok=True)
             (files / rundir.HLO).write_text(run.step.hlo)
+        if rollouts is not None:
+            say(rollouts.bind(run, state, out_dir if lead else None, start))
         log = metrics.MetricsLog(
             files / rundir.METRICS if files else None,
             resume_at=start,
@@ -149,6 +153,7 @@ def train(
                 stops=stops,
                 profile=profile,
                 evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
+                rollouts=rollouts,
             )
             loop = run_loop(run, state, batches, log, start, options)
         log.close()
@@ -163,7 +168,11 @@ def train(
             "op can cause this: resume from an earlier checkpoint, and if it recurs on the "
             "same devices, leave them out"
         )
-    report = _finish(run, loop, log.rows, files, saver, say)
+    if loop.failed is not None:
+        where = f"; the state is saved to {saver.where(loop.end)}" if saver.opened else ""
+        raise type(loop.failed)(f"step {loop.end + 1}: {loop.failed}{where}")
+    extra = rollouts.summary() if rollouts is not None else {}
+    report = _finish(run, loop, log.rows, files, saver, say, extra)
     return Result(
         losses=loop.losses,
         params=_policy(problem, run.engine.export(state.params)),
@@ -223,7 +232,7 @@ def finished(step: int, steps: int) -> str:
     )
 
 
-def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
+def _finish(run, loop, rows: list, files: Path | None, saver, say, extra: dict) -> Report:
     """The report with the run's figures, the closing table, summary.json and loss.png,
     and where a stopped run resumes from."""
     report = run.report
@@ -243,7 +252,7 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say) -> Report:
     if report.checkpoint and not loop.stopped:
         say(f"weights: {report.checkpoint}")
     if files:
-        metrics.write_json(files / rundir.SUMMARY, report.to_json())
+        metrics.write_json(files / rundir.SUMMARY, {**report.to_json(), **extra})
         metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
     if loop.stopped:
         where = f"saved to {saver.where(loop.end)}" if saver.directory else "nothing saved"
@@ -263,6 +272,7 @@ class Loop:
     nonfinite: int | None = None  # the first step (1-based) that was not finite, with `stop`
     diverged: str | None = None  # which copies of which leaves differed (replica check)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    failed: Exception | None = None  # what stopped a rollout (a reward function's failure)
 
 
 def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
@@ -305,6 +315,7 @@ class LoopOptions:
     stops: _Stops | None = None  # signals that ask it to stop after the step in flight
     profile: Path | None = None  # steps train.profile_steps traced into this folder
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
+    rollouts: object = None  # GRPO's (jaxpar.training.rollouts), made before their steps
 
 
 def run_loop(
@@ -325,9 +336,24 @@ def run_loop(
     pending = None  # (step, metrics on device) of the step in flight
     span = profile_range(cfg) if opts.profile else None
     tracing = False
+    from jaxpar.objectives.rewards import RewardFailed
+
     for step in range(start, cfg.steps):
-        if loop.nonfinite is not None or loop.diverged or (opts.stops and opts.stops.asked):
+        # a run that rolls out stops between rollouts only (where its resume rolls out)
+        boundary = opts.rollouts is None or opts.rollouts.due(step)
+        asked = opts.stops and opts.stops.asked and boundary
+        if loop.nonfinite is not None or loop.diverged or asked:
             break
+        if opts.rollouts is not None and boundary:
+            if pending is not None:  # its step time without this rollout's
+                rows.settle(*pending)
+                pending = None
+            try:
+                rows.extra = opts.rollouts.before(loop.state, step)
+            except RewardFailed as e:
+                loop.failed = e
+                break
+            rows.last = time.perf_counter()
         if span and step + 1 == span[0]:
             jax.profiler.start_trace(str(opts.profile))
             tracing = True
@@ -376,6 +402,7 @@ class _Rows:
         self.run, self.loop, self.log, self.bar = run, loop, log, bar
         self.last = time.perf_counter()
         self.since_log: list[float] = []
+        self.extra: dict = {}  # the columns of a rollout made for the next step settled
 
     def settle(self, step: int, device_metrics, evaluate: Callable | None = None) -> None:
         """Step `step`'s metrics read to the host (waiting for that step only); with
@@ -396,8 +423,9 @@ class _Rows:
         self.bar.update(1)
         if eval_loss is not None:
             loop.eval_losses.append((step + 1, eval_loss))
+        extra, self.extra = self.extra, {}
         logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
-        if not (logged or not finite or eval_loss is not None):
+        if not (logged or not finite or eval_loss is not None or extra):
             return
         dt = float(np.mean(self.since_log))
         self.since_log.clear()
@@ -412,6 +440,7 @@ class _Rows:
             "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
             **held_out,
             **{name: float(value) for name, value in sorted(host.reports.items())},
+            **({"update_s": dt, **extra} if extra else {}),
         }
         self.log.write(row)
         speed = (

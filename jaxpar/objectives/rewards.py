@@ -1,0 +1,181 @@
+"""GRPO's rewards (grpo.reward): functions with TRL's signature,
+`f(prompts, completions, **fields) -> list[float]`, one float per completion.
+
+`prompts` and `completions` are parallel lists, a prompt repeated for each of its group's
+completions. For a prompt written as text they are strings; for one written as
+`messages`, the prompt is its messages and the completion `[{"role": "assistant",
+"content": text}]`, as TRL hands conversations. `fields` are the prompt file's other keys,
+each a list parallel to the completions (`answer=[...]`). Several functions are summed
+with grpo.reward_weights.
+
+Shipped, for the arithmetic chat task of the walk-throughs: `exact_answer` (1 where the
+completion's last number is the prompt's `answer`) and `format_reward` (1 where the
+completion is one sentence that ends in a number and a full stop).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.config.sections import Grpo
+from jaxpar.errors import ConfigError, Stopped
+
+NUMBER = re.compile(r"-?\d+")
+SENTENCE = re.compile(r"[^\n.]*?-?\d+\.\s*")
+
+
+def text_of(completion) -> str:
+    """A completion's text (a string, or TRL's `[{"role": "assistant", "content": ...}]`)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def exact_answer(prompts, completions, answer, **fields) -> list[float]:
+    """1.0 where the completion's last number equals the prompt's `answer`, else 0.0."""
+    out = []
+    for completion, want in zip(completions, answer, strict=True):
+        numbers = NUMBER.findall(text_of(completion))
+        out.append(float(bool(numbers) and int(numbers[-1]) == int(want)))
+    return out
+
+
+def format_reward(prompts, completions, **fields) -> list[float]:
+    """1.0 where the completion is one sentence ending in a number and a full stop."""
+    return [float(SENTENCE.fullmatch(text_of(c)) is not None) for c in completions]
+
+
+class RewardFailed(Stopped):
+    """A reward function raised, or returned what is not a float per completion."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # as grpo.reward gives it
+    function: Callable
+    weight: float
+
+    @property
+    def short(self) -> str:
+        """The function's own name: the metrics' rewards/NAME/mean, as TRL's."""
+        return self.name.rpartition(":")[2]
+
+
+def load(g: Grpo) -> list[Reward]:
+    """grpo.reward's functions with grpo.reward_weights, each found and checked callable."""
+    names = [n.strip() for n in g.reward.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(
+            "train.objective=grpo: grpo.reward is empty; give the reward functions, e.g. "
+            "grpo.reward=jaxpar.objectives.rewards:exact_answer or grpo.reward=my_rewards.py:fn"
+        )
+    weights = [1.0] * len(names)
+    if g.reward_weights.strip():
+        try:
+            weights = [float(w) for w in g.reward_weights.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != len(names) or not all(math.isfinite(w) for w in weights):
+            raise ConfigError(
+                f"grpo.reward_weights={g.reward_weights}: give {len(names)} finite numbers, "
+                f"comma-separated, one for each of grpo.reward's {len(names)} functions"
+            )
+    if len({n.rpartition(":")[2] for n in names}) < len(names) or len(set(names)) < len(names):
+        raise ConfigError(
+            f"grpo.reward={g.reward}: two functions of one name; give each function once, "
+            "under names of their own (the metrics name each reward by its function)"
+        )
+    return [Reward(n, _function(n), w) for n, w in zip(names, weights, strict=True)]
+
+
+def _function(name: str) -> Callable:
+    where, sep, attr = name.rpartition(":")
+    if not sep or not where or not attr:
+        raise ConfigError(
+            f"grpo.reward={name}: write PATH.py:FUNCTION or MODULE:FUNCTION, e.g. "
+            "jaxpar.objectives.rewards:exact_answer"
+        )
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"grpo.reward={name}: {path}: no such file")
+        spec = importlib.util.spec_from_file_location(f"jaxpar_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: its own error, in one line
+            raise ConfigError(f"grpo.reward={name}: {path} does not import: {_one(e)}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ConfigError(
+                f"grpo.reward={name}: no module {where} ({_one(e)}); give an importable module "
+                "or a PATH.py"
+            ) from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        raise ConfigError(
+            f"grpo.reward={name}: {where} has no function {attr}"
+            + (f"; it has {', '.join(sorted(found)[:6])}" if found else "")
+        )
+    return function
+
+
+def _one(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+def score(rewards: list[Reward], prompts: list, completions: list, fields: dict) -> tuple:
+    """(the weighted sum [n], each function's own [n] by its name): RewardFailed naming the
+    function and the prompt where one raises, returns another count, or a value that is
+    not a finite number."""
+    n = len(completions)
+    each = {}
+    for r in rewards:
+        try:
+            got = r.function(prompts, completions, **fields)
+        except Exception as e:
+            raise RewardFailed(
+                f"grpo.reward {r.name} raised {_one(e)} (the batch's first prompt: "
+                f"{_shown(prompts[0])})"
+            ) from None
+        values = _floats(got)
+        if values is None or len(values) != n:
+            count = "not a list" if values is None else f"{len(values)} values"
+            raise RewardFailed(
+                f"grpo.reward {r.name} returned {count} for {n} completions; return one "
+                f"float per completion (the batch's first prompt: {_shown(prompts[0])})"
+            )
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            i = int(bad[0])
+            raise RewardFailed(
+                f"grpo.reward {r.name} returned {values[i]} for completion {i} of prompt "
+                f"{_shown(prompts[i])}; return a finite float per completion"
+            )
+        each[r.short] = values
+    total = sum(r.weight * each[r.short] for r in rewards)
+    return np.asarray(total, np.float64), each
+
+
+def _floats(got) -> np.ndarray | None:
+    if isinstance(got, (str, bytes)) or not hasattr(got, "__len__"):
+        return None
+    try:
+        return np.array([np.nan if v is None else float(v) for v in got], np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shown(prompt) -> str:
+    text = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= 60 else text[:57] + "...")

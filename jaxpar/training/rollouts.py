@@ -1,0 +1,373 @@
+"""GRPO's rollouts: each grpo.iterations-th step, the policy's completions to a batch of
+prompts, sampled on the same devices in a generation layout, scored, and made into the
+rows the next steps train on (jaxpar.objectives.grpo).
+
+A rollout at step s:
+
+1. reshards the trained weights from the training layout to the generation layout
+   (`grpo.generate_layout`: by default tensor as `jaxpar generate` chooses it, the prompts
+   over the rest) in one compiled program, whose collectives the ledger counts against
+   their minimum: what each device lacks of its generation-layout shard. With adapters
+   only the adapters move: the base is placed there once and each rollout adds the
+   adapters to it on the devices. A pipeline or offloaded layout passes through the host;
+2. samples grpo.group completions to each of train.batch_size / group prompts (the
+   prompts of rollout s / iterations, an epoch's permutation drawn from the seed), with
+   the KV-cache decoder; each completion's key is (train.seed, s, prompt, sample), so a
+   resumed run samples the same completions;
+3. scores them with the reward functions (jaxpar.objectives.rewards) and makes each
+   completion's advantage; with grpo.iterations > 1 the sampler's log-probabilities, and
+   with grpo.beta > 0 the reference's, are computed there too, in the generation layout;
+4. appends them to the run directory's rollouts.jsonl (text and ids, rewards, advantage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.adapters import lora
+from jaxpar.config.sections import AdapterKind, Config, Offload
+from jaxpar.cost import ledger
+from jaxpar.cost.report import human_bytes
+from jaxpar.data import chat, pairs, prompts
+from jaxpar.data import tokens as data
+from jaxpar.errors import ConfigError
+from jaxpar.generation import decoding
+from jaxpar.names import LAYERS
+from jaxpar.nn.problem import Problem
+from jaxpar.objectives import grpo, rewards
+from jaxpar.objectives.dpo import COPY
+from jaxpar.parallel.axes import DATA
+
+FILE = "rollouts.jsonl"
+
+
+class Rollouts:
+    """batches(step) for a GRPO run: the rows of the latest rollout (the module's
+    docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
+
+    def __init__(self, cfg: Config, own: Problem):
+        g, t = cfg.grpo, cfg.train
+        self.cfg, self.own = cfg, own
+        self.held = prompts.load(cfg.data, cfg.model.vocab)
+        self.rewards = rewards.load(g)
+        tokenizer = data.tokenizer_of(cfg.data)
+        self.tok = chat.tokenizer(Path(tokenizer)) if tokenizer else None
+        if t.batch_size % g.group:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} counts completions, grpo.group={g.group} to "
+                f"a prompt; give a multiple of {g.group}"
+            )
+        longest = max(len(p) for p in self.held.ids)
+        positions = decoding.positions_of(cfg)
+        if longest + g.max_new_tokens > positions:
+            raise ConfigError(
+                f"grpo.max_new_tokens={g.max_new_tokens}: the longest prompt of data.path "
+                f"({longest} ids) and its completion need {longest + g.max_new_tokens} "
+                f"positions, but the model takes {positions}; give grpo.max_new_tokens <= "
+                f"{max(positions - longest, 0)}"
+            )
+        if longest + g.max_new_tokens > t.seq_len + 1:
+            raise ConfigError(
+                f"train.seq_len={t.seq_len}: a row holds a prompt and its completion, up to "
+                f"{longest} + grpo.max_new_tokens={g.max_new_tokens} = "
+                f"{longest + g.max_new_tokens} ids (train.seq_len + 1); set train.seq_len="
+                f"{longest + g.max_new_tokens - 1} or more, or lower grpo.max_new_tokens"
+            )
+        self.count = t.batch_size // g.group  # prompts a rollout
+        rows, width = t.batch_size, t.seq_len
+        self.current = {
+            "tokens": np.zeros((rows, width + 1), np.int32),
+            "loss_mask": np.zeros((rows, width + 1), np.int32),
+            grpo.ADVANTAGES: np.zeros(rows, np.float32),
+            **({grpo.OLD: np.zeros((rows, width), np.float32)} if g.iterations > 1 else {}),
+            **({grpo.REF: np.zeros((rows, width), np.float32)} if g.beta else {}),
+        }
+        self.file: Path | None = None
+
+    def __call__(self, step: int, rows: slice = slice(None)) -> dict:
+        return {k: v[rows] for k, v in self.current.items()}
+
+    # -- placement ---------------------------------------------------------------------
+
+    def bind(self, run, state, files: Path | None, start: int) -> str:
+        """Place the generation layout on `run`'s devices (the base and the reference
+        there once, from `state`), compile the reshard and count its bytes; returns the
+        start-up summary's lines."""
+        cfg, g = self.cfg, self.cfg.grpo
+        self._engine, self._train_mesh = run.engine, run.mesh
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "train.objective=grpo: rollouts decode in one process for now; run it on one "
+                "host (jaxpar train without launch)"
+            )
+        overrides = _layout_overrides(g.generate_layout)
+        devices = list(run.mesh.devices.flat)
+        gen_cfg, mesh, plain, shardings = decoding.layout(cfg, overrides, devices)
+        _, _, _, own_shardings = decoding.layout(cfg, overrides, devices, self.own)
+        self.mesh, self.plain = mesh, plain
+        self.rows = NamedSharding(mesh, PartitionSpec(DATA))
+        self.trained = [k for k in self.own.names if k not in self.own.frozen]
+        self.adapters = cfg.adapter.kind is AdapterKind.LORA
+        self.direct = run.engine.layout is None and cfg.parallel.offload is Offload.NONE
+        out = {
+            k: decoding.layer_sharding(s) if plain.names[k][:1] == (LAYERS,) else s
+            for k, s in shardings.items()
+        }
+        out = {k: tuple([s] * plain.shapes[k].shape[0]) if plain.names[k][:1] == (LAYERS,) else s
+               for k, s in out.items()}  # fmt: skip
+
+        def publish(trained, base):
+            """The model's parameters, by layer (decoding.by_layer), from the trained
+            leaves and (adapters) the frozen base. The trained leaves are moved first
+            (XLA would rather gather the adapters' product, a weight's size)."""
+            moved = {k: jax.lax.with_sharding_constraint(v, self.gen_shardings[k])
+                     for k, v in trained.items()}  # fmt: skip
+            params = {**base, **moved}
+            if self.adapters:
+                params = lora.merged(plain, cfg.adapter, cfg.model, params)
+            return {
+                k: tuple(params[k]) if plain.names[k][:1] == (LAYERS,) else params[k]
+                for k in plain.names
+            }
+
+        self.publish = jax.jit(publish, out_shardings=out)
+        self.gen_shardings = {k: own_shardings[k] for k in self.own.names}
+        params = self._model_layout(state)
+        frozen = [k for k in self.own.frozen if k in self.own.names]
+        self.base = self._placed({k: params[k] for k in frozen})
+        self.reference = None
+        if g.beta:  # a copy of the trained leaves (their start), or none: the base alone
+            copy = {k: params[COPY + k] for k in self.trained if COPY + k in params}
+            self.reference = self._placed(copy)
+        first = self.publish(self._trained(state), self.base)
+        positions = decoding.positions_of(cfg)
+        self.loaded = decoding.Loaded(gen_cfg, plain, first, mesh, positions,
+                                      self._cache_dims(), "the policy")  # fmt: skip
+        self.decoder = decoding.Decoder(self.loaded)
+        self.score = jax.jit(
+            lambda p, batch: -plain.loss(decoding.restacked(p), batch),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),
+        )
+        self.bytes = self._reshard_bytes(state)
+        self.file = files / FILE if files else None
+        if self.file and self.file.exists():  # a resumed run: its rollouts up to `start`
+            kept = [
+                line
+                for line in self.file.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] < start
+            ]
+            self.file.write_text("".join(f"{line}\n" for line in kept))
+        return self.describe()
+
+    def _cache_dims(self):
+        from jaxpar.config import registry
+
+        return registry.get(self.cfg.model.name).cache_dims(self.cfg.model)
+
+    def _model_layout(self, state) -> dict:
+        """The state's parameters in the model's own layout (on the host where the
+        training layout is staged or offloaded)."""
+        return state.params if self.direct else self._engine.export(state.params)
+
+    def _trained(self, state) -> dict:
+        params = self._model_layout(state)
+        return {k: params[k] for k in self.trained}
+
+    def _placed(self, leaves: dict) -> dict:
+        """`leaves` in the generation layout (their keys' shardings there)."""
+        return {k: jax.device_put(v, self.gen_shardings[k.removeprefix(COPY)])
+                for k, v in leaves.items()}  # fmt: skip
+
+    def _reshard_bytes(self, state) -> dict:
+        """Bytes per device the reshard moves, against its minimum: what each device
+        lacks of its generation-layout shard of each trained leaf."""
+        trained = self._trained(state)
+        lacks: dict = {}
+        for k, x in trained.items():
+            shape, size = x.shape, x.dtype.itemsize
+            have = x.sharding.devices_indices_map(shape) if self.direct else {}
+            for d, want in self.gen_shardings[k].devices_indices_map(shape).items():
+                volume = _volume(want, shape)
+                held = _overlap(want, have[d], shape) if d in have else 0
+                lacks[d] = lacks.get(d, 0) + (volume - held) * size
+        minimum = max(lacks.values(), default=0)
+        if not self.direct:  # through the host: every byte of each device's shard
+            return {"wire": minimum, "minimum": minimum, "through_host": True}
+        hlo = self.publish.lower(trained, self.base).compile().as_text()
+        wire = ledger.read(hlo, dict(self._train_mesh.shape)).wire_bytes()
+        return {"wire": wire, "minimum": minimum, "through_host": False}
+
+    def describe(self) -> str:
+        b = self.bytes
+        ratio = f"{b['wire'] / b['minimum']:.3f} x" if b["minimum"] else "-"
+        how = "through the host" if b["through_host"] else "on the devices"
+        moved = "the adapters" if self.adapters else "the weights"
+        layout = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "1 device"
+        return (
+            f"  rollouts  {self.count} prompts x grpo.group={self.cfg.grpo.group}, up to "
+            f"{self.cfg.grpo.max_new_tokens} new ids, in {layout}\n"
+            f"  reshard   {moved} {how}: {human_bytes(b['wire'])} per device a rollout; "
+            f"minimum {human_bytes(b['minimum'])} ({ratio})"
+        )
+
+    def summary(self) -> dict:
+        """summary.json's `grpo`: the generation layout and the reshard's bytes."""
+        b = self.bytes
+        return {
+            "grpo": {
+                "generate_layout": dict(self.mesh.shape),
+                "reshard": {
+                    "wire_bytes_per_device": b["wire"],
+                    "minimum_bytes_per_device": b["minimum"],
+                    "ratio": b["wire"] / b["minimum"] if b["minimum"] else None,
+                    "through_host": b["through_host"],
+                },
+            }
+        }
+
+    # -- a rollout ---------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.grpo.iterations == 0
+
+    def before(self, state, step: int) -> dict:
+        """Roll out for step `step` (0-based) from `state`: this step's rows, and the
+        metrics of the rollout (its row's columns)."""
+        cfg, g = self.cfg, self.cfg.grpo
+        start = time.perf_counter()
+        self.loaded.params = jax.block_until_ready(self.publish(self._trained(state), self.base))
+        reshard_s = time.perf_counter() - start
+        index = pairs.indices(len(self.held), seed=cfg.train.seed, step=step // g.iterations,
+                              batch_size=self.count)  # fmt: skip
+        asked = [self.held.ids[i] for i in index for _ in range(g.group)]
+        keys = sample_keys(cfg.train.seed, step, index, g.group)
+        sampling = decoding.Sampling(g.temperature, 0, g.top_p, cfg.train.seed)
+        start = time.perf_counter()
+        done = decoding.generate(self.decoder, asked, g.max_new_tokens, sampling,
+                                 self.held.stop, keys=keys)  # fmt: skip
+        generate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        texts = [self._text(c) for c in done.completions]
+        prompts_ = [self.held.asked[i] for i in index for _ in range(g.group)]
+        completions = [
+            t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+            for p, t in zip(prompts_, texts, strict=True)
+        ]
+        fields = _fields([self.held.fields[i] for i in index for _ in range(g.group)])
+        total, each = rewards.score(self.rewards, prompts_, completions, fields)
+        advantages = grpo.advantages(total.reshape(self.count, g.group), g.scaled)
+        batch = {
+            **grpo.rows_of(asked, done.completions, cfg.train.seq_len),
+            grpo.ADVANTAGES: advantages,
+        }
+        if g.iterations > 1:
+            batch[grpo.OLD] = self._logps(self.loaded.params, batch)
+        if g.beta:
+            reference = self.publish(self.reference, self.base)
+            batch[grpo.REF] = self._logps(reference, batch)
+        self.current = batch
+        score_s = time.perf_counter() - start
+        self._write(step, index, asked, done.completions, texts, total, each, advantages)
+        lengths = np.array([len(c) for c in done.completions])
+        groups = total.reshape(self.count, g.group)
+        return {
+            "reward": float(total.mean()),
+            "reward_std": float(total.std(ddof=1)) if total.size > 1 else 0.0,
+            **{f"rewards/{n}/mean": float(v.mean()) for n, v in each.items()},
+            "frac_reward_zero_std": float(np.mean(groups.std(axis=1) == 0)),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/max_length": int(lengths.max()),
+            "generate_s": generate_s,
+            "generate_tokens_per_s": float(lengths.sum() / generate_s),
+            "reshard_s": reshard_s,
+            "score_s": score_s,
+        }
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return " ".join(map(str, ids))
+        return self.tok.decode([i for i in ids if i not in self.held.stop])
+
+    def _logps(self, params, batch) -> np.ndarray:
+        """[rows, seq_len] each trained target's log-probability under `params` (in the
+        generation layout; the rows padded to a multiple of its data degree)."""
+        rows = len(batch["tokens"])
+        data_ = self.mesh.shape[DATA]
+        pad = math.ceil(rows / data_) * data_ - rows
+        keys = ("tokens", "loss_mask")
+        padded = {k: np.concatenate([batch[k], np.repeat(batch[k][:1], pad, 0)]) for k in keys}
+        placed = jax.device_put(padded, self.rows)
+        return np.asarray(self.score(params, placed))[:rows].astype(np.float32)
+
+    def _write(self, step, index, asked, completions, texts, total, each, advantages) -> None:
+        if self.file is None:
+            return
+        g = self.cfg.grpo
+        with self.file.open("a") as f:
+            for row, (ids, new, text) in enumerate(zip(asked, completions, texts, strict=True)):
+                line = {
+                    "step": step + 1,
+                    "prompt_index": int(index[row // g.group]),
+                    "sample": row % g.group,
+                    "prompt": self.held.asked[index[row // g.group]],
+                    "completion": text,
+                    "prompt_ids": ids,
+                    "completion_ids": new,
+                    "reward": float(total[row]),
+                    "rewards": {n: float(v[row]) for n, v in each.items()},
+                    "advantage": float(advantages[row]),
+                }
+                f.write(json.dumps(line) + "\n")
+
+
+def sample_keys(seed: int, step: int, prompts_: np.ndarray, group: int) -> jax.Array:
+    """[len(prompts) x group] each completion's key: (seed, step, prompt, sample)."""
+    base = jax.random.fold_in(jax.random.key(seed), step)
+    p = jnp.repeat(jnp.asarray(prompts_, jnp.uint32), group)
+    s = jnp.tile(jnp.arange(group, dtype=jnp.uint32), len(prompts_))
+    fold = jax.random.fold_in
+    return jax.vmap(lambda i, j: fold(fold(base, i), j))(p, s)
+
+
+def _fields(rows: list[dict]) -> dict:
+    """The prompts' other fields, each a list parallel to the completions (None where a
+    line lacks it)."""
+    names = sorted({k for r in rows for k in r})
+    return {k: [r.get(k) for r in rows] for k in names}
+
+
+def _layout_overrides(text: str) -> list[str]:
+    """grpo.generate_layout as generate's parallel.* overrides."""
+    if text.strip() in ("", "auto"):
+        return []
+    out = []
+    for part in text.split(","):
+        axis, sep, value = part.strip().partition("=")
+        if not sep or axis not in ("data", "tensor") or not value.strip().lstrip("-").isdigit():
+            raise ConfigError(
+                f"grpo.generate_layout={text}: write auto, tensor=T or data=D,tensor=T "
+                "(the rollouts' degrees on the run's devices)"
+            )
+        out.append(f"parallel.{axis}={int(value)}")
+    return out
+
+
+def _volume(index: tuple, shape: tuple) -> int:
+    return math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+
+
+def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
+    out = 1
+    for x, y, n in zip(a, b, shape, strict=True):
+        x0, x1, _ = x.indices(n)
+        y0, y1, _ = y.indices(n)
+        out *= max(0, min(x1, y1) - max(x0, y0))
+    return out
