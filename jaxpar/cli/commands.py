@@ -65,7 +65,7 @@ def model_problem(
         from jaxpar.training.rollouts import Rollouts
 
         _check_grpo(cfg)
-        return grpo.objective(own, cfg), Rollouts(cfg, own)
+        return grpo.objective(own, cfg), Rollouts(cfg, own, math.prod(mesh_shape.values()))
     if prompts.meta_of(cfg.data) is not None:
         raise ConfigError(
             f"data.path={cfg.data.path} holds prompts (prepare-data --format prompts), with no "

@@ -507,6 +507,13 @@ class Grpo(Section):
             "or with adapters the base with the start's adapters); 0 holds no reference"
         ),
     )
+    kl_correction: bool = key(
+        True,
+        (
+            "multiply each token's KL by its importance ratio, which makes the KL's gradient "
+            "unbiased off-policy (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)"
+        ),
+    )
     iterations: Annotated[int, Range(1, 1024, "optimizer steps per rollout")] = key(
         1, "policy updates on each batch of rollouts (TRL's num_iterations, mu)"
     )

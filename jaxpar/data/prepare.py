@@ -85,9 +85,11 @@ def check(
         template = chat.Template(tokenizer)
         for path in inputs:
             chat.check_file(path, template)
-    if fmt == "prompts":
-        for _ in prompts.rows(inputs, tokenizer):
-            pass
+    if fmt == "prompts" and not sum(one is not None for one, _ in prompts.rows(inputs, tokenizer)):
+        raise ConfigError(
+            f"prepare-data: {', '.join(map(str, inputs))}: no prompt in it (empty, or blank "
+            "lines only); nothing to ask"
+        )
     # every line, before anything is written
     if fmt == "preference" and not sum(
         one is not None for one, _ in _pair_rows(inputs, tokenizer, max_length)

@@ -91,11 +91,6 @@ def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> di
     finally:
         for f in files.values():
             f.close()
-    if not sum(counts.values()):
-        raise ConfigError(
-            f"prepare-data: {', '.join(map(str, inputs))}: no prompt in it (empty, or blank "
-            "lines only); nothing to ask"
-        )
     tok = chat.tokenizer(tokenizer)
     ends = END_OF_TEXT + (END_OF_TURN if chats else ())
     stop = sorted({tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None})

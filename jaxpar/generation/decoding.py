@@ -221,7 +221,7 @@ def layout(cfg: Config, overrides, devices=None, problem: Problem | None = None)
             f"generate: model.name={cfg.model.name} has no decoder with a KV cache; "
             f"these do: {', '.join(_decoders())}"
         )
-    data, tensor = _degrees(cfg.model, len(devices), overrides)
+    data, tensor = degrees(cfg.model, len(devices), overrides)
     # decoding's own layout, whatever the training layout was (pipeline, context, expert
     # and ZeRO are training's)
     par = dataclasses.replace(
@@ -269,7 +269,7 @@ def restacked(params: dict) -> dict:
     return {k: jnp.stack(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
-def _degrees(model: Model, devices: int, overrides: list[str]) -> tuple[int, int]:
+def degrees(model: Model, devices: int, overrides: list[str]) -> tuple[int, int]:
     """serving_layout()'s degrees, or those parallel.data / parallel.tensor among
     `overrides` set."""
     data, tensor = serving_layout(model, devices)

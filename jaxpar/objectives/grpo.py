@@ -12,6 +12,7 @@ target, as TRL's GRPOTrainer computes it:
     ratio = exp(logp - old)                      (old = logp, held still, at 1 iteration)
     loss  = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A)
           + beta (exp(ref - logp) - (ref - logp) - 1)          (the k3 estimator of KL)
+                 x ratio                          (with grpo.kl_correction: TRL's default)
 
 summed over the global batch and divided by its count (Problem.count), so that the loss
 is, whatever the layout:
@@ -60,6 +61,7 @@ def token_losses(logp, old, ref, advantages, g: Grpo):
     kl = None
     if g.beta:
         kl = jnp.exp(ref - logp) - (ref - logp) - 1
+        kl = kl * ratio if g.kl_correction else kl
         loss = loss + g.beta * kl
     return loss, (low, high), kl
 

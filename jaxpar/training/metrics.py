@@ -132,6 +132,13 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
             label="held-out loss",
         )
         ax.legend(fontsize=8)
+    rewarded = [r for r in rows if r.get("reward") is not None]
+    if rewarded:  # GRPO's rollouts: their mean reward, on its own scale
+        right = ax.twinx()
+        right.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], "o-",
+                   color="tab:green", lw=1.5, ms=3, label="mean reward")  # fmt: skip
+        right.set_ylabel("mean reward", color="tab:green")
+        right.legend(fontsize=8, loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)

@@ -41,10 +41,11 @@ from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.names import LAYERS
-from jaxpar.nn.problem import Problem
+from jaxpar.nn.problem import Problem, registered
 from jaxpar.objectives import grpo, rewards
 from jaxpar.objectives.dpo import COPY
 from jaxpar.parallel.axes import DATA
+from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 
 FILE = "rollouts.jsonl"
 
@@ -53,8 +54,18 @@ class Rollouts:
     """batches(step) for a GRPO run: the rows of the latest rollout (the module's
     docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
 
-    def __init__(self, cfg: Config, own: Problem):
+    def __init__(self, cfg: Config, own: Problem, devices: int):
         g, t = cfg.grpo, cfg.train
+        self.overrides = _layout_overrides(g.generate_layout)
+        data_, tensor = decoding.degrees(cfg.model, devices, self.overrides)
+        if data_ * tensor != devices:
+            raise ConfigError(
+                f"grpo.generate_layout={g.generate_layout}: data={data_} x tensor={tensor} = "
+                f"{data_ * tensor} devices, but the run has {devices}, and the rollouts use them "
+                f"all; give degrees whose product is {devices}"
+            )
+        shipped = registered(cfg.model, t.seq_len)
+        check_tensor_split(tensor_dims(shipped.names, shipped.shapes), tensor)
         self.cfg, self.own = cfg, own
         self.held = prompts.load(cfg.data, cfg.model.vocab)
         self.rewards = rewards.load(g)
@@ -108,10 +119,9 @@ class Rollouts:
                 "train.objective=grpo: rollouts decode in one process for now; run it on one "
                 "host (jaxpar train without launch)"
             )
-        overrides = _layout_overrides(g.generate_layout)
         devices = list(run.mesh.devices.flat)
-        gen_cfg, mesh, plain, shardings = decoding.layout(cfg, overrides, devices)
-        _, _, _, own_shardings = decoding.layout(cfg, overrides, devices, self.own)
+        gen_cfg, mesh, plain, shardings = decoding.layout(cfg, self.overrides, devices)
+        _, _, _, own_shardings = decoding.layout(cfg, self.overrides, devices, self.own)
         self.mesh, self.plain = mesh, plain
         self.rows = NamedSharding(mesh, PartitionSpec(DATA))
         self.trained = [k for k in self.own.names if k not in self.own.frozen]
@@ -133,8 +143,10 @@ class Rollouts:
             params = {**base, **moved}
             if self.adapters:
                 params = lora.merged(plain, cfg.adapter, cfg.model, params)
+            # copies: an output the input forwarded would be the state's buffer, which
+            # the next step donates
             return {
-                k: tuple(params[k]) if plain.names[k][:1] == (LAYERS,) else params[k]
+                k: tuple(params[k]) if plain.names[k][:1] == (LAYERS,) else jnp.copy(params[k])
                 for k in plain.names
             }
 
@@ -182,8 +194,9 @@ class Rollouts:
         return {k: params[k] for k in self.trained}
 
     def _placed(self, leaves: dict) -> dict:
-        """`leaves` in the generation layout (their keys' shardings there)."""
-        return {k: jax.device_put(v, self.gen_shardings[k.removeprefix(COPY)])
+        """`leaves` in the generation layout (their keys' shardings there), copies of the
+        state's (which the next step donates)."""
+        return {k: jax.device_put(v, self.gen_shardings[k.removeprefix(COPY)], may_alias=False)
                 for k, v in leaves.items()}  # fmt: skip
 
     def _reshard_bytes(self, state) -> dict:

@@ -1,0 +1,116 @@
+"""Teach the fine-tuned chat Llama to add by reward (GRPO): it samples answers to sums,
+the exact answers earn 1, and the policy moves toward its own best answers.
+
+    python scripts/make_tiny_llama.py --out runs/tiny-llama --corpus-out runs/corpus.txt
+    python scripts/finetune_llama.py --hf runs/tiny-llama --chat runs/chat --out runs/ft-chat
+    python scripts/grpo_llama.py --hf runs/ft-chat/hf --tokenizer runs/tiny-llama \
+        --prompts runs/prompts --out runs/grpo
+
+It writes DIR/prompts.jsonl (questions about sums of two numbers up to --largest, as
+conversations {"messages": [...], "answer": S}; every tenth as text {"prompt": "A + B = ",
+"answer": S}: the chat fine-tune writes the form of an answer, seldom the right sum, and
+small sums give the reward something to find),
+prepares them with the checkpoint's tokenizer (`jaxpar prepare-data --format prompts`),
+and trains with train.objective=grpo and the shipped exact-answer reward
+(grpo.reward=jaxpar.objectives.rewards:exact_answer): each step samples --group answers
+to each of --batch-size / --group questions in the generation layout, scores them, and
+takes an update in the training layout. It prints the mean reward of each fifth of the
+run; the run directory's loss.png draws it beside the loss, and rollouts.jsonl holds
+every answer the policy wrote.
+"""
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+import jaxpar
+
+
+def write_prompts(path: Path, count: int, largest: int = 4, seed: int = 0) -> None:
+    """`count` JSONL questions about sums of two numbers up to `largest`, with their
+    `answer`."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(count):
+            a, b = rng.randint(1, largest), rng.randint(1, largest)
+            if i % 10 == 9:
+                row = {"prompt": f"{a} + {b} = ", "answer": a + b}
+            else:
+                ask = [{"role": "user", "content": f"What is {a} plus {b}?"}]
+                row = {"messages": ask, "answer": a + b}
+            f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf", type=Path, required=True, help="a Hugging Face checkpoint")
+    parser.add_argument("--tokenizer", type=Path, help="its tokenizer's folder (default: --hf)")
+    parser.add_argument("--prompts", type=Path, required=True, help="write and prepare here")
+    parser.add_argument("--count", type=int, default=2000, help="questions to write")
+    parser.add_argument("--out", type=Path, required=True, help="the run directory")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch-size", type=int, default=64, help="completions a step")
+    parser.add_argument("--group", type=int, default=8, help="completions a question")
+    parser.add_argument("--largest", type=int, default=4, help="the largest number summed")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--reward",
+        default="exact_answer",
+        help="shipped reward functions (jaxpar.objectives.rewards), comma-separated",
+    )
+    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
+    args = parser.parse_args()
+    tokenizer = args.tokenizer or args.hf
+    if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jaxpar.mesh.use_cpu_devices(args.cpu_devices)
+
+    from jaxpar.cli import commands
+    from jaxpar.config import presets
+    from jaxpar.data.prepare import prepare
+    from jaxpar.models import LlamaConfig
+
+    prepared = args.prompts / "tokens"
+    if not (prepared / "meta.json").is_file():
+        write_prompts(args.prompts / "prompts.jsonl", args.count, args.largest)
+        prepare([args.prompts / "prompts.jsonl"], tokenizer, prepared, fmt="prompts")
+    meta = json.loads((prepared / "meta.json").read_text())["prompts"]
+    new = 16  # "A plus B is S." and the end of the turn
+    cfg = jaxpar.Config(
+        model=LlamaConfig(init=f"hf:{args.hf}"),
+        train=jaxpar.Train(
+            objective="grpo",
+            steps=args.steps,
+            batch_size=args.batch_size,
+            # a row: the longest question and its answer, rounded up for any layout
+            seq_len=-(-(meta["longest_prompt"] + new) // 16) * 16,
+            lr=args.lr,
+            warmup=0,
+            weight_decay=0.0,
+            log_every=1,
+        ),
+        grpo=jaxpar.Grpo(
+            reward=",".join(f"jaxpar.objectives.rewards:{r}" for r in args.reward.split(",")),
+            group=args.group,
+            max_new_tokens=new,
+            temperature=args.temperature,
+        ),
+        data=jaxpar.Data(source="tokens", path=str(prepared)),
+    )
+    result = commands.train_config(presets.resolve_init(cfg), out_dir=args.out)
+    rolled = [row for row in result.rows if "reward" in row]
+    fifth = max(1, len(rolled) // 5)
+    for name in ["reward", *(k for k in rolled[0] if k.startswith("rewards/"))]:
+        values = [row[name] for row in rolled]
+        means = [sum(values[i : i + fifth]) / len(values[i : i + fifth])
+                 for i in range(0, len(values), fifth)]  # fmt: skip
+        print(f"{name}, the mean of each fifth of the run: "
+              + " -> ".join(f"{m:.2f}" for m in means))  # fmt: skip
+    print(f"the curve: {args.out / 'loss.png'}; every answer: {args.out / 'rollouts.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
