@@ -213,9 +213,9 @@ STEPS = 4
 
 
 @functools.cache
-def updated(more: tuple[str, ...]) -> Trained:
-    """llama-tiny trained by GRPO for STEPS steps on fixed rollout rows (no sampling)."""
-    cfg = presets.load("llama-tiny", [*UPDATE, f"train.steps={STEPS}", *more])
+def updated(more: tuple[str, ...], preset: str = "llama-tiny") -> Trained:
+    """`preset` trained by GRPO for STEPS steps on fixed rollout rows (no sampling)."""
+    cfg = presets.load(preset, [*UPDATE, f"train.steps={STEPS}", *more])
     problem = grpo.objective(trained_model(cfg), cfg)
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n])
@@ -234,6 +234,8 @@ UPDATE_LAYOUTS = {
         ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
         ("adapter.kind=lora", "train.lr=5"),
     ),
+    "context2": (("parallel.data=4", "parallel.context=2"), ()),
+    "mixtral-expert2": (("parallel.data=4", "parallel.expert=2"), ("mixtral-tiny",)),
 }
 
 
@@ -245,8 +247,10 @@ def test_the_update_in_every_layout_equals_one_device(layout):
     """Completions of lengths many times apart (a mean of per-device means would differ),
     the sampler's and the reference's log-probabilities given."""
     degrees, more = UPDATE_LAYOUTS[layout]
-    got = updated((*degrees, *more))
-    want = updated((*ONE, *more))
+    preset = next((m for m in more if m.endswith("-tiny")), "llama-tiny")
+    more = tuple(m for m in more if m != preset)
+    got = updated((*degrees, *more), preset)
+    want = updated((*ONE, *more), preset)
     assert abs(want.losses[-1]) > 1e-3  # it learns something
     assert_same_training(got, want)
 

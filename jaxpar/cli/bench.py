@@ -546,11 +546,12 @@ def run_bench(
             CHECKPOINT_COLUMNS,
         ),
     }
-    unknown = sorted(set(only or ()) - set(sections) - {"longest", "compile", "plan", "generate"})
+    extra = {"longest", "compile", "plan", "generate", "grpo"}
+    unknown = sorted(set(only or ()) - set(sections) - extra)
     if unknown:
         raise config.ConfigError(
             f"jaxpar bench --only {' '.join(unknown)}: no such section; "
-            f"choose from {' '.join(sections)} longest compile plan generate"
+            f"choose from {' '.join(sections)} {' '.join(sorted(extra))}"
         )
     tables: dict = {}
     results = {
@@ -574,6 +575,10 @@ def run_bench(
 
         results["generate"] = bench_generate.layouts(tables, _show)
         results["generate-peer"] = bench_generate.against_peer(tables, _show)
+    if not only or "grpo" in only:
+        from jaxpar.cli import bench_grpo
+
+        results["grpo"] = bench_grpo.steps(tables, _show)
     if out:
         metrics.write_json(
             out,

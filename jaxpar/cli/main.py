@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp hosts offload remat "
-        "checkpoint compile plan generate (default: all)",
+        "checkpoint compile plan generate grpo (default: all)",
     )
     train.add_argument(
         "--peak-tflops",

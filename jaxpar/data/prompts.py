@@ -94,16 +94,31 @@ def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> di
     tok = chat.tokenizer(tokenizer)
     ends = END_OF_TEXT + (END_OF_TURN if chats else ())
     stop = sorted({tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None})
+    return {"documents": sum(counts.values()), META: _record(counts, longest, stop)}
+
+
+def _record(counts: dict, longest: int, stop: list[int]) -> dict:
     return {
-        "documents": sum(counts.values()),
-        META: {
-            "prompts": counts,
-            "longest_prompt": longest,
-            "stop_ids": stop,
-            "holds": "one JSON object per prompt in {split}.prompts.jsonl: its ids, the prompt "
-            "as given, and the line's other fields",
-        },
+        "prompts": counts,
+        "longest_prompt": longest,
+        "stop_ids": stop,
+        "holds": "one JSON object per prompt in {split}.prompts.jsonl: its ids, the prompt as "
+        "given, and the line's other fields",
     }
+
+
+def of_ids(out: Path, ids: list[list[int]], vocab: int) -> None:
+    """A prompt folder of prompts given as ids alone, all to train on (no tokenizer: the
+    bench's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / FILE.format(split="train")).open("w") as f:
+        for one in ids:
+            f.write(json.dumps({"ids": one, "prompt": " ".join(map(str, one)), "fields": {}}))
+            f.write("\n")
+    (out / FILE.format(split="val")).write_text("")
+    record = _record({"train": len(ids), "val": 0}, max(map(len, ids)), [])
+    meta = {"vocab_size": vocab, "dtype": "uint16", "format": "prompts", META: record}
+    (out / data.META).write_text(json.dumps(meta, indent=2))
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,11 @@ def mode(cfg: Config) -> Reference:
 
 
 def model_of(cfg: Config):
-    """The model.* section a DPO run computes with: a mixture's load-balance loss left
-    out of the per-token losses the answers' log-probabilities are summed from (TRL adds
-    it to the DPO loss; here it is reported, moe/balance_loss, and not trained)."""
-    if cfg.train.objective is Objective.DPO and getattr(cfg.model, "router_aux_loss", 0):
+    """The model.* section a DPO or GRPO run computes with: a mixture's load-balance loss
+    left out of the per-token losses its log-probabilities are read from (TRL adds it to
+    the loss; here it is reported, moe/balance_loss, and not trained)."""
+    scored = cfg.train.objective in (Objective.DPO, Objective.GRPO)
+    if scored and getattr(cfg.model, "router_aux_loss", 0):
         return dataclasses.replace(cfg.model, router_aux_loss=0.0)
     return cfg.model
 

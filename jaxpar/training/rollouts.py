@@ -22,6 +22,7 @@ A rollout at step s:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -42,7 +43,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.names import LAYERS
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import grpo, rewards
+from jaxpar.objectives import dpo, grpo, rewards
 from jaxpar.objectives.dpo import COPY
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
@@ -55,6 +56,7 @@ class Rollouts:
     docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
 
     def __init__(self, cfg: Config, own: Problem, devices: int):
+        cfg = dataclasses.replace(cfg, model=dpo.model_of(cfg))  # scored as trained
         g, t = cfg.grpo, cfg.train
         self.overrides = _layout_overrides(g.generate_layout)
         data_, tensor = decoding.degrees(cfg.model, devices, self.overrides)
