@@ -360,30 +360,47 @@ def test_bad_prompts_are_refused_before_anything_is_written(
     assert not (tmp_path / "out").exists()  # nothing left that blocks the retry
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
-    "body, needle",
+    "returns, needle",
     [
-        ("raise ValueError('no answer here')", "raised ValueError: no answer here"),
-        ("return [1.0]", "returned 1 values for 8 completions"),
-        ("return [float('nan')] * len(completions)", "returned nan for completion 0"),
+        (ValueError("no answer here"), "raised ValueError: no answer here"),
+        ([1.0], "returned 1 values for 2 completions"),
+        ("1.0 1.0", "returned not a list for 2 completions"),
+        ([float("nan"), 0.0], "returned nan for completion 0 of prompt '3 + 4 ='"),
     ],
 )
+def test_a_reward_s_failure_names_the_function_and_the_prompt(returns, needle):
+    from jaxpar.objectives import rewards
+
+    def mine(prompts, completions, **fields):
+        if isinstance(returns, Exception):
+            raise returns
+        return returns
+
+    with pytest.raises(rewards.RewardFailed) as e:
+        rewards.score([rewards.Reward("mine.py:mine", mine, 1.0)], ["3 + 4 = "] * 2,
+                      ["7", "8"], {})  # fmt: skip
+    assert needle in str(e.value) and "mine.py:mine" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
 def test_a_reward_that_fails_stops_the_run_in_one_line_and_keeps_the_last_state(
-    body, needle, folder, tmp_path, capsys
+    folder, tmp_path, capsys
 ):
-    """It fails at the second rollout: step 1's state is saved, and the line names the
-    function and a prompt."""
+    """It raises at the second rollout: exit 3, one line, and step 1's state saved."""
     (tmp_path / "mine.py").write_text(
         "calls = []\n\ndef bad(prompts, completions, **fields):\n    calls.append(1)\n"
-        f"    if len(calls) > 1:\n        {body}\n    return [0.0] * len(completions)\n"
+        "    if len(calls) > 1:\n        raise ValueError('no answer here')\n"
+        "    return [0.0] * len(completions)\n"
     )
     more = (f"grpo.reward={tmp_path / 'mine.py'}:bad", "train.steps=3", "parallel.data=8")
     argv = ["train", "--config", "llama-tiny", *keys(folder, *more), "--out", str(tmp_path / "r")]
     assert cli.main(argv) == 3
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert needle in err and "mine.py:bad" in err and "first prompt" in err or "prompt" in err
-    assert "step 2" in err and (tmp_path / "r" / "checkpoints" / "1").is_dir()
+    assert err.startswith("jaxpar: stopped: step 2: grpo.reward ") and "mine.py:bad" in err
+    assert "raised ValueError: no answer here" in err and "first prompt" in err
+    assert (tmp_path / "r" / "checkpoints" / "1").is_dir() and "checkpoints/1" in err
 
 
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")

@@ -50,3 +50,19 @@ def test_compare_torch_prints_the_table_with_the_load():
     *_, ours, theirs, ratio = lines[2].replace(",", "").split()
     assert float(ratio) == pytest.approx(float(ours) / float(theirs), abs=0.006)
     assert lines[-1].startswith("load average after")
+
+
+@pytest.mark.slow
+def test_grpo_llama_script_rolls_out_and_draws_the_reward(tmp_path):
+    """scripts/grpo_llama.py as docs/grpo.md runs it, on a random tiny Llama, few steps."""
+    pytest.importorskip("transformers")
+    run_script("make_tiny_llama.py", "--out", str(tmp_path / "hf"), "--corpus-out",
+               str(tmp_path / "corpus.txt"))  # fmt: skip
+    out = run_script("grpo_llama.py", "--hf", str(tmp_path / "hf"), "--prompts",
+                     str(tmp_path / "prompts"), "--out", str(tmp_path / "run"), "--steps", "2",
+                     "--count", "40", "--batch-size", "16", "--group", "4",
+                     "--reward", "exact_answer,format_reward", whole=True)  # fmt: skip
+    assert "reward, the mean of each fifth of the run:" in out
+    assert "rewards/format_reward/mean" in out
+    rows = (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+    assert len(rows) == 2 * 16 and (tmp_path / "run" / "loss.png").is_file()

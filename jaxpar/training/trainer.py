@@ -450,6 +450,8 @@ class _Rows:
         )
         if loop.eval_losses:
             speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
+        if row.get("reward") is not None:  # GRPO's rollouts, live
+            speed["reward"] = f"{row['reward']:.3f}"
         if row.get(console.DROPPED) is not None:  # a mixture's drops, live
             speed["dropped"] = f"{row[console.DROPPED]:.0%}"
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
