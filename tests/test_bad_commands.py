@@ -223,7 +223,7 @@ def test_generate_names_the_degrees_given(overrides, needle):
     from jaxpar.generation import decoding
 
     with pytest.raises(ConfigError, match=needle):
-        decoding._degrees(presets.load("llama-tiny").model, 8, overrides)
+        decoding.degrees(presets.load("llama-tiny").model, 8, overrides)
 
 
 def test_a_name_both_a_preset_and_a_file_or_folder_takes_the_preset_and_says_so(

@@ -62,7 +62,7 @@ def model_problem(
     if cfg.train.objective is Objective.DPO:
         return dpo.objective(own, cfg), _pair_batches(cfg, own, "train", devices)
     if cfg.train.objective is Objective.GRPO:
-        from jaxpar.training.rollouts import Rollouts
+        from jaxpar.generation.rollouts import Rollouts
 
         _check_grpo(cfg)
         return grpo.objective(own, cfg), Rollouts(cfg, own, math.prod(mesh_shape.values()))

@@ -37,6 +37,17 @@ TRAINED = "assistant"
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # chat templates
+
+
+def stop_ids(tok, conversations: bool) -> set[int]:
+    """The ids that end a completion: the tokenizer's end of text, and for conversations
+    its chat template's end of turn."""
+    ends = END_OF_TEXT + (END_OF_TURN if conversations else ())
+    return {tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None}
+
+
 @dataclass(frozen=True)
 class Example:
     ids: list[int]

@@ -37,7 +37,6 @@ from jaxpar.data import chat, preference, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 
-END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 BATCH = 256  # units encoded at once
 # the held-out share of documents by --format: a chat set is smaller, and its held-out
 # loss counts only the answers' tokens
@@ -105,7 +104,7 @@ def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
     line a pair the tokenizer can render, else ConfigError naming it. The tokenizer's
     end-of-text text ends each text answer, as TRL's does."""
     tok, template = chat.tokenizer(tokenizer), chat.Template(tokenizer)
-    eos = next((t for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+    eos = next((t for t in chat.END_OF_TEXT if tok.token_to_id(t) is not None), None)
     eos = template.tokens.get("eos_token") or eos
     for path in inputs:
         for row, where, size in chat.lines(path, "prepare-data"):
@@ -240,7 +239,9 @@ def _prepare(
     tok = chat.tokenizer(tokenizer)
     vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    eos = next((tok.token_to_id(t) for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+    eos = next(
+        (tok.token_to_id(t) for t in chat.END_OF_TEXT if tok.token_to_id(t) is not None), None
+    )
     every = max(1, round(1 / val_fraction))
     masked = fmt not in ("text", "prompts")
     names = () if fmt == "prompts" else ("train", "val")

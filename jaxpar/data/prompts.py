@@ -24,7 +24,6 @@ from jaxpar.errors import ConfigError
 
 META = "prompts"  # meta.json's key
 FILE = "{split}.prompts.jsonl"
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # chat templates
 
 
 def kind_of(row, where: str) -> str:
@@ -74,8 +73,6 @@ def rows(inputs: list[Path], tokenizer: Path):
 
 def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> dict:
     """Every prompt into out/{split}.prompts.jsonl; meta.json's `prompts` record."""
-    from jaxpar.data.prepare import END_OF_TEXT
-
     counts, longest, chats = {"train": 0, "val": 0}, 0, 0
     files = {s: (out / FILE.format(split=s)).open("w") for s in counts}
     try:
@@ -91,9 +88,7 @@ def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> di
     finally:
         for f in files.values():
             f.close()
-    tok = chat.tokenizer(tokenizer)
-    ends = END_OF_TEXT + (END_OF_TURN if chats else ())
-    stop = sorted({tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None})
+    stop = sorted(chat.stop_ids(chat.tokenizer(tokenizer), bool(chats)))
     return {"documents": sum(counts.values()), META: _record(counts, longest, stop)}
 
 

@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpar.data import chat
-from jaxpar.data.prepare import END_OF_TEXT
 from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # chat templates
 GREEDY = decoding.Sampling()
 
 
@@ -62,9 +60,7 @@ def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) 
             raise ConfigError(
                 f"generate: {where(n)}: no string `prompt` (or `messages` with --chat)"
             )
-    ends = END_OF_TEXT + (END_OF_TURN if chat_ else ())
-    stop = {tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None}
-    return Request(texts, rows, tok, stop, jsonl)
+    return Request(texts, rows, tok, chat.stop_ids(tok, chat_), jsonl)
 
 
 def ids_for(request: Request, model, tokenizer: Path) -> list[list[int]]:

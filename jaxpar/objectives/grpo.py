@@ -1,5 +1,5 @@
 """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath), with DAPO's and
-Dr. GRPO's losses, as a Problem over rollout rows (jaxpar.training.rollouts makes them).
+Dr. GRPO's losses, as a Problem over rollout rows (jaxpar.generation.rollouts makes them).
 
 A row is one completion: its prompt's ids, then the completion's (up to and with its stop
 id), then padding; the loss mask marks the completion's ids. Beside the ids a row carries

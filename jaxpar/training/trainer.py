@@ -81,7 +81,7 @@ def train(
     `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
     `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
     every train.eval_every steps the mean loss over train.eval_batches of them is logged
-    as eval_loss. `rollouts` (jaxpar.training.rollouts.Rollouts, also the `batches`):
+    as eval_loss. `rollouts` (jaxpar.generation.rollouts.Rollouts, also the `batches`):
     GRPO's, made from the state before each of its steps."""
     out_dir = None if out_dir is None else Path(out_dir)
     if cfg.train.eval_every and eval_batches is None:
@@ -315,7 +315,7 @@ class LoopOptions:
     stops: _Stops | None = None  # signals that ask it to stop after the step in flight
     profile: Path | None = None  # steps train.profile_steps traced into this folder
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
-    rollouts: object = None  # GRPO's (jaxpar.training.rollouts), made before their steps
+    rollouts: object = None  # GRPO's (jaxpar.generation.rollouts), made before their steps
 
 
 def run_loop(
