@@ -43,6 +43,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+CHAT_VOCAB = 512  # chat_tokenizer's ids
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A BPE of CHAT_VOCAB ids trained on the corpus, with ChatML's special tokens and
+    template (scripts/make_tiny_llama.py's), made once a session."""
+    from helpers import script
+
+    from jaxpar.data.tokens import corpus_bytes
+
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    script("make_tiny_llama").save_tokenizer(folder, corpus_bytes().decode(), CHAT_VOCAB)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def devices():
     assert jax.device_count() == 8, "tests need 8 simulated CPU devices"

@@ -30,14 +30,6 @@ LENGTHS = (7, 15, 11)  # three documents in one window of SEQ inputs and their t
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """A BPE trained on the corpus, with ChatML's special tokens and template."""
-    folder = tmp_path_factory.mktemp("chat-tokenizer")
-    script("make_tiny_llama").save_tokenizer(folder, data.corpus_bytes().decode(), VOCAB)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def chat_folder(chat_tokenizer, tmp_path_factory):
     """finetune_llama.py's conversations, prepared with --format chat."""
     root = tmp_path_factory.mktemp("chat")

@@ -27,22 +27,12 @@ VOCAB = 512  # the chat tokenizer's
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A BPE trained on the corpus, with ChatML's special tokens and template."""
-    from jaxpar.data.tokens import corpus_bytes
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    script("make_tiny_llama").save_tokenizer(folder, corpus_bytes().decode(), VOCAB)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def folder(tokenizer, tmp_path_factory):
+def folder(chat_tokenizer, tmp_path_factory):
     """dpo_llama.py's pairs (text and conversations; one answer of each pair at least
     twice the other's length), 8 of them to train on."""
     root = tmp_path_factory.mktemp("pairs")
     script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
-    prepare([root / "pairs.jsonl"], tokenizer, root / "tokens", 0.2, "preference", 64)
+    prepare([root / "pairs.jsonl"], chat_tokenizer, root / "tokens", 0.2, "preference", 64)
     return root / "tokens"
 
 
@@ -193,11 +183,11 @@ def test_the_reference_s_forward_pass_moves_the_textbook_bytes(preset, more, fol
     ],
 )
 def test_bad_pairs_are_refused_before_anything_is_written(
-    line, max_length, needle, tokenizer, tmp_path, capsys
+    line, max_length, needle, chat_tokenizer, tmp_path, capsys
 ):
     good = json.dumps({"prompt": "x", "chosen": "y", "rejected": "z"}) + "\n"
     (tmp_path / "p.jsonl").write_text(good + json.dumps(line) + "\n" if line else "\n")
-    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(tokenizer),
+    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(chat_tokenizer),
             "--out", str(tmp_path / "out"), "--format", "preference",
             "--max-length", str(max_length)]  # fmt: skip
     assert cli.main(argv) == 2
@@ -244,7 +234,7 @@ trl = pytest.importorskip("trl")
                             "ignore::UserWarning")  # fmt: skip
 @pytest.mark.parametrize("loss, layout, max_length", [("sigmoid", "text", 64),
                                                       ("ipo", "conversations", 40)])  # fmt: skip
-def test_dpo_equals_trl(loss, layout, max_length, tokenizer, tmp_path):
+def test_dpo_equals_trl(loss, layout, max_length, chat_tokenizer, tmp_path):
     """TRL's DPOTrainer on a random Hugging Face Llama, eight pairs, beta 0.1, plain SGD
     at a constant rate: at step 1 (policy = reference, any DPO loss is log 2) the
     gradient's norm; at step 2, after one step, the loss, rewards and margins; and the
@@ -268,7 +258,7 @@ def test_dpo_equals_trl(loss, layout, max_length, tokenizer, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
     rows = [r for r in rows if ("prompt" in r) == (layout == "text")][:8]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    meta = prepare([tmp_path / "pairs.jsonl"], tokenizer, tmp_path / "data", 0.01,
+    meta = prepare([tmp_path / "pairs.jsonl"], chat_tokenizer, tmp_path / "data", 0.01,
                    "preference", max_length)["pairs"]  # fmt: skip
     assert meta["pairs"]["train"] == 8 and (meta["truncated"] > 0) == (max_length == 40)
 
@@ -280,7 +270,7 @@ def test_dpo_equals_trl(loss, layout, max_length, tokenizer, tmp_path):
     )  # fmt: skip
     trainer = trl.DPOTrainer(
         model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"), args=args,
-        processing_class=transformers.AutoTokenizer.from_pretrained(tokenizer),
+        processing_class=transformers.AutoTokenizer.from_pretrained(chat_tokenizer),
         train_dataset=Dataset.from_list(rows),
     )  # fmt: skip
     trainer.train()

@@ -32,21 +32,11 @@ REWARD = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A BPE trained on the corpus, with ChatML's special tokens and template."""
-    from jaxpar.data.tokens import corpus_bytes
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    script("make_tiny_llama").save_tokenizer(folder, corpus_bytes().decode(), VOCAB)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def folder(tokenizer, tmp_path_factory):
+def folder(chat_tokenizer, tmp_path_factory):
     """grpo_llama.py's questions (conversations, and every tenth as text), 20 of them."""
     root = tmp_path_factory.mktemp("prompts")
     script("grpo_llama").write_prompts(root / "prompts.jsonl", 20)
-    prepare([root / "prompts.jsonl"], tokenizer, root / "tokens", 0.1, "prompts")
+    prepare([root / "prompts.jsonl"], chat_tokenizer, root / "tokens", 0.1, "prompts")
     # a reward that varies within each group, whatever the (random) model writes
     (root / "varied.py").write_text(
         "def varied(prompts, completions, **fields):\n"
@@ -67,13 +57,13 @@ def keys(folder, *more):
     # fmt: on
 
 
-def test_prompts_keep_their_fields_and_are_asked_as_the_model_reads_them(folder, tokenizer):
+def test_prompts_keep_their_fields_and_are_asked_as_the_model_reads_them(folder, chat_tokenizer):
     from jaxpar.data import chat
 
     held = prompts.load(presets.load("llama-tiny", list(keys(folder))).data, VOCAB)
     lines = [json.loads(x) for x in (folder.parent / "prompts.jsonl").read_text().splitlines()]
     assert len(held) == 18 and {"answer"} == {k for f in held.fields for k in f}
-    template, tok = chat.Template(tokenizer), chat.tokenizer(tokenizer)
+    template, tok = chat.Template(chat_tokenizer), chat.tokenizer(chat_tokenizer)
     for ids, asked, fields in zip(held.ids, held.asked, held.fields, strict=True):
         line = next(x for x in lines if x.get("messages", x.get("prompt")) == asked)
         assert fields == {"answer": line["answer"]}
@@ -310,15 +300,20 @@ def test_the_same_completions_in_every_layout_and_the_reshard_at_its_minimum(fol
 
 
 @pytest.mark.slow
-def test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise(folder, tmp_path):
-    """Two iterations a rollout (the sampler's log-probabilities used), KL against the
-    reference copy: 4 steps at once, against 2 steps, then a resume to 4."""
-    more = ("parallel.data=2", "grpo.iterations=2", "grpo.beta=0.04", "train.lr=1e-2",
-            varied(folder))  # fmt: skip
-    whole, rows, _ = rolled(folder, tmp_path / "whole", more, steps=4)
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise(iterations, folder, tmp_path):
+    """KL against the reference copy; with two iterations a rollout, the sampler's
+    log-probabilities used: 2 + iterations steps at once, against 2 steps, then a resume
+    (rollouts.jsonl keeps the rollouts of the steps done, and takes the resumed run's)."""
+    more = ("parallel.data=2", f"grpo.iterations={iterations}", "grpo.beta=0.04",
+            "train.lr=1e-2", varied(folder))  # fmt: skip
+    steps = 2 + iterations
+    whole, rows, _ = rolled(folder, tmp_path / "whole", more, steps=steps)
     rolled(folder, tmp_path / "split", more, steps=2)
-    again, split, _ = rolled(folder, tmp_path / "split", more, steps=4)
-    assert [r["step"] for r in rows] == [1] * 8 + [3] * 8
+    again, split, _ = rolled(folder, tmp_path / "split", more, steps=steps)
+    assert [r["step"] for r in rows] == [
+        s for s in range(1, steps + 1, iterations) for _ in range(8)
+    ]
     assert split == rows
     assert whole.losses[2:] == again.losses and abs(whole.losses[-1]) > 1e-4
     for k, v in whole.params.items():
@@ -359,11 +354,11 @@ def test_bad_grpo_runs_are_refused(more, needle, folder, tmp_path, capsys):
     ],
 )
 def test_bad_prompts_are_refused_before_anything_is_written(
-    line, needle, tokenizer, tmp_path, capsys
+    line, needle, chat_tokenizer, tmp_path, capsys
 ):
     good = json.dumps({"prompt": "1 + 1 = ", "answer": 2}) + "\n"
     (tmp_path / "p.jsonl").write_text(good + json.dumps(line) + "\n" if line else "\n")
-    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(tokenizer),
+    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(chat_tokenizer),
             "--out", str(tmp_path / "out"), "--format", "prompts"]  # fmt: skip
     assert cli.main(argv) == 2
     one_line_error(capsys, needle)
@@ -424,7 +419,7 @@ trl = pytest.importorskip("trl")
 @pytest.mark.parametrize("loss, beta, iterations, correction",
                          [("grpo", 0.0, 1, True), ("grpo", 0.04, 1, True),
                           ("dapo", 0.04, 2, True), ("dr_grpo", 0.04, 2, False)])  # fmt: skip
-def test_grpo_equals_trl(loss, beta, iterations, correction, tokenizer, tmp_path):
+def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp_path):
     """TRL's GRPOTrainer._compute_loss on a random Hugging Face Llama, eight completions
     (two to each of four prompts, of 1 to 12 ids) with their advantages, and the
     sampler's and the reference's log-probabilities apart from the policy's: the loss and
@@ -492,7 +487,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, tokenizer, tmp_path
     trainer = trl.GRPOTrainer(
         model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"),
         reward_funcs=lambda prompts, completions, **_: [0.0] * len(completions), args=args,
-        processing_class=transformers.AutoTokenizer.from_pretrained(tokenizer),
+        processing_class=transformers.AutoTokenizer.from_pretrained(chat_tokenizer),
         train_dataset=Dataset.from_list([{"prompt": "1 + 1 = "}] * 8),
     )  # fmt: skip
     ids = np.zeros((8, most), np.int64)

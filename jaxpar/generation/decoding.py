@@ -123,7 +123,7 @@ class Loaded:
 
     cfg: Config
     problem: Problem
-    params: dict  # placed; the layer-stacked ones as tuples of their layers (by_layer)
+    params: dict | None  # placed, layer stacks as tuples of their layers (by_layer); None: let go
     mesh: jax.sharding.Mesh
     positions: int  # the most positions it takes (prompt and new tokens)
     cache_dims: tuple[int, int, int]  # layers, key/value heads, head dim

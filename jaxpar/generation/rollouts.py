@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.adapters import lora
+from jaxpar.config import registry
 from jaxpar.config.sections import AdapterKind, Config, Offload
 from jaxpar.cost import ledger
 from jaxpar.cost.report import human_bytes
@@ -58,6 +59,11 @@ class Rollouts:
     def __init__(self, cfg: Config, own: Problem, devices: int):
         cfg = dataclasses.replace(cfg, model=dpo.model_of(cfg))  # scored as trained
         g, t = cfg.grpo, cfg.train
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "train.objective=grpo: rollouts decode in one process for now; run it on one "
+                "host (jaxpar train without launch)"
+            )
         self.overrides = _layout_overrides(g.generate_layout)
         data_, tensor = decoding.degrees(cfg.model, devices, self.overrides)
         if data_ * tensor != devices:
@@ -116,11 +122,6 @@ class Rollouts:
         start-up summary's lines."""
         cfg, g = self.cfg, self.cfg.grpo
         self._engine, self._train_mesh = run.engine, run.mesh
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "train.objective=grpo: rollouts decode in one process for now; run it on one "
-                "host (jaxpar train without launch)"
-            )
         devices = list(run.mesh.devices.flat)
         gen_cfg, mesh, plain, shardings = decoding.layout(cfg, self.overrides, devices)
         _, _, _, own_shardings = decoding.layout(cfg, self.overrides, devices, self.own)
@@ -129,12 +130,11 @@ class Rollouts:
         self.trained = [k for k in self.own.names if k not in self.own.frozen]
         self.adapters = cfg.adapter.kind is AdapterKind.LORA
         self.direct = run.engine.layout is None and cfg.parallel.offload is Offload.NONE
-        out = {
-            k: decoding.layer_sharding(s) if plain.names[k][:1] == (LAYERS,) else s
+        layered = {k for k in plain.names if plain.names[k][:1] == (LAYERS,)}
+        out = {  # decoding.by_layer's: a layer stack as a tuple of its layers
+            k: (decoding.layer_sharding(s),) * plain.shapes[k].shape[0] if k in layered else s
             for k, s in shardings.items()
         }
-        out = {k: tuple([s] * plain.shapes[k].shape[0]) if plain.names[k][:1] == (LAYERS,) else s
-               for k, s in out.items()}  # fmt: skip
 
         def publish(trained, base):
             """The model's parameters, by layer (decoding.by_layer), from the trained
@@ -148,8 +148,7 @@ class Rollouts:
             # copies: an output the input forwarded would be the state's buffer, which
             # the next step donates
             return {
-                k: tuple(params[k]) if plain.names[k][:1] == (LAYERS,) else jnp.copy(params[k])
-                for k in plain.names
+                k: tuple(params[k]) if k in layered else jnp.copy(params[k]) for k in plain.names
             }
 
         self.publish = jax.jit(publish, out_shardings=out)
@@ -161,10 +160,11 @@ class Rollouts:
         if g.beta:  # a copy of the trained leaves (their start), or none: the base alone
             copy = {k: params[COPY + k] for k in self.trained if COPY + k in params}
             self.reference = self._placed(copy)
-        first = self.publish(self._trained(state), self.base)
         positions = decoding.positions_of(cfg)
-        self.loaded = decoding.Loaded(gen_cfg, plain, first, mesh, positions,
-                                      self._cache_dims(), "the policy")  # fmt: skip
+        dims = registry.get(cfg.model.name).cache_dims(cfg.model)
+        # its parameters are published for each rollout and let go after it: between
+        # rollouts the devices hold the training state (and a reference's copy) alone
+        self.loaded = decoding.Loaded(gen_cfg, plain, None, mesh, positions, dims, "the policy")
         self.decoder = decoding.Decoder(self.loaded)
         self.score = jax.jit(
             lambda p, batch: -plain.loss(decoding.restacked(p), batch),
@@ -172,19 +172,14 @@ class Rollouts:
         )
         self.bytes = self._reshard_bytes(state)
         self.file = files / FILE if files else None
-        if self.file and self.file.exists():  # a resumed run: its rollouts up to `start`
+        if self.file and self.file.exists():  # a resumed run: the rollouts of its steps done
             kept = [
                 line
                 for line in self.file.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < start
+                if line.strip() and json.loads(line)["step"] <= start
             ]
             self.file.write_text("".join(f"{line}\n" for line in kept))
         return self.describe()
-
-    def _cache_dims(self):
-        from jaxpar.config import registry
-
-        return registry.get(self.cfg.model.name).cache_dims(self.cfg.model)
 
     def _model_layout(self, state) -> dict:
         """The state's parameters in the model's own layout (on the host where the
@@ -289,6 +284,7 @@ class Rollouts:
             reference = self.publish(self.reference, self.base)
             batch[grpo.REF] = self._logps(reference, batch)
         self.current = batch
+        self.loaded.params = None
         score_s = time.perf_counter() - start
         self._write(step, index, asked, done.completions, texts, total, each, advantages)
         lengths = np.array([len(c) for c in done.completions])
