@@ -96,12 +96,14 @@ class LlamaConfig(Model):
             "are"
         ),
     )
-    capacity_factor: Annotated[float, Range(0, 2**12, "a positive factor", True)] = key(
+    capacity_factor: Annotated[float, Range(0, 2**12, "a factor >= 0; 0 = dropless")] = key(
         1.25,
         (
             "model.experts > 0: each expert takes ceil(factor x seq_len x k / experts) tokens "
-            "of a sequence, the rest of its tokens dropped (passed on by the residual); a "
-            "factor of experts / k or more drops none (dropless)"
+            "of a sequence, the rest of its tokens dropped (passed on by the residual); "
+            "0 = dropless: no capacity, every token to its experts by grouped products "
+            "(lax.ragged_dot; over `expert` the tokens all-gathered, the outputs "
+            "reduce-scattered)"
         ),
     )
     router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(

@@ -462,7 +462,13 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
         return None
     slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
     return ExpertDims(
-        m.layers // m.moe_every, m.experts, slots, m.embed, m.experts_per_token, 6 * m.embed * m.mlp
+        m.layers // m.moe_every,
+        m.experts,
+        slots,
+        m.embed,
+        m.experts_per_token,
+        6 * m.embed * m.mlp,
+        dropless=m.capacity_factor == 0,
     )
 
 

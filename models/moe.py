@@ -13,7 +13,14 @@ gathered into [rows, experts, capacity, embed], the experts applied as one batch
 product, and each token's outputs gathered back and weighted. Where the step splits
 sequences over context, each layer gathers the sequence's tokens, routes it whole,
 runs 1/C of every expert's slots, and sums the outputs back to the tokens' devices
-(jaxpar.parallel.context.whole, share, scatter_sum)."""
+(jaxpar.parallel.context.whole, share, scatter_sum).
+
+Dropless (model.capacity_factor=0, as MaxText's Megablox and torchtitan's grouped
+products): each (token, choice) is sorted by its expert and the experts applied by
+lax.ragged_dot, a group of rows each; nothing is dropped, and a token's route depends on
+it alone, so under context each device routes its own tokens. Under expert parallelism
+the tokens and their routes are gathered over `expert`, each device runs its experts'
+rows, and the outputs are reduce-scattered back (jaxpar.nn.experts)."""
 
 from __future__ import annotations
 
@@ -27,7 +34,13 @@ from flax import nnx
 
 from jaxpar.names import BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
 from jaxpar.nn import sequence
-from jaxpar.nn.experts import from_experts, to_experts
+from jaxpar.nn.experts import (
+    first_expert,
+    from_experts,
+    gather_tokens,
+    scatter_outputs,
+    to_experts,
+)
 from jaxpar.nn.layers import batch_sum, constrain, param
 from jaxpar.nn.scope import report
 from jaxpar.nn.tensor_parallel import tensor_parallel
@@ -67,18 +80,25 @@ class Load(NamedTuple):
 
 def capacity(seq: int, experts: int, k: int, factor: float) -> int:
     """Slots per expert for a sequence of `seq` tokens: ceil(factor seq k / experts), at
-    most seq (no token goes to one expert twice; factor >= experts / k is dropless)."""
-    return min(seq, math.ceil(factor * seq * k / experts))
+    most seq (no token goes to one expert twice; factor >= experts / k is dropless);
+    factor 0 (dropless, no slots): seq."""
+    return seq if factor == 0 else min(seq, math.ceil(factor * seq * k / experts))
 
 
-def route(logits_BxSxX: jax.Array, k: int, slots: int, renormalize: bool = True) -> Routing:
-    """Top-k routing of each sequence's tokens into `slots` places per expert; the k
-    weights renormalized over the k, or (not `renormalize`) their probabilities."""
+def choose(logits_BxSxX: jax.Array, k: int, renormalize: bool):
+    """(the router's softmax, each token's k experts most probable first, their
+    weights: renormalized over the k, or (not `renormalize`) their probabilities)."""
     probs_BxSxX = jax.nn.softmax(logits_BxSxX.astype(jnp.float32), axis=-1)
     top_BxSxK, experts_BxSxK = jax.lax.top_k(probs_BxSxX, k)
     weights_BxSxK = top_BxSxK
     if renormalize:
         weights_BxSxK = top_BxSxK / jnp.sum(top_BxSxK, -1, keepdims=True)
+    return probs_BxSxX, experts_BxSxK, weights_BxSxK
+
+
+def route(logits_BxSxX: jax.Array, k: int, slots: int, renormalize: bool = True) -> Routing:
+    """Top-k routing of each sequence's tokens into `slots` places per expert (choose)."""
+    probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, k, renormalize)
     rows, seq, n = probs_BxSxX.shape
     # claims in priority order: every token's first choice, then every second choice
     claims_BxKSxX = jax.nn.one_hot(
@@ -109,6 +129,8 @@ class MoE(nnx.Module):
     ) -> tuple[jax.Array, Load]:
         """(the output, the Load of its routing); `trained_BxS` weighs each token in the
         balance loss (its target is trained; None: all are)."""
+        if self.capacity_factor == 0:
+            return self.dropless(x_BxSxE, trained_BxS)
         dt = x_BxSxE.dtype
         n = self.router.shape[-1]
         # split over context: every device routes the whole sequence (its tokens gathered)
@@ -132,16 +154,67 @@ class MoE(nnx.Module):
         # this device's tokens' routing
         probs_BxSxX = sequence.local(r.probs)
         chosen_BxSxX = jax.nn.one_hot(sequence.local(r.experts), n, dtype=jnp.float32).sum(2)
-        w_BxS = jnp.ones(x_BxSxE.shape[:2], jnp.float32)
-        if trained_BxS is not None:
-            w_BxS = trained_BxS.astype(jnp.float32)
-        load = Load(
-            probs=jnp.einsum("bsx,bs->bx", probs_BxSxX, w_BxS),
-            trained=jnp.einsum("bsx,bs->bx", chosen_BxSxX, w_BxS),
-            chosen=jnp.sum(chosen_BxSxX, 1),
-            kept=jnp.sum(sequence.local(r.keep), (1, 2)).astype(jnp.float32),
-        )
+        kept_B = jnp.sum(sequence.local(r.keep), (1, 2)).astype(jnp.float32)
+        load = _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS)
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
+
+    def dropless(self, x_BxSxE: jax.Array, trained_BxS: jax.Array | None):
+        """__call__ with no capacity: every token to its k experts (this device's
+        tokens; the module's docstring)."""
+        dt = x_BxSxE.dtype
+        n = self.router.shape[-1]
+        logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
+        logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
+        probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, self.k, self.renormalize)
+        experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
+        routed = (experts_BxSxK, weights_BxSxK)
+        y_BxSxE = tensor_parallel(grouped, x_BxSxE, routed, experts, names)
+        chosen_BxSxX = jax.nn.one_hot(experts_BxSxK, n, dtype=jnp.float32).sum(2)
+        kept_B = jnp.full(x_BxSxE.shape[:1], self.k * x_BxSxE.shape[1], jnp.float32)
+        load = _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS)
+        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
+
+
+def _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS) -> Load:
+    """This device's tokens' Load; `trained_BxS` weighs each in the balance loss."""
+    w_BxS = jnp.ones(probs_BxSxX.shape[:2], jnp.float32)
+    if trained_BxS is not None:
+        w_BxS = trained_BxS.astype(jnp.float32)
+    return Load(
+        probs=jnp.einsum("bsx,bs->bx", probs_BxSxX, w_BxS),
+        trained=jnp.einsum("bsx,bs->bx", chosen_BxSxX, w_BxS),
+        chosen=jnp.sum(chosen_BxSxX, 1),
+        kept=kept_B,
+    )
+
+
+def grouped(x_BxSxE, routed, gate_LxExM, up_LxExM, down_LxMxE):
+    """Each token's k experts' outputs, weighted and summed, none dropped: every (token,
+    choice) of the expert devices' tokens (gather_tokens) sorted by expert, this
+    device's L experts applied to their rows by lax.ragged_dot (the others' rows sorted
+    last, outside every group: zeros), the outputs weighted, added to their tokens, and
+    summed back to the tokens' devices (scatter_outputs)."""
+    experts_BxSxK, weights_BxSxK = routed
+    x_TxE = gather_tokens(x_BxSxE)
+    rows, seq, embed = x_TxE.shape
+    x_TxE = x_TxE.reshape(rows * seq, embed)
+    experts_A = gather_tokens(experts_BxSxK).reshape(-1)  # A: (token, choice) pairs
+    weights_A = gather_tokens(weights_BxSxK).reshape(-1)
+    k = experts_BxSxK.shape[-1]
+    local = gate_LxExM.shape[0]
+    mine_A = experts_A - first_expert(local)
+    group_A = jnp.where((mine_A >= 0) & (mine_A < local), mine_A, local)
+    order_A = jnp.argsort(group_A, stable=True)
+    sizes_L = jnp.bincount(group_A, length=local + 1)[:local].astype(jnp.int32)
+    token_A = order_A // k
+    in_AxE = x_TxE[token_A]
+    gate_AxM = jax.lax.ragged_dot(in_AxE, gate_LxExM, sizes_L)
+    up_AxM = jax.lax.ragged_dot(in_AxE, up_LxExM, sizes_L)
+    out_AxE = jax.lax.ragged_dot(jax.nn.silu(gate_AxM) * up_AxM, down_LxMxE, sizes_L)
+    out_AxE = out_AxE * weights_A[order_A][:, None].astype(out_AxE.dtype)
+    y_TxE = jnp.zeros_like(x_TxE).at[token_A].add(out_AxE)
+    return scatter_outputs(y_TxE.reshape(rows, seq, embed))
 
 
 def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMxE):

@@ -116,6 +116,27 @@ def test_with_drops_equal_the_loop_given_the_same_drop_mask():
     assert_close(apply(m, params, x, dropless=True), loop(params, x))
 
 
+def skewed(params: dict) -> tuple[dict, jax.Array]:
+    """(`params` with a router that favours experts 0 and 1, inputs it sends there
+    mostly): capacity 1.25 would drop more than 20% of the choices."""
+    router = params["router"].at[:, :2].add(0.02)
+    return {**params, "router": router}, inputs() + 0.5
+
+
+def test_dropless_grouped_products_equal_the_loop_where_capacity_would_drop():
+    """capacity_factor=0: every (token, choice) sorted by expert through lax.ragged_dot;
+    under a router that favours two experts (capacity 1.25 would drop > 20%)."""
+    m = layer(capacity_factor=0)
+    params, x = skewed(params_of(m))
+    slots = moe.capacity(SEQ, E, K, 1.25)
+    assert float(jnp.mean(~moe.route(x @ params["router"], K, slots).keep)) > 0.2
+    got = output_and_grads(lambda p, x: apply(m, p, x), params, x)
+    want = output_and_grads(loop, params, x)
+    assert_close(got, want)
+    load = nnx.merge(*nnx.split(m))(x)[1]
+    assert float(jnp.sum(load.kept)) == ROWS * SEQ * K  # nothing dropped
+
+
 def drop_rate(capacity_factor: float, seq: int = 256) -> float:
     """The share of choices dropped, for a router that favours some experts (as an
     untrained one does by chance; a uniform one drops little)."""
@@ -234,6 +255,52 @@ def test_a_mixture_trains_in_every_layout_as_on_one_device(name, reference):
 
 
 NO_BALANCE = ("model.router_aux_loss=0",)
+DROPLESS_LAYOUTS = {
+    "expert2": ("parallel.data=4", "parallel.expert=2"),
+    "expert4": ("parallel.data=2", "parallel.expert=4"),
+    "expert8": ("parallel.data=1", "parallel.expert=8"),
+    "expert2-dp2-tp2-zero3": (
+        "parallel.expert=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3",
+    ),
+    "ctx2-expert2-dp2": ("parallel.context=2", "parallel.expert=2", "parallel.data=2"),
+    "pp2-gpipe-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.microbatches=2",
+        "parallel.schedule=gpipe", *NO_BALANCE,
+    ),
+    "pp2-expert2-tp2-1f1b-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
+        "parallel.microbatches=2", "parallel.schedule=1f1b", *NO_BALANCE,
+    ),
+    "pp2-dp2-expert2-interleaved": (
+        "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2",
+        "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+        *NO_BALANCE,
+    ),
+}  # fmt: skip
+DROPLESS = ("model.capacity_factor=0",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DROPLESS_LAYOUTS)
+def test_dropless_trains_in_every_layout_as_on_one_device(name):
+    """Dropless on one device is the dense loop (the test above); here every expert
+    degree (the tokens all-gathered over `expert`, the outputs reduce-scattered), and
+    every pipeline schedule, equal it."""
+    overrides = (*DROPLESS, *DROPLESS_LAYOUTS[name])
+    balance = tuple(o for o in overrides if o in NO_BALANCE)
+    want = shared_reference("mixtral-tiny", (*DROPLESS, *balance), steps=STEPS)
+    assert_same_training(trained("mixtral-tiny", overrides, steps=STEPS), want)
+
+
+@pytest.mark.slow
+def test_dropless_drops_nothing_where_a_capacity_drops(devices):
+    layout = ["parallel.data=4", "parallel.expert=2", "train.log_every=1"]
+    dropped = {
+        factor: [r["moe/dropped"] for r in run("mixtral-tiny", [f"model.capacity_factor={factor}",
+                                                               *layout], steps=2).rows]
+        for factor in (0, 1.0)
+    }  # fmt: skip
+    assert dropped[0] == [0.0, 0.0] and min(dropped[1.0]) > 0, dropped
 
 
 METRICS = {  # a layout, and one device's run with the same micro-batches
@@ -396,3 +463,27 @@ def test_a_checkpoint_restores_into_another_expert_degree(devices, tmp_path):
         jax.tree.leaves(state.params), jax.tree.leaves(engine.state_shardings.params), strict=True
     ):
         assert got.sharding.is_equivalent_to(want, got.ndim)
+
+
+DROPLESS_COMM = {
+    "dp2-expert4": ("parallel.data=2", "parallel.expert=4"),
+    "expert2-dp2-tp2-zero3": (
+        "parallel.expert=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3",
+    ),
+    "ctx2-expert2-dp2-remat": (
+        "parallel.context=2", "parallel.expert=2", "parallel.data=2", "parallel.remat=full",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DROPLESS_COMM)
+def test_dropless_moves_the_all_gather_dispatchers_bytes(name, devices):
+    """Dropless over `expert`: the tokens and their routes all-gathered, the outputs
+    reduce-scattered, forward and backward, against cost.dispatch_bytes' count of that
+    exchange (and context moves no mixture's tokens: each device routes its own)."""
+    comm = compile_only("mixtral-tiny", (*DROPLESS, *DROPLESS_COMM[name])).comm
+    expert = comm.by_axis["expert"]
+    assert expert.minimum > 0 and expert.wire == pytest.approx(expert.minimum, rel=0.02), comm
+    for axis in ("data", "context"):
+        wire, minimum = comm.by_axis[axis].wire, comm.by_axis[axis].minimum
+        assert wire == pytest.approx(minimum, rel=0.02), (axis, comm)

@@ -49,6 +49,10 @@ class ExpertDims:
     embed: int
     per_token: int
     slot_flops: float
+    # no capacity (model.capacity_factor=0): each token to its experts by grouped
+    # products, the tokens all-gathered over `expert` (not sent by all-to-all), and each
+    # device's own tokens routed whole under context (nothing gathered over it)
+    dropless: bool = False
 
     def held(self, context: int) -> int:
         """Each expert's slots of a sequence a device runs: split over `context`, each
@@ -58,7 +62,9 @@ class ExpertDims:
     def idle_flops(self, seq_len: int, context: int) -> float:
         """Forward and backward FLOPs per sequence of the slots beyond its tokens' k
         choices (which the model's FLOPs count): the capacity's spare slots, run on
-        zeros."""
+        zeros (none dropless)."""
+        if self.dropless:
+            return 0.0
         spare = context * self.experts * self.held(context) - self.per_token * seq_len
         return 3 * self.layers * self.slot_flops * max(spare, 0)
 

@@ -34,16 +34,19 @@ def _llama(d: ModelDims, tensor: int, scores: bool, context: int) -> float:
     softmax statistics, 2 16-bit units a head), the attention output; gate, up,
     silu(gate) and the product (with experts: of each slot the device runs, 1/context of
     the capacity, and each slot's input, the router's logits and probabilities; split
-    over context, of the whole sequence, gathered, and the output's part)."""
+    over context, of the whole sequence, gathered, and the output's part; dropless, of
+    each of a token's k choices)."""
     tokens = d.seq_len / context
     kv = d.kv_heads * d.head_dim
     kv_split = tensor if d.kv_heads % tensor == 0 else 1
     mlp = 4 * d.mlp / tensor
     if d.experts:  # the mean block's: n - 1 dense, one sparse
         x, every = d.experts, d.layers // d.experts.layers
-        sparse = x.experts * x.held(context) / tokens * (d.embed + mlp) + 2 * x.experts * context
-        if context > 1:
-            sparse += 2 * d.embed * context
+        if x.dropless:  # each token's k (token, choice) rows; routed where they are
+            sparse = x.per_token * (d.embed + mlp) + 2 * x.experts
+        else:
+            sparse = x.experts * x.held(context) / tokens * (d.embed + mlp)
+            sparse += 2 * x.experts * context + (2 * d.embed * context if context > 1 else 0)
         mlp = ((every - 1) * mlp + sparse) / every
     per_token = 3 * d.embed + 6 * d.embed / tensor + mlp + 4 * kv / kv_split
     attention = 2 * d.heads * (d.seq_len if scores else 1) / tensor

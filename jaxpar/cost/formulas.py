@@ -205,15 +205,27 @@ def dispatch_bytes(
     the dispatched slots of this device's rows, [rows, experts, slots, embed], to the
     experts' devices and their outputs back (two all-to-alls), and the backward pass
     the same two again: (X-1)/X of them each; a pipeline stage holds 1/pipeline of the
-    layers. `extra`: forward passes without a backward (a DPO reference's)."""
+    layers. `extra`: forward passes without a backward (a DPO reference's).
+
+    Dropless (ExpertDims.dropless): per sparse layer and forward pass, this device's
+    tokens [rows, S / C, embed] and their routes (k int32 experts, k fp32 weights) all-
+    gathered, (X-1) x this device's part each, and the outputs reduce-scattered (but in a
+    recomputed forward, whose output is not needed); the backward pass reduce-scatters
+    the tokens' and the weights' gradients and all-gathers the outputs'."""
     x = mesh_shape.get(EXPERT, 1)
     if x == 1 or experts is None:
         return 0.0
     rows = train.batch_size // data_parallel(mesh_shape)
+    layers = experts.layers / mesh_shape.get(PIPE, 1)
+    if experts.dropless:
+        tokens = rows * train.seq_len / mesh_shape.get(CONTEXT, 1)
+        width, route = experts.embed * dtype_bytes(train.precision), experts.per_token * 4
+        gathers = (forward_passes(par) + extra) * (width + 2 * route)
+        passes = gathers + (1 + extra) * width + 2 * width + route
+        return layers * passes * (x - 1) * tokens
     held = experts.held(mesh_shape.get(CONTEXT, 1))
     slots = rows * experts.experts * held * experts.embed
     passes = 2 * (forward_passes(par) + extra) + 2
-    layers = experts.layers / mesh_shape.get(PIPE, 1)
     return layers * passes * (x - 1) / x * slots * dtype_bytes(train.precision)
 
 
@@ -262,7 +274,7 @@ def context_bytes(
     layers = attention.layers
     f = forward_passes(par) + extra
     cb = dtype_bytes(train.precision)
-    if experts:  # a recomputed forward's output is not needed: scattered once forward
+    if experts and not experts.dropless:  # a recomputed forward's output: scattered once
         total += experts.layers * (f + 3 + extra) * share * tokens * experts.embed * cb
     # the documents' ids and positions: once per forward of the same batch (a reference's
     # forward reads the policy's)
