@@ -119,10 +119,13 @@ CONTEXT = {
 # A mixture of experts in the base model's blocks (8 experts, top 2), its experts split
 # over expert = 1, 2, 4, 8 (the rest of the 8 devices on data), ZeRO-0.
 EXPERTS = {
-    f"expert={x}": (
-        "model.name=mixtral", "model.experts=8", f"parallel.data={8 // x}", f"parallel.expert={x}"
+    f"expert={x}{name}": (
+        "model.name=mixtral", "model.experts=8", f"parallel.data={8 // x}", f"parallel.expert={x}",
+        f"model.capacity_factor={factor}",
     )
-    for x in (1, 2, 4, 8)
+    for x, name, factor in ((1, "", 1.25), (2, "", 1.25), (4, "", 1.25), (8, "", 1.25),
+                            (2, ", capacity 2.0", 2.0), (1, ", dropless", 0),
+                            (2, ", dropless", 0), (8, ", dropless", 0))
 }  # fmt: skip
 # Checkpointing overhead on data=8 ZeRO-3 (nothing replicated: the state on disk is the
 # ledger's per-device state times the devices).
@@ -196,6 +199,7 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
         start = time.perf_counter()
         log = metrics.MetricsLog(None)
         state = run_loop(run, state, batches, log, 0, saves.options()).state
+        dropped = log.rows[-1].get("moe/dropped")  # a mixture's, the last step's
         loop.append((time.perf_counter() - start) / steps)
     bare, loop = min(bare), min(loop)
     # The trainer's own work per step (make and place a batch, read a step's metrics),
@@ -216,6 +220,7 @@ def measure(overrides: tuple[str, ...], steps: int, base: Base = Base()) -> dict
         "trainer_over_bare": loop / bare,
         "host_s": host,
         "report": run.report,
+        **({"dropped": dropped} if dropped is not None else {}),
         **saves.figures(),
     }
 
@@ -332,6 +337,7 @@ EXPERT_COLUMNS = {
     "device opt state": _bytes(lambda rep: rep.memory_per_device.opt_state),
     "expert wire": _bytes(lambda rep: rep.comm.by_axis["expert"].wire),
     "expert min": _bytes(lambda rep: rep.comm.by_axis["expert"].minimum or 0),
+    "dropped": lambda r: f"{r['dropped']:.1%}",
     "comm/step": STRATEGY_COLUMNS["comm/step"],
     "ratio": STRATEGY_COLUMNS["ratio "],
 }
@@ -534,7 +540,8 @@ def run_bench(
             CONTEXT_COLUMNS,
         ),
         "experts": (
-            f"mixture of experts (model.name=mixtral, 8 experts, top 2), {where}, ZeRO-0",
+            f"mixture of experts (model.name=mixtral, 8 experts, top 2; capacity factor 1.25 "
+            f"unless named; dropped: the last step's share of choices), {where}, ZeRO-0",
             "experts over",
             EXPERTS,
             EXPERT_COLUMNS,
