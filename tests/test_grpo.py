@@ -365,6 +365,24 @@ def test_bad_prompts_are_refused_before_anything_is_written(
     assert not (tmp_path / "out").exists()  # nothing left that blocks the retry
 
 
+def test_a_binary_prompt_file_and_a_damaged_prompt_folder_are_named(
+    folder, chat_tokenizer, tmp_path, capsys
+):
+    import shutil
+
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "1 + 1 = "}\n\xff\xfe\x00\x01\n')
+    argv = ["prepare-data", str(tmp_path / "p.jsonl"), "--tokenizer", str(chat_tokenizer),
+            "--out", str(tmp_path / "out"), "--format", "prompts"]  # fmt: skip
+    assert cli.main(argv) == 2
+    one_line_error(capsys, "p.jsonl:2", "not UTF-8")
+    damaged = tmp_path / "tokens"
+    shutil.copytree(folder, damaged)
+    (damaged / "train.prompts.jsonl").write_text('{"ids": [1, 2]}\n')  # no prompt, fields
+    argv = ["train", "--config", "llama-tiny", *keys(damaged), "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    one_line_error(capsys, "train.prompts.jsonl", "prepare the prompts again")
+
+
 @pytest.mark.parametrize(
     "returns, needle",
     [
