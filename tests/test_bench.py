@@ -43,12 +43,15 @@ def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, c
 @pytest.mark.slow
 def test_experts_section_splits_the_experts_at_the_textbook_bytes(devices, capsys, monkeypatch):
     monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
-    monkeypatch.setattr(bench, "EXPERTS", {k: bench.EXPERTS[k] for k in ("expert=1", "expert=4")})
+    cases = ("expert=1", "expert=4", "expert=2, dropless")
+    monkeypatch.setattr(bench, "EXPERTS", {k: bench.EXPERTS[k] for k in cases})
     rows = run_bench(steps=2, only=["experts"])["experts"]
-    one, four = (rows[k]["report"] for k in ("expert=1", "expert=4"))
+    one, four, dropless = (rows[k]["report"] for k in cases)
     assert one.comm.by_axis["expert"].wire == 0
-    expert = four.comm.by_axis["expert"]
-    assert expert.minimum > 0 and expert.wire == pytest.approx(expert.minimum, rel=0.02)
+    for report in (four, dropless):
+        expert = report.comm.by_axis["expert"]
+        assert expert.minimum > 0 and expert.wire == pytest.approx(expert.minimum, rel=0.02)
+    assert rows["expert=2, dropless"]["dropped"] == 0 < rows["expert=4"]["dropped"]
     # the experts' weights are most of the model: split over 4, the device holds far less
     assert four.memory_per_device.params < 0.5 * one.memory_per_device.params
     assert "mixture of experts" in capsys.readouterr().out
