@@ -125,7 +125,7 @@ class Rollouts:
         devices = list(run.mesh.devices.flat)
         gen_cfg, mesh, plain, shardings = decoding.layout(cfg, self.overrides, devices)
         _, _, _, own_shardings = decoding.layout(cfg, self.overrides, devices, self.own)
-        self.mesh, self.plain = mesh, plain
+        self.mesh = mesh
         self.rows = NamedSharding(mesh, PartitionSpec(DATA))
         self.trained = [k for k in self.own.names if k not in self.own.frozen]
         self.adapters = cfg.adapter.kind is AdapterKind.LORA
