@@ -16,6 +16,10 @@ QKV = "qkv"  # the parts of a fused projection: query/key/value, or gate/up
 MLP = "mlp"
 EXPERTS = "experts"  # a mixture's experts (their weights' leading dim)
 ROUTES = "routes"  # the router's logits over the experts (every device routes its tokens)
+# a router's balancing bias over the experts: not split, and moved by its own rule
+# (jaxpar.step.optimizer), not by the optimizer's
+BALANCE = "balance"
+LATENT = "latent"  # a compressed projection's latent dims (latent attention; never split)
 VOCAB = "vocab"
 LAYERS = "layers"
 LORA_RANK = "lora_rank"  # a low-rank adapter's rank (jaxpar.adapters; never split)

@@ -25,6 +25,11 @@ class RopeScaling(enum.StrEnum):
     LLAMA3 = "llama3"
 
 
+class Router(enum.StrEnum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig(Model):
     """model.* for model.name=llama (declared here, without jax, like every key)."""
@@ -106,6 +111,84 @@ class LlamaConfig(Model):
             "reduce-scattered)"
         ),
     )
+    expert_mlp: Annotated[int, Range(0, 2**20, "hidden dims; 0 = model.mlp")] = key(
+        0,
+        (
+            "model.experts > 0: each expert's hidden dims (moe_intermediate_size), where "
+            "they differ from the dense blocks' model.mlp; 0 = model.mlp"
+        ),
+    )
+    shared_mlp: Annotated[int, Range(0, 2**20, "hidden dims; 0 = none")] = key(
+        0,
+        (
+            "model.experts > 0: a shared expert of this many hidden dims beside the routed "
+            "ones, which every token goes to (Qwen2-MoE; DeepSeek's n_shared_experts x "
+            "moe_intermediate_size); 0 = none"
+        ),
+    )
+    shared_gate: bool = key(
+        False,
+        "model.shared_mlp > 0: the shared expert's output scaled by sigmoid(x . w), a "
+        "learned gate of each token (Qwen2-MoE)",
+    )
+    router: Router = key(
+        Router.SOFTMAX,
+        (
+            "model.experts > 0: the router's scores: softmax over the experts (Mixtral, Qwen) "
+            "or sigmoid of each (DeepSeek-V3, with a balancing bias that enters the choice "
+            "but not the weights)"
+        ),
+    )
+    router_bias_update: Annotated[float, Range(0, 1, "a step >= 0")] = key(
+        0.0,
+        (
+            "model.router=sigmoid: DeepSeek's auxiliary-loss-free balance: after each step "
+            "each expert's bias moves by this step toward the mean load (up when it got "
+            "fewer of the batch's choices than the mean, down when more); 0 = the bias "
+            "is kept as it is"
+        ),
+    )
+    router_groups: Annotated[int, Range(1, 2**12, "groups")] = key(
+        1,
+        (
+            "model.experts > 0: group-limited top-k (DeepSeek's n_group): the experts in "
+            "this many equal groups, a token's k chosen among the model.router_top_groups "
+            "groups whose two best scores sum highest; 1 = no groups"
+        ),
+    )
+    router_top_groups: Annotated[int, Range(1, 2**12, "groups")] = key(
+        1, "model.router_groups > 1: the groups a token's experts come from (topk_group)"
+    )
+    routed_scaling: Annotated[float, Range(0, 1e3, "a factor > 0")] = key(
+        1.0, "model.experts > 0: the routed experts' weights scaled by this (DeepSeek: 2.5)"
+    )
+    dense_first: Annotated[int, Range(0, 2**12, "blocks")] = key(
+        0,
+        (
+            "model.experts > 0: the first this many blocks have a dense MLP of model.mlp "
+            "hidden dims, the rest the mixture (DeepSeek's first_k_dense_replace); they run "
+            "with the embedding, before the layer stack"
+        ),
+    )
+    kv_rank: Annotated[int, Range(0, 2**16, "latent dims; 0 = none")] = key(
+        0,
+        (
+            "multi-head latent attention (DeepSeek's kv_lora_rank): keys and values from a "
+            "compressed latent of this many dims, normed, and a rotary key of "
+            "model.rope_dim shared by the heads; model.head_dim is then each head's "
+            "unrotated query/key dims. 0 = grouped-query attention"
+        ),
+    )
+    q_rank: Annotated[int, Range(0, 2**16, "latent dims; 0 = a full projection")] = key(
+        0, "model.kv_rank > 0: the queries through a normed latent of this many dims "
+        "(q_lora_rank); 0 = one projection"
+    )
+    rope_dim: Annotated[int, Range(0, 2**14, "dims")] = key(
+        0, "model.kv_rank > 0: each head's rotated query/key dims (qk_rope_head_dim)"
+    )
+    v_dim: Annotated[int, Range(0, 2**14, "dims; 0 = model.head_dim")] = key(
+        0, "model.kv_rank > 0: each head's value dims (v_head_dim); 0 = model.head_dim"
+    )
     router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
         0.0,
         (
@@ -121,5 +204,5 @@ register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
 # the Llama model and its Hugging Face families, a record each (models/families.py)
 for family in FAMILIES:
     register_module(
-        family.name, "jaxpar.models.llama", config=LlamaConfig, tiny=f"{family.name}-tiny"
+        family.name, "jaxpar.models.llama", config=LlamaConfig, tiny=family.tiny
     )

@@ -41,8 +41,15 @@ class Family:
     # gate, up and down projection names
     moe_prefix: str = "mlp."
     expert_projections: tuple[str, str, str] = LLAMA_PROJECTIONS
+    # the shared expert's prefix in a sparse block (its projections: an MLP's names)
+    shared_prefix: str = "mlp.shared_expert."
     # (model config) -> None, or a ConfigError: what its checkpoints cannot express
     check: Callable = _nothing
+    preset: str = ""  # its tiny preset's name; "" = NAME-tiny
+
+    @property
+    def tiny(self) -> str:
+        return self.preset or f"{self.name}-tiny"
 
     def owns(self, key: str) -> bool:
         return key in self.fixed or key in self.free
@@ -119,6 +126,113 @@ def _mixtral_check(m) -> None:
         )
 
 
+def _qwen2_moe_from_hf(hf: dict) -> dict:
+    """Qwen2-MoE's mixture keys: its dense blocks' hidden size apart from its experts',
+    and a gated shared expert in every sparse block."""
+    if hf.get("mlp_only_layers"):
+        raise CheckpointError(
+            f"config.json: mlp_only_layers={hf['mlp_only_layers']} is not supported (jaxpar "
+            "places its sparse blocks by decoder_sparse_step alone: model.moe_every)"
+        )
+    return _experts(hf) | {
+        "mlp": hf["intermediate_size"],
+        "expert_mlp": hf["moe_intermediate_size"],
+        "shared_mlp": hf["shared_expert_intermediate_size"],
+        "moe_every": hf.get("decoder_sparse_step", 1),
+        "router_renormalize": bool(hf.get("norm_topk_prob", False)),
+    }
+
+
+def _qwen2_moe_to_hf(m) -> dict:
+    return _experts_to_hf(m) | {
+        "use_sliding_window": False,
+        "num_experts": m.experts,
+        "moe_intermediate_size": m.expert_mlp or m.mlp,
+        "shared_expert_intermediate_size": m.shared_mlp,
+        "decoder_sparse_step": m.moe_every,
+        "mlp_only_layers": [],
+        "norm_topk_prob": m.router_renormalize,
+        "qkv_bias": True,
+    }
+
+
+def _qwen2_moe_check(m) -> None:
+    if not m.shared_mlp:
+        raise ConfigError(
+            "model.shared_mlp=0: Qwen2-MoE's sparse blocks have a shared expert; set "
+            "model.shared_mlp to its hidden dims (shared_expert_intermediate_size)"
+        )
+
+
+def _deepseek_from_hf(hf: dict) -> dict:
+    """DeepSeek-V3's keys: latent attention, a sigmoid router with groups, shared
+    experts, the first blocks dense."""
+    if not hf.get("rope_interleave", True):
+        raise CheckpointError(
+            "config.json: rope_interleave=false is not supported (jaxpar reads DeepSeek's "
+            "rotated dims as interleaved pairs, as its checkpoints lay them out)"
+        )
+    expert = hf["moe_intermediate_size"]
+    return {
+        "experts": hf["n_routed_experts"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        "expert_mlp": expert,
+        "shared_mlp": (hf.get("n_shared_experts") or 0) * expert,
+        "router_renormalize": bool(hf.get("norm_topk_prob", True)),
+        "router_groups": hf.get("n_group") or 1,
+        "router_top_groups": hf.get("topk_group") or 1,
+        "routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
+        "dense_first": hf.get("first_k_dense_replace", 0),
+        "kv_rank": hf["kv_lora_rank"],
+        "q_rank": hf.get("q_lora_rank") or 0,
+        "rope_dim": hf["qk_rope_head_dim"],
+        "head_dim": hf["qk_nope_head_dim"],
+        "v_dim": hf["v_head_dim"],
+        "kv_heads": hf["num_attention_heads"],
+    }
+
+
+def _deepseek_to_hf(m) -> dict:
+    nope, expert = m.head_dim or m.embed // m.heads, m.expert_mlp or m.mlp
+    return {
+        "attention_bias": False,
+        "n_routed_experts": m.experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_intermediate_size": expert,
+        "n_shared_experts": m.shared_mlp // expert,
+        "norm_topk_prob": m.router_renormalize,
+        "n_group": m.router_groups,
+        "topk_group": m.router_top_groups,
+        "routed_scaling_factor": m.routed_scaling,
+        "first_k_dense_replace": m.dense_first,
+        "kv_lora_rank": m.kv_rank,
+        "q_lora_rank": m.q_rank or None,
+        "qk_rope_head_dim": m.rope_dim,
+        "qk_nope_head_dim": nope,
+        "qk_head_dim": nope + m.rope_dim,
+        "v_head_dim": m.v_dim or nope,
+        "head_dim": m.rope_dim,  # transformers' name for the rotated dims
+        "num_key_value_heads": m.heads,
+        "rope_interleave": True,
+    }
+
+
+def _deepseek_check(m) -> None:
+    if not m.kv_rank:
+        raise ConfigError(
+            "model.kv_rank=0: DeepSeek-V3 attends through a latent; set model.kv_rank "
+            "(kv_lora_rank, 512) with model.rope_dim (64)"
+        )
+    expert = m.expert_mlp or m.mlp
+    if m.shared_mlp % expert or m.moe_every != 1:
+        raise ConfigError(
+            f"model.shared_mlp={m.shared_mlp}, model.moe_every={m.moe_every}: DeepSeek-V3's "
+            f"checkpoints hold n_shared_experts of the experts' {expert} hidden dims each, "
+            "and a mixture in every block after the first dense ones; choose a multiple of "
+            "the experts' dims and model.moe_every=1"
+        )
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "llama",
@@ -176,6 +290,32 @@ FAMILIES: tuple[Family, ...] = (
         mixture="Qwen3-30B-A3B: 128, with 8 a token",
         from_hf=_qwen3_moe_from_hf,
         to_hf=_qwen3_moe_to_hf,
+    ),
+    Family(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        fixed={"qkv_bias": True, "shared_gate": True},
+        free=("experts", "router_aux_loss", "expert_mlp", "shared_mlp"),
+        mixture="Qwen1.5-MoE-A2.7B: 60, with 4 a token",
+        from_hf=_qwen2_moe_from_hf,
+        to_hf=_qwen2_moe_to_hf,
+        check=_qwen2_moe_check,
+    ),
+    Family(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        fixed={"router": "sigmoid"},
+        free=("experts", "expert_mlp", "shared_mlp", "router_bias_update", "router_groups",
+              "router_top_groups", "routed_scaling", "dense_first", "kv_rank", "q_rank",
+              "rope_dim", "v_dim"),  # fmt: skip
+        mixture="DeepSeek-V3: 256, with 8 a token",
+        from_hf=_deepseek_from_hf,
+        to_hf=_deepseek_to_hf,
+        shared_prefix="mlp.shared_experts.",
+        check=_deepseek_check,
+        preset="deepseek-tiny",
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

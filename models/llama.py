@@ -21,18 +21,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config.registry import AttentionDims, BlockKind, ExpertDims, ModelDims, ModelSpec
+from jaxpar.config.registry import (
+    AttentionDims,
+    BlockKind,
+    CacheDims,
+    ExpertDims,
+    ModelDims,
+    ModelSpec,
+)
 from jaxpar.errors import ConfigError
-from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.names import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MLP,
+    QKV,
+    ROUTES,
+    SEQ,
+    SEQ_RESIDUAL,
+    VOCAB,
+)
 from jaxpar.nn import documents
 from jaxpar.nn.attention import cached_attention, causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack, unrolled
 from jaxpar.nn.problem import Stages
 
-from . import LlamaConfig, RopeScaling
+from . import LlamaConfig, RopeScaling, Router
 from .common import (
     embed_inputs,
+    rotate,
     embed_tokens,
     flops_per_token,
     language_model_stages,
@@ -42,6 +62,7 @@ from .common import (
 )
 from .families import FAMILIES, Family
 from .llama_hf import FORMATS
+from .latent import LatentAttention
 from .moe import Load, MoE, balance_loss, capacity, report_load
 
 
@@ -51,9 +72,10 @@ def head_size(m: LlamaConfig) -> int:
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """RoPE's [head_dim / 2] frequencies (float32, as transformers computes them), with
-    Llama 3's scaling of the long wavelengths when rope_scaling=llama3."""
-    d = head_size(cfg)
+    """RoPE's [rotated dims / 2] frequencies (float32, as transformers computes them),
+    with Llama 3's scaling of the long wavelengths when rope_scaling=llama3. The rotated
+    dims: a head's (latent attention: model.rope_dim)."""
+    d = cfg.rope_dim if cfg.kv_rank else head_size(cfg)
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)
     inv = inv.astype(np.float32)
     if cfg.rope_scaling is RopeScaling.NONE:
@@ -69,27 +91,6 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None) -> jax.Array:
-    """Rotary embedding of `positions` (default 0..S-1, as constants), rotate-half layout:
-    the first half of each head's dims pairs with the second (Meta's original
-    checkpoints pair neighbours). The angles in fp32, as transformers computes them."""
-    if positions_BxS is None:
-        seq = x_BxSxNxD.shape[1]
-        angles = np.concatenate([np.outer(np.arange(seq, dtype=np.float32), inv_freq)] * 2, -1)
-        cos, sin = (
-            jnp.asarray(f(angles), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
-        )
-    else:
-        half_BxSxD = (
-            positions_BxS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
-        )
-        angles_BxSxD = jnp.concatenate([half_BxSxD, half_BxSxD], -1)
-        cos, sin = (f(angles_BxSxD).astype(x_BxSxNxD.dtype)[:, :, None] for f in (jnp.cos, jnp.sin))
-    half = x_BxSxNxD.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxSxNxD[..., half:], x_BxSxNxD[..., :half]], -1)
-    return x_BxSxNxD * cos + rotated * sin
 
 
 class RMSNorm(nnx.Module):
@@ -199,8 +200,8 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)): gate and up column-split, down row-split over `mlp`."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        e, m = cfg.embed, cfg.mlp
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, hidden: int = 0):
+        e, m = cfg.embed, hidden or cfg.mlp
         self.w_gate = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_up = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_down = param(rngs, normal(0.02 / (2 * cfg.layers) ** 0.5), (m, e), (MLP, EMBED))
@@ -230,9 +231,16 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
-        self.attn = Attention(cfg, rngs)
+        if cfg.kv_rank:
+            self.attn = LatentAttention(cfg, rngs, RMSNorm, inverse_frequencies(cfg))
+        else:
+            self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.mlp = MoE(cfg, rngs) if cfg.experts else SwiGLU(cfg, rngs)
+        if cfg.experts and cfg.shared_mlp:  # beside the routed experts (Qwen2-MoE, DeepSeek)
+            self.shared = SwiGLU(cfg, rngs, cfg.shared_mlp)
+            if cfg.shared_gate:
+                self.shared_gate = param(rngs, normal(0.02), (cfg.embed, 1), (EMBED, ROUTES))
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         return self.routed(x_BxSxE, docs)[0]
@@ -246,9 +254,16 @@ class Block(nnx.Module):
 
     def feed_forward(self, x_BxSxE, trained_BxS=None, decoding: bool = False):
         """Decoding: every token to its experts (dropless), as transformers does."""
-        if isinstance(self.mlp, MoE):
-            return self.mlp(x_BxSxE, trained_BxS, dropless=decoding)
-        return self.mlp(x_BxSxE, fused=not decoding), None
+        if not isinstance(self.mlp, MoE):
+            return self.mlp(x_BxSxE, fused=not decoding), None
+        y_BxSxE, load = self.mlp(x_BxSxE, trained_BxS, dropless=decoding)
+        if hasattr(self, "shared"):
+            shared_BxSxE = self.shared(x_BxSxE, fused=not decoding)
+            if hasattr(self, "shared_gate"):
+                w_Ex1 = self.shared_gate[...].astype(x_BxSxE.dtype)
+                shared_BxSxE = jax.nn.sigmoid(x_BxSxE @ w_Ex1) * shared_BxSxE
+            y_BxSxE = y_BxSxE + shared_BxSxE
+        return y_BxSxE, load
 
     def decode(self, x_BxTxE, cache, positions_BxT, slot, pad_B):
         y_BxTxE, cache = self.attn.decode(
@@ -292,34 +307,44 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, seq_len: int, rngs: nnx.Rngs):
         del seq_len  # positions are rotary: any length
         self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
+        if cfg.dense_first:  # DeepSeek's first k blocks, dense: run with the embedding
+            dense = dataclasses.replace(cfg, experts=0)
+            self.first = stack(lambda r: Block(dense, r), cfg.dense_first, rngs)
+        self.dense_first = cfg.dense_first
         n = self.every = sparse_every(cfg)
         unit = Group if n > 1 else Block
-        self.blocks = stack(lambda r: unit(cfg, r), cfg.layers // n, rngs)
+        self.blocks = stack(lambda r: unit(cfg, r), (cfg.layers - cfg.dense_first) // n, rngs)
         self.norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
         self.tied = cfg.tie_embeddings
         self.experts, self.experts_per_token = cfg.experts, cfg.experts_per_token
         self.router_aux_loss = cfg.router_aux_loss
-        self.sparse_layers = cfg.layers // n  # the load-balance loss's layers
+        self.sparse_layers = (cfg.layers - cfg.dense_first) // n  # the balance loss's layers
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
     def embed(self, tokens_BxS, docs: Documents | None = None):
-        del docs  # positions are rotary: each layer's attention reads them
-        return embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+        """The residual stream of the tokens: their embeddings, through the first dense
+        blocks where model.dense_first sets some."""
+        x_BxSxE = embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+        if not hasattr(self, "first"):
+            return x_BxSxE
+        return scan_layers(self.first, x_BxSxE, lambda block, x: block(x, docs))
 
     def decode(self, tokens_BxT, positions_BxT, caches, slot, pad_B):
         """(logits [B, T, V] of T new tokens at cache slots slot.., the caches with their
         keys and values): `caches`, one (k, v) per layer as jaxpar.nn.attention.CACHE_NAMES
         lays them out."""
         n = self.every  # a Group's blocks: their caches side by side
+        decode = lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B)  # noqa: E731
+        x_BxTxE = embed_tokens(self.tokens, tokens_BxT, self.tokens.dtype)
+        first = []
+        if hasattr(self, "first"):
+            k = self.dense_first
+            x_BxTxE, first = unrolled(self.first, x_BxTxE, caches[:k], decode)
+            caches = caches[k:]
         units = [caches[i : i + n] for i in range(0, len(caches), n)] if n > 1 else caches
-        x_BxTxE, units = unrolled(
-            self.blocks,
-            self.embed(tokens_BxT),
-            units,
-            lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B),
-        )
-        return self.logits(x_BxTxE), [c for u in units for c in u] if n > 1 else units
+        x_BxTxE, units = unrolled(self.blocks, x_BxTxE, units, decode)
+        return self.logits(x_BxTxE), [*first, *([c for u in units for c in u] if n > 1 else units)]
 
     def logits(self, x_BxSxE):
         x_BxSxE = self.norm(x_BxSxE)
@@ -380,7 +405,43 @@ def stages(m: LlamaConfig, seq_len: int) -> Stages:
     return dataclasses.replace(plain, pre=mixture_embed, layer=mixture_layer, post=mixture_losses)
 
 
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+# keys of a mixture of experts, and of latent attention: set without one, refused
+MIXTURE_KEYS = ("moe_every", "router_aux_loss", "expert_mlp", "shared_mlp", "shared_gate",
+                "router", "router_bias_update", "router_groups", "router_top_groups",
+                "routed_scaling", "dense_first")  # fmt: skip
+LATENT_KEYS = ("q_rank", "rope_dim", "v_dim")
+
+
+def _unset(m: LlamaConfig, keys: tuple[str, ...], what: str, needs: str) -> None:
+    """Refuse any of `keys` set (off its default) where the model has no `what`."""
+    for key in keys:
+        if getattr(m, key) != DEFAULTS[key]:
+            value = str(getattr(m, key)).lower()
+            raise ConfigError(
+                f"model.{key}={value} is a key of {what}; {needs}=0 has none: set {needs}, "
+                f"or drop model.{key}"
+            )
+
+
 def check(m: LlamaConfig, mesh_shape: dict) -> None:
+    if m.kv_rank:
+        check_latent(m)
+    else:
+        _unset(m, LATENT_KEYS, "latent attention", "model.kv_rank")
+        check_heads(m)
+    if m.heads % m.kv_heads:
+        raise ConfigError(
+            f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}: each "
+            "key/value head serves an equal group of query heads"
+        )
+    if m.experts:
+        check_experts(m)
+    else:
+        _unset(m, MIXTURE_KEYS, "a mixture of experts", "model.experts")
+
+
+def check_heads(m: LlamaConfig) -> None:
     if m.head_dim % 2:
         raise ConfigError(
             f"model.head_dim={m.head_dim}: rotary embeddings rotate pairs of dims; give an "
@@ -392,23 +453,27 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
             "number of dims (rotary embeddings rotate pairs); choose embed = heads x an even "
             "head size"
         )
-    if m.heads % m.kv_heads:
+
+
+def check_latent(m: LlamaConfig) -> None:
+    if not m.rope_dim or m.rope_dim % 2:
         raise ConfigError(
-            f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}: each "
-            "key/value head serves an equal group of query heads"
+            f"model.rope_dim={m.rope_dim} with model.kv_rank={m.kv_rank}: latent attention "
+            "rotates a key of its own, pairs of dims; give an even model.rope_dim > 0 "
+            "(DeepSeek-V3: 64)"
         )
-    if m.experts:
-        check_experts(m)
-    elif m.moe_every != 1:
+    if m.kv_heads != m.heads:
         raise ConfigError(
-            f"model.moe_every={m.moe_every} places a mixture of experts among the blocks; "
-            "model.experts=0 has none: set model.experts, or drop the key"
+            f"model.kv_heads={m.kv_heads} with model.kv_rank={m.kv_rank}: latent attention "
+            f"expands keys and values for every head; set model.kv_heads={m.heads} "
+            "(model.heads)"
         )
-    elif m.router_aux_loss:
-        raise ConfigError(
-            f"model.router_aux_loss={m.router_aux_loss:g} weighs the balance of a mixture of "
-            "experts; model.experts=0 has none: set model.experts, or drop the key"
-        )
+    for key in ("qkv_bias", "qk_norm", "sliding_window"):
+        if getattr(m, key):
+            raise ConfigError(
+                f"model.{key}={str(getattr(m, key)).lower()} is grouped-query attention's; "
+                f"latent attention (model.kv_rank={m.kv_rank}) has none: drop model.{key}"
+            )
 
 
 def check_experts(m: LlamaConfig) -> None:
@@ -417,11 +482,47 @@ def check_experts(m: LlamaConfig) -> None:
             f"model.experts_per_token={m.experts_per_token} > model.experts={m.experts}: a "
             f"token goes to k of the experts; choose k <= {m.experts}"
         )
-    if m.moe_every > m.layers or m.layers % m.moe_every:
-        fits = [n for n in range(1, m.layers + 1) if m.layers % n == 0]
+    sparse = m.layers - m.dense_first
+    if m.dense_first >= m.layers:
         raise ConfigError(
-            f"model.moe_every={m.moe_every} with model.layers={m.layers}: every n-th block is "
-            f"sparse, in groups of n that fill the layers; choose n among {fits}"
+            f"model.dense_first={m.dense_first} with model.layers={m.layers}: the blocks "
+            f"after the first dense ones are the mixture's; choose at most {m.layers - 1}"
+        )
+    if m.moe_every > sparse or sparse % m.moe_every:
+        fits = [n for n in range(1, sparse + 1) if sparse % n == 0]
+        less = f" less model.dense_first={m.dense_first}" if m.dense_first else ""
+        raise ConfigError(
+            f"model.moe_every={m.moe_every} with model.layers={m.layers}{less}: every n-th "
+            f"block is sparse, in groups of n that fill them; choose n among {fits}"
+        )
+    check_router(m)
+    if m.shared_gate and not m.shared_mlp:
+        raise ConfigError(
+            "model.shared_gate=true gates a shared expert; model.shared_mlp=0 has none: set "
+            "model.shared_mlp (its hidden dims), or drop model.shared_gate"
+        )
+
+
+def check_router(m: LlamaConfig) -> None:
+    if m.router_bias_update and m.router is not Router.SIGMOID:
+        raise ConfigError(
+            f"model.router_bias_update={m.router_bias_update:g} moves a sigmoid router's "
+            "balancing bias; model.router=softmax has none: set model.router=sigmoid, or "
+            "drop model.router_bias_update"
+        )
+    g, top, n, k = m.router_groups, m.router_top_groups, m.experts, m.experts_per_token
+    if n % g or (g > 1 and n // g < 2):
+        fits = [d for d in range(1, n // 2 + 1) if n % d == 0 and n // d >= 2]
+        raise ConfigError(
+            f"model.router_groups={g} with model.experts={n}: the experts fall in equal "
+            f"groups of at least 2 (each group scored by its top two); choose among {fits}"
+        )
+    if top > g or k > top * (n // g):
+        raise ConfigError(
+            f"model.router_top_groups={top} of model.router_groups={g} ({n // g} experts "
+            f"each) for model.experts_per_token={k}: the chosen groups must hold the k "
+            f"experts, at most all {g} groups; choose top_groups with top_groups x {n // g} "
+            f">= {k}"
         )
 
 
@@ -472,9 +573,11 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
     )
 
 
-def cache_dims(m: LlamaConfig) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of the KV cache."""
-    return m.layers, m.kv_heads, head_size(m)
+def cache_dims(m: LlamaConfig) -> CacheDims:
+    """The KV cache's dims; latent attention's: one head, the rotated key, the latent."""
+    if m.kv_rank:
+        return CacheDims(m.layers, 1, m.rope_dim, m.kv_rank)
+    return CacheDims(m.layers, m.kv_heads, head_size(m), head_size(m))
 
 
 SPEC = ModelSpec(
@@ -511,7 +614,7 @@ def family_check(family: Family):
                 )
         for other in FAMILIES:
             for key in (*other.fixed, *other.free):
-                if not family.owns(key) and getattr(m, key):
+                if not family.owns(key) and getattr(m, key) != DEFAULTS[key]:
                     raise ConfigError(
                         f"model.{key}={getattr(m, key)} is {other.name}'s, not {family.name}'s; "
                         f"set model.name={other.name}, or drop model.{key}"
@@ -536,7 +639,7 @@ SPECS = {
         name=family.name,
         check=family_check(family),
         notes=notes,
-        tiny=f"{family.name}-tiny",
+        tiny=family.tiny,
         hf=FORMATS[family.name],
     )
     for family in FAMILIES

@@ -82,7 +82,6 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
             "original_max_position_embeddings": m.rope_original_positions,
         }
     return {
-        **family.to_hf(m),
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "hidden_size": m.embed,
@@ -98,6 +97,7 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         "max_position_embeddings": max(seq_len, m.rope_original_positions),
         "rope_parameters": rope,
         "dtype": "float32",
+        **family.to_hf(m),  # its own keys, over Llama's where they differ (DeepSeek's head_dim)
     }
 
 
@@ -107,13 +107,15 @@ def hf_tensors(m: LlamaConfig, family: Family = BY_NAME["llama"]) -> list[Tensor
     Group): a leaf of the group's i-th block holds the file's layers i, n + i, ..."""
     family.check(m)
     out = [Tensor("tokens", "model.embed_tokens.weight", "v e", "v e")]
-    n = m.moe_every if m.experts else 1
+    n, k = (m.moe_every if m.experts else 1), m.dense_first
+    if k:  # the first dense blocks: the file's first layers
+        out += _block("first/", m, family, False)
     if n == 1:
-        out += _block("blocks/", m, family, bool(m.experts))
+        out += _block("blocks/", m, family, bool(m.experts), offset=k)
     else:
         for i in range(n - 1):
-            out += _block(f"blocks/dense/{i}/", m, family, False, every=n, offset=i)
-        out += _block("blocks/sparse/", m, family, True, every=n, offset=n - 1)
+            out += _block(f"blocks/dense/{i}/", m, family, False, every=n, offset=k + i)
+        out += _block("blocks/sparse/", m, family, True, every=n, offset=k + n - 1)
     out.append(Tensor("norm/scale", "model.norm.weight", "e", "e"))
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
@@ -122,13 +124,11 @@ def _block(
     ours: str, m: LlamaConfig, family: Family, sparse: bool, every: int = 1, offset: int = 0
 ) -> list[Tensor]:
     """One block's leaves (`ours`: their path's prefix) and the file's tensors of them."""
-    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
+    layer = "model.layers.{layer}."
+    attn = layer + "self_attn."
     names = [
         ("attn_norm/scale", layer + "input_layernorm.weight", "e", "e"),
-        ("attn/wq", attn + "q_proj.weight", "(h d) e", "e h d"),
-        ("attn/wk", attn + "k_proj.weight", "(k d) e", "e k d"),
-        ("attn/wv", attn + "v_proj.weight", "(k d) e", "e k d"),
-        ("attn/wo", attn + "o_proj.weight", "e (h d)", "h d e"),
+        *(_latent(attn, m) if m.kv_rank else _attention(attn)),
         ("mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
     ]
     if sparse:  # the router, then each expert's gate, up and down
@@ -141,13 +141,15 @@ def _block(
             ("mlp/w_up", f"{expert}{up}.weight", "m e", "e m"),
             ("mlp/w_down", f"{expert}{down}.weight", "e m", "m e"),
         ]
+        if m.router == "sigmoid":
+            names.append(("mlp/bias", moe + "gate.e_score_correction_bias", "x", "x"))
+        if m.shared_mlp:
+            names += _mlp("shared/", layer + family.shared_prefix)
+        if m.shared_gate:
+            gate_name = layer + family.shared_prefix.rstrip(".") + "_gate.weight"
+            names.append(("shared_gate", gate_name, "o e", "e o"))
     else:
-        gate, up, down = LLAMA_PROJECTIONS
-        names += [
-            ("mlp/w_gate", f"{layer}mlp.{gate}.weight", "m e", "e m"),
-            ("mlp/w_up", f"{layer}mlp.{up}.weight", "m e", "e m"),
-            ("mlp/w_down", f"{layer}mlp.{down}.weight", "e m", "m e"),
-        ]
+        names += _mlp("mlp/", layer + "mlp.")
     if m.qkv_bias:
         names += [
             ("attn/bq", attn + "q_proj.bias", "(h d)", "h d"),
@@ -160,6 +162,43 @@ def _block(
             ("attn/k_norm/scale", attn + "k_norm.weight", "d", "d"),
         ]
     return [Tensor(ours + key, *rest, every=every, offset=offset) for key, *rest in names]
+
+
+def _attention(attn: str) -> list[tuple]:
+    return [
+        ("attn/wq", attn + "q_proj.weight", "(h d) e", "e h d"),
+        ("attn/wk", attn + "k_proj.weight", "(k d) e", "e k d"),
+        ("attn/wv", attn + "v_proj.weight", "(k d) e", "e k d"),
+        ("attn/wo", attn + "o_proj.weight", "e (h d)", "h d e"),
+    ]
+
+
+def _latent(attn: str, m: LlamaConfig) -> list[tuple]:
+    """Latent attention's leaves (models/latent.py) as DeepSeek names them."""
+    if m.q_rank:
+        query = [
+            ("attn/wq_a", attn + "q_a_proj.weight", "q e", "e q"),
+            ("attn/q_norm/scale", attn + "q_a_layernorm.weight", "q", "q"),
+            ("attn/wq_b", attn + "q_b_proj.weight", "(h d) q", "q h d"),
+        ]
+    else:
+        query = [("attn/wq", attn + "q_proj.weight", "(h d) e", "e h d")]
+    return [
+        *query,
+        ("attn/wkv_a", attn + "kv_a_proj_with_mqa.weight", "l e", "e l"),
+        ("attn/kv_norm/scale", attn + "kv_a_layernorm.weight", "l", "l"),
+        ("attn/wkv_b", attn + "kv_b_proj.weight", "(h d) l", "l h d"),
+        ("attn/wo", attn + "o_proj.weight", "e (h d)", "h d e"),
+    ]
+
+
+def _mlp(ours: str, theirs: str) -> list[tuple]:
+    gate, up, down = LLAMA_PROJECTIONS
+    return [
+        (ours + "w_gate", f"{theirs}{gate}.weight", "m e", "e m"),
+        (ours + "w_up", f"{theirs}{up}.weight", "m e", "e m"),
+        (ours + "w_down", f"{theirs}{down}.weight", "e m", "m e"),
+    ]
 
 
 FORMATS = {

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.names import BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
+from jaxpar.names import BALANCE, BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
 from jaxpar.nn import sequence
 from jaxpar.nn.experts import (
     first_expert,
@@ -45,7 +46,7 @@ from jaxpar.nn.layers import batch_sum, constrain, param
 from jaxpar.nn.scope import report
 from jaxpar.nn.tensor_parallel import tensor_parallel
 
-from . import LlamaConfig
+from . import LlamaConfig, Router
 from .common import normal
 
 
@@ -85,21 +86,62 @@ def capacity(seq: int, experts: int, k: int, factor: float) -> int:
     return seq if factor == 0 else min(seq, math.ceil(factor * seq * k / experts))
 
 
-def choose(logits_BxSxX: jax.Array, k: int, renormalize: bool):
-    """(the router's softmax, each token's k experts most probable first, their
-    weights: renormalized over the k, or (not `renormalize`) their probabilities)."""
-    probs_BxSxX = jax.nn.softmax(logits_BxSxX.astype(jnp.float32), axis=-1)
-    top_BxSxK, experts_BxSxK = jax.lax.top_k(probs_BxSxX, k)
-    weights_BxSxK = top_BxSxK
-    if renormalize:
-        weights_BxSxK = top_BxSxK / jnp.sum(top_BxSxK, -1, keepdims=True)
-    return probs_BxSxX, experts_BxSxK, weights_BxSxK
+@dataclass(frozen=True)
+class Rule:
+    """How a router turns its logits into each token's k experts and their weights."""
+
+    k: int
+    renormalize: bool  # the k weights over their sum (Mixtral; Qwen's norm_topk_prob)
+    sigmoid: bool = False  # each expert's score a sigmoid (DeepSeek-V3), not a softmax
+    groups: int = 1  # group-limited top-k: the experts in this many groups ...
+    top_groups: int = 1  # ... the k chosen within these, best by their top-2 sums
+    scaling: float = 1.0  # the weights times this (routed_scaling_factor)
+
+    @staticmethod
+    def of(cfg: LlamaConfig) -> Rule:
+        return Rule(
+            cfg.experts_per_token,
+            cfg.router_renormalize,
+            cfg.router is Router.SIGMOID,
+            cfg.router_groups,
+            cfg.router_top_groups,
+            cfg.routed_scaling,
+        )
 
 
-def route(logits_BxSxX: jax.Array, k: int, slots: int, renormalize: bool = True) -> Routing:
+def choose(logits_BxSxX: jax.Array, rule: Rule, bias_X: jax.Array | None = None):
+    """(each expert's share of the token (the softmax; the sigmoids over their sum), each
+    token's k experts, their weights): the k best of the scores plus the balancing
+    `bias_X` (which chooses, but weighs nothing), among the `rule.top_groups` best
+    groups; weighted by their scores, renormalized over the k or not, times the scaling."""
+    logits = logits_BxSxX.astype(jnp.float32)
+    if rule.sigmoid:
+        scores_BxSxX = jax.nn.sigmoid(logits)
+        share_BxSxX = scores_BxSxX / jnp.sum(scores_BxSxX, -1, keepdims=True)
+    else:
+        scores_BxSxX = share_BxSxX = jax.nn.softmax(logits, axis=-1)
+    choice_BxSxX = scores_BxSxX if bias_X is None else scores_BxSxX + bias_X
+    if rule.groups > 1:
+        *lead, n = choice_BxSxX.shape
+        grouped_BxSxGxY = choice_BxSxX.reshape(*lead, rule.groups, n // rule.groups)
+        best_BxSxG = jnp.sum(jax.lax.top_k(grouped_BxSxGxY, 2)[0], -1)
+        _, groups_BxSxT = jax.lax.top_k(best_BxSxG, rule.top_groups)
+        kept_BxSxG = jnp.sum(jax.nn.one_hot(groups_BxSxT, rule.groups, dtype=bool), -2)
+        kept_BxSxX = jnp.repeat(kept_BxSxG, n // rule.groups, axis=-1)
+        choice_BxSxX = jnp.where(kept_BxSxX, choice_BxSxX, -jnp.inf)
+    _, experts_BxSxK = jax.lax.top_k(choice_BxSxX, rule.k)
+    weights_BxSxK = jnp.take_along_axis(scores_BxSxX, experts_BxSxK, -1)
+    if rule.renormalize:
+        tiny = 1e-20 if rule.sigmoid else 0.0  # DeepSeek's guard of a sum of sigmoids
+        weights_BxSxK = weights_BxSxK / (jnp.sum(weights_BxSxK, -1, keepdims=True) + tiny)
+    return share_BxSxX, experts_BxSxK, weights_BxSxK * rule.scaling
+
+
+def route(logits_BxSxX: jax.Array, rule: Rule, slots: int, bias_X=None) -> Routing:
     """Top-k routing of each sequence's tokens into `slots` places per expert (choose)."""
-    probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, k, renormalize)
+    probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, rule, bias_X)
     rows, seq, n = probs_BxSxX.shape
+    k = rule.k
     # claims in priority order: every token's first choice, then every second choice
     claims_BxKSxX = jax.nn.one_hot(
         experts_BxSxK.transpose(0, 2, 1).reshape(rows, k * seq), n, dtype=jnp.int32
@@ -114,15 +156,16 @@ class MoE(nnx.Module):
     """The mixture's feed-forward: [rows, seq, embed] -> (the same, its Load)."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        e, m, n = cfg.embed, cfg.mlp, cfg.experts
+        e, m, n = cfg.embed, cfg.expert_mlp or cfg.mlp, cfg.experts
         self.router = param(rngs, normal(0.02), (e, n), (EMBED, ROUTES))
+        if cfg.router is Router.SIGMOID:  # DeepSeek's balancing bias (e_score_correction_bias)
+            self.bias = param(rngs, nnx.initializers.zeros, (n,), (BALANCE,))
         self.w_gate = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
         self.w_up = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
         out_std = 0.02 / (2 * cfg.layers) ** 0.5
         self.w_down = param(rngs, normal(out_std), (n, m, e), (EXPERTS, MLP, EMBED))
-        self.k = cfg.experts_per_token
+        self.rule = Rule.of(cfg)
         self.capacity_factor = cfg.capacity_factor
-        self.renormalize = cfg.router_renormalize
 
     def __call__(
         self, x_BxSxE: jax.Array, trained_BxS: jax.Array | None = None, dropless: bool = False
@@ -137,10 +180,10 @@ class MoE(nnx.Module):
         # as one device would, and runs its share of each expert's slots
         whole_BxSxE = sequence.whole(x_BxSxE)
         seq = whole_BxSxE.shape[1]
-        slots = seq if dropless else capacity(seq, n, self.k, self.capacity_factor)
+        slots = seq if dropless else capacity(seq, n, self.rule.k, self.capacity_factor)
         logits_BxSxX = jnp.einsum("bse,ex->bsx", whole_BxSxE, self.router[...].astype(dt))
         logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
-        r = route(logits_BxSxX, self.k, slots, self.renormalize)
+        r = route(logits_BxSxX, self.rule, slots, self._bias())
         first, held = sequence.share(slots)
         slot_BxSxK = r.slot - first
         mine_BxSxK = r.keep & (slot_BxSxK >= 0) & (slot_BxSxK < held)
@@ -156,7 +199,7 @@ class MoE(nnx.Module):
         chosen_BxSxX = jax.nn.one_hot(sequence.local(r.experts), n, dtype=jnp.float32).sum(2)
         kept_B = jnp.sum(sequence.local(r.keep), (1, 2)).astype(jnp.float32)
         load = _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS)
-        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
+        return self._balanced(y_BxSxE, load), load
 
     def dropless(self, x_BxSxE: jax.Array, trained_BxS: jax.Array | None):
         """__call__ with no capacity: every token to its k experts (this device's
@@ -165,15 +208,50 @@ class MoE(nnx.Module):
         n = self.router.shape[-1]
         logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
         logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
-        probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, self.k, self.renormalize)
+        probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, self.rule, self._bias())
         experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
         routed = (experts_BxSxK, weights_BxSxK)
         y_BxSxE = tensor_parallel(grouped, x_BxSxE, routed, experts, names)
         chosen_BxSxX = jax.nn.one_hot(experts_BxSxK, n, dtype=jnp.float32).sum(2)
-        kept_B = jnp.full(x_BxSxE.shape[:1], self.k * x_BxSxE.shape[1], jnp.float32)
+        kept_B = jnp.full(x_BxSxE.shape[:1], self.rule.k * x_BxSxE.shape[1], jnp.float32)
         load = _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS)
-        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED)), load
+        return self._balanced(y_BxSxE, load), load
+
+    def _bias(self) -> jax.Array | None:
+        """The balancing bias, which chooses experts and takes no gradient of the loss."""
+        return jax.lax.stop_gradient(self.bias[...]) if hasattr(self, "bias") else None
+
+    def _balanced(self, y_BxSxE: jax.Array, load: Load) -> jax.Array:
+        """The output, placed; with a balancing bias, tied to it (balanced)."""
+        y_BxSxE = constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
+        if not hasattr(self, "bias"):
+            return y_BxSxE
+        return balanced(y_BxSxE, self.bias[...], jnp.sum(load.trained, 0))
+
+
+@jax.custom_vjp
+def balanced(y_BxSxE: jax.Array, bias_X: jax.Array, counts_X: jax.Array) -> jax.Array:
+    """`y` itself; its backward pass gives the balancing bias, for a gradient, the
+    layer's trained choices of each expert less their mean (`counts_X`, this device's
+    tokens): summed over the batch by the gradient's own reduction, the optimizer moves
+    each bias by a fixed step against its sign (jaxpar.step.optimizer: DeepSeek's rule:
+    up for an expert below the mean load, down above it). The loss's cotangent does not
+    scale it; a pass whose output takes none (a pipeline's idle slot) gives none."""
+    del bias_X, counts_X
+    return y_BxSxE
+
+
+def _balanced_fwd(y_BxSxE, bias_X, counts_X):
+    return y_BxSxE, counts_X
+
+
+def _balanced_bwd(counts_X, g_BxSxE):
+    live = jnp.any(g_BxSxE != 0).astype(counts_X.dtype)
+    return g_BxSxE, live * (counts_X - jnp.mean(counts_X)), jnp.zeros_like(counts_X)
+
+
+balanced.defvjp(_balanced_fwd, _balanced_bwd)
 
 
 def _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS) -> Load:

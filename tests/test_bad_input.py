@@ -146,7 +146,7 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
     ),
     "moe-every-dense": (
         ["model.name=llama", "model.moe_every=2"],
-        ["model.moe_every=2 places a mixture", "model.experts=0 has none"],
+        ["model.moe_every=2 is a key of a mixture of experts", "model.experts=0 has none"],
     ),
     "moe-every-zero": (
         ["model.name=mixtral", "model.experts=4", "model.moe_every=0"],

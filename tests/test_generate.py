@@ -46,7 +46,7 @@ def test_decoding_through_the_cache_equals_a_full_forward_pass(preset, overrides
     cfg = presets.load(preset, overrides)
     problem = registered(cfg.model, 64)
     model = problem.module(problem.init(jax.random.key(0)))
-    layers, kv, d = registry.get(cfg.model.name).cache_dims(cfg.model)
+    c = registry.get(cfg.model.name).cache_dims(cfg.model)
     rows, slots, prompt = 3, 32, 16
     ids = np.random.default_rng(0).integers(0, 256, (rows, slots)).astype(np.int32)
     pad = np.array([0, 5, 11], np.int32)
@@ -55,8 +55,8 @@ def test_decoding_through_the_cache_equals_a_full_forward_pass(preset, overrides
     def step(tokens, positions, cache, slot):
         return model.decode(tokens, positions, cache, slot, pad)
 
-    sizes = {BATCH: rows, KV_HEADS: kv, SEQ: slots, HEAD_DIM: d}
-    cache = [tuple(jnp.zeros([sizes[n] for n in names]) for names in CACHE_NAMES)] * layers
+    sizes = [{BATCH: rows, KV_HEADS: c.kv_heads, SEQ: slots, HEAD_DIM: d} for d in (c.key_dim, c.value_dim)]
+    cache = [tuple(jnp.zeros([s[n] for n in names]) for names, s in zip(CACHE_NAMES, sizes))] * c.layers
     positions = np.maximum(np.arange(prompt)[None] - pad[:, None], 0)
     logits, cache = step(ids[:, :prompt], positions, cache, 0)
     steps = [logits]
@@ -317,7 +317,7 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
         (lambda t, c: [f"hf:{c}", "--max-new-tokens", "10000"], "positions, but hf:"),
         (lambda t, c: [f"hf:{c}", "--tokenizer", str(t / "big")], "ids, but the model has"),
         (lambda t, c: [f"hf:{t / 'gpt2'}"], "config.json says GPT2LMHeadModel, which jaxpar "
-         "does not read; supported: LlamaForCausalLM"),
+         "does not read; supported: DeepseekV3ForCausalLM, LlamaForCausalLM"),
     ],
 )  # fmt: skip
 def test_bad_generate_input_is_refused(make, needle, checkpoint, tmp_path, capsys, devices):

@@ -138,8 +138,8 @@ def test_a_family_is_one_record():
     for family in FAMILIES:
         spec = registry.get(family.name)
         assert spec.hf.architecture == family.architecture
-        assert registry.tiny_preset(family.name) == f"{family.name}-tiny"
-        assert f"{family.name}-tiny" in presets.preset_names()
+        assert registry.tiny_preset(family.name) == family.tiny
+        assert family.tiny in presets.preset_names()
         if family.name == "llama":
             continue  # the base model's own name is its module's
         named = [p.name for p in sources if re.search(rf"[\"']{family.name}[\"']", p.read_text())]

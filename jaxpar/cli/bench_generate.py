@@ -283,13 +283,12 @@ def layouts(tables: dict, show) -> dict:
         done = decoding.generate(decoder, prompts, LAYOUT_NEW, decoding.Sampling(), set())
         cache = decoder.empty(done.rows, done.cache_slots)
         allocated = sum(x.nbytes for x in jax.tree.leaves(cache)) / (done.rows * done.cache_slots)
-        layers, kv, d = model.cache_dims
         r = results[name] = {
             "prefill_tokens_per_s": done.prefill_tokens / done.prefill_s,
             "decode_tokens_per_s": done.decode_tokens / done.decode_s,
             "compile_s": first.compile_s,
             "cache_bytes_per_token": allocated,
-            "formula_bytes_per_token": 2 * layers * kv * d * 4,
+            "formula_bytes_per_token": model.cache_dims.bytes_per_token(4),
         }
         speeds = (f"{r[k]:,.0f}" for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
         cache_text = f"{allocated:,.0f} / {r['formula_bytes_per_token']:,}"

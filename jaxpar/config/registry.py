@@ -37,6 +37,30 @@ class AttentionDims:
 
 
 @dataclass(frozen=True)
+class CacheDims:
+    """One token's KV cache (ModelSpec.cache_dims): per layer and key/value head, the
+    keys' dims and the values' (latent attention: one head, the rotated key and the
+    latent)."""
+
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    def bytes_per_token(self, itemsize: int = 4) -> int:
+        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
+
+    def formula(self) -> str:
+        """bytes_per_token as its factors, for a summary line."""
+        if self.key_dim == self.value_dim:
+            return f"2 x {self.layers} layers x {self.kv_heads} kv heads x {self.key_dim} dims"
+        return (
+            f"{self.layers} layers x {self.kv_heads} kv heads x ({self.key_dim} key + "
+            f"{self.value_dim} value dims)"
+        )
+
+
+@dataclass(frozen=True)
 class ExpertDims:
     """What expert parallelism moves per layer: a mixture's sparse layers, experts, the
     slots of each for a sequence (its capacity) and the token width
@@ -53,6 +77,8 @@ class ExpertDims:
     # products, the tokens all-gathered over `expert` (not sent by all-to-all), and each
     # device's own tokens routed whole under context (nothing gathered over it)
     dropless: bool = False
+    # model.router_bias_update: the step of the routers' balancing biases (0: fixed)
+    bias_step: float = 0.0
 
     def held(self, context: int) -> int:
         """Each expert's slots of a sequence a device runs: split over `context`, each
@@ -129,7 +155,7 @@ class ModelSpec:
     config: type | None = None
     tiny: str | None = None  # its smallest preset: `jaxpar bench`, `jaxpar plan --validate`
     hf: HFFormat | None = None  # its Hugging Face checkpoint format, if it has one
-    # (model config) -> (layers, key/value heads, head dim) of its KV cache, for a model
+    # (model config) -> CacheDims of its KV cache, for a model
     # whose module decodes through one: module.decode(tokens, positions, cache, slot,
     # pad) -> (logits, cache) (jaxpar.generation.decoding); None: it does not generate
     cache_dims: Callable | None = None

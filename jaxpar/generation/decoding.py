@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar import hf
 from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
+from jaxpar.config.registry import CacheDims
 from jaxpar.config.sections import AdapterKind, Config, Model, Offload
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ
@@ -126,7 +127,7 @@ class Loaded:
     params: dict | None  # placed, layer stacks as tuples of their layers (by_layer); None: let go
     mesh: jax.sharding.Mesh
     positions: int  # the most positions it takes (prompt and new tokens)
-    cache_dims: tuple[int, int, int]  # layers, key/value heads, head dim
+    cache_dims: CacheDims
     source: str
 
 
@@ -396,17 +397,18 @@ class Decoder:
     def cache_shapes(self, rows: int, slots: int) -> list:
         """The cache: (k, v) of each layer, laid out as jaxpar.nn.attention.CACHE_NAMES
         and placed by the rules as the model's own key/value heads are."""
-        layers, kv, d = self.m.cache_dims
-        sizes = {BATCH: rows, KV_HEADS: kv, SEQ: slots, HEAD_DIM: d}
+        c = self.m.cache_dims
 
-        def one(names):
+        def one(names, dim):
+            sizes = {BATCH: rows, KV_HEADS: c.kv_heads, SEQ: slots, HEAD_DIM: dim}
             shape = tuple(sizes[n] for n in names)
             spec = NamedSharding(
                 self.m.mesh, compute_spec(names, shape, RULES, dict(self.m.mesh.shape))
             )
             return jax.ShapeDtypeStruct(shape, self.dtype, sharding=spec)
 
-        return [tuple(one(names) for names in CACHE_NAMES) for _ in range(layers)]
+        dims = (c.key_dim, c.value_dim)
+        return [tuple(map(one, CACHE_NAMES, dims)) for _ in range(c.layers)]
 
     def empty(self, rows: int, slots: int) -> list:
         """cache_shapes' arrays, zeros (the program that makes them kept, as the others)."""
@@ -498,6 +500,5 @@ def generate(
 
 
 def cache_bytes_per_token(m: Loaded) -> int:
-    """2 (k and v) x layers x key/value heads x head dim x bytes: one token's cache."""
-    layers, kv, d = m.cache_dims
-    return 2 * layers * kv * d * jnp.dtype(jnp.float32).itemsize
+    """One token's cache: layers x key/value heads x (key + value dims) x bytes."""
+    return m.cache_dims.bytes_per_token(jnp.dtype(jnp.float32).itemsize)

@@ -139,13 +139,12 @@ def write(request: Request, completions: list[list[int]], streamed: bool, chat: 
         print(flush=True)
 
 
-def summary(g, layout: dict, cache_bytes: int, dims: tuple[int, int, int]) -> str:
-    """Speeds and the layout, one line for stderr."""
-    layers, kv, d = dims
+def summary(g, layout: dict, cache_bytes: int, dims) -> str:
+    """Speeds and the layout, one line for stderr (`dims`: the CacheDims)."""
     per = lambda n, s: f"{n} tokens in {s:.2f} s ({n / max(s, 1e-9):,.0f} tokens/s)"  # noqa: E731
     return (
         f"prefill {per(g.prefill_tokens, g.prefill_s)}; decode {per(g.decode_tokens, g.decode_s)}; "
         f"compiled in {g.compile_s:.1f} s; data={layout['data']} x tensor={layout['tensor']}, "
         f"{g.rows} rows x {g.cache_slots} cache slots; cache {cache_bytes:,} bytes a token "
-        f"(2 x {layers} layers x {kv} kv heads x {d} dims x 4 bytes)"
+        f"({dims.formula()} x 4 bytes)"
     )

@@ -233,10 +233,7 @@ def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window
         )
     else:
         att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, cache_k.astype(dt))
-    back_TxM = (slot + jnp.arange(t))[:, None] - jnp.arange(m)[None, :]
-    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
-    visible_BxTxM = visible_TxM[None] & (jnp.arange(m)[None, None, :] >= pad_B[:, None, None])
-    mask_Bx1x1xTxM = jnp.where(visible_BxTxM, 0.0, -1e30)[:, None, None]
+    mask_Bx1x1xTxM = _cache_mask(t, m, slot, pad_B, window)[:, None, None]
     prob = jax.nn.softmax(att_BxKxGxTxM.astype(jnp.float32) + mask_Bx1x1xTxM, axis=-1)
     if t == 1:
         out_BxKxGxTxD = jnp.sum(
@@ -246,3 +243,41 @@ def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window
         out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), cache_v.astype(dt))
     out_BxTxHxD = out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     return out_BxTxHxD, (cache_k, cache_v)
+
+
+def _cache_mask(t: int, m: int, slot, pad_B, window: int = 0) -> jax.Array:
+    """[B, T, M] 0 where T new queries at slots slot.. see a cache slot (at or before
+    their own, from their row's first real token, within the window), else -1e30."""
+    back_TxM = (slot + jnp.arange(t))[:, None] - jnp.arange(m)[None, :]
+    visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
+    visible_BxTxM = visible_TxM[None] & (jnp.arange(m)[None, None, :] >= pad_B[:, None, None])
+    return jnp.where(visible_BxTxM, 0.0, -1e30)
+
+
+def cached_latent_attention(
+    q_lat_BxTxHxL, q_rope_BxTxHxR, c_BxTxL, k_rope_BxTxR, cache, slot, pad_B, scale: float
+):
+    """Latent attention (models/latent.py) of T new queries through one layer's latent
+    cache: (rotated keys [B, 1, R, M], latents [B, 1, M, L]), laid out as CACHE_NAMES
+    with one key/value head, the rotated keys as the keys and the latents as the
+    values. The new latents and keys are written at slots slot..slot+T-1 (as
+    cached_attention does), each query scored as q_lat . latent + q_rope . key (times
+    `scale`), masked as cached_attention masks, and the latents weighted by the
+    scores. Returns (the weighted latents [B, T, H, L], the written cache)."""
+    t, m = q_lat_BxTxHxL.shape[1], cache[0].shape[3]
+    dt = q_lat_BxTxHxL.dtype
+    cache_k = jax.lax.dynamic_update_slice_in_dim(
+        cache[0], k_rope_BxTxR.transpose(0, 2, 1)[:, None].astype(cache[0].dtype), slot, 3
+    )
+    cache_c = jax.lax.dynamic_update_slice_in_dim(
+        cache[1], c_BxTxL[:, None].astype(cache[1].dtype), slot, 2
+    )
+    cache_k, cache_c = jax.lax.optimization_barrier((cache_k, cache_c))
+    k_BxRxM, c_BxMxL = cache_k[:, 0].astype(dt), cache_c[:, 0].astype(dt)
+    att_BxHxTxM = jnp.einsum("bthl,bml->bhtm", q_lat_BxTxHxL, c_BxMxL) + jnp.einsum(
+        "bthr,brm->bhtm", q_rope_BxTxHxR, k_BxRxM
+    )
+    att_BxHxTxM = att_BxHxTxM.astype(jnp.float32) * scale
+    mask_Bx1xTxM = _cache_mask(t, m, slot, pad_B)[:, None]
+    prob_BxHxTxM = jax.nn.softmax(att_BxHxTxM + mask_Bx1xTxM, axis=-1).astype(dt)
+    return jnp.einsum("bhtm,bml->bthl", prob_BxHxTxM, c_BxMxL), (cache_k, cache_c)

@@ -16,12 +16,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import ConfigError
 from jaxpar.names import (
+    BALANCE,
     BATCH,
     EMBED,
     EXPERTS,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    LATENT,
     LAYERS,
     LORA_RANK,
     MLP,
@@ -54,6 +56,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (QKV, None),
     (EXPERTS, EXPERT),
     (ROUTES, None),
+    (BALANCE, None),
+    (LATENT, None),
     (LAYERS, None),
     (LORA_RANK, None),
     (SCALE_ONE, None),

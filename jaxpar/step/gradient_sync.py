@@ -54,10 +54,13 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
     )
     dtype = cost.DTYPES[train.precision]
     policy = zero_policy(train, par, specs, trained.names, trained.frozen)
-    tx, schedule = optim.optimizer(train, trained.trainable(trained.names))
+    trainable = trained.trainable(trained.names)
+    tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem))
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
     device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable)
-    clip = functools.partial(optim.clip, clip_norm=train.clip_norm)
+    clip = functools.partial(
+        optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(trainable)
+    )
     verdict = functools.partial(optim.verdict, on_nonfinite=train.on_nonfinite)
     if par.offload is Offload.NONE:
         update = _device_update(tx, clip, verdict, device, opt_params, trained)

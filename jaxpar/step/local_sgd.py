@@ -68,7 +68,7 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
     policy = zero_policy(train, par, specs, problem.names)
-    inner, schedule = optim.optimizer(train, problem.names)
+    inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem))
     outer = outer_optimizer(par)
     compute = pick(specs, "compute")
     global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
@@ -92,7 +92,9 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
     )
     value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
     mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
-    clip = functools.partial(optim.clip, clip_norm=train.clip_norm)
+    clip = functools.partial(
+        optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(problem.names)
+    )
 
     def spread(params) -> Local:
         stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)

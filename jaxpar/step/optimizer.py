@@ -9,12 +9,16 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.config.sections import OnNonfinite, Optimizer, Train
-from jaxpar.names import LAYERS, STAGE
+from jaxpar.names import BALANCE, LAYERS, STAGE
 
 
-def optimizer(train: Train, names) -> tuple[optax.GradientTransformation, Any]:
+def optimizer(
+    train: Train, names, balance_step: float = 0.0
+) -> tuple[optax.GradientTransformation, Any]:
     """(AdamW or SGD (train.optimizer), its learning-rate schedule); weight decay on
-    matrices only."""
+    matrices only. A router's balancing biases (named BALANCE) are moved by
+    `balance_step` against the sign of their gradient (models/moe.py's `balanced`:
+    DeepSeek's auxiliary-loss-free rule), outside the schedule, the decay and the clip."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         train.lr,
@@ -30,17 +34,50 @@ def optimizer(train: Train, names) -> tuple[optax.GradientTransformation, Any]:
     )
     if train.optimizer is Optimizer.SGD:
         decay = optax.add_decayed_weights(train.weight_decay, mask=is_matrix)
-        return optax.chain(decay, optax.sgd(schedule)), schedule
-    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix)
-    return tx, schedule
+        tx = optax.chain(decay, optax.sgd(schedule))
+    else:
+        tx = optax.adamw(
+            schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix
+        )
+    balance = balancing(names)
+    if not any(jax.tree.leaves(balance)):
+        return tx, schedule
+    return balanced(tx, balance, balance_step), schedule
 
 
-def clip(grads, clip_norm: float):
+def balanced(tx: optax.GradientTransformation, balance, step: float):
+    """`tx`, but the leaves `balance` marks move by -step x sign(their gradient). (Their
+    moments in tx's state are kept and never read: a few numbers a layer, and one state
+    layout for every leaf, which the state's sharding maps over.)"""
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(grads, state, params)
+        moved = lambda u, g, b: (-step * jnp.sign(g)).astype(u.dtype) if b else u  # noqa: E731
+        return jax.tree.map(moved, updates, grads, balance), state
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def balance_step(problem) -> float:
+    """The step of a model's balancing biases (ExpertDims.bias_step; 0: none move)."""
+    experts = problem.dims.experts if problem.dims is not None else None
+    return experts.bias_step if experts is not None else 0.0
+
+
+def balancing(names):
+    """Which leaves are a router's balancing bias (named BALANCE), leaf by leaf."""
+    return jax.tree.map(lambda n: BALANCE in n, names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def clip(grads, clip_norm: float, balance=None):
     """(grads scaled to global norm <= clip_norm (0: unclipped), their global norm).
-    On sharded gradients the norm sums over all shards."""
+    On sharded gradients the norm sums over all shards. The leaves `balance` marks
+    (balancing) are counts, not gradients: outside the norm (a scale keeps their sign)."""
     # (not optax.tree.norm: its sum starts from a device constant, which the host
     # update of an offloaded optimizer cannot add to)
-    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+    marks = jax.tree.leaves(balance) if balance is not None else [False] * len(jax.tree.leaves(grads))
+    squares = [jnp.sum(jnp.square(g)) for g, b in zip(jax.tree.leaves(grads), marks) if not b]
+    grad_norm = jnp.sqrt(sum(squares))
     if clip_norm > 0:
         scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
         grads = jax.tree.map(lambda g: g * scale, grads)
