@@ -563,13 +563,14 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
         return None
     slots = capacity(seq_len, m.experts, m.experts_per_token, m.capacity_factor)
     return ExpertDims(
-        m.layers // m.moe_every,
+        (m.layers - m.dense_first) // m.moe_every,
         m.experts,
         slots,
         m.embed,
         m.experts_per_token,
-        6 * m.embed * m.mlp,
+        6 * m.embed * (m.expert_mlp or m.mlp),
         dropless=m.capacity_factor == 0,
+        bias_step=m.router_bias_update,
     )
 
 

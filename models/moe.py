@@ -120,7 +120,9 @@ def choose(logits_BxSxX: jax.Array, rule: Rule, bias_X: jax.Array | None = None)
         share_BxSxX = scores_BxSxX / jnp.sum(scores_BxSxX, -1, keepdims=True)
     else:
         scores_BxSxX = share_BxSxX = jax.nn.softmax(logits, axis=-1)
-    choice_BxSxX = scores_BxSxX if bias_X is None else scores_BxSxX + bias_X
+    choice_BxSxX = scores_BxSxX
+    if bias_X is not None:
+        choice_BxSxX = scores_BxSxX + bias_X.reshape((1,) * (scores_BxSxX.ndim - 1) + (-1,))
     if rule.groups > 1:
         *lead, n = choice_BxSxX.shape
         grouped_BxSxGxY = choice_BxSxX.reshape(*lead, rule.groups, n // rule.groups)

@@ -1,0 +1,286 @@
+"""DeepSeek-V3 and Qwen2-MoE (the Llama model with latent attention, shared experts and
+their routers) against `transformers` itself, every trait switched on: the first step's
+loss on one device, with expert=4 x tensor=2 and in a pipeline; logits after training
+and exporting; greedy continuations through the latent cache, token for token. Then
+DeepSeek's balancing bias: it moves by DeepSeek's rule, takes no gradient of the loss,
+is the same on every device and is saved as it is."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+
+import jaxpar  # noqa: E402
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import commands  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
+from jaxpar.generation import decoding  # noqa: E402
+from jaxpar.nn.layers import unrolled  # noqa: E402
+from jaxpar.parallel.axes import AXES  # noqa: E402
+
+pytestmark = pytest.mark.slow  # trains, and runs transformers
+
+BALANCE = 0.02  # Qwen2-MoE's router_aux_loss_coef, on in both
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+              rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+FAMILIES = {
+    # latent attention with a query latent, values narrower than the keys; the first
+    # block dense; 8 experts in 4 groups, 2 a token from the 2 best groups, scaled; two
+    # shared experts; a balancing bias drawn away from 0 (it must choose)
+    "deepseek_v3": (
+        transformers.DeepseekV3ForCausalLM,
+        transformers.DeepseekV3Config(
+            **COMMON, num_key_value_heads=8, num_hidden_layers=3, moe_intermediate_size=32,
+            n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+            topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, routed_scaling_factor=2.5,
+        ),  # fmt: skip
+        "deepseek-tiny",
+    ),
+    # a gated shared expert; a mixture in every second block, its experts narrower than
+    # the dense blocks' MLP; the k weights renormalized
+    "qwen2_moe": (
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig(
+            **COMMON, num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=2, norm_topk_prob=True, router_aux_loss_coef=BALANCE,
+            output_router_logits=False,
+        ),  # fmt: skip
+        "qwen2_moe-tiny",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    """(family, its preset, a random tiny checkpoint of it saved by transformers)."""
+    model_class, config, preset = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():
+        # norms near 1, so that each block's output counts in the logits
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.1)
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    model.save_pretrained(directory)
+    return request.param, preset, directory
+
+
+def theirs(directory, tokens: np.ndarray):
+    """transformers' (logits, load-balance loss or 0) of `tokens`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    aux = getattr(out, "aux_loss", None)
+    return out.logits.numpy(), float(aux) if aux is not None else 0.0
+
+
+def test_the_checkpoint_reads_as_its_traits(checkpoint):
+    family, preset, directory = checkpoint
+    cfg = presets.resolve_init(presets.load(preset, [f"model.init=hf:{directory}"]), set())
+    m = cfg.model
+    if family == "deepseek_v3":
+        traits = (m.kv_rank, m.q_rank, m.rope_dim, m.head_dim, m.v_dim, m.router, m.experts,
+                  m.router_groups, m.router_top_groups, m.routed_scaling, m.dense_first,
+                  m.expert_mlp, m.shared_mlp, m.kv_heads)  # fmt: skip
+        assert traits == (16, 24, 8, 12, 10, "sigmoid", 8, 4, 2, 2.5, 1, 32, 64, 8)
+    else:
+        traits = (m.experts, m.moe_every, m.mlp, m.expert_mlp, m.shared_mlp, m.shared_gate)
+        assert traits == (4, 2, 96, 32, 48, True)
+
+
+LAYOUTS = {
+    "one device": ("parallel.data=1", "model.capacity_factor=0"),
+    # the capacity path, at a capacity that drops nothing (experts / k)
+    "expert=4 x tensor=2": (
+        "parallel.data=1", "parallel.expert=4", "parallel.tensor=2", "model.capacity_factor=4"
+    ),  # fmt: skip
+    "pipeline=2 x data=2": (
+        "parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2",
+        "model.capacity_factor=0",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
+    family, preset, directory = checkpoint
+    on = [f"model.router_aux_loss={BALANCE}"] if family == "qwen2_moe" else []
+    cfg = presets.load(
+        preset,
+        [f"model.init=hf:{directory}", *on, *LAYOUTS[layout], "train.steps=1", "train.lr=1e-12"],
+    )
+    cfg = presets.resolve_init(cfg, {"router_aux_loss"})
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
+    s = commands.setup(cfg, devices[:n])
+    params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
+    result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
+    tokens = s.batches(0)["tokens"]
+    logits, balance = theirs(directory, tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(
+        torch.tensor(logits).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
+    ).item()
+    weight = BALANCE if on else 0.0
+    assert result.losses[0] == pytest.approx(loss + weight * balance, rel=1e-5)
+
+
+def our_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
+    spec = registry.get(cfg.model.name)
+    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
+    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
+    return np.asarray(model.logits(x))
+
+
+def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path, devices):
+    """Three steps (data=4 x tensor=2, ZeRO-3; DeepSeek's bias moving), `jaxpar export
+    --format hf`, loaded back by transformers: its logits within 1e-4 of their scale of
+    jaxpar's, and the config as read."""
+    family, preset, directory = checkpoint
+    run = tmp_path / "run"
+    argv = ["train", "--config", preset, f"model.init=hf:{directory}", "model.capacity_factor=0",
+            "parallel.data=4", "parallel.tensor=2", "parallel.zero=3", "train.steps=3",
+            "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
+    read = FAMILIES[family][1].to_dict()
+    kept = ["architectures", "n_routed_experts", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size",
+            "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+            "v_head_dim", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"]  # fmt: skip
+    assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"])
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+    want, _ = theirs(tmp_path / "out", tokens)
+    err = np.abs(our_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("layout", [("parallel.data=1",), ("parallel.tensor=2",)])
+def test_greedy_continuations_are_transformers_generate(checkpoint, layout, devices):
+    """DeepSeek's through the latent cache (the latent and the rotated key alone)."""
+    from test_generate import PROMPTS, transformers_greedy
+
+    family, _, directory = checkpoint
+    model = decoding.load(f"hf:{directory}", list(layout), devices=devices[:2])
+    if family == "deepseek_v3":  # 3 layers x (8 rotated key + 16 latent dims) x 4 bytes
+        assert decoding.cache_bytes_per_token(model) == 3 * (8 + 16) * 4
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    assert done.completions == transformers_greedy(directory, PROMPTS, 32)
+
+
+REFUSED = {
+    "rotated dims not interleaved": (
+        {"rope_interleave": False},
+        ["rope_interleave=false is not supported"],
+    ),
+    "YaRN rotary scaling": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
+        ["rope_type='yarn' is not supported"],
+    ),
+}
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_checkpoint_jaxpar_cannot_express_is_refused(checkpoint, case, capsys, tmp_path):
+    _, preset, directory = checkpoint
+    change, needles = REFUSED[case]
+    changed = tmp_path / "hf"
+    changed.mkdir()
+    for f in directory.iterdir():
+        (changed / f.name).symlink_to(f)
+    (changed / "config.json").unlink()
+    config = json.loads((directory / "config.json").read_text()) | change
+    (changed / "config.json").write_text(json.dumps(config))
+    argv = ["train", "--config", preset, f"model.init=hf:{changed}", "--out", str(tmp_path / "r")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(n in err for n in needles), err
+
+
+# DeepSeek's balancing bias, on deepseek-tiny itself (random weights)
+
+STEP = 0.01
+
+
+def _bias_run(devices, *overrides, steps=1, out_dir=None):
+    cfg = presets.load(
+        "deepseek-tiny",
+        ["model.capacity_factor=0", f"train.steps={steps}", "train.batch_size=8", *overrides],
+    )
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
+    s = commands.setup(cfg, devices[:n])
+    first = s.problem.init(jax.random.key(cfg.train.seed))
+    result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, out_dir=out_dir)
+    return cfg, s, first, result
+
+
+def _counts(cfg, params, batch) -> np.ndarray:
+    """[layers, experts] each sparse layer's choices of the batch's trained tokens, by a
+    plain forward pass on one device."""
+    from jaxpar.nn import documents
+
+    spec = registry.get(cfg.model.name)
+    tokens = documents.inputs(batch)
+    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
+    docs, trained = documents.of_inputs(batch), documents.target_weights(batch)
+    layers = model.blocks.attn_norm.scale.shape[0]
+    _, loads = unrolled(
+        model.blocks,
+        model.embed(tokens, docs),
+        [None] * layers,
+        lambda block, x, _: block.routed(x, docs, trained),
+    )
+    return np.stack([np.asarray(load.trained).sum(0) for load in loads])
+
+
+def test_the_balancing_bias_moves_by_deepseeks_rule_on_every_device_alike(devices, tmp_path):
+    """One step over data=2 x expert=2 x tensor=2: each layer's bias moves by STEP toward
+    the mean load of the whole batch's choices (up below it, down above, 0 at it), the
+    same bits on every device; a bias that does not move is not trained by the loss."""
+    layout = ("parallel.data=2", "parallel.expert=2", "parallel.tensor=2")
+    cfg, s, first, result = _bias_run(devices, f"model.router_bias_update={STEP}", *layout)
+    counts = _counts(cfg, first, s.batches(0))
+    want = first["blocks/mlp/bias"] + STEP * np.sign(counts.mean(-1, keepdims=True) - counts)
+    bias = result.params["blocks/mlp/bias"]
+    np.testing.assert_array_equal(np.asarray(bias), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(bias)).max() == pytest.approx(STEP)
+    shards = [np.asarray(x.data) for x in bias.addressable_shards]
+    assert len(shards) == 8 and all(np.array_equal(x, shards[0]) for x in shards)
+    # no update step: the bias stays as it was, whatever the learning rate
+    _, _, first, fixed = _bias_run(devices[:1], "model.router_bias_update=0", "train.lr=0.1", steps=2)
+    np.testing.assert_array_equal(fixed.params["blocks/mlp/bias"], first["blocks/mlp/bias"])
+
+
+def test_the_balancing_bias_evens_the_load_and_is_saved(devices, tmp_path):
+    """With the weights held (a learning rate of 1e-12), 30 steps of the bias alone (at
+    DeepSeek's step, 0.001) even each layer's load on batches it has not seen: the
+    busiest expert's share over the mean's, from 1.18, 1.07, 1.33 to 1.10, 1.06, 1.13
+    (a step of 0.01 overshoots: 1.27, 1.39, 1.35). The checkpoint holds the bias as
+    trained."""
+    cfg, s, first, result = _bias_run(
+        devices, "model.router_bias_update=0.001", "train.lr=1e-12", "train.warmup=0",
+        "parallel.data=-1", "data.source=synthetic", steps=30, out_dir=tmp_path / "run",
+    )  # fmt: skip
+
+    def busiest_over_mean(params):
+        counts = np.mean([_counts(cfg, params, s.batches(i)) for i in range(30, 34)], 0)
+        return counts.max(-1) / counts.mean(-1)
+
+    before, after = busiest_over_mean(first), busiest_over_mean(result.params)
+    assert after.mean() < before.mean() - 0.05 and (after < before + 0.01).all(), (before, after)
+    params, _ = jaxpar.training.checkpoint.saved_params(tmp_path / "run" / "checkpoints")
+    np.testing.assert_array_equal(params["blocks/mlp/bias"], result.params["blocks/mlp/bias"])
