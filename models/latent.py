@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, LATENT, SEQ, SEQ_RESIDUAL
+from jaxpar.nn import sequence
 from jaxpar.nn.attention import cached_latent_attention, causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param
@@ -95,6 +96,11 @@ class LatentAttention(nnx.Module):
             [q_BxSxHxD[..., :dn], self._rotated(q_BxSxHxD[..., dn:], positions_BxS)], -1
         )
         c_BxSxL, k_rope_BxSx1xR = self._latent(x_BxSxE, positions_BxS)
+        # sequences split over context: the latent and the rotated key are gathered
+        # (kv_rank + rope_dim a token), not the keys and values they expand to
+        whole = [sequence.gathered(x) for x in (c_BxSxL, k_rope_BxSx1xR)]
+        if whole[0] is not None:
+            c_BxSxL, k_rope_BxSx1xR = whole
         w_LxHxD = self.wkv_b[...].astype(dt)
         kv_BxSxHxD = dense("bsl,lhd->bshd", c_BxSxL, w_LxHxD, (LATENT, HEADS, HEAD_DIM))
         heads = q_BxSxHxD.shape[2]
@@ -107,7 +113,12 @@ class LatentAttention(nnx.Module):
         q_BxSxHxD, k_BxSxHxD = (constrain(x, names) for x in (q_BxSxHxD, k_BxSxHxD))
         v_BxSxHxD = constrain(jnp.pad(v_BxSxHxD, pad) if dv < dn + dr else v_BxSxHxD, names)
         out_BxSxHxD = causal_attention(
-            q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segments_BxS, positions_BxS=positions_BxS
+            q_BxSxHxD,
+            k_BxSxHxD,
+            v_BxSxHxD,
+            segments_BxS,
+            positions_BxS=positions_BxS,
+            gathered=whole[0] is not None,
         )
         out_BxSxHxV = constrain(out_BxSxHxD[..., :dv], names)
         y_BxSxE = dense("bshv,hve->bse", out_BxSxHxV, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED))

@@ -555,6 +555,9 @@ def dims(m: LlamaConfig, seq_len: int) -> ModelDims:
 
 
 def attention_dims(m: LlamaConfig) -> AttentionDims:
+    if m.kv_rank:  # q, k and v (padded) of head_dim + rope_dim dims a head
+        d = head_size(m) + m.rope_dim
+        return AttentionDims(m.layers, m.heads, m.heads, d, latent=m.kv_rank + m.rope_dim)
     return AttentionDims(m.layers, m.heads, m.kv_heads, head_size(m))
 
 

@@ -284,3 +284,54 @@ def test_the_balancing_bias_evens_the_load_and_is_saved(devices, tmp_path):
     assert after.mean() < before.mean() - 0.05 and (after < before + 0.01).all(), (before, after)
     params, _ = jaxpar.training.checkpoint.saved_params(tmp_path / "run" / "checkpoints")
     np.testing.assert_array_equal(params["blocks/mlp/bias"], result.params["blocks/mlp/bias"])
+
+
+# deepseek-tiny's every trait (latent attention, groups, shared experts, the bias moving
+# each step, the first block dense), dropless and at a capacity, in layouts of every axis
+DEEPSEEK_LAYOUTS = {
+    "expert4-tp2": (
+        "parallel.data=1", "parallel.expert=4", "parallel.tensor=2", "model.capacity_factor=0"
+    ),
+    "expert2-dp2-tp2-zero3-capacity": (
+        "parallel.expert=2", "parallel.data=2", "parallel.tensor=2", "parallel.zero=3",
+        "model.capacity_factor=4",
+    ),
+    "ctx2-expert2-dp2": (
+        "parallel.context=2", "parallel.expert=2", "parallel.data=2", "model.capacity_factor=0"
+    ),
+    "ctx2-ulysses-tp2-dp2": (
+        "parallel.context=2", "parallel.context_strategy=ulysses", "parallel.tensor=2",
+        "parallel.data=2", "model.capacity_factor=0",
+    ),
+    "pp3-1f1b-m2": (
+        "parallel.data=1", "parallel.pipeline=3", "parallel.microbatches=2",
+        "parallel.schedule=1f1b", "model.capacity_factor=0",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DEEPSEEK_LAYOUTS)
+def test_deepseek_trains_in_every_layout_as_on_one_device(name):
+    from helpers import assert_same_training, trained
+    from helpers import reference as shared_reference
+
+    overrides = DEEPSEEK_LAYOUTS[name]
+    capacity = tuple(o for o in overrides if o.startswith("model.capacity_factor"))
+    want = shared_reference("deepseek-tiny", capacity)
+    assert_same_training(trained("deepseek-tiny", overrides), want)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.context=2", "parallel.data=4"),
+     ("parallel.context=2", "parallel.tensor=2", "parallel.data=2", "parallel.remat=full")],
+)  # fmt: skip
+def test_context_gathers_the_latent_at_the_textbook_minimum(layout, devices):
+    """Under context's all_gather, latent attention gathers each token's latent and
+    rotated key (32 + 8 values a layer), not the keys and values they expand to (2 x 8
+    heads x 24): comm.by_axis.context at the ledger's minimum, which counts that."""
+    from helpers import compile_only
+
+    comm = compile_only("deepseek-tiny", ("model.capacity_factor=0", *layout)).comm
+    context = comm.by_axis["context"]
+    assert context.wire == pytest.approx(context.minimum, rel=0.02)

@@ -34,6 +34,9 @@ class AttentionDims:
     heads: int
     kv_heads: int
     head_dim: int
+    # latent attention: the values a token's keys and values come from (its latent and
+    # rotated key), which context's all_gather moves instead of them; 0: none
+    latent: int = 0
 
 
 @dataclass(frozen=True)

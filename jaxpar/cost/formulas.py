@@ -250,7 +250,8 @@ def context_bytes(
     attention layer and pass (each forward, `forward_passes` and `extra` ones without a
     backward, and the backward),
     all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
-    each (forward a gather, backward a reduce-scatter), plus with documents their int32
+    each (forward a gather, backward a reduce-scatter) (latent attention: its latent
+    and rotated key, [rows, S, latent]), plus with documents their int32
     segment ids and positions (forward only, once for the batch); Ulysses four
     all-to-alls, (C-1)/C of q, k, v and the output on the device; per sparse layer, a
     mixture's input gathered each pass and its output reduce-scattered forward and
@@ -281,6 +282,8 @@ def context_bytes(
     ids = layers * (f - extra) * documents * 2 * share * tokens * 4
     if par.context_strategy is ContextStrategy.ALL_GATHER:
         per_pass = 2 * share * tokens * moved * attention.head_dim * cb
+        if attention.latent:  # latent attention: its latent, whole on each tensor device
+            per_pass = share * tokens * attention.latent * cb
         return total + layers * (f + 1) * per_pass + ids
     per_pass = share * tokens / c * attention.head_dim * cb * (2 * local + 2 * moved)
     return total + layers * (f + 1) * per_pass + ids

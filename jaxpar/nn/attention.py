@@ -70,6 +70,7 @@ def causal_attention(
     *,
     positions_BxS=None,
     kv_group: int = 1,
+    gathered: bool = False,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
     sees the keys at or before it, of its own segment where segment ids are given, and
@@ -79,7 +80,9 @@ def causal_attention(
     reordered: "before" is then by `positions_BxS` (each token's position in its
     segment; default, its original position in the row), and k and v, repeated to one
     head per query head, are gathered as their distinct heads (`kv_group` query heads a
-    key/value head)."""
+    key/value head); or (`gathered`) they are the whole rows already, in the step's
+    token order (jaxpar.nn.sequence.gathered: what a model gathers smaller than its keys,
+    latent attention's latent)."""
     ctx = scope.current()
     platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
     chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
@@ -101,6 +104,7 @@ def causal_attention(
             window,
             kv_group,
             attend,
+            gathered,
         )
     if chosen is Form.CUDNN:
         return jax.nn.dot_product_attention(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.config.sections import ContextStrategy
 from jaxpar.errors import ConfigError
 from jaxpar.nn import scope
 from jaxpar.parallel.axes import CONTEXT
@@ -47,6 +48,16 @@ def whole(x_BxS: jax.Array) -> jax.Array:
     if not split.balance:
         return gathered
     return gathered[:, np.argsort(order(gathered.shape[1], split))]
+
+
+def gathered(x_BxS: jax.Array) -> jax.Array | None:
+    """Under `context`'s all_gather strategy, the whole rows of a per-token array in the
+    step's token order (as attention gathers keys: causal_attention(..., gathered=True)
+    takes them); None where the step splits no sequence or splits by Ulysses."""
+    split = active()
+    if split is None or split.strategy is not ContextStrategy.ALL_GATHER:
+        return None
+    return jax.lax.all_gather(x_BxS, CONTEXT, axis=1, tiled=True)
 
 
 def scatter_sum(x_BxS: jax.Array) -> jax.Array:

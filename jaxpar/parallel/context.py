@@ -160,11 +160,13 @@ def attention(
     window,
     group,
     attend,
+    gathered: bool = False,
 ):
     """Causal attention of this device's S / C tokens' q, k and v ([B, C, H, D], k
     and v repeated to one head per query head, `group` query heads a key/value head) by
     the split's strategy; `attend(q, k, v, q_pos, k_pos, q_seg, k_seg)` is the local
-    attention, masked by original positions. The whole row's positions are known
+    attention, masked by original positions. `gathered` (all_gather only): k and v
+    are the whole rows already, [B, S, H, D] in the step's token order. The whole row's positions are known
     without documents; with them, they and the segment ids are gathered too."""
     rows, part = positions_BxC.shape
     if segments_BxC is None:
@@ -178,6 +180,8 @@ def attention(
     heads = PartitionSpec(None, None, TENSOR, None)
 
     def per_tensor(q, k, v, segments, positions, q_segments, q_positions):
+        if gathered:
+            return attend(q, k, v, q_positions, positions, q_segments, segments)
         moved = kv_heads_moved(q.shape[2], group, split)
         k, v = (_kv(x, group, moved) for x in (k, v))
         if split.strategy is ContextStrategy.ALL_GATHER:
