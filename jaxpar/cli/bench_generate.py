@@ -60,10 +60,12 @@ PEER_CASES = (Case(1, 32), Case(1, 128), Case(8, 128), Case(8, 128, sampled=True
 ROUNDS = 5
 IDLE_S = 1.0  # before each timed run: the other's thread pool stops spinning, idle
 COPY_BYTES = 256 * 2**20
-LAYOUTS = {
-    "one device": ("parallel.data=1", "parallel.tensor=1"),
-    "tensor=2": ("parallel.data=1", "parallel.tensor=2"),
-    "data=4 x tensor=2": ("parallel.data=4", "parallel.tensor=2"),
+LAYOUTS = {  # name -> (preset, overrides)
+    "one device": ("llama-tiny", ("parallel.data=1", "parallel.tensor=1")),
+    "tensor=2": ("llama-tiny", ("parallel.data=1", "parallel.tensor=2")),
+    "data=4 x tensor=2": ("llama-tiny", ("parallel.data=4", "parallel.tensor=2")),
+    # latent attention: its cache holds each token's latent and rotated key alone
+    "deepseek-tiny, one device": ("deepseek-tiny", ("parallel.data=1", "parallel.tensor=1")),
 }
 LAYOUT_PROMPTS, LAYOUT_NEW = (8, 16, 24, 32, 40, 48, 56, 64), 64  # 8 prompts' lengths
 
@@ -267,17 +269,18 @@ def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
 
 
 def layouts(tables: dict, show) -> dict:
-    """llama-tiny's prefill and decode tokens/s in every decoding layout (random weights,
-    greedy, 8 prompts, LAYOUT_NEW new tokens each; the second call, the first's compile
-    apart), and its KV cache bytes per token as allocated against 2 x layers x kv_heads
-    x head_dim x 4 bytes."""
+    """llama-tiny's (and deepseek-tiny's) prefill and decode tokens/s in every decoding
+    layout (random weights, greedy, 8 prompts, LAYOUT_NEW new tokens each; the second
+    call, the first's compile apart), and the KV cache bytes per token as allocated
+    against the formula: layers x kv_heads x (key + value dims) x 4 bytes (latent
+    attention: one head of the rotated key and the latent)."""
     from jaxpar.generation import decoding
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in LAYOUT_PROMPTS]
     results, rows = {}, []
-    for name, overrides in LAYOUTS.items():
-        model = decoding.random("llama-tiny", list(overrides))
+    for name, (preset, overrides) in LAYOUTS.items():
+        model = decoding.random(preset, list(overrides))
         decoder = decoding.Decoder(model)
         first = decoding.generate(decoder, prompts, LAYOUT_NEW, decoding.Sampling(), set())
         done = decoding.generate(decoder, prompts, LAYOUT_NEW, decoding.Sampling(), set())
@@ -295,7 +298,7 @@ def layouts(tables: dict, show) -> dict:
         rows.append([name, *speeds, f"{r['compile_s']:.1f}", cache_text])
     lengths = f"{LAYOUT_PROMPTS[0]}-{LAYOUT_PROMPTS[-1]}"
     title = (
-        f"jaxpar generate, llama-tiny, {len(prompts)} prompts of {lengths} ids, "
+        f"jaxpar generate, llama-tiny unless named, {len(prompts)} prompts of {lengths} ids, "
         f"{LAYOUT_NEW} new tokens each, greedy"
     )
     header = ["layout", "prefill tok/s", "decode tok/s", "compile s", "cache B/token / formula"]
