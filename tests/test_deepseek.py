@@ -335,3 +335,57 @@ def test_context_gathers_the_latent_at_the_textbook_minimum(layout, devices):
     comm = compile_only("deepseek-tiny", ("model.capacity_factor=0", *layout)).comm
     context = comm.by_axis["context"]
     assert context.wire == pytest.approx(context.minimum, rel=0.02)
+
+
+LATENT_TARGETS = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
+SHARED_TARGETS = "shared_experts.gate_proj,shared_experts.up_proj,shared_experts.down_proj"
+
+
+def _adapted_run(directory, tmp_path, targets: str):
+    """(config, merged parameters, the run) of 3 LoRA steps over data=4 x tensor=2."""
+    from jaxpar.adapters import lora
+    from jaxpar.nn.problem import registered
+    from jaxpar.training import export
+
+    run = tmp_path / "run"
+    keys = ["adapter.kind=lora", "adapter.rank=4", f"adapter.targets={targets}",
+            "model.capacity_factor=0"]  # fmt: skip
+    argv = ["train", "--config", "deepseek-tiny", f"model.init=hf:{directory}", *keys,
+            "parallel.data=4", "parallel.tensor=2", "train.steps=3", "train.lr=1e-2",
+            "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    cfg = presets.load("deepseek-tiny", [f"model.init=hf:{directory}", *keys])
+    cfg = presets.resolve_init(cfg, set())
+    params, _ = export.run_params(run)
+    merged = lora.merged(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model, params)
+    return cfg, params, {k: np.asarray(v) for k, v in merged.items()}, run
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_adapters_on_latent_attention_and_the_shared_expert(checkpoint, tmp_path, devices):
+    """LoRA on the latent attention's projections and the shared expert's (by the dotted
+    end of its path: not the dense block's), trained over data=4 x tensor=2: exported
+    merged (--format hf), transformers gives jaxpar's logits; latent attention's exported
+    with --format peft, PEFT's model on transformers' does. (PEFT 0.21 on transformers 5
+    reads a target ending in gate_proj, up_proj or down_proj of DeepSeek as the routed
+    experts' fused parameters alone, and adapts no shared expert.)"""
+    peft = pytest.importorskip("peft")
+    _, _, directory = checkpoint
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+    targets = f"{LATENT_TARGETS},{SHARED_TARGETS}"
+    cfg, params, merged, run = _adapted_run(directory, tmp_path / "both", targets)
+    shared = sorted(k for k in params if k.startswith("blocks/shared/") and k.endswith("lora_a"))
+    assert shared == [f"blocks/shared/w_{w}/lora_a" for w in ("down", "gate", "up")]
+    assert not any(k.startswith("first/mlp/") and "lora" in k for k in params)
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    want, _ = theirs(tmp_path / "hf", tokens)
+    assert np.abs(our_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5
+
+    cfg, _, merged, run = _adapted_run(directory, tmp_path / "latent", LATENT_TARGETS)
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        want = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(our_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5

@@ -99,18 +99,34 @@ def model_linears(model) -> list[Linear]:
     return found
 
 
+def wanted(adapter: Adapter) -> list[str]:
+    """adapter.targets, or PEFT's default for the family (q_proj, v_proj)."""
+    return [t.strip() for t in adapter.targets.split(",") if t.strip()] or list(DEFAULT_TARGETS)
+
+
 def targets_of(adapter: Adapter, model) -> list[Linear]:
-    """The projections adapter.targets names (PEFT's default for the family if empty)."""
+    """The projections adapter.targets names, as PEFT's target_modules does: by module
+    name (q_proj: every layer's), or by the end of its dotted path
+    (shared_experts.gate_proj: the shared expert's alone, not the dense MLP's)."""
     found = model_linears(model)
     has = sorted({p.module for p in found})
-    wanted = [t.strip() for t in adapter.targets.split(",") if t.strip()] or DEFAULT_TARGETS
-    unknown = [t for t in wanted if t not in has]
+    names = wanted(adapter)
+    paths = {p.key: p.tensor.name.removesuffix(".weight") for p in found}
+    hit = lambda p, t: p.module == t or paths[p.key].endswith("." + t)  # noqa: E731
+    unknown = [t for t in names if not any(hit(p, t) for p in found)]
+    if unknown and not adapter.targets.strip():
+        raise ConfigError(
+            f"adapter.targets: PEFT's default ({','.join(DEFAULT_TARGETS)}) is not among "
+            f"model.name={model.name}'s projections; name them (PEFT has no default for it "
+            f"either): its projections are {','.join(has)}"
+        )
     if unknown:
         raise ConfigError(
-            f"adapter.targets={','.join(wanted)}: model.name={model.name} has no "
-            f"{', '.join(unknown)}; its projections are {','.join(has)}"
+            f"adapter.targets={','.join(names)}: model.name={model.name} has no "
+            f"{', '.join(unknown)}; its projections are {','.join(has)} (or a dotted end "
+            "of one's path, e.g. shared_experts.gate_proj)"
         )
-    return [p for p in found if p.module in wanted]
+    return [p for p in found if any(hit(p, t) for t in names)]
 
 
 def quantized_of(adapter: Adapter, model, shapes: dict) -> list[Linear]:

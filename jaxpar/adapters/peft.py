@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar import hf
+from jaxpar.adapters import lora
 from jaxpar.adapters.lora import Linear, targets_of
 from jaxpar.config.sections import Adapter, Config
 from jaxpar.errors import CheckpointError, ConfigError
@@ -57,7 +58,7 @@ def config(adapter: Adapter, model, base: str) -> dict:
         "r": adapter.rank,
         "lora_alpha": adapter.alpha,
         "lora_dropout": adapter.dropout,
-        "target_modules": sorted({p.module for p in targets_of(adapter, model)}),
+        "target_modules": sorted(lora.wanted(adapter)),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

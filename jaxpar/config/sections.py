@@ -309,7 +309,9 @@ class Adapter(Section):
         "",
         (
             "comma-separated projections that carry an adapter, in PEFT's names (q_proj, k_proj, "
-            "v_proj, o_proj, gate_proj, up_proj, down_proj; a mixture's experts by their own); "
+            "v_proj, o_proj, gate_proj, up_proj, down_proj; a mixture's experts by their own; "
+            "latent attention's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), or the "
+            "dotted end of a path (shared_experts.gate_proj: the shared expert's alone); "
             "empty = PEFT's default for the family (q_proj,v_proj)"
         ),
     )
