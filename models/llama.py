@@ -527,17 +527,32 @@ def check_router(m: LlamaConfig) -> None:
 
 
 def block_flops(m: LlamaConfig, seq_len: int) -> float:
-    """Forward FLOPs of one block per token: 2 per matmul parameter (q and o, k and v
-    (GQA), gate, up and down; with experts, the router and k experts' gate, up and down:
-    the active FLOPs, of the mean block where some are dense), plus the attention scores
-    and their product with V."""
-    q, kv = m.heads * head_size(m), m.kv_heads * head_size(m)
-    mlp = 3 * m.embed * m.mlp
-    if m.experts:  # the mean block's: n - 1 dense, one sparse
-        sparse = m.embed * (m.experts + m.experts_per_token * 3 * m.mlp)
+    """Forward FLOPs of one block per token, the mean block's (model.dense_first and
+    model.moe_every's dense ones among them): 2 per matmul parameter (attention's
+    projections; the MLP's gate, up and down, or a mixture's router, k experts' and the
+    shared expert's: the active FLOPs), plus the attention scores and their product with
+    V."""
+    return (m.dense_first * _block_flops(m, seq_len, False) + (m.layers - m.dense_first)
+            * _block_flops(m, seq_len, bool(m.experts))) / m.layers  # fmt: skip
+
+
+def _block_flops(m: LlamaConfig, seq_len: int, mixture: bool) -> float:
+    """block_flops of the stack's blocks (`mixture`: a mixture in every moe_every-th)."""
+    h, e, d = m.heads, m.embed, head_size(m)
+    if m.kv_rank:  # latent attention: q (through its latent), kv_a, kv_b, o
+        qk, v = d + m.rope_dim, m.v_dim or d
+        query = e * m.q_rank + m.q_rank * h * qk if m.q_rank else e * h * qk
+        attention = query + e * (m.kv_rank + m.rope_dim) + m.kv_rank * h * (d + v) + h * v * e
+        scores = 2 * seq_len * h * (qk + v)
+    else:
+        attention = 2 * e * h * d + 2 * e * m.kv_heads * d
+        scores = 4 * seq_len * h * d
+    mlp = 3 * e * m.mlp
+    if mixture:  # the mean block's: n - 1 dense, one sparse
+        expert = 3 * e * (m.expert_mlp or m.mlp)
+        sparse = e * m.experts + m.experts_per_token * expert + 3 * e * m.shared_mlp
         mlp = ((m.moe_every - 1) * mlp + sparse) / m.moe_every
-    matmuls = 2 * m.embed * q + 2 * m.embed * kv + mlp
-    return 2 * matmuls + 4 * seq_len * q
+    return 2 * (attention + mlp) + scores
 
 
 def dims(m: LlamaConfig, seq_len: int) -> ModelDims:
