@@ -81,7 +81,7 @@ def test_capacity_is_the_factor_of_an_even_share_at_most_the_sequence():
 def test_routing_fills_each_expert_first_choices_first_in_sequence_order():
     logits = jax.random.normal(jax.random.key(3), (ROWS, SEQ, E))
     slots = 5
-    r = moe.route(logits, K, slots)
+    r = moe.route(logits, moe.Rule(K, True), slots)
     experts = np.asarray(r.experts)
     for b in range(ROWS):
         taken = [0] * E
@@ -107,7 +107,7 @@ def test_with_drops_equal_the_loop_given_the_same_drop_mask():
     params = params_of(m)
     x = inputs()
     slots = moe.capacity(SEQ, E, K, 0.5)
-    keep = moe.route(x @ params["router"], K, slots).keep
+    keep = moe.route(x @ params["router"], moe.Rule(K, True), slots).keep
     assert 0 < float(jnp.mean(~keep))  # some are dropped
     got = output_and_grads(lambda p, x: apply(m, p, x), params, x)
     want = output_and_grads(lambda p, x: loop(p, x, keep), params, x)
@@ -129,7 +129,7 @@ def test_dropless_grouped_products_equal_the_loop_where_capacity_would_drop():
     m = layer(capacity_factor=0)
     params, x = skewed(params_of(m))
     slots = moe.capacity(SEQ, E, K, 1.25)
-    assert float(jnp.mean(~moe.route(x @ params["router"], K, slots).keep)) > 0.2
+    assert float(jnp.mean(~moe.route(x @ params["router"], moe.Rule(K, True), slots).keep)) > 0.2
     got = output_and_grads(lambda p, x: apply(m, p, x), params, x)
     want = output_and_grads(loop, params, x)
     assert_close(got, want)
@@ -143,7 +143,7 @@ def drop_rate(capacity_factor: float, seq: int = 256) -> float:
     favour = jnp.array([[[1.0, 0.5, 0.0, -0.5]]])
     logits = jax.random.normal(jax.random.key(5), (8, seq, E)) + favour
     slots = moe.capacity(seq, E, K, capacity_factor)
-    return 1.0 - float(jnp.mean(moe.route(logits, K, slots).keep))
+    return 1.0 - float(jnp.mean(moe.route(logits, moe.Rule(K, True), slots).keep))
 
 
 DROPS = (0.5, 1.0, 1.25, 1.5, E / K)  # docs/experts.md's table
