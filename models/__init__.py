@@ -180,8 +180,9 @@ class LlamaConfig(Model):
         ),
     )
     q_rank: Annotated[int, Range(0, 2**16, "latent dims; 0 = a full projection")] = key(
-        0, "model.kv_rank > 0: the queries through a normed latent of this many dims "
-        "(q_lora_rank); 0 = one projection"
+        0,
+        "model.kv_rank > 0: the queries through a normed latent of this many dims "
+        "(q_lora_rank); 0 = one projection",
     )
     rope_dim: Annotated[int, Range(0, 2**14, "dims")] = key(
         0, "model.kv_rank > 0: each head's rotated query/key dims (qk_rope_head_dim)"
@@ -203,6 +204,4 @@ register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)
 register_module("mlp", "jaxpar.models.mlp", tiny="mlp-tiny")
 # the Llama model and its Hugging Face families, a record each (models/families.py)
 for family in FAMILIES:
-    register_module(
-        family.name, "jaxpar.models.llama", config=LlamaConfig, tiny=family.tiny
-    )
+    register_module(family.name, "jaxpar.models.llama", config=LlamaConfig, tiny=family.tiny)

@@ -307,9 +307,20 @@ FAMILIES: tuple[Family, ...] = (
         "DeepseekV3ForCausalLM",
         "deepseek_v3",
         fixed={"router": "sigmoid"},
-        free=("experts", "expert_mlp", "shared_mlp", "router_bias_update", "router_groups",
-              "router_top_groups", "routed_scaling", "dense_first", "kv_rank", "q_rank",
-              "rope_dim", "v_dim"),  # fmt: skip
+        free=(
+            "experts",
+            "expert_mlp",
+            "shared_mlp",
+            "router_bias_update",
+            "router_groups",
+            "router_top_groups",
+            "routed_scaling",
+            "dense_first",
+            "kv_rank",
+            "q_rank",
+            "rope_dim",
+            "v_dim",
+        ),  # fmt: skip
         mixture="DeepSeek-V3: 256, with 8 a token",
         from_hf=_deepseek_from_hf,
         to_hf=_deepseek_to_hf,

@@ -22,7 +22,6 @@ each head's value expansion (W_UV) afterwards.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -35,7 +34,6 @@ from jaxpar.nn.layers import constrain, dense, param
 
 from . import LlamaConfig
 from .common import normal, rotate
-
 
 # the latents' norms' epsilon: DeepSeek's own (not model.norm_eps: transformers builds
 # them with its RMSNorm's default)
@@ -70,7 +68,9 @@ class LatentAttention(nnx.Module):
         """[B, S, H, head_dim + rope_dim] (the rotated part not yet rotated)."""
         dt = x_BxSxE.dtype
         if hasattr(self, "wq"):
-            return dense("bse,ehd->bshd", x_BxSxE, self.wq[...].astype(dt), (EMBED, HEADS, HEAD_DIM))
+            return dense(
+                "bse,ehd->bshd", x_BxSxE, self.wq[...].astype(dt), (EMBED, HEADS, HEAD_DIM)
+            )
         latent_BxSxQ = self.q_norm(jnp.einsum("bse,eq->bsq", x_BxSxE, self.wq_a[...].astype(dt)))
         w_QxHxD = self.wq_b[...].astype(dt)
         return dense("bsq,qhd->bshd", latent_BxSxQ, w_QxHxD, (LATENT, HEADS, HEAD_DIM))
@@ -121,7 +121,9 @@ class LatentAttention(nnx.Module):
             gathered=whole[0] is not None,
         )
         out_BxSxHxV = constrain(out_BxSxHxD[..., :dv], names)
-        y_BxSxE = dense("bshv,hve->bse", out_BxSxHxV, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED))
+        y_BxSxE = dense(
+            "bshv,hve->bse", out_BxSxHxV, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
+        )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
     def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):

@@ -52,17 +52,17 @@ from jaxpar.nn.problem import Stages
 from . import LlamaConfig, RopeScaling, Router
 from .common import (
     embed_inputs,
-    rotate,
     embed_tokens,
     flops_per_token,
     language_model_stages,
     next_token_loss,
     normal,
+    rotate,
     token_losses,
 )
 from .families import FAMILIES, Family
-from .llama_hf import FORMATS
 from .latent import LatentAttention
+from .llama_hf import FORMATS
 from .moe import Load, MoE, balance_loss, capacity, report_load
 
 

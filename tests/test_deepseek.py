@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow  # trains, and runs transformers
 
 BALANCE = 0.02  # Qwen2-MoE's router_aux_loss_coef, on in both
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=8,
-              rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+              rms_norm_eps=1e-5, max_position_embeddings=512,
+              tie_word_embeddings=False)  # fmt: skip
 FAMILIES = {
     # latent attention with a query latent, values narrower than the keys; the first
     # block dense; 8 experts in 4 groups, 2 a token from the 2 best groups, scaled; two
@@ -36,10 +37,22 @@ FAMILIES = {
     "deepseek_v3": (
         transformers.DeepseekV3ForCausalLM,
         transformers.DeepseekV3Config(
-            **COMMON, num_key_value_heads=8, num_hidden_layers=3, moe_intermediate_size=32,
-            n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-            topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, routed_scaling_factor=2.5,
+            **COMMON,
+            num_key_value_heads=8,
+            num_hidden_layers=3,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=12,
+            v_head_dim=10,
+            routed_scaling_factor=2.5,
         ),  # fmt: skip
         "deepseek-tiny",
     ),
@@ -48,9 +61,16 @@ FAMILIES = {
     "qwen2_moe": (
         transformers.Qwen2MoeForCausalLM,
         transformers.Qwen2MoeConfig(
-            **COMMON, num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=2, norm_topk_prob=True, router_aux_loss_coef=BALANCE,
+            **COMMON,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            router_aux_loss_coef=BALANCE,
             output_router_logits=False,
         ),  # fmt: skip
         "qwen2_moe-tiny",
@@ -103,10 +123,15 @@ LAYOUTS = {
     "one device": ("parallel.data=1", "model.capacity_factor=0"),
     # the capacity path, at a capacity that drops nothing (experts / k)
     "expert=4 x tensor=2": (
-        "parallel.data=1", "parallel.expert=4", "parallel.tensor=2", "model.capacity_factor=4"
+        "parallel.data=1",
+        "parallel.expert=4",
+        "parallel.tensor=2",
+        "model.capacity_factor=4",
     ),  # fmt: skip
     "pipeline=2 x data=2": (
-        "parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2",
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.microbatches=2",
         "model.capacity_factor=0",
     ),  # fmt: skip
 }
@@ -261,7 +286,9 @@ def test_the_balancing_bias_moves_by_deepseeks_rule_on_every_device_alike(device
     shards = [np.asarray(x.data) for x in bias.addressable_shards]
     assert len(shards) == 8 and all(np.array_equal(x, shards[0]) for x in shards)
     # no update step: the bias stays as it was, whatever the learning rate
-    _, _, first, fixed = _bias_run(devices[:1], "model.router_bias_update=0", "train.lr=0.1", steps=2)
+    _, _, first, fixed = _bias_run(
+        devices[:1], "model.router_bias_update=0", "train.lr=0.1", steps=2
+    )
     np.testing.assert_array_equal(fixed.params["blocks/mlp/bias"], first["blocks/mlp/bias"])
 
 

@@ -55,8 +55,12 @@ def test_decoding_through_the_cache_equals_a_full_forward_pass(preset, overrides
     def step(tokens, positions, cache, slot):
         return model.decode(tokens, positions, cache, slot, pad)
 
-    sizes = [{BATCH: rows, KV_HEADS: c.kv_heads, SEQ: slots, HEAD_DIM: d} for d in (c.key_dim, c.value_dim)]
-    cache = [tuple(jnp.zeros([s[n] for n in names]) for names, s in zip(CACHE_NAMES, sizes))] * c.layers
+    sizes = [
+        {BATCH: rows, KV_HEADS: c.kv_heads, SEQ: slots, HEAD_DIM: d}
+        for d in (c.key_dim, c.value_dim)
+    ]
+    one = [jnp.zeros([s[n] for n in names]) for names, s in zip(CACHE_NAMES, sizes, strict=True)]
+    cache = [tuple(one)] * c.layers
     positions = np.maximum(np.arange(prompt)[None] - pad[:, None], 0)
     logits, cache = step(ids[:, :prompt], positions, cache, 0)
     steps = [logits]

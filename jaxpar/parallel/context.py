@@ -166,8 +166,9 @@ def attention(
     and v repeated to one head per query head, `group` query heads a key/value head) by
     the split's strategy; `attend(q, k, v, q_pos, k_pos, q_seg, k_seg)` is the local
     attention, masked by original positions. `gathered` (all_gather only): k and v
-    are the whole rows already, [B, S, H, D] in the step's token order. The whole row's positions are known
-    without documents; with them, they and the segment ids are gathered too."""
+    are the whole rows already, [B, S, H, D] in the step's token order. The whole
+    row's positions are known without documents; with them, they and the segment ids
+    are gathered too."""
     rows, part = positions_BxC.shape
     if segments_BxC is None:
         whole = order(part * split.degree, split)

@@ -36,9 +36,7 @@ def optimizer(
         decay = optax.add_decayed_weights(train.weight_decay, mask=is_matrix)
         tx = optax.chain(decay, optax.sgd(schedule))
     else:
-        tx = optax.adamw(
-            schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix
-        )
+        tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix)
     balance = balancing(names)
     if not any(jax.tree.leaves(balance)):
         return tx, schedule
@@ -75,8 +73,9 @@ def clip(grads, clip_norm: float, balance=None):
     (balancing) are counts, not gradients: outside the norm (a scale keeps their sign)."""
     # (not optax.tree.norm: its sum starts from a device constant, which the host
     # update of an offloaded optimizer cannot add to)
-    marks = jax.tree.leaves(balance) if balance is not None else [False] * len(jax.tree.leaves(grads))
-    squares = [jnp.sum(jnp.square(g)) for g, b in zip(jax.tree.leaves(grads), marks) if not b]
+    leaves = jax.tree.leaves(grads)
+    marks = jax.tree.leaves(balance) if balance is not None else [False] * len(leaves)
+    squares = [jnp.sum(jnp.square(g)) for g, b in zip(leaves, marks, strict=True) if not b]
     grad_norm = jnp.sqrt(sum(squares))
     if clip_norm > 0:
         scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
