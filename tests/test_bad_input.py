@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from helpers import one_line_error
 
 from jaxpar.cli import commands
 from jaxpar.cli import main as cli
@@ -554,3 +555,43 @@ def test_python_refuses_the_measured_three():
             build()
         assert "\n" not in str(e.value)
     assert jaxpar.Parallel(schedule="gpipe").schedule is config.Schedule.GPIPE
+
+
+# a preset's model with one key changed against it: refused by the model's checks
+PRESET_KEYS = {
+    "router-groups-indivisible": (
+        ["--config", "deepseek-tiny", "model.router_groups=3"],
+        ["model.router_groups=3 with model.experts=8", "choose among [1, 2, 4]"],
+    ),
+    "router-top-groups-too-few": (
+        ["--config", "deepseek-tiny", "model.router_top_groups=1", "model.experts_per_token=4"],
+        ["model.router_top_groups=1 of model.router_groups=4", "top_groups x 2 >= 4"],
+    ),
+    "bias-update-softmax": (
+        ["--config", "qwen2_moe-tiny", "model.router_bias_update=0.001"],
+        ["model.router_bias_update=0.001 moves a sigmoid router's", "model.router=softmax"],
+    ),
+    "latent-kv-heads": (
+        ["--config", "deepseek-tiny", "model.kv_heads=2"],
+        ["model.kv_heads=2 with model.kv_rank=32", "set model.kv_heads=8"],
+    ),
+    "latent-without-rope": (
+        ["--config", "deepseek-tiny", "model.rope_dim=0"],
+        ["model.rope_dim=0 with model.kv_rank=32", "even model.rope_dim > 0"],
+    ),
+    "dense-first-all": (
+        ["--config", "deepseek-tiny", "model.dense_first=4"],
+        ["model.dense_first=4 with model.layers=4", "choose at most 3"],
+    ),
+    "shared-gate-without-shared": (
+        ["--config", "qwen2_moe-tiny", "model.shared_mlp=0"],
+        ["model.shared_gate=true gates a shared expert", "model.shared_mlp=0 has none"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PRESET_KEYS)
+def test_a_key_against_its_preset_s_model_is_refused(case, capsys, tmp_path):
+    argv, needles = PRESET_KEYS[case]
+    assert cli.main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    one_line_error(capsys, *needles)

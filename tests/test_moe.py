@@ -78,6 +78,38 @@ def test_capacity_is_the_factor_of_an_even_share_at_most_the_sequence():
     assert moe.capacity(64, 4, 2, 2.0) == moe.capacity(64, 4, 2, 9.0) == 64  # dropless
 
 
+def deepseek_choice(logits, bias, rule):
+    """DeepSeek-V3's routing of one token, in NumPy: sigmoid scores; the groups ranked by
+    the sum of their two best scores plus bias, the best `top_groups` kept; the k best
+    of scores plus bias among them; weighted by their scores over the k's sum, scaled."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    choice = scores + bias
+    grouped = choice.reshape(rule.groups, -1)
+    best = np.sort(grouped, -1)[:, -2:].sum(-1)
+    kept = np.repeat(np.isin(np.arange(rule.groups), np.argsort(best)[-rule.top_groups :]),
+                     grouped.shape[1])  # fmt: skip
+    experts = np.argsort(np.where(kept, choice, -np.inf))[-rule.k :]
+    weights = scores[experts] / scores[experts].sum() * rule.scaling
+    order = np.argsort(experts)
+    return experts[order], weights[order]
+
+
+def test_sigmoid_routing_in_groups_with_a_bias_is_deepseek_s():
+    """16 experts in 4 groups, 3 a token from the 2 best groups, a bias that changes the
+    choice but not the weights, scaled by 2.5: as DeepSeek-V3 routes, token by token."""
+    rule = moe.Rule(3, True, sigmoid=True, groups=4, top_groups=2, scaling=2.5)
+    logits = jax.random.normal(jax.random.key(0), (2, 24, 16))
+    bias = 0.3 * jax.random.normal(jax.random.key(1), (16,))
+    _, experts, weights = moe.choose(logits, rule, bias)
+    plain = moe.choose(logits, rule)[1]
+    assert not np.array_equal(np.sort(experts, -1), np.sort(plain, -1))  # the bias chose
+    for b, s in np.ndindex(2, 24):
+        want_e, want_w = deepseek_choice(np.asarray(logits[b, s]), np.asarray(bias), rule)
+        order = np.argsort(np.asarray(experts[b, s]))
+        np.testing.assert_array_equal(np.asarray(experts[b, s])[order], want_e)
+        np.testing.assert_allclose(np.asarray(weights[b, s])[order], want_w, rtol=1e-6)
+
+
 def test_routing_fills_each_expert_first_choices_first_in_sequence_order():
     logits = jax.random.normal(jax.random.key(3), (ROWS, SEQ, E))
     slots = 5
