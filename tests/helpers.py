@@ -171,3 +171,32 @@ def script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def save_drawn(model, directory: Path) -> Path:
+    """A transformers `model` with every parameter drawn (norms' scales near 1, so that
+    each block's output counts in the logits; biases and routers too, so that a wrong
+    mapping shows; DeepSeek's balancing bias drawn away from 0, so that it chooses),
+    saved to `directory` by its save_pretrained. The draws follow torch's generator as
+    the caller seeded it (before building the model)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def family_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
+    """A registered Llama-family model's logits of `tokens` (one device, no step)."""
+    import jaxpar
+    from jaxpar.config import registry
+
+    spec = registry.get(cfg.model.name)
+    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
+    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
+    return np.asarray(model.logits(x))

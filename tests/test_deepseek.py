@@ -15,6 +15,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
+from helpers import family_logits, save_drawn  # noqa: E402
+from test_mixtral import theirs  # noqa: E402
+
 import jaxpar  # noqa: E402
 from jaxpar import hf  # noqa: E402
 from jaxpar.cli import commands  # noqa: E402
@@ -83,26 +86,8 @@ def checkpoint(request, tmp_path_factory):
     """(family, its preset, a random tiny checkpoint of it saved by transformers)."""
     model_class, config, preset = FAMILIES[request.param]
     torch.manual_seed(0)
-    model = model_class(config)
-    with torch.no_grad():
-        # norms near 1, so that each block's output counts in the logits
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.normal_(0.0, 0.1)
     directory = tmp_path_factory.mktemp(request.param) / "hf"
-    model.save_pretrained(directory)
-    return request.param, preset, directory
-
-
-def theirs(directory, tokens: np.ndarray):
-    """transformers' (logits, load-balance loss or 0) of `tokens`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        out = model(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
-    aux = getattr(out, "aux_loss", None)
-    return out.logits.numpy(), float(aux) if aux is not None else 0.0
+    return request.param, preset, save_drawn(model_class(config), directory)
 
 
 def test_the_checkpoint_reads_as_its_traits(checkpoint):
@@ -159,13 +144,6 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     assert result.losses[0] == pytest.approx(loss + weight * balance, rel=1e-5)
 
 
-def our_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
-    spec = registry.get(cfg.model.name)
-    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
-    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
-    return np.asarray(model.logits(x))
-
-
 def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path, devices):
     """Three steps (data=4 x tensor=2, ZeRO-3; DeepSeek's bias moving), `jaxpar export
     --format hf`, loaded back by transformers: its logits within 1e-4 of their scale of
@@ -189,7 +167,7 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
     cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want, _ = theirs(tmp_path / "out", tokens)
-    err = np.abs(our_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
     assert err < 1e-4, err
 
 
@@ -407,7 +385,7 @@ def test_adapters_on_latent_attention_and_the_shared_expert(checkpoint, tmp_path
     assert not any(k.startswith("first/mlp/") and "lora" in k for k in params)
     assert cli.main(["export", str(run), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
     want, _ = theirs(tmp_path / "hf", tokens)
-    assert np.abs(our_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5
+    assert np.abs(family_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5
 
     cfg, _, merged, run = _adapted_run(directory, tmp_path / "latent", LATENT_TARGETS)
     assert cli.main(["export", str(run), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
@@ -415,4 +393,4 @@ def test_adapters_on_latent_attention_and_the_shared_expert(checkpoint, tmp_path
     model = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
         want = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    assert np.abs(our_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5
+    assert np.abs(family_logits(cfg, merged, tokens) - want).max() / np.abs(want).max() < 1e-5

@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
+from helpers import family_logits, save_drawn  # noqa: E402
+
 import jaxpar  # noqa: E402
 from jaxpar import hf  # noqa: E402
 from jaxpar.cli import commands  # noqa: E402
@@ -40,15 +42,8 @@ def family(request, tmp_path_factory):
     name = request.param
     model_class, config_class, extra = FAMILIES[name]
     torch.manual_seed(0)
-    model = model_class(config_class(**COMMON, **extra))
-    with torch.no_grad():
-        # biases and norms too: a wrong mapping shows; the norms' scales near 1, so that
-        # each block's output counts in the logits
-        for key, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in key else 0.0, 0.1)
     directory = tmp_path_factory.mktemp(name) / "hf"
-    model.save_pretrained(directory)
-    return name, directory
+    return name, save_drawn(model_class(config_class(**COMMON, **extra)), directory)
 
 
 def their_logits(directory, tokens: np.ndarray) -> np.ndarray:
@@ -60,13 +55,6 @@ def their_logits(directory, tokens: np.ndarray) -> np.ndarray:
 def loaded(name, directory, *overrides):
     cfg = presets.load(f"{name}-tiny", [f"model.init=hf:{directory}", *overrides])
     return presets.resolve_init(cfg, set())
-
-
-def our_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
-    spec = registry.get(cfg.model.name)
-    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
-    x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
-    return np.asarray(model.logits(x))
 
 
 @pytest.mark.parametrize("layout", [("parallel.data=1",), ("parallel.data=4", "parallel.tensor=2")])
@@ -100,7 +88,7 @@ def test_trained_and_exported_logits_are_transformers_logits(family, tmp_path, d
     cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want = their_logits(tmp_path / "out", tokens)
-    err = np.abs(our_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
     assert err < 1e-4, err
 
 
