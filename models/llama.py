@@ -9,7 +9,10 @@ their number divides it, and otherwise computed whole on every tensor device.
 
 With model.experts > 0 (Mixtral), each block's MLP is a sparse mixture of SwiGLU experts
 (models/moe.py), each expert split over `tensor` as the MLP is; with model.moe_every = n,
-every n-th block's (the stack then scans groups of n blocks)."""
+every n-th block's (the stack then scans groups of n blocks); a shared expert beside
+them (model.shared_mlp, gated with model.shared_gate); the first model.dense_first
+blocks dense, run with the embedding. With model.kv_rank > 0 the attention is
+DeepSeek's latent attention (models/latent.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """A sparse mixture of experts in place of a block's MLP (Mixtral's): a router (one
 product to `experts` logits, a softmax in fp32, the top k, their weights renormalized
-over the k or, Qwen3-MoE's choice, not), SwiGLU experts stacked as one [experts, ...]
-parameter per weight, and the Switch / Mixtral load-balance loss, returned with the
-output (not collected from the layer's intermediates, which a layer scan would lose).
+over the k or, Qwen3-MoE's choice, not; or DeepSeek-V3's sigmoid scores, chosen with a
+balancing bias among the best groups and scaled: `Rule`, `choose`), SwiGLU experts
+stacked as one [experts, ...] parameter per weight, and the Switch / Mixtral
+load-balance loss, returned with the output (not collected from the layer's
+intermediates, which a layer scan would lose). The balancing bias moves by DeepSeek's
+rule through its own gradient (`balanced`).
 
 Dispatch by fixed capacity, a sequence at a time: each expert takes
 ceil(capacity_factor x seq x k / experts) of a sequence's tokens, every token's first
