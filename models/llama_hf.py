@@ -12,7 +12,7 @@ import functools
 from jaxpar.errors import CheckpointError
 from jaxpar.hf import HFFormat, Tensor
 
-from . import LlamaConfig, RopeScaling
+from . import LlamaConfig, RopeScaling, Router
 from .families import BY_NAME, FAMILIES, LLAMA_PROJECTIONS, Family
 
 
@@ -141,7 +141,7 @@ def _block(
             ("mlp/w_up", f"{expert}{up}.weight", "m e", "e m"),
             ("mlp/w_down", f"{expert}{down}.weight", "e m", "m e"),
         ]
-        if m.router == "sigmoid":
+        if m.router is Router.SIGMOID:
             names.append(("mlp/bias", moe + "gate.e_score_correction_bias", "x", "x"))
         if m.shared_mlp:
             names += _mlp("shared/", layer + family.shared_prefix)
