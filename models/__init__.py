@@ -23,6 +23,12 @@ from .families import FAMILIES
 class RopeScaling(enum.StrEnum):
     NONE = "none"
     LLAMA3 = "llama3"
+    LINEAR = "linear"
+
+
+class Activation(enum.StrEnum):
+    SILU = "silu"  # SwiGLU
+    GELU_TANH = "gelu_tanh"  # GeGLU, GeLU's tanh approximation (Gemma)
 
 
 class Router(enum.StrEnum):
@@ -43,10 +49,13 @@ class LlamaConfig(Model):
     )
     rope_scaling: RopeScaling = key(
         RopeScaling.NONE,
-        "rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling)",
+        (
+            "rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling) | "
+            "linear (every frequency over model.rope_factor; Gemma 3's global blocks)"
+        ),
     )
     rope_factor: Annotated[float, Range(1, 1024, "a scaling factor")] = key(
-        8.0, "rope_scaling=llama3: how much the long wavelengths are stretched"
+        8.0, "rope_scaling=llama3 or linear: how much the (long) wavelengths are stretched"
     )
     rope_low_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = key(
         1.0, "rope_scaling=llama3: wavelengths beyond original_positions / this are scaled"
@@ -190,6 +199,45 @@ class LlamaConfig(Model):
     v_dim: Annotated[int, Range(0, 2**14, "dims; 0 = model.head_dim")] = key(
         0, "model.kv_rank > 0: each head's value dims (v_head_dim); 0 = model.head_dim"
     )
+    global_every: Annotated[int, Range(0, 2**12, "blocks; 0 = every block alike")] = key(
+        0,
+        (
+            "local and global attention: every n-th block attends to all before it, the "
+            "others within model.sliding_window (Gemma 2: 2, Gemma 3: 6); the stack scans "
+            "groups of n, and the last layers % n blocks are local. 0 = every block alike"
+        ),
+    )
+    rope_local_theta: Annotated[float, Range(0, 1e9, "a rotary base; 0 = model.rope_theta")] = key(
+        0.0,
+        (
+            "model.global_every > 0: the local blocks' rotary base, unscaled (Gemma 3: "
+            "10000); 0 = model.rope_theta"
+        ),
+    )
+    attn_softcap: Annotated[float, Range(0, 1e6, "a cap; 0 = none")] = key(
+        0.0, "attention scores soft-capped: cap x tanh(score / cap) (Gemma 2: 50); 0 = none"
+    )
+    logit_softcap: Annotated[float, Range(0, 1e6, "a cap; 0 = none")] = key(
+        0.0, "the output logits soft-capped: cap x tanh(logit / cap) (Gemma 2: 30); 0 = none"
+    )
+    query_scale: Annotated[float, Range(0, 2**20, "a scalar; 0 = the head dims")] = key(
+        0.0,
+        "attention scores scaled by query_scale^-0.5 (Gemma's query_pre_attn_scalar); "
+        "0 = model.head_dim",
+    )
+    norm_offset: bool = key(
+        False, "RMSNorm scales by 1 + w in fp32 (Gemma), its w initialized to 0; false: by w"
+    )
+    post_norms: bool = key(
+        False,
+        "an RMSNorm on the attention's and the MLP's outputs too, before each residual add (Gemma)",
+    )
+    embed_scale: bool = key(False, "the token embeddings scaled by sqrt(model.embed) (Gemma)")
+    activation: Activation = key(
+        Activation.SILU,
+        "the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU with GeLU's tanh "
+        "approximation: Gemma)",
+    )
     router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
         0.0,
         (
@@ -198,6 +246,24 @@ class LlamaConfig(Model):
             "the trained tokens of the whole batch and all layers) added to the loss"
         ),
     )
+
+
+    @property
+    def unit_size(self) -> int:
+        """Blocks per unit of the layer stack (models/llama.py's Group): model.moe_every
+        for a mixture, model.global_every for local and global attention, else 1."""
+        return self.moe_every if self.experts else self.global_every or 1
+
+    @property
+    def tail_size(self) -> int:
+        """model.global_every's last blocks beyond whole groups: local, after the stack."""
+        return self.layers % self.global_every if self.global_every else 0
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of block `layer` (0: it attends to all before it)."""
+        if self.global_every and (layer + 1) % self.global_every == 0:
+            return 0
+        return self.sliding_window
 
 
 register_module("gpt", "jaxpar.models.gpt", tiny="gpt-tiny", default=True)

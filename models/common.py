@@ -77,8 +77,9 @@ def embed_inputs(model: nnx.Module, batch: dict) -> jnp.ndarray:
 
 def token_losses(model: nnx.Module, x_BxSxE: jnp.ndarray, batch: dict) -> jnp.ndarray:
     """The pipeline's last piece: per-token cross-entropy of predicting tokens[:, 1:],
-    zero where the target is not trained (jaxpar.nn.documents)."""
-    logits_BxSxV = model.logits(x_BxSxE).astype(jnp.float32)
+    zero where the target is not trained (jaxpar.nn.documents). `model.logits` gets the
+    documents too, for any blocks it runs after the stack."""
+    logits_BxSxV = model.logits(x_BxSxE, documents.of_inputs(batch)).astype(jnp.float32)
     losses_BxS = optax.softmax_cross_entropy_with_integer_labels(
         logits_BxSxV, documents.targets(batch)
     )

@@ -233,6 +233,85 @@ def _deepseek_check(m) -> None:
         )
 
 
+# config.json's layer_types: each layer's attention
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _local_global(hf: dict, default_every: int) -> int:
+    """model.global_every of a Gemma config.json's layer_types (default: every
+    `default_every`-th layer global): every n-th layer global, the others sliding; 0
+    where all are alike."""
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or [
+        FULL if (i + 1) % default_every == 0 else SLIDING for i in range(layers)
+    ]
+    if len(set(kinds)) == 1:
+        return 0
+    n = kinds.index(FULL) + 1
+    if kinds != [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]:
+        raise CheckpointError(
+            f"config.json: layer_types={kinds} is not supported (jaxpar's local and global "
+            "attention: every n-th layer full_attention, the others sliding_attention)"
+        )
+    return n
+
+
+def _gemma2_from_hf(hf: dict) -> dict:
+    return _gemma_from_hf(hf) | {"attn_softcap": float(hf.get("attn_logit_softcapping") or 0)}
+
+
+def _gemma_from_hf(hf: dict, default_every: int = 2) -> dict:
+    """Gemma's keys: local and global attention, the logits' soft cap, the query scale
+    (Gemma 2's attention cap apart: transformers' Gemma 3 never applies one)."""
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(
+            "config.json: use_bidirectional_attention=true is not supported (jaxpar's "
+            "attention is causal)"
+        )
+    every = _local_global(hf, default_every)
+    all_sliding = not every and (hf.get("layer_types") or [SLIDING])[0] == SLIDING
+    return {
+        "sliding_window": int(hf.get("sliding_window") or 0) if every or all_sliding else 0,
+        "global_every": every,
+        "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+        "query_scale": float(hf.get("query_pre_attn_scalar") or 0.0),
+    }
+
+
+def _gemma3_from_hf(hf: dict) -> dict:
+    """Gemma 3's keys: Gemma 2's, q/k norms, the local blocks' own rotary base."""
+    local = (hf.get("rope_parameters") or {}).get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise CheckpointError(
+            f"config.json: rope_parameters.sliding_attention.rope_type="
+            f"{local['rope_type']!r} is not supported (jaxpar's local blocks: default rope)"
+        )
+    theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+    keys = _gemma_from_hf(hf, 6)
+    if keys["global_every"]:
+        return keys | {"rope_local_theta": theta}
+    alike = {"rope_theta": theta} if keys["sliding_window"] else {}  # every layer local
+    return keys | alike | {"rope_local_theta": 0.0}
+
+
+def _gemma_to_hf(m) -> dict:
+    scalar = m.query_scale or m.head_dim or m.embed // m.heads
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        # transformers takes an int (every Gemma's is one)
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+        "attn_logit_softcapping": m.attn_softcap or None,  # Gemma 3: always none
+        "final_logit_softcapping": m.logit_softcap or None,
+        "sliding_window": m.sliding_window or None,
+        "layer_types": [SLIDING if m.window_of(i) else FULL for i in range(m.layers)],
+    }
+
+
+GEMMA = {"norm_offset": True, "post_norms": True, "embed_scale": True, "activation": "gelu_tanh"}
+GEMMA_KEYS = ("sliding_window", "global_every", "logit_softcap", "query_scale")
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "llama",
@@ -327,6 +406,24 @@ FAMILIES: tuple[Family, ...] = (
         shared_prefix="mlp.shared_experts.",
         check=_deepseek_check,
         preset="deepseek-tiny",
+    ),
+    Family(
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "gemma2",
+        fixed=GEMMA,
+        free=(*GEMMA_KEYS, "attn_softcap"),
+        from_hf=_gemma2_from_hf,
+        to_hf=_gemma_to_hf,
+    ),
+    Family(
+        "gemma3",
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        fixed={**GEMMA, "qk_norm": True},
+        free=(*GEMMA_KEYS, "rope_local_theta"),
+        from_hf=_gemma3_from_hf,
+        to_hf=_gemma_to_hf,
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -47,12 +47,12 @@ from jaxpar.names import (
     VOCAB,
 )
 from jaxpar.nn import documents
-from jaxpar.nn.attention import cached_attention, causal_attention
+from jaxpar.nn.attention import Scores, cached_attention, causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack, unrolled
 from jaxpar.nn.problem import Stages
 
-from . import LlamaConfig, RopeScaling, Router
+from . import Activation, LlamaConfig, RopeScaling, Router
 from .common import (
     embed_inputs,
     embed_tokens,
@@ -83,6 +83,8 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     inv = inv.astype(np.float32)
     if cfg.rope_scaling is RopeScaling.NONE:
         return inv
+    if cfg.rope_scaling is RopeScaling.LINEAR:
+        return (inv / np.float32(cfg.rope_factor)).astype(np.float32)
     old, low, high = (
         cfg.rope_original_positions,
         cfg.rope_low_freq_factor,
@@ -97,15 +99,27 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, embed: int, eps: float, rngs: nnx.Rngs, names=(EMBED,)):
-        self.scale = param(rngs, nnx.initializers.ones, (embed,), names)
-        self.eps = eps
+    """x / rms(x) times its scale w; with `offset` (Gemma) times 1 + w, w from 0, the
+    product in fp32 before the cast, as Gemma's checkpoints were trained."""
+
+    def __init__(self, embed: int, eps: float, rngs: nnx.Rngs, names=(EMBED,), offset=False):
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = param(rngs, init, (embed,), names)
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x_BxSxE):
         x = x_BxSxE.astype(jnp.float32)  # the mean square in fp32, as transformers does
         y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
+        shape = (1,) * (y.ndim - 1) + (-1,)
+        if self.offset:
+            return (y * (1.0 + self.scale[...]).reshape(shape)).astype(x_BxSxE.dtype)
         scale = self.scale[...].astype(x_BxSxE.dtype)
-        return y.astype(x_BxSxE.dtype) * scale.reshape((1,) * (y.ndim - 1) + (-1,))
+        return y.astype(x_BxSxE.dtype) * scale.reshape(shape)
+
+
+def norm(cfg: LlamaConfig, rngs: nnx.Rngs, dims: int = 0, names=(EMBED,)) -> RMSNorm:
+    """The model's RMSNorm over `dims` (default model.embed)."""
+    return RMSNorm(dims or cfg.embed, cfg.norm_eps, rngs, names, cfg.norm_offset)
 
 
 class Attention(nnx.Module):
@@ -121,11 +135,12 @@ class Attention(nnx.Module):
             self.bq = param(rngs, zeros, (h, d), (HEADS, HEAD_DIM))
             self.bk = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
             self.bv = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
-        if cfg.qk_norm:  # Qwen3: over each head's dims
-            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, (HEAD_DIM,))
-            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, (HEAD_DIM,))
+        if cfg.qk_norm:  # Qwen3, Gemma 3: over each head's dims
+            self.q_norm = norm(cfg, rngs, d, (HEAD_DIM,))
+            self.k_norm = norm(cfg, rngs, d, (HEAD_DIM,))
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
-        self.window = cfg.sliding_window  # Mistral; 0: none
+        self.window = cfg.sliding_window  # Mistral, Gemma's local blocks; 0: none
+        self.scores = Scores((cfg.query_scale or d) ** -0.5, cfg.attn_softcap)
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
@@ -162,6 +177,8 @@ class Attention(nnx.Module):
             window=self.window,
             positions_BxS=positions_BxS,
             kv_group=group,
+            scale=self.scores.scale,
+            softcap=self.scores.softcap,
         )
         out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
         y_BxSxE = dense(
@@ -192,7 +209,7 @@ class Attention(nnx.Module):
             v_BxTxKxD += self.bv[...].astype(dt)[None, None]
         q_BxTxHxD, k_BxTxKxD = self._positioned(q_BxTxHxD, k_BxTxKxD, positions_BxT)
         out_BxTxHxD, cache = cached_attention(
-            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window=self.window
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, self.window, self.scores
         )
         # heads and head dim as one contracted dim: the weight read as it lies
         b, t, h, d = out_BxTxHxD.shape
@@ -201,10 +218,12 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)): gate and up column-split, down row-split over `mlp`."""
+    """down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-GeLU (GeGLU: Gemma): gate and
+    up column-split, down row-split over `mlp`."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, hidden: int = 0):
         e, m = cfg.embed, hidden or cfg.mlp
+        self.gelu = cfg.activation is Activation.GELU_TANH
         self.w_gate = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_up = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_down = param(rngs, normal(0.02 / (2 * cfg.layers) ** 0.5), (m, e), (MLP, EMBED))
@@ -226,19 +245,25 @@ class SwiGLU(nnx.Module):
                 dense("bse,em->bsm", x_BxSxE, w[...].astype(dt), (EMBED, MLP))
                 for w in (self.w_gate, self.w_up)
             )
-        h_BxSxM = constrain(jax.nn.silu(gate_BxSxM) * up_BxSxM, (BATCH, SEQ, MLP))
+        act = jax.nn.gelu(gate_BxSxM, approximate=True) if self.gelu else jax.nn.silu(gate_BxSxM)
+        h_BxSxM = constrain(act * up_BxSxM, (BATCH, SEQ, MLP))
         y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_down[...].astype(dt), (MLP, EMBED))
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
 class Block(nnx.Module):
+    """Pre-norm attention and MLP, each added to the residual stream; with
+    model.post_norms (Gemma) each output normed again before it is added."""
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.attn_norm = norm(cfg, rngs)
         if cfg.kv_rank:
             self.attn = LatentAttention(cfg, rngs, RMSNorm, inverse_frequencies(cfg))
         else:
             self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        self.mlp_norm = norm(cfg, rngs)
+        if cfg.post_norms:
+            self.attn_out_norm, self.mlp_out_norm = norm(cfg, rngs), norm(cfg, rngs)
         self.mlp = MoE(cfg, rngs) if cfg.experts else SwiGLU(cfg, rngs)
         if cfg.experts and cfg.shared_mlp:  # beside the routed experts (Qwen2-MoE, DeepSeek)
             self.shared = SwiGLU(cfg, rngs, cfg.shared_mlp)
@@ -251,9 +276,15 @@ class Block(nnx.Module):
     def routed(self, x_BxSxE, docs: Documents | None = None, trained_BxS=None):
         """(the block's output, its experts' Load (None for a dense MLP)); `trained_BxS`:
         which tokens' targets are trained (None: all)."""
-        x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), docs)
+        x_BxSxE = x_BxSxE + self._out(self.attn(self.attn_norm(x_BxSxE), docs), "attn")
         y_BxSxE, load = self.feed_forward(self.mlp_norm(x_BxSxE), trained_BxS)
-        return x_BxSxE + y_BxSxE, load
+        return x_BxSxE + self._out(y_BxSxE, "mlp"), load
+
+    def _out(self, y_BxSxE, part: str):
+        """A sub-block's output as the residual adds it: normed with model.post_norms."""
+        if not hasattr(self, "mlp_out_norm"):
+            return y_BxSxE
+        return getattr(self, f"{part}_out_norm")(y_BxSxE)
 
     def feed_forward(self, x_BxSxE, trained_BxS=None, decoding: bool = False):
         """Decoding: every token to its experts (dropless), as transformers does."""
@@ -272,63 +303,88 @@ class Block(nnx.Module):
         y_BxTxE, cache = self.attn.decode(
             self.attn_norm(x_BxTxE), positions_BxT, cache, slot, pad_B
         )
-        x_BxTxE = x_BxTxE + y_BxTxE
-        return x_BxTxE + self.feed_forward(self.mlp_norm(x_BxTxE), decoding=True)[0], cache
+        x_BxTxE = x_BxTxE + self._out(y_BxTxE, "attn")
+        y_BxTxE = self.feed_forward(self.mlp_norm(x_BxTxE), decoding=True)[0]
+        return x_BxTxE + self._out(y_BxTxE, "mlp"), cache
 
 
 class Group(nnx.Module):
-    """model.moe_every = n > 1: n blocks, the first n - 1 with a dense MLP, the last with
-    the mixture; the unit the layer stack scans and a pipeline stage holds."""
+    """n blocks the layer stack scans as one unit (and a pipeline stage holds whole):
+    `head`, the first n - 1, and `last`. model.moe_every = n: the head's MLPs dense, the
+    last's the mixture; model.global_every = n: the head's attention local (windowed),
+    the last's global."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        dense = dataclasses.replace(cfg, experts=0)
-        self.dense = nnx.List([Block(dense, rngs) for _ in range(cfg.moe_every - 1)])
-        self.sparse = Block(cfg, rngs)
+        *head, last = unit(cfg)
+        self.head = nnx.List([Block(c, rngs) for c in head])
+        self.last = Block(last, rngs)
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         return self.routed(x_BxSxE, docs)[0]
 
     def routed(self, x_BxSxE, docs: Documents | None = None, trained_BxS=None):
-        for block in self.dense:
+        for block in self.head:
             x_BxSxE = block(x_BxSxE, docs)
-        return self.sparse.routed(x_BxSxE, docs, trained_BxS)
+        return self.last.routed(x_BxSxE, docs, trained_BxS)
 
     def decode(self, x_BxTxE, caches, positions_BxT, slot, pad_B):
         """As Block.decode, `caches` the group's blocks' caches, in order."""
         caches = list(caches)
-        for i, block in enumerate([*self.dense, self.sparse]):
+        for i, block in enumerate([*self.head, self.last]):
             x_BxTxE, caches[i] = block.decode(x_BxTxE, caches[i], positions_BxT, slot, pad_B)
         return x_BxTxE, caches
 
 
-def sparse_every(m: LlamaConfig) -> int:
-    """Blocks per sparse block: model.moe_every for a mixture, else 1."""
-    return m.moe_every if m.experts else 1
+def local(m: LlamaConfig) -> LlamaConfig:
+    """A local block's config under model.global_every: windowed, its own rotary base."""
+    theta = m.rope_local_theta or m.rope_theta
+    return dataclasses.replace(m, rope_theta=theta, rope_scaling=RopeScaling.NONE)
+
+
+def unit(m: LlamaConfig) -> list[LlamaConfig]:
+    """The configs of the blocks of one unit of the layer stack, in order."""
+    n = m.unit_size
+    if n == 1:
+        return [m]
+    if m.experts:
+        return [dataclasses.replace(m, experts=0)] * (n - 1) + [m]
+    return [local(m)] * (n - 1) + [dataclasses.replace(m, sliding_window=0)]
 
 
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, seq_len: int, rngs: nnx.Rngs):
         del seq_len  # positions are rotary: any length
         self.tokens = param(rngs, normal(0.02), (cfg.vocab, cfg.embed), (VOCAB, EMBED))
+        self.embed_scale = math.sqrt(cfg.embed) if cfg.embed_scale else 0.0  # Gemma
         if cfg.dense_first:  # DeepSeek's first k blocks, dense: run with the embedding
             dense = dataclasses.replace(cfg, experts=0)
             self.first = stack(lambda r: Block(dense, r), cfg.dense_first, rngs)
         self.dense_first = cfg.dense_first
-        n = self.every = sparse_every(cfg)
-        unit = Group if n > 1 else Block
-        self.blocks = stack(lambda r: unit(cfg, r), (cfg.layers - cfg.dense_first) // n, rngs)
-        self.norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs)
+        n = self.every = cfg.unit_size
+        units = (cfg.layers - cfg.dense_first - cfg.tail_size) // n
+        self.blocks = stack(lambda r: (Group if n > 1 else Block)(cfg, r), units, rngs)
+        self.tail_layers = cfg.tail_size
+        if self.tail_layers:  # the last local blocks: run before the final norm
+            self.tail = stack(lambda r: Block(local(cfg), r), self.tail_layers, rngs)
+        self.norm = norm(cfg, rngs)
         self.tied = cfg.tie_embeddings
+        self.logit_softcap = cfg.logit_softcap  # Gemma 2
         self.experts, self.experts_per_token = cfg.experts, cfg.experts_per_token
         self.router_aux_loss = cfg.router_aux_loss
-        self.sparse_layers = (cfg.layers - cfg.dense_first) // n  # the balance loss's layers
+        self.sparse_layers = units  # the balance loss's layers
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
+
+    def _embedded(self, tokens_BxS):
+        x_BxSxE = embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+        if self.embed_scale:  # the scale in the weights' dtype, as transformers has it
+            return x_BxSxE * jnp.asarray(self.embed_scale, x_BxSxE.dtype)
+        return x_BxSxE
 
     def embed(self, tokens_BxS, docs: Documents | None = None):
         """The residual stream of the tokens: their embeddings, through the first dense
         blocks where model.dense_first sets some."""
-        x_BxSxE = embed_tokens(self.tokens, tokens_BxS, self.tokens.dtype)
+        x_BxSxE = self._embedded(tokens_BxS)
         if not hasattr(self, "first"):
             return x_BxSxE
         return scan_layers(self.first, x_BxSxE, lambda block, x: block(x, docs))
@@ -339,20 +395,34 @@ class Llama(nnx.Module):
         lays them out."""
         n = self.every  # a Group's blocks: their caches side by side
         decode = lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B)  # noqa: E731
-        x_BxTxE = embed_tokens(self.tokens, tokens_BxT, self.tokens.dtype)
-        first = []
+        x_BxTxE = self._embedded(tokens_BxT)
+        k, tail = self.dense_first, len(caches) - self.tail_layers
+        first, units, last = caches[:k], caches[k:tail], caches[tail:]
         if hasattr(self, "first"):
-            k = self.dense_first
-            x_BxTxE, first = unrolled(self.first, x_BxTxE, caches[:k], decode)
-            caches = caches[k:]
-        units = [caches[i : i + n] for i in range(0, len(caches), n)] if n > 1 else caches
-        x_BxTxE, units = unrolled(self.blocks, x_BxTxE, units, decode)
-        return self.logits(x_BxTxE), [*first, *([c for u in units for c in u] if n > 1 else units)]
+            x_BxTxE, first = unrolled(self.first, x_BxTxE, first, decode)
+        grouped = [units[i : i + n] for i in range(0, len(units), n)] if n > 1 else units
+        x_BxTxE, grouped = unrolled(self.blocks, x_BxTxE, grouped, decode)
+        units = [c for u in grouped for c in u] if n > 1 else grouped
+        if hasattr(self, "tail"):
+            x_BxTxE, last = unrolled(self.tail, x_BxTxE, last, decode)
+        return self._logits(x_BxTxE), [*first, *units, *last]
 
-    def logits(self, x_BxSxE):
+    def logits(self, x_BxSxE, docs: Documents | None = None):
+        """The output of the stack, through the last local blocks (model.global_every's
+        beyond whole groups), normed and projected to the vocab."""
+        if hasattr(self, "tail"):
+            x_BxSxE = scan_layers(self.tail, x_BxSxE, lambda block, x: block(x, docs))
+        return self._logits(x_BxSxE)
+
+    def _logits(self, x_BxSxE):
         x_BxSxE = self.norm(x_BxSxE)
         head_ExV = self.tokens[...].T if self.tied else self.head[...]
         logits_BxSxV = dense("bse,ev->bsv", x_BxSxE, head_ExV.astype(x_BxSxE.dtype), (EMBED, VOCAB))
+        if self.logit_softcap:
+            cap = self.logit_softcap
+            logits_BxSxV = (cap * jnp.tanh(logits_BxSxV.astype(jnp.float32) / cap)).astype(
+                logits_BxSxV.dtype
+            )
         return constrain(logits_BxSxV, (BATCH, SEQ, VOCAB))
 
 
@@ -402,7 +472,7 @@ def mixture_losses(model: Llama, carry: tuple, batch: dict) -> jax.Array:
 
 def stages(m: LlamaConfig, seq_len: int) -> Stages:
     """The pipeline's pieces: a mixture hands its Load on from stage to stage."""
-    plain = language_model_stages(m, sparse_every(m) * block_flops(m, seq_len))
+    plain = language_model_stages(m, m.unit_size * block_flops(m, seq_len))
     if not m.experts:
         return plain
     return dataclasses.replace(plain, pre=mixture_embed, layer=mixture_layer, post=mixture_losses)
@@ -442,6 +512,27 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
         check_experts(m)
     else:
         _unset(m, MIXTURE_KEYS, "a mixture of experts", "model.experts")
+    if m.global_every:
+        check_local(m)
+    else:
+        _unset(m, ("rope_local_theta",), "local and global attention", "model.global_every")
+
+
+def check_local(m: LlamaConfig) -> None:
+    n = m.global_every
+    if not m.sliding_window or n < 2:
+        raise ConfigError(
+            f"model.global_every={n} with model.sliding_window={m.sliding_window}: every "
+            "n-th block global, the others within the window; set model.sliding_window "
+            "and n >= 2 (Gemma 2: 2, Gemma 3: 6)"
+        )
+    for key in ("experts", "kv_rank"):
+        if getattr(m, key):
+            raise ConfigError(
+                f"model.global_every={n} with model.{key}={getattr(m, key)}: local and "
+                f"global attention is built for grouped-query blocks with a dense MLP; drop "
+                f"one of them"
+            )
 
 
 def check_heads(m: LlamaConfig) -> None:
@@ -549,7 +640,8 @@ def _block_flops(m: LlamaConfig, seq_len: int, mixture: bool) -> float:
         scores = 2 * seq_len * h * (qk + v)
     else:
         attention = 2 * e * h * d + 2 * e * m.kv_heads * d
-        scores = 4 * seq_len * h * d
+        seen = [min(m.window_of(i) or seq_len, seq_len) for i in range(m.layers)]
+        scores = 4 * sum(seen) / m.layers * h * d  # the mean block's keys a query sees
     mlp = 3 * e * m.mlp
     if mixture:  # the mean block's: n - 1 dense, one sparse
         expert = 3 * e * (m.expert_mlp or m.mlp)
@@ -576,7 +668,8 @@ def attention_dims(m: LlamaConfig) -> AttentionDims:
     if m.kv_rank:  # q, k and v (padded) of head_dim + rope_dim dims a head
         d = head_size(m) + m.rope_dim
         return AttentionDims(m.layers, m.heads, m.heads, d, latent=m.kv_rank + m.rope_dim)
-    return AttentionDims(m.layers, m.heads, m.kv_heads, head_size(m))
+    windows = tuple(m.window_of(i) for i in range(m.layers)) if m.sliding_window else ()
+    return AttentionDims(m.layers, m.heads, m.kv_heads, head_size(m), windows=windows)
 
 
 def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
@@ -596,10 +689,12 @@ def expert_dims(m: LlamaConfig, seq_len: int) -> ExpertDims | None:
 
 
 def cache_dims(m: LlamaConfig) -> CacheDims:
-    """The KV cache's dims; latent attention's: one head, the rotated key, the latent."""
+    """The KV cache's dims; latent attention's: one head, the rotated key, the latent;
+    each layer's window."""
     if m.kv_rank:
         return CacheDims(m.layers, 1, m.rope_dim, m.kv_rank)
-    return CacheDims(m.layers, m.kv_heads, head_size(m), head_size(m))
+    windows = tuple(m.window_of(i) for i in range(m.layers)) if m.sliding_window else ()
+    return CacheDims(m.layers, m.kv_heads, head_size(m), head_size(m), windows)
 
 
 SPEC = ModelSpec(

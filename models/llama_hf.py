@@ -12,8 +12,11 @@ import functools
 from jaxpar.errors import CheckpointError
 from jaxpar.hf import HFFormat, Tensor
 
-from . import LlamaConfig, RopeScaling, Router
+from . import Activation, LlamaConfig, RopeScaling, Router
 from .families import BY_NAME, FAMILIES, LLAMA_PROJECTIONS, Family
+
+# config.json's hidden_act (Gemma's hidden_activation) -> model.activation
+ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
 
 
 def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
@@ -24,12 +27,14 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         **(hf.get("rope_scaling") or {}),
         "rope_theta": hf.get("rope_theta", 10000.0),
     }
+    rope = rope.get("full_attention", rope)  # Gemma 3's: per kind of layer
     kind = rope.get("rope_type", rope.get("type", "default"))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     unsupported = {
-        "hidden_act": hf.get("hidden_act", "silu") != "silu",
+        "hidden_act": act not in ACTIVATIONS,
         "attention_bias": bool(hf.get("attention_bias")),  # Llama's and Qwen3's: o too
         "mlp_bias": bool(hf.get("mlp_bias")),
-        "rope_type": kind not in ("default", "llama3"),
+        "rope_type": kind not in ("default", "llama3", "linear"),
         # Qwen2/3 window only the layers from max_window_layers on
         "use_sliding_window": bool(hf.get("use_sliding_window")),
         # noise on the router's input while training: not deterministic, not reproduced
@@ -39,8 +44,9 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         key = next(k for k, bad in unsupported.items() if bad)
         raise CheckpointError(
             f"config.json: {key}={hf.get(key, rope.get('rope_type'))!r} is not supported "
-            "(jaxpar's Llama family: silu, no biases but Qwen2's on q/k/v, default or llama3 "
-            "rope, a sliding window on every layer or none)"
+            "(jaxpar's Llama family: silu or gelu_pytorch_tanh, no biases but Qwen2's on "
+            "q/k/v, default, llama3 or linear rope, a sliding window on every layer or none, "
+            "or Gemma's local and global layers)"
         )
     head_dim = hf.get("head_dim") or embed // heads
     keys = {
@@ -53,7 +59,8 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": RopeScaling.LLAMA3 if kind == "llama3" else RopeScaling.NONE,
+        "rope_scaling": RopeScaling(kind if kind != "default" else "none"),
+        "activation": ACTIVATIONS[act],
         "head_dim": 0 if head_dim * heads == embed else head_dim,
         "qkv_bias": False,
         "qk_norm": False,
@@ -68,6 +75,8 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
             "rope_high_freq_factor": float(rope["high_freq_factor"]),
             "rope_original_positions": int(rope["original_max_position_embeddings"]),
         }
+    if kind == "linear":
+        keys["rope_factor"] = float(rope["factor"])
     return keys
 
 
@@ -81,6 +90,11 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
             "high_freq_factor": m.rope_high_freq_factor,
             "original_max_position_embeddings": m.rope_original_positions,
         }
+    if m.rope_scaling is RopeScaling.LINEAR:
+        rope |= {"rope_type": "linear", "factor": m.rope_factor}
+    if family.owns("rope_local_theta"):  # Gemma 3: the local layers' own, unscaled
+        local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
+        rope = {"full_attention": rope, "sliding_attention": local}
     return {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -90,7 +104,7 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         "num_attention_heads": m.heads,
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_dim or m.embed // m.heads,
-        "hidden_act": "silu",
+        "hidden_act": next(k for k, v in ACTIVATIONS.items() if v == m.activation),
         "rms_norm_eps": m.norm_eps,
         "vocab_size": m.vocab,
         "tie_word_embeddings": m.tie_embeddings,
@@ -107,15 +121,17 @@ def hf_tensors(m: LlamaConfig, family: Family = BY_NAME["llama"]) -> list[Tensor
     Group): a leaf of the group's i-th block holds the file's layers i, n + i, ..."""
     family.check(m)
     out = [Tensor("tokens", "model.embed_tokens.weight", "v e", "v e")]
-    n, k = (m.moe_every if m.experts else 1), m.dense_first
+    n, k = m.unit_size, m.dense_first
     if k:  # the first dense blocks: the file's first layers
         out += _block("first/", m, family, False)
     if n == 1:
         out += _block("blocks/", m, family, bool(m.experts), offset=k)
     else:
         for i in range(n - 1):
-            out += _block(f"blocks/dense/{i}/", m, family, False, every=n, offset=k + i)
-        out += _block("blocks/sparse/", m, family, True, every=n, offset=k + n - 1)
+            out += _block(f"blocks/head/{i}/", m, family, False, every=n, offset=k + i)
+        out += _block("blocks/last/", m, family, bool(m.experts), every=n, offset=k + n - 1)
+    if m.tail_size:  # the last local blocks, beyond whole groups
+        out += _block("tail/", m, family, False, offset=m.layers - m.tail_size)
     out.append(Tensor("norm/scale", "model.norm.weight", "e", "e"))
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
@@ -129,8 +145,15 @@ def _block(
     names = [
         ("attn_norm/scale", layer + "input_layernorm.weight", "e", "e"),
         *(_latent(attn, m) if m.kv_rank else _attention(attn)),
-        ("mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
     ]
+    if m.post_norms:  # Gemma: post_attention_layernorm is the attention's output's
+        names += [
+            ("attn_out_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"),
+            ("mlp_norm/scale", layer + "pre_feedforward_layernorm.weight", "e", "e"),
+            ("mlp_out_norm/scale", layer + "post_feedforward_layernorm.weight", "e", "e"),
+        ]
+    else:
+        names.append(("mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"))
     if sparse:  # the router, then each expert's gate, up and down
         moe = layer + family.moe_prefix
         expert = moe + "experts.{expert}."

@@ -42,7 +42,8 @@ class MLP(nnx.Module):
         del docs
         return embed_tokens(self.tokens, tokens_BxS, self.head.dtype)
 
-    def logits(self, x_BxSxE):
+    def logits(self, x_BxSxE, docs=None):
+        del docs
         return constrain(x_BxSxE @ self.head[...].astype(x_BxSxE.dtype), (BATCH, SEQ, VOCAB))
 
     def __call__(self, tokens_BxS):

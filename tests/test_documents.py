@@ -52,12 +52,23 @@ def relative(got, want) -> float:
     return float(np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want))
 
 
+# Gemma's local blocks with a window of 8: documents of 7 ids (within it), 15 and 11
+# (beyond it); scores and logits capped; gemma3's last block after the groups
+WINDOWED = ("model.sliding_window=8", "model.logit_softcap=3")
+PACKED = {
+    "gpt-tiny": (),
+    "llama-tiny": (),
+    "gemma2-tiny": (*WINDOWED, "model.attn_softcap=2"),
+    "gemma3-tiny": WINDOWED,
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", PACKED)
 def test_a_packed_window_equals_each_document_alone(preset):
     """Each document's per-token losses and the gradients, packed with two others into one
     window, equal those of the document run alone, unpadded (fp32)."""
-    cfg = presets.load(preset, [])
+    cfg = presets.load(preset, list(PACKED[preset]))
     problem = registered(cfg.model, SEQ)
     params = problem.init(jax.random.key(1))
     ids, spans, batch = packed_window(cfg.model.vocab)

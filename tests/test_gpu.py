@@ -212,6 +212,79 @@ def test_blocked_attention_equals_the_direct_form(monkeypatch):
     )
 
 
+def _numpy_attention(q, k, v, segments, window, scale, cap):
+    """softmax(cap x tanh(q k^T x scale / cap) + mask) v, in float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bshd,bthd->bhst", q, k) * scale
+    s = cap * np.tanh(s / cap)
+    back = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None]
+    seg = np.asarray(segments)
+    visible = (back >= 0) & (back < window) & (seg[:, :, None] == seg[:, None, :])
+    s = np.where(visible[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhst,bthd->bshd", p / p.sum(-1, keepdims=True), v)
+
+
+def test_capped_scores_are_the_same_in_every_form(monkeypatch):
+    """Gemma 2's soft cap (cap x tanh(score / cap)) with a scale of its own: the direct
+    form equals a float64 transcription; the blocked form and the positioned forms
+    (context parallelism's) equal it, values and gradients. cuDNN's kernel, as jax
+    reaches it, has no cap: a capped step on CUDA runs the blocked form."""
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    q, k, v = jax.random.normal(jax.random.key(1), (3, 2, 64, 4, 8)) * 2
+    segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
+    scores = attention.Scores(0.3, 2.0)
+    want = _numpy_attention(q, k, v, segments, 5, 0.3, 2.0)
+    direct = attention._direct(q, k, v, 0, segments, 5, scores)
+    np.testing.assert_allclose(direct, want, rtol=1e-5, atol=1e-6)
+    uncapped = attention._direct(q, k, v, 0, segments, 5, attention.Scores(0.3))
+    assert np.abs(np.asarray(uncapped) - want).max() > 0.1  # the cap bites
+    pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
+
+    def forms(form):
+        if form == "blocked":
+            return lambda q, k, v: attention._blocked(q, k, v, segments, 5, scores)
+        if form == "direct":
+            return lambda q, k, v: attention._direct(q, k, v, 0, segments, 5, scores)
+        chosen = attention.Form.BLOCKED if form == "positioned blocked" else attention.Form.DIRECT
+        return lambda q, k, v: attention._positioned(
+            chosen, q, k, v, pos, pos, segments, segments, 5, scores
+        )
+
+    out = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    base, base_grads = jax.value_and_grad(out(forms("direct")), argnums=(0, 1, 2))(q, k, v)
+    for form in ("blocked", "positioned", "positioned blocked"):
+        np.testing.assert_allclose(forms(form)(q, k, v), want, rtol=1e-5, atol=1e-6)
+        got, grads = jax.value_and_grad(out(forms(form)), argnums=(0, 1, 2))(q, k, v)
+        np.testing.assert_allclose(got, base, rtol=1e-6)
+        for g, w in zip(grads, base_grads, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert attention.form("cuda", jnp.bfloat16, 64, softcap=50.0) is attention.Form.BLOCKED
+
+
+def test_a_ring_cache_of_the_window_equals_the_direct_form():
+    """A windowed layer's cache holds the window's 5 slots, a ring: a prompt of 9 tokens
+    (longer than the ring), a chunk of 3, then 8 tokens one at a time, each sees what
+    the direct form shows it; capped and scaled scores too, a row left-padded by 2."""
+    q, k, v = jax.random.normal(jax.random.key(2), (3, 2, 20, 4, 8)) * 2
+    scores, window = attention.Scores(0.3, 2.0), 5
+    pad = jnp.asarray([0, 2])
+    segments = jnp.asarray([[1] * 20, [0] * 2 + [1] * 18])  # the padding: its own segment
+    want = np.asarray(attention._direct(q, k, v, 0, segments, window, scores))
+    cache = (jnp.zeros((2, 4, 8, window)), jnp.zeros((2, 4, window, 8)))
+    outs, slot = [], 0
+    for t in (9, 3, *[1] * 8):
+        part = slice(slot, slot + t)
+        out, cache = attention.cached_attention(
+            q[:, part], k[:, part], v[:, part], cache, slot, pad, window, scores
+        )
+        outs.append(np.asarray(out))
+        slot += t
+    got = np.concatenate(outs, 1)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1, 2:], want[1, 2:], rtol=1e-5, atol=1e-6)
+
+
 def test_the_form_follows_platform_dtype_and_head_dim():
     assert attention.form("cpu", jnp.bfloat16, 64) is attention.Form.DIRECT
     assert attention.form("cuda", jnp.bfloat16, 64) is attention.Form.CUDNN

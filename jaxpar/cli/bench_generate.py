@@ -66,6 +66,8 @@ LAYOUTS = {  # name -> (preset, overrides)
     "data=4 x tensor=2": ("llama-tiny", ("parallel.data=4", "parallel.tensor=2")),
     # latent attention: its cache holds each token's latent and rotated key alone
     "deepseek-tiny, one device": ("deepseek-tiny", ("parallel.data=1", "parallel.tensor=1")),
+    # local layers: a ring of the window's slots; the global ones every slot
+    "gemma3-tiny, one device": ("gemma3-tiny", ("parallel.data=1", "parallel.tensor=1")),
 }
 LAYOUT_PROMPTS, LAYOUT_NEW = (8, 16, 24, 32, 40, 48, 56, 64), 64  # 8 prompts' lengths
 
@@ -273,7 +275,8 @@ def layouts(tables: dict, show) -> dict:
     layout (random weights, greedy, 8 prompts, LAYOUT_NEW new tokens each; the second
     call, the first's compile apart), and the KV cache bytes per token as allocated
     against the formula: layers x kv_heads x (key + value dims) x 4 bytes (latent
-    attention: one head of the rotated key and the latent)."""
+    attention: one head of the rotated key and the latent), a windowed layer's
+    min(window, slots) of the slots."""
     from jaxpar.generation import decoding
 
     rng = np.random.default_rng(0)
@@ -291,10 +294,10 @@ def layouts(tables: dict, show) -> dict:
             "decode_tokens_per_s": done.decode_tokens / done.decode_s,
             "compile_s": first.compile_s,
             "cache_bytes_per_token": allocated,
-            "formula_bytes_per_token": model.cache_dims.bytes_per_token(4),
+            "formula_bytes_per_token": model.cache_dims.bytes_per_token(4, done.cache_slots),
         }
         speeds = (f"{r[k]:,.0f}" for k in ("prefill_tokens_per_s", "decode_tokens_per_s"))
-        cache_text = f"{allocated:,.0f} / {r['formula_bytes_per_token']:,}"
+        cache_text = f"{allocated:,.0f} / {r['formula_bytes_per_token']:,.0f}"
         rows.append([name, *speeds, f"{r['compile_s']:.1f}", cache_text])
     lengths = f"{LAYOUT_PROMPTS[0]}-{LAYOUT_PROMPTS[-1]}"
     title = (

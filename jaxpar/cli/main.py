@@ -438,7 +438,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
     layout = dict(model.mesh.shape)
-    bytes_ = decoding.cache_bytes_per_token(model)
+    bytes_ = decoding.cache_bytes_per_token(model, done.cache_slots)
     print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
     return 0
 

@@ -37,30 +37,51 @@ class AttentionDims:
     # latent attention: the values a token's keys and values come from (its latent and
     # rotated key), which context's all_gather moves instead of them; 0: none
     latent: int = 0
+    # each layer's sliding window (0 or none: all before it): a local layer needs the
+    # window's keys alone
+    windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class CacheDims:
     """One token's KV cache (ModelSpec.cache_dims): per layer and key/value head, the
     keys' dims and the values' (latent attention: one head, the rotated key and the
-    latent)."""
+    latent); and each layer's sliding window (0 or none: it attends to all), a windowed
+    layer's cache holding min(window, slots) slots (a ring: jaxpar.nn.attention)."""
 
     layers: int
     kv_heads: int
     key_dim: int
     value_dim: int
+    windows: tuple[int, ...] = ()
 
-    def bytes_per_token(self, itemsize: int = 4) -> int:
-        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
+    def slots(self, layer: int, slots: int) -> int:
+        """The cache slots of `layer` for sequences of `slots` positions."""
+        window = self.windows[layer] if self.windows else 0
+        return min(window, slots) if window else slots
+
+    def bytes_per_token(self, itemsize: int = 4, slots: int = 0) -> float:
+        """Bytes a token: at `slots` positions, the cache's bytes over them; 0: of a
+        token beyond every window (the global layers')."""
+        per_layer = self.kv_heads * (self.key_dim + self.value_dim) * itemsize
+        if slots:
+            return per_layer * sum(self.slots(i, slots) for i in range(self.layers)) / slots
+        return per_layer * (self.layers - sum(1 for w in self.windows if w))
 
     def formula(self) -> str:
         """bytes_per_token as its factors, for a summary line."""
+        windowed = [w for w in self.windows if w]
+        layers = self.layers - len(windowed)
         if self.key_dim == self.value_dim:
-            return f"2 x {self.layers} layers x {self.kv_heads} kv heads x {self.key_dim} dims"
-        return (
-            f"{self.layers} layers x {self.kv_heads} kv heads x ({self.key_dim} key + "
-            f"{self.value_dim} value dims)"
-        )
+            text = f"2 x {layers} layers x {self.kv_heads} kv heads x {self.key_dim} dims"
+        else:
+            text = (
+                f"{layers} layers x {self.kv_heads} kv heads x ({self.key_dim} key + "
+                f"{self.value_dim} value dims)"
+            )
+        if windowed:
+            text += f"; {len(windowed)} windowed layers hold {max(windowed)} tokens at most"
+        return text
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,9 @@ def context_bytes(
     backward, and the backward),
     all_gather moves K and V, (C-1)/C of their gathered [rows, S, kv heads moved, D]
     each (forward a gather, backward a reduce-scatter) (latent attention: its latent
-    and rotated key, [rows, S, latent]), plus with documents their int32
+    and rotated key, [rows, S, latent]); a windowed layer whose window reaches one chunk
+    back, the W - 1 tokens before each chunk (1 or 2 a device), from the (C-1)/C of the
+    devices that send them (a collective-permute each way); plus with documents their int32
     segment ids and positions (forward only, once for the batch); Ulysses four
     all-to-alls, (C-1)/C of q, k, v and the output on the device; per sparse layer, a
     mixture's input gathered each pass and its output reduce-scattered forward and
@@ -279,14 +281,22 @@ def context_bytes(
         total += experts.layers * (f + 3 + extra) * share * tokens * experts.embed * cb
     # the documents' ids and positions: once per forward of the same batch (a reference's
     # forward reads the policy's)
-    ids = layers * (f - extra) * documents * 2 * share * tokens * 4
+    ids = (f - extra) * documents * 2 * 4
     if par.context_strategy is ContextStrategy.ALL_GATHER:
-        per_pass = 2 * share * tokens * moved * attention.head_dim * cb
+        per_token = 2 * moved * attention.head_dim * cb
         if attention.latent:  # latent attention: its latent, whole on each tensor device
-            per_pass = share * tokens * attention.latent * cb
-        return total + layers * (f + 1) * per_pass + ids
+            per_token = attention.latent * cb
+        # each layer's keys from the others: all of them, or a windowed layer's W - 1
+        # before each of the device's chunks (jaxpar.parallel.context's halo)
+        part, rows = train.seq_len // c, tokens // train.seq_len
+        parts = 2 if split.balance else 1
+        moved_tokens = sum(
+            share * rows * parts * (w - 1) if context.halo_reach(split, w, part) else share * tokens
+            for w in attention.windows or (0,) * layers
+        )
+        return total + moved_tokens * ((f + 1) * per_token + ids)
     per_pass = share * tokens / c * attention.head_dim * cb * (2 * local + 2 * moved)
-    return total + layers * (f + 1) * per_pass + ids
+    return total + layers * ((f + 1) * per_pass + ids * share * tokens)
 
 
 def minimum(

@@ -396,10 +396,11 @@ class Decoder:
 
     def cache_shapes(self, rows: int, slots: int) -> list:
         """The cache: (k, v) of each layer, laid out as jaxpar.nn.attention.CACHE_NAMES
-        and placed by the rules as the model's own key/value heads are."""
+        and placed by the rules as the model's own key/value heads are; a windowed
+        layer's, a ring of min(window, slots) slots."""
         c = self.m.cache_dims
 
-        def one(names, dim):
+        def one(names, dim, slots):
             sizes = {BATCH: rows, KV_HEADS: c.kv_heads, SEQ: slots, HEAD_DIM: dim}
             shape = tuple(sizes[n] for n in names)
             spec = NamedSharding(
@@ -407,8 +408,11 @@ class Decoder:
             )
             return jax.ShapeDtypeStruct(shape, self.dtype, sharding=spec)
 
-        dims = (c.key_dim, c.value_dim)
-        return [tuple(map(one, CACHE_NAMES, dims)) for _ in range(c.layers)]
+        (k_names, v_names), n = CACHE_NAMES, c.slots
+        return [
+            (one(k_names, c.key_dim, n(i, slots)), one(v_names, c.value_dim, n(i, slots)))
+            for i in range(c.layers)
+        ]
 
     def empty(self, rows: int, slots: int) -> list:
         """cache_shapes' arrays, zeros (the program that makes them kept, as the others)."""
@@ -499,6 +503,7 @@ def generate(
     )
 
 
-def cache_bytes_per_token(m: Loaded) -> int:
-    """One token's cache: layers x key/value heads x (key + value dims) x bytes."""
-    return m.cache_dims.bytes_per_token(jnp.dtype(jnp.float32).itemsize)
+def cache_bytes_per_token(m: Loaded, slots: int = 0) -> int:
+    """One token's cache: layers x key/value heads x (key + value dims) x bytes; at
+    `slots` positions, the cache's bytes over them (windowed layers hold the window)."""
+    return round(m.cache_dims.bytes_per_token(jnp.dtype(jnp.float32).itemsize, slots))

@@ -2,12 +2,14 @@
 
 `causal_attention(q, k, v, segment_ids)` computes softmax(q k^T / sqrt(head_dim) + mask)
 v with the scores in fp32, the mask causal and, given the tokens' segment ids (packed
-documents, jaxpar.nn.documents), closed between segments. Which program computes it
-follows the platform the step is built for (the running `jaxpar.nn.scope.Context`;
-outside a step, the default backend):
+documents, jaxpar.nn.documents), closed between segments; optionally another scale of
+the scores and a soft cap on them, cap x tanh(score / cap) (Gemma 2). Which program
+computes it follows the platform the step is built for (the running
+`jaxpar.nn.scope.Context`; outside a step, the default backend):
 
 - `cudnn`: on CUDA in bf16/fp16 with a head dim cuDNN takes (a multiple of 8, at most
-  128): `jax.nn.dot_product_attention`'s cuDNN flash-attention kernel, which never stores
+  128) and no soft cap (the kernel that jax reaches has none; capped scores take the
+  blocked form): `jax.nn.dot_product_attention`'s cuDNN flash-attention kernel, which never stores
   the [B, H, S, S] scores, forward or backward. Segment ids reach the kernel as its
   mask (a [B, 1, S, S] additive bias, one per row, shared by the heads: what jax's
   public cuDNN entry passes on; the kernel's packed-sequence form is private in jax).
@@ -24,6 +26,7 @@ scores, for the planner's activation count (Korthikanti's 5 a s^2 b term).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +49,12 @@ class Form(enum.Enum):
     DIRECT = "direct"
 
 
-def form(platform: str, dtype, head_dim: int) -> Form:
+def form(platform: str, dtype, head_dim: int, softcap: float = 0.0) -> Form:
     """The attention program for this platform ('cpu', 'cuda', 'rocm', 'tpu'), compute
-    dtype and head dim."""
+    dtype, head dim and soft cap."""
     if platform == "cpu":
         return Form.DIRECT
-    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128
+    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and not softcap
     if platform == "cuda" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and cudnn_ready:
         return Form.CUDNN
     return Form.BLOCKED
@@ -71,10 +74,13 @@ def causal_attention(
     positions_BxS=None,
     kv_group: int = 1,
     gathered: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim) + mask) v, [B, S, H, D] in and out: each query
-    sees the keys at or before it, of its own segment where segment ids are given, and
-    (a sliding `window`) fewer than `window` positions back.
+    """softmax(cap(q k^T x scale) + mask) v, [B, S, H, D] in and out: each query sees the
+    keys at or before it, of its own segment where segment ids are given, and (a sliding
+    `window`) fewer than `window` positions back. `scale` defaults to head_dim^-0.5;
+    `softcap` > 0 caps the scores at +-softcap by tanh.
 
     In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
     reordered: "before" is then by `positions_BxS` (each token's position in its
@@ -85,14 +91,15 @@ def causal_attention(
     latent attention's latent)."""
     ctx = scope.current()
     platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
-    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1])
+    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap)
+    scores = Scores(q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale, softcap)
     if sequence.active() is not None:
         if positions_BxS is None:
             rows, part = q_BxSxHxD.shape[:2]
             positions_BxS = sequence.positions(rows, part * sequence.active().degree)
 
         def attend(q, k, v, q_pos, k_pos, q_seg, k_seg):
-            return _positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, window)
+            return _positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, window, scores)
 
         return context.attention(
             sequence.active(),
@@ -114,11 +121,12 @@ def causal_attention(
             mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
             is_causal=True,
             local_window_size=(window - 1, 0) if window else None,
+            scale=scores.scale,
             implementation="cudnn",
         )
     if chosen is Form.BLOCKED:
-        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window)
-    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window)
+        return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window, scores)
+    return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window, scores)
 
 
 def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
@@ -128,11 +136,23 @@ def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
     return queries_BxC[:, :, None] == segment_ids_BxS[:, None, :]
 
 
-def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS) -> jax.Array:
+@dataclass(frozen=True)
+class Scores:
+    """How q . k becomes a score: times `scale`, then capped at +-softcap (0: not)."""
+
+    scale: float
+    softcap: float = 0.0
+
+    def capped(self, att):
+        return att if not self.softcap else self.softcap * jnp.tanh(att / self.softcap)
+
+
+def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS, scores: Scores) -> jax.Array:
     """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S])."""
     dt = q_BxCxHxD.dtype
-    q_BxCxHxD = q_BxCxHxD * q_BxCxHxD.shape[-1] ** -0.5  # scaled here: S/D times fewer
+    q_BxCxHxD = q_BxCxHxD * jnp.asarray(scores.scale, dt)  # scaled here: S/D times fewer
     att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
+    att_BxHxCxS = scores.capped(att_BxHxCxS)
     # an additive mask ([C, S] constant when causal alone: no [B, H, C, S] select to
     # undo in the backward pass), shared by the heads
     mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
@@ -141,21 +161,25 @@ def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS) -> jax.Array:
 
 
 def _direct(
-    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window: int = 0
+    q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS=None, window=0, scores=None
 ) -> jax.Array:
-    """Attention of the C queries at positions first.. to all S keys; the scores kept."""
+    """Attention of the C queries at positions first.. to all S keys; the scores kept
+    (`scores` default: head_dim^-0.5, no cap)."""
+    scores = scores or Scores(q_BxCxHxD.shape[-1] ** -0.5)
     rows, seq = q_BxCxHxD.shape[1], k_BxSxHxD.shape[1]
     back_CxS = first + jnp.arange(rows)[:, None] - jnp.arange(seq)[None, :]
     visible_BxCxS = ((back_CxS >= 0) & ((back_CxS < window) if window else True))[None]
     if segment_ids_BxS is not None:
         visible_BxCxS = visible_BxCxS & same_segment(segment_ids_BxS, first, rows)
-    return _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS)
+    return _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS, scores)
 
 
-def _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window=0) -> jax.Array:
+def _blocked(
+    q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS=None, window=0, scores=None
+) -> jax.Array:
     """The queries BLOCK rows at a time; each block's scores recomputed for backward."""
     one = jax.checkpoint(
-        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS, window),
+        lambda q, first: _direct(q, k_BxSxHxD, v_BxSxHxD, first, segment_ids_BxS, window, scores),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
     s = q_BxSxHxD.shape[1]
@@ -186,20 +210,25 @@ def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, w
     return visible_BxCxS
 
 
-def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) -> jax.Array:
+def _positioned(
+    chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int, scores: Scores
+) -> jax.Array:
     """Attention of queries to keys in any order, masked by their positions: the form
     `chosen` on local blocks (cuDNN takes the mask as its bias)."""
     if chosen is Form.CUDNN:
         mask = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scores.scale, implementation="cudnn"
+        )
     if chosen is Form.DIRECT:
-        return _scored(q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window))
+        visible = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
+        return _scored(q, k, v, visible, scores)
     b, s = q.shape[:2]
     block = _block(s)
     blocks = lambda x: x.reshape(b, s // block, block).swapaxes(0, 1)  # noqa: E731
     one = jax.checkpoint(
         lambda q, q_pos, q_seg: _scored(
-            q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
+            q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window), scores
         ),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
@@ -209,52 +238,87 @@ def _positioned(chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int) 
     return _by_blocks(one, q, blocks(q_pos), segs)
 
 
-def cached_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0):
+def cached_attention(
+    q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0, scores=None
+):
     """Attention of T new queries through one layer's KV cache (CACHE_NAMES: K key/value
     heads, each serving H/K query heads in order) whose slots before `slot` hold the
     earlier tokens: the new keys and values are written at slots slot..slot+T-1 (in
     place, where the cache is donated: the write comes first, so nothing reads the
     cache before it), then each query sees the slots at or after its row's first real
     token (`pad_B`: the left padding of each row) up to its own, within the sliding
-    `window` if one is given. Returns (out [B, T, H, D], the written cache)."""
-    b, t, h, d = q_BxTxHxD.shape
-    kv, m = cache[0].shape[1], cache[0].shape[3]
-    dt = q_BxTxHxD.dtype
-    cache_k = jax.lax.dynamic_update_slice_in_dim(
-        cache[0], k_BxTxKxD.transpose(0, 2, 3, 1).astype(cache[0].dtype), slot, 3
-    )
-    cache_v = jax.lax.dynamic_update_slice_in_dim(
-        cache[1], v_BxTxKxD.transpose(0, 2, 1, 3).astype(cache[1].dtype), slot, 2
-    )
+    `window` if one is given. A windowed layer's cache may be a ring of fewer slots than
+    the sequence (at least the window): slot s lives at s mod its size (`_ring`).
+    `scores`: their scale and cap (default: head_dim^-0.5, none). Returns (out [B, T, H,
+    D], the written cache)."""
+    t, d, m = q_BxTxHxD.shape[1], q_BxTxHxD.shape[3], cache[0].shape[3]
+    scores = scores or Scores(d**-0.5)
+    k_BxKxDxT = k_BxTxKxD.transpose(0, 2, 3, 1).astype(cache[0].dtype)
+    v_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3).astype(cache[1].dtype)
+    if window and t > 1:  # a ring: the new tokens' keys beside the cache's, then written
+        return _ring(q_BxTxHxD, k_BxKxDxT, v_BxKxTxD, cache, slot, pad_B, window, scores)
+    at = slot % m if window else slot
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache[0], k_BxKxDxT, at, 3)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache[1], v_BxKxTxD, at, 2)
     # the written cache as one buffer: XLA would otherwise fuse the write into each of
     # its readers, each a copy of the cache
     cache_k, cache_v = jax.lax.optimization_barrier((cache_k, cache_v))
-    q_BxKxGxTxD = (q_BxTxHxD * d**-0.5).reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-    if t == 1:  # a decode step: as sums of products, 1.7x faster than a batched dot
-        # of a few rows on XLA:CPU at 8 rows (equal at 1), the cache read once, in order
-        att_BxKxGxTxM = jnp.sum(
-            q_BxKxGxTxD[..., None] * cache_k.astype(dt)[:, :, None, None], axis=-2
-        )
-    else:
-        att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, cache_k.astype(dt))
-    mask_Bx1x1xTxM = _cache_mask(t, m, slot, pad_B, window)[:, None, None]
-    prob = jax.nn.softmax(att_BxKxGxTxM.astype(jnp.float32) + mask_Bx1x1xTxM, axis=-1)
-    if t == 1:
-        out_BxKxGxTxD = jnp.sum(
-            prob.astype(dt)[..., None] * cache_v.astype(dt)[:, :, None, None], axis=-2
-        )
-    else:
-        out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), cache_v.astype(dt))
-    out_BxTxHxD = out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    # the token each slot holds: the latest at or before the last query, of its residue
+    held_M = slot + t - 1 - (slot + t - 1 - jnp.arange(m)) % m if window else jnp.arange(m)
+    mask_BxTxM = _cache_mask(slot + jnp.arange(t), held_M, pad_B, window)
+    out_BxTxHxD = _cache_attend(q_BxTxHxD, cache_k, cache_v, mask_BxTxM, scores)
     return out_BxTxHxD, (cache_k, cache_v)
 
 
-def _cache_mask(t: int, m: int, slot, pad_B, window: int = 0) -> jax.Array:
-    """[B, T, M] 0 where T new queries at slots slot.. see a cache slot (at or before
-    their own, from their row's first real token, within the window), else -1e30."""
-    back_TxM = (slot + jnp.arange(t))[:, None] - jnp.arange(m)[None, :]
+def _ring(q_BxTxHxD, k_BxKxDxT, v_BxKxTxD, cache, slot, pad_B, window, scores):
+    """cached_attention of T > 1 new tokens through a ring of M slots: they see the
+    ring's tokens (the latest of each residue before `slot`) and each other, then their
+    last min(T, M) keys and values are written at their slots mod M."""
+    t, m = q_BxTxHxD.shape[1], cache[0].shape[3]
+    keys_BxKxDxN = jnp.concatenate([cache[0], k_BxKxDxT], 3)
+    values_BxKxNxD = jnp.concatenate([cache[1], v_BxKxTxD], 2)
+    held_M = slot - 1 - (slot - 1 - jnp.arange(m)) % m  # < 0: never written
+    held_N = jnp.concatenate([held_M, slot + jnp.arange(t)])
+    mask_BxTxN = _cache_mask(slot + jnp.arange(t), held_N, pad_B, window)
+    out_BxTxHxD = _cache_attend(q_BxTxHxD, keys_BxKxDxN, values_BxKxNxD, mask_BxTxN, scores)
+    kept = min(t, m)
+    at_L = (slot + t - kept + jnp.arange(kept)) % m  # distinct: kept <= m
+    cache_k = cache[0].at[:, :, :, at_L].set(k_BxKxDxT[..., t - kept :])
+    cache_v = cache[1].at[:, :, at_L].set(v_BxKxTxD[:, :, t - kept :])
+    return out_BxTxHxD, (cache_k, cache_v)
+
+
+def _cache_attend(q_BxTxHxD, k_BxKxDxM, v_BxKxMxD, mask_BxTxM, scores: Scores):
+    """softmax(cap(q k x scale) + mask) v of T queries over M cached keys."""
+    b, t, h, d = q_BxTxHxD.shape
+    kv, dt = k_BxKxDxM.shape[1], q_BxTxHxD.dtype
+    q_BxKxGxTxD = q_BxTxHxD * jnp.asarray(scores.scale, dt)
+    q_BxKxGxTxD = q_BxKxGxTxD.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    if t == 1:  # a decode step: as sums of products, 1.7x faster than a batched dot
+        # of a few rows on XLA:CPU at 8 rows (equal at 1), the cache read once, in order
+        att_BxKxGxTxM = jnp.sum(
+            q_BxKxGxTxD[..., None] * k_BxKxDxM.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, k_BxKxDxM.astype(dt))
+    att_BxKxGxTxM = scores.capped(att_BxKxGxTxM.astype(jnp.float32))
+    prob = jax.nn.softmax(att_BxKxGxTxM + mask_BxTxM[:, None, None], axis=-1)
+    if t == 1:
+        out_BxKxGxTxD = jnp.sum(
+            prob.astype(dt)[..., None] * v_BxKxMxD.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), v_BxKxMxD.astype(dt))
+    return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def _cache_mask(query_T, held_M, pad_B, window: int = 0) -> jax.Array:
+    """[B, T, M] 0 where queries at slots `query_T` see the cache slots holding the
+    tokens at `held_M` (at or before their own, from their row's first real token,
+    within the window), else -1e30."""
+    back_TxM = query_T[:, None] - held_M[None, :]
     visible_TxM = (back_TxM >= 0) & ((back_TxM < window) if window else True)
-    visible_BxTxM = visible_TxM[None] & (jnp.arange(m)[None, None, :] >= pad_B[:, None, None])
+    visible_BxTxM = visible_TxM[None] & (held_M[None, None, :] >= pad_B[:, None, None])
     return jnp.where(visible_BxTxM, 0.0, -1e30)
 
 
@@ -282,6 +346,6 @@ def cached_latent_attention(
         "bthr,brm->bhtm", q_rope_BxTxHxR, k_BxRxM
     )
     att_BxHxTxM = att_BxHxTxM.astype(jnp.float32) * scale
-    mask_Bx1xTxM = _cache_mask(t, m, slot, pad_B)[:, None]
+    mask_Bx1xTxM = _cache_mask(slot + jnp.arange(t), jnp.arange(m), pad_B)[:, None]
     prob_BxHxTxM = jax.nn.softmax(att_BxHxTxM + mask_Bx1xTxM, axis=-1).astype(dt)
     return jnp.einsum("bhtm,bml->bthl", prob_BxHxTxM, c_BxMxL), (cache_k, cache_c)

@@ -150,6 +150,49 @@ def _kv(x_BxSxHxD, group: int, moved: int) -> jax.Array:
     return x if moved == distinct else jnp.repeat(x, moved // distinct, axis=2)
 
 
+FAR = 2**30  # the position of a key no query sees: a halo before the sequence's start
+
+
+def halo_reach(split: Split, window: int, part: int) -> bool:
+    """Whether a windowed layer's keys come from the chunks just before each of this
+    device's (`part` tokens a device): the window's W - 1 keys reach no further back
+    than one chunk, under all_gather."""
+    chunk = part // (2 if split.balance else 1)
+    return bool(window) and split.strategy is ContextStrategy.ALL_GATHER and window - 1 <= chunk
+
+
+def _halo(x_BxPx, split: Split, reach: int):
+    """The `reach` tokens just before each of this device's chunks, [B, parts x reach,
+    ...], from the devices that hold them (one collective-permute a chunk): chunk i
+    follows chunk i - 1 of device i - 1 (balanced: chunk 2C-1-i follows chunk 2C-2-i of
+    device i + 1, or on device C - 1 its own first). Device 0's first: zeros."""
+    c, parts = split.degree, 2 if split.balance else 1
+    chunk = x_BxPx.shape[1] // parts
+    tails = [x_BxPx[:, (p + 1) * chunk - reach : (p + 1) * chunk] for p in range(parts)]
+    before = jax.lax.ppermute(tails[0], CONTEXT, [(i, i + 1) for i in range(c - 1)])
+    if parts == 1:
+        return before
+    after = jax.lax.ppermute(tails[1], CONTEXT, [(i + 1, i) for i in range(c - 1)])
+    after = jnp.where(jax.lax.axis_index(CONTEXT) == c - 1, tails[0], after)
+    return jnp.concatenate([before, after], 1)
+
+
+def _halo_positions(split: Split, positions_BxP, segments_BxP, reach: int):
+    """The halo's positions and segment ids (_halo): moved with documents; without,
+    counted back from each chunk's first. Device 0's first chunk has none before it:
+    its halo at FAR."""
+    parts = 2 if split.balance else 1
+    if segments_BxP is None:
+        chunk = positions_BxP.shape[1] // parts
+        firsts = [positions_BxP[:, p * chunk, None] for p in range(parts)]
+        halo = jnp.concatenate([f - reach + jnp.arange(reach)[None] for f in firsts], 1)
+        return jnp.where(halo < 0, FAR, halo), None
+    positions, segments = (_halo(x, split, reach) for x in (positions_BxP, segments_BxP))
+    first = jnp.arange(parts * reach)[None] < reach
+    none = first & (jax.lax.axis_index(CONTEXT) == 0)
+    return jnp.where(none, FAR, positions), segments
+
+
 def attention(
     split: Split,
     q_BxCxHxD,
@@ -170,6 +213,9 @@ def attention(
     row's positions are known without documents; with them, they and the segment ids
     are gathered too."""
     rows, part = positions_BxC.shape
+    if not gathered and halo_reach(split, window, part):
+        qkv = (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD)
+        return _windowed(split, *qkv, segments_BxC, positions_BxC, window, group, attend)
     if segments_BxC is None:
         whole = order(part * split.degree, split)
         positions_BxS = jnp.broadcast_to(jnp.asarray(whole, jnp.int32), (rows, whole.size))
@@ -213,3 +259,33 @@ def attention(
         segments_BxC,
         positions_BxC,
     )
+
+
+def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, positions_BxC,
+              window, group, attend):  # fmt: skip
+    """attention() of a windowed layer whose window reaches one chunk back (halo_reach):
+    each device gets the W - 1 keys and values before each of its chunks (_halo), their
+    distinct heads alone, and attends its queries to them and its own."""
+    reach = window - 1
+    halo_positions, halo_segments = _halo_positions(split, positions_BxC, segments_BxC, reach)
+    positions = jnp.concatenate([halo_positions, positions_BxC], 1)
+    segments = None
+    if segments_BxC is not None:
+        segments = jnp.concatenate([halo_segments, segments_BxC], 1)
+    heads = PartitionSpec(None, None, TENSOR, None)
+
+    def per_tensor(q, k, v, positions, segments, q_positions, q_segments):
+        moved = kv_heads_moved(q.shape[2], group, split)
+        k, v = (_kv(x, group, moved) for x in (k, v))
+        k, v = (jnp.concatenate([_halo(x, split, reach), x], 1) for x in (k, v))
+        k, v = (jnp.repeat(x, q.shape[2] // moved, axis=2) for x in (k, v))
+        return attend(q, k, v, q_positions, positions, q_segments, segments)
+
+    whole = (PartitionSpec(),) * 4
+    return jax.shard_map(
+        per_tensor,
+        in_specs=(heads, heads, heads, *whole),
+        out_specs=heads,
+        axis_names={TENSOR},
+        check_vma=False,
+    )(q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, positions, segments, positions_BxC, segments_BxC)

@@ -1,0 +1,202 @@
+"""Gemma 2 and Gemma 3 (the Llama model with local and global attention, soft caps,
+(1 + w) norms before and after each sub-block, GeGLU, scaled and tied embeddings)
+against `transformers` itself, on random checkpoints with a window shorter than the
+sequences and every trait switched on: the first step's loss on one device, under
+tensor=2 x context=2 and in a pipeline; logits after training and exporting; greedy
+continuations past the window through the local layers' ring caches."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+
+from helpers import family_logits, save_drawn  # noqa: E402
+
+import jaxpar  # noqa: E402
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import commands  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
+from jaxpar.generation import decoding  # noqa: E402
+from jaxpar.parallel.axes import AXES  # noqa: E402
+
+pytestmark = pytest.mark.slow  # trains, and runs transformers
+
+WINDOW = 6  # shorter than every sequence trained and generated
+# heads of their own size (24, not 64 / 4), scaled by 20^-0.5 (not 24^-0.5); caps low
+# enough to bite: the logits reach about 1.6, Gemma 2's scores about 3
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+              max_position_embeddings=512, query_pre_attn_scalar=20, sliding_window=WINDOW,
+              final_logit_softcapping=2.0, tie_word_embeddings=True)  # fmt: skip
+FAMILIES = {
+    # local and global blocks in turn; attention scores capped
+    "gemma2": (
+        transformers.Gemma2ForCausalLM,
+        transformers.Gemma2Config(**COMMON, num_hidden_layers=4, attn_logit_softcapping=3.0),
+    ),
+    # every third block global: two groups and a last local block; q/k norms; the
+    # global blocks' rotary base linearly scaled, the local ones' of their own
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=7,
+            sliding_window_pattern=3,
+            attn_logit_softcapping=None,  # transformers' Gemma 3 never applies one
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    """(family, a random tiny checkpoint of it saved by transformers)."""
+    model_class, config = FAMILIES[request.param]
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    return request.param, save_drawn(model_class(config), directory)
+
+
+def theirs(directory, tokens: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def test_the_checkpoint_reads_as_its_traits(checkpoint):
+    family, directory = checkpoint
+    cfg = presets.load(f"{family}-tiny", [f"model.init=hf:{directory}"])
+    m = presets.resolve_init(cfg, set()).model
+    traits = (m.global_every, m.sliding_window, m.head_dim, m.query_scale, m.logit_softcap,
+              m.attn_softcap, m.norm_offset, m.post_norms, m.embed_scale, m.activation,
+              m.tie_embeddings, m.qk_norm)  # fmt: skip
+    if family == "gemma2":
+        assert traits == (2, WINDOW, 24, 20, 2.0, 3.0, True, True, True, "gelu_tanh", True, False)
+    else:
+        assert traits == (3, WINDOW, 24, 20, 2.0, 0.0, True, True, True, "gelu_tanh", True, True)
+        rope = (m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_local_theta, m.tail_size)
+        assert rope == (1e5, "linear", 2.0, 500.0, 1)
+
+
+LAYOUTS = {
+    "one device": ("parallel.data=1",),
+    # the window's mask by positions, across the balanced reorder of the sequence
+    "tensor=2 x context=2": ("parallel.data=1", "parallel.tensor=2", "parallel.context=2"),
+    "pipeline=2 x data=2": ("parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
+    family, directory = checkpoint
+    cfg = presets.load(
+        f"{family}-tiny",
+        [f"model.init=hf:{directory}", *LAYOUTS[layout], "train.steps=1", "train.lr=1e-12"],
+    )
+    cfg = presets.resolve_init(cfg, set())
+    n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
+    s = commands.setup(cfg, devices[:n])
+    params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
+    result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
+    tokens = s.batches(0)["tokens"]
+    logits = theirs(directory, tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(
+        torch.tensor(logits).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
+    ).item()
+    assert result.losses[0] == pytest.approx(loss, rel=1e-5)
+
+
+def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path):
+    """Three steps (data=4 x tensor=2, ZeRO-3), `jaxpar export --format hf`, loaded back
+    by transformers: its logits within 1e-4 of their scale of jaxpar's; the config's
+    Gemma keys as read."""
+    family, directory = checkpoint
+    run = tmp_path / "run"
+    argv = ["train", "--config", f"{family}-tiny", f"model.init=hf:{directory}",
+            "parallel.data=4", "parallel.tensor=2", "parallel.zero=3", "train.steps=3",
+            "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
+    read = FAMILIES[family][1].to_dict()
+    kept = ["architectures", "model_type", "layer_types", "sliding_window", "head_dim",
+            "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+            "hidden_activation", "rope_parameters", "tie_word_embeddings"]  # fmt: skip
+    read["architectures"] = [FAMILIES[family][0].__name__]
+    assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"])
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+    want = theirs(tmp_path / "out", tokens)
+    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("layout", [("parallel.data=1",), ("parallel.tensor=2",)])
+def test_greedy_continuations_past_the_window_are_transformers_generate(
+    checkpoint, layout, devices
+):
+    """32 new tokens after prompts of 3, 21 and 9 ids, a window of 6: the local layers'
+    caches are rings of 6 slots, the global layers' hold every slot."""
+    from test_generate import PROMPTS, transformers_greedy
+
+    family, directory = checkpoint
+    model = decoding.load(f"hf:{directory}", list(layout), devices=devices[:2])
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    cache = decoding.Decoder(model).empty(done.rows, done.cache_slots)
+    slots = [layer[0].shape[-1] for layer in cache]
+    local = [
+        WINDOW if model.cfg.model.window_of(i) else done.cache_slots for i in range(len(slots))
+    ]
+    assert slots == local and WINDOW in slots and done.cache_slots in slots
+    per_slot = 2 * 2 * 24 * 4  # k and v, 2 kv heads, 24 dims, fp32
+    want = per_slot * sum(slots) / done.cache_slots
+    assert decoding.cache_bytes_per_token(model, done.cache_slots) == round(want)
+    assert done.completions == transformers_greedy(directory, PROMPTS, 32)
+
+
+REFUSED = {
+    "irregular layer types": (
+        {
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "full_attention",
+                "sliding_attention",
+            ]
+        },
+        ["layer_types=", "every n-th layer full_attention"],
+    ),
+    "bidirectional attention": (
+        {"use_bidirectional_attention": True},
+        ["use_bidirectional_attention=true is not supported"],
+    ),
+}
+
+
+@pytest.mark.parametrize("checkpoint", ["gemma2"], indirect=True)
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_checkpoint_jaxpar_cannot_express_is_refused(checkpoint, case, capsys, tmp_path):
+    family, directory = checkpoint
+    change, needles = REFUSED[case]
+    changed = tmp_path / "hf"
+    changed.mkdir()
+    for f in directory.iterdir():
+        (changed / f.name).symlink_to(f)
+    (changed / "config.json").unlink()
+    config = json.loads((directory / "config.json").read_text()) | change
+    (changed / "config.json").write_text(json.dumps(config))
+    argv = ["train", "--config", f"{family}-tiny", f"model.init=hf:{changed}",
+            "--out", str(tmp_path / "r")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(n in err for n in needles), err
