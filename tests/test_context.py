@@ -2,11 +2,14 @@
 or Ulysses, causally balanced or not) and Megatron sequence parallelism, proven equal to
 one device, at the textbook bytes, with activations falling as 1/C."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_training, compile_only, reference, trained
 
 from jaxpar.config import presets
+from jaxpar.config.sections import ContextStrategy
 from jaxpar.cost import planner
 from jaxpar.nn import attention
 from jaxpar.nn.problem import registered
@@ -17,6 +20,7 @@ CP = "parallel.context"
 ULYSSES = "parallel.context_strategy=ulysses"
 UNBALANCED = "parallel.context_balance=false"
 SP = "parallel.sequence_parallel=true"
+WINDOW8 = "model.sliding_window=8"
 
 LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every other axis
     "gpt cp2 dp4": ("gpt-tiny", (f"{CP}=2", "parallel.data=4")),
@@ -49,6 +53,12 @@ LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every 
     "gpt cp2 replica2 dp2 zero2": (
         "gpt-tiny", (f"{CP}=2", "parallel.replica=2", "parallel.data=2", "parallel.zero=2")
     ),
+    # local blocks whose window (8) reaches one chunk back: their keys by halo, balanced;
+    # and unbalanced with tensor, gemma3's last local block after the stack
+    "gemma2 cp4 dp2 window8": ("gemma2-tiny", (f"{CP}=4", "parallel.data=2", WINDOW8)),
+    "gemma3 cp2 tp2 dp2 unbalanced": (
+        "gemma3-tiny", (f"{CP}=2", "parallel.tensor=2", "parallel.data=2", UNBALANCED)
+    ),
 }  # fmt: skip
 
 
@@ -56,7 +66,10 @@ LAYOUTS = {  # (preset, overrides): every strategy, balanced or not, with every 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_context_layout_trains_as_one_device(name, devices):
     preset, overrides = LAYOUTS[name]
-    assert_same_training(trained(preset, list(overrides), steps=4), reference(preset, steps=4))
+    window = tuple(o for o in overrides if o == WINDOW8)
+    assert_same_training(
+        trained(preset, list(overrides), steps=4), reference(preset, window, steps=4)
+    )
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
@@ -127,6 +140,58 @@ def test_context_bytes_are_the_textbook_minimum(name, devices):
     context = comm.by_axis["context"]
     assert context.wire == pytest.approx(context.minimum, rel=0.02)
     assert "context" in comm.ratio_axes
+
+
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_windowed_layers_halo_is_the_direct_form(balance, documents, devices):
+    """A window of 8 over context=4 (chunks of 8 or 16 tokens): each device's queries,
+    attending to its own keys and the halo of the 7 before each chunk, see what the
+    direct form over the whole row shows them (packed documents: their own alone)."""
+    c, s, w = 4, 64, 8
+    split = Split(c, ContextStrategy.ALL_GATHER, balance)
+    mesh = jax.make_mesh((c, 1), ("context", "tensor"), devices=devices[:c])
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, s, 4, 8))
+    segments = None
+    if documents:  # documents of 5, 13, 20 and 26 tokens: within and beyond the window
+        segments = jnp.asarray([np.repeat(np.arange(4), [5, 13, 20, 26])] * 2)
+    want = attention._direct(q, k, v, 0, segments, w)
+    slots = context.order(s, split)
+    positions = np.broadcast_to(slots, (2, s))
+    if documents:
+        starts = np.asarray([0] * 5 + [5] * 13 + [18] * 20 + [38] * 26)
+        positions = positions - starts[slots]
+
+    def attend(q, k, v, q_pos, k_pos, q_seg, k_seg):
+        scores = attention.Scores(8**-0.5)
+        chosen = attention.Form.DIRECT
+        return attention._positioned(chosen, q, k, v, q_pos, k_pos, q_seg, k_seg, w, scores)
+
+    def local(q, k, v, seg, pos):
+        return context.attention(split, q, k, v, seg, pos, w, 1, attend)
+
+    spec = jax.sharding.PartitionSpec(None, "context")
+    run = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"context"})
+    seg = None if segments is None else segments[:, slots]
+    got = jax.jit(run)(q[:, slots], k[:, slots], v[:, slots], seg, jnp.asarray(positions))
+    np.testing.assert_allclose(np.asarray(got)[:, np.argsort(slots)], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_local_layer_moves_only_its_windows_keys(devices):
+    """gemma2-tiny over context=4 (chunks of 8 tokens): with a window of 8, each local
+    layer receives the 7 keys and values before each of its 2 chunks (a halo), at the
+    minimum that counts them; with a window of 16 (reaching two chunks back) it gathers
+    them all, at that minimum, and moves more."""
+    wire = {}
+    for window in (8, 16):
+        layout = (f"{CP}=4", "parallel.data=2", f"model.sliding_window={window}")
+        context = compile_only("gemma2-tiny", layout).comm.by_axis["context"]
+        assert context.wire == pytest.approx(context.minimum, rel=1e-5)
+        wire[window] = context.wire
+    # 2 local layers, forward and backward, 3/4 of the devices sending, 8 rows a
+    # device: K and V (2 kv heads x 32 dims, fp32) of 2 chunks x 7 tokens, not 64
+    assert wire[16] - wire[8] == 2 * 2 * 3 / 4 * 8 * (64 - 2 * 7) * 2 * 2 * 32 * 4
 
 
 def test_sequence_parallel_moves_what_tensor_parallel_moves_in_less_memory(devices):

@@ -151,6 +151,16 @@ def test_a_masked_loss_is_the_same_in_every_layout(name, chat_folder, devices):
 
 
 @pytest.mark.slow
+def test_packed_documents_through_gemmas_windows_over_context(chat_folder, devices):
+    """gemma3-tiny on chat data (documents shorter and longer than its window of 8),
+    each sequence over context=2 with tensor=2: the local layers' halos carry their
+    documents' ids and positions. One device's losses and parameters."""
+    model = (*chat_run(chat_folder), "model.sliding_window=8")
+    layout = ("parallel.data=2", "parallel.context=2", "parallel.tensor=2")
+    assert_same_training(run("gemma3-tiny", [*model, *layout]), reference("gemma3-tiny", model))
+
+
+@pytest.mark.slow
 def test_a_masked_mixture_is_the_same_over_experts_and_context(chat_folder, devices):
     """A mixture of experts on chat data (its balance loss over the trained tokens only),
     its experts split over expert=2 and each packed sequence over context=2: one

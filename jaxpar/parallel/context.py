@@ -165,7 +165,9 @@ def _halo(x_BxPx, split: Split, reach: int):
     """The `reach` tokens just before each of this device's chunks, [B, parts x reach,
     ...], from the devices that hold them (one collective-permute a chunk): chunk i
     follows chunk i - 1 of device i - 1 (balanced: chunk 2C-1-i follows chunk 2C-2-i of
-    device i + 1, or on device C - 1 its own first). Device 0's first: zeros."""
+    device i + 1). Where none is sent (device 0's first chunk starts the sequence;
+    balanced, device C - 1's second follows its own first): zeros, which
+    _halo_positions hides."""
     c, parts = split.degree, 2 if split.balance else 1
     chunk = x_BxPx.shape[1] // parts
     tails = [x_BxPx[:, (p + 1) * chunk - reach : (p + 1) * chunk] for p in range(parts)]
@@ -173,23 +175,23 @@ def _halo(x_BxPx, split: Split, reach: int):
     if parts == 1:
         return before
     after = jax.lax.ppermute(tails[1], CONTEXT, [(i + 1, i) for i in range(c - 1)])
-    after = jnp.where(jax.lax.axis_index(CONTEXT) == c - 1, tails[0], after)
     return jnp.concatenate([before, after], 1)
 
 
 def _halo_positions(split: Split, positions_BxP, segments_BxP, reach: int):
     """The halo's positions and segment ids (_halo): moved with documents; without,
-    counted back from each chunk's first. Device 0's first chunk has none before it:
-    its halo at FAR."""
-    parts = 2 if split.balance else 1
+    counted back from each chunk's first. Where _halo got none, at FAR: no query sees
+    them (device C - 1's second chunk sees its first among its own keys)."""
+    c, parts = split.degree, 2 if split.balance else 1
     if segments_BxP is None:
         chunk = positions_BxP.shape[1] // parts
         firsts = [positions_BxP[:, p * chunk, None] for p in range(parts)]
-        halo = jnp.concatenate([f - reach + jnp.arange(reach)[None] for f in firsts], 1)
-        return jnp.where(halo < 0, FAR, halo), None
-    positions, segments = (_halo(x, split, reach) for x in (positions_BxP, segments_BxP))
-    first = jnp.arange(parts * reach)[None] < reach
-    none = first & (jax.lax.axis_index(CONTEXT) == 0)
+        positions = jnp.concatenate([f - reach + jnp.arange(reach)[None] for f in firsts], 1)
+        segments = None
+    else:
+        positions, segments = (_halo(x, split, reach) for x in (positions_BxP, segments_BxP))
+    device, first = jax.lax.axis_index(CONTEXT), jnp.arange(parts * reach)[None] < reach
+    none = (first & (device == 0)) | (~first & (device == c - 1))
     return jnp.where(none, FAR, positions), segments
 
 
