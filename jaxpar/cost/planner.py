@@ -133,20 +133,32 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     scores = attention.stores_scores(platform, cost.DTYPES[cfg.train.precision], m.embed // m.heads)
     shapes = registered(m, s)
     dims = tensor_dims(shapes.names, shapes.shapes)
+    # the units a pipeline cuts: the layer stack's (a group of blocks is one)
+    units = _stacked(shapes)
 
     def check(mesh: dict) -> None:
         registry.check_model(m, mesh)
         check_tensor_split(dims, mesh[TENSOR])
 
     return Workload(
-        layers=m.layers,
+        layers=units,
         flops_per_row=spec.flops_per_token(m, s) * s,
-        layer_elements=lambda t, c: blocks.activation_bytes(spec, m, s, t, scores, c) / 2,
+        layer_elements=lambda t, c: (
+            blocks.activation_bytes(spec, m, s, t, scores, c) / 2 * m.layers / units
+        ),
         boundary_elements=s * m.embed,
         check=check,
         attention=spec.attention_dims(m) if spec.attention_dims else None,
         experts=spec.expert_dims(m, s) if spec.expert_dims else None,
     )
+
+
+def _stacked(problem) -> int:
+    """The layers of the problem's longest stack (the one a pipeline cuts)."""
+    names = jax.tree.leaves(problem.names, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(problem.shapes)
+    stacked = [s.shape[0] for s, n in zip(shapes, names, strict=True) if n[:1] == (LAYERS,)]
+    return max(stacked, default=1)
 
 
 def of_problem(problem, batch) -> Workload:
@@ -156,10 +168,7 @@ def of_problem(problem, batch) -> Workload:
     split by the tensor degree; the boundary is the layer scan's carry."""
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
-    names = jax.tree.leaves(problem.names, is_leaf=lambda x: isinstance(x, tuple))
-    shapes = jax.tree.leaves(problem.shapes)
-    stacked = [s.shape[0] for s, n in zip(shapes, names, strict=True) if n[:1] == (LAYERS,)]
-    layers = max(stacked, default=1)
+    layers = _stacked(problem)
     values, carry = _forward_elements(
         jax.make_jaxpr(problem.loss)(problem.shapes, one).jaxpr, layers
     )
