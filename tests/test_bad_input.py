@@ -587,6 +587,29 @@ PRESET_KEYS = {
         ["--config", "qwen2_moe-tiny", "model.shared_mlp=0"],
         ["model.shared_gate=true gates a shared expert", "model.shared_mlp=0 has none"],
     ),
+    "global-every-without-window": (
+        ["--config", "gemma2-tiny", "model.sliding_window=0"],
+        ["model.global_every=2 with model.sliding_window=0", "set model.sliding_window"],
+    ),
+    "global-every-one": (
+        ["--config", "gemma3-tiny", "model.global_every=1"],
+        ["model.global_every=1 with model.sliding_window=16", "n >= 2"],
+    ),
+    "local-theta-without-groups": (
+        ["--config", "gemma3-tiny", "model.global_every=0"],
+        [
+            "model.rope_local_theta=10000.0 is a key of local and global attention",
+            "model.global_every=0 has none",
+        ],
+    ),  # fmt: skip
+    "attention-cap-on-gemma3": (
+        ["--config", "gemma3-tiny", "model.attn_softcap=50"],
+        ["model.attn_softcap=50.0 is gemma2's, not gemma3's", "set model.name=gemma2"],
+    ),
+    "gemma-without-its-norms": (
+        ["--config", "gemma2-tiny", "model.norm_offset=false"],
+        ["model.name=gemma2 has model.norm_offset=true"],
+    ),
 }
 
 

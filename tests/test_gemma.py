@@ -235,3 +235,50 @@ def test_lora_on_gemmas_projections_loads_into_peft(checkpoint, tmp_path):
     scale = np.abs(got).max()
     assert np.abs(ours - got).max() / scale < 1e-4
     assert np.abs(got - theirs(directory, tokens)).max() / scale > 1e-3  # it trained
+
+
+def test_the_stack_compiles_once_for_both_kinds():
+    """gemma3-tiny's loss: one scan over the 2 groups (each 2 local blocks and a global
+    one, the kinds side by side in its body) and one over the last local block; no
+    block unrolled outside them."""
+    import jax
+
+    from jaxpar.nn.problem import registered
+
+    cfg = presets.load("gemma3-tiny", [])
+    problem = registered(cfg.model, cfg.train.seq_len)
+    batch = {"tokens": jax.ShapeDtypeStruct((2, cfg.train.seq_len + 1), np.int32)}
+    jaxpr = jax.make_jaxpr(problem.loss)(problem.shapes, batch).jaxpr
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scans] == [2, 1]
+    # the [S, S] products of each block, in the bodies: a group's three blocks', the
+    # tail's one
+    scores = [
+        sum(1 for e in s.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"
+            and e.outvars[0].aval.shape[-2:] == (cfg.train.seq_len,) * 2)
+        for s in scans
+    ]  # fmt: skip
+    assert scores[0] == 3 * scores[1] > 0
+
+
+# gemma3-tiny (groups, a last block after them, every trait) trained in more layouts
+GEMMA_LAYOUTS = {
+    "dp2-tp2-zero3-remat": (
+        "parallel.data=2", "parallel.tensor=2", "parallel.zero=3", "parallel.remat=full"
+    ),
+    "pp2-1f1b-m4-dp2": (
+        "parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=4",
+        "parallel.schedule=1f1b",
+    ),
+    "dp4-tp2-sp": ("parallel.data=4", "parallel.tensor=2", "parallel.sequence_parallel=true"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", GEMMA_LAYOUTS)
+def test_gemma3_trains_in_every_layout_as_on_one_device(name):
+    from helpers import assert_same_training, trained
+    from helpers import reference as shared_reference
+
+    assert_same_training(
+        trained("gemma3-tiny", GEMMA_LAYOUTS[name]), shared_reference("gemma3-tiny")
+    )
