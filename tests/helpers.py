@@ -191,6 +191,18 @@ def save_drawn(model, directory: Path) -> Path:
     return directory
 
 
+def changed_config(directory: Path, change: dict, to: Path) -> Path:
+    """A checkpoint folder at `to`: `directory`'s files, linked, with its config.json
+    updated by `change`."""
+    to.mkdir()
+    for f in directory.iterdir():
+        if f.name != "config.json":
+            (to / f.name).symlink_to(f)
+    config = json.loads((directory / "config.json").read_text()) | change
+    (to / "config.json").write_text(json.dumps(config))
+    return to
+
+
 def family_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
     """A registered Llama-family model's logits of `tokens` (one device, no step)."""
     import jaxpar

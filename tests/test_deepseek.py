@@ -5,7 +5,6 @@ and exporting; greedy continuations through the latent cache, token for token. T
 DeepSeek's balancing bias: it moves by DeepSeek's rule, takes no gradient of the loss,
 is the same on every device and is saved as it is."""
 
-import json
 import math
 
 import jax
@@ -15,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
-from helpers import family_logits, save_drawn  # noqa: E402
+from helpers import changed_config, family_logits, save_drawn  # noqa: E402
 from test_mixtral import theirs  # noqa: E402
 
 import jaxpar  # noqa: E402
@@ -201,13 +200,7 @@ REFUSED = {
 def test_a_checkpoint_jaxpar_cannot_express_is_refused(checkpoint, case, capsys, tmp_path):
     _, preset, directory = checkpoint
     change, needles = REFUSED[case]
-    changed = tmp_path / "hf"
-    changed.mkdir()
-    for f in directory.iterdir():
-        (changed / f.name).symlink_to(f)
-    (changed / "config.json").unlink()
-    config = json.loads((directory / "config.json").read_text()) | change
-    (changed / "config.json").write_text(json.dumps(config))
+    changed = changed_config(directory, change, tmp_path / "hf")
     argv = ["train", "--config", preset, f"model.init=hf:{changed}", "--out", str(tmp_path / "r")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,6 @@ sequences and every trait switched on: the first step's loss on one device, unde
 tensor=2 x context=2 and in a pipeline; logits after training and exporting; greedy
 continuations past the window through the local layers' ring caches."""
 
-import json
 import math
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
-from helpers import family_logits, save_drawn  # noqa: E402
+from helpers import changed_config, family_logits, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar import hf  # noqa: E402
@@ -188,13 +187,7 @@ REFUSED = {
 def test_a_checkpoint_jaxpar_cannot_express_is_refused(checkpoint, case, capsys, tmp_path):
     family, directory = checkpoint
     change, needles = REFUSED[case]
-    changed = tmp_path / "hf"
-    changed.mkdir()
-    for f in directory.iterdir():
-        (changed / f.name).symlink_to(f)
-    (changed / "config.json").unlink()
-    config = json.loads((directory / "config.json").read_text()) | change
-    (changed / "config.json").write_text(json.dumps(config))
+    changed = changed_config(directory, change, tmp_path / "hf")
     argv = ["train", "--config", f"{family}-tiny", f"model.init=hf:{changed}",
             "--out", str(tmp_path / "r")]  # fmt: skip
     assert cli.main(argv) == 2

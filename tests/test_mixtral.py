@@ -3,7 +3,6 @@
 device and with the experts split over `expert`; logits after training and exporting;
 greedy continuations token for token; a checkpoint that is not the model set, refused."""
 
-import json
 import math
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
-from helpers import family_logits, save_drawn  # noqa: E402
+from helpers import changed_config, family_logits, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar import hf  # noqa: E402
@@ -203,14 +202,7 @@ def test_a_checkpoint_that_is_not_the_model_set_is_refused(case, checkpoint, cap
     _, change, needles = REFUSED[case]
     overrides = sorted(change) if isinstance(change, set) else []
     if isinstance(change, dict):
-        changed = tmp_path / "hf"
-        changed.mkdir()
-        for f in directory.iterdir():
-            (changed / f.name).symlink_to(f)
-        (changed / "config.json").unlink()
-        config = json.loads((directory / "config.json").read_text()) | change
-        (changed / "config.json").write_text(json.dumps(config))
-        directory = changed
+        directory = changed_config(directory, change, tmp_path / "hf")
     argv = ["train", "--config", f"{family}-tiny", f"model.init=hf:{directory}", *overrides,
             "--out", str(tmp_path / "run")]  # fmt: skip
     assert cli.main(argv) == 2

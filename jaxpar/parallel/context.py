@@ -226,7 +226,6 @@ def attention(
             jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
             for x in (segments_BxC, positions_BxC)
         )
-    heads = PartitionSpec(None, None, TENSOR, None)
 
     def per_tensor(q, k, v, segments, positions, q_segments, q_positions):
         if gathered:
@@ -245,22 +244,28 @@ def attention(
         out = attend(q, k, v, positions, positions, segments, segments)
         return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)
 
-    whole = (PartitionSpec(),) * 4
-    return jax.shard_map(
+    return _by_heads(
         per_tensor,
-        in_specs=(heads, heads, heads, *whole),
-        out_specs=heads,
-        axis_names={TENSOR},
-        check_vma=False,
-    )(
-        q_BxCxHxD,
-        k_BxCxHxD,
-        v_BxCxHxD,
+        (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD),
         None if segments_BxC is None else segments_BxS,
         positions_BxS,
         segments_BxC,
         positions_BxC,
     )
+
+
+def _by_heads(per_tensor, qkv, *whole):
+    """per_tensor(q, k, v, *whole) in a shard_map manual over `tensor`: each tensor
+    device's block of heads of q, k and v ([B, C, H, D]), and `whole` (4 arrays, or
+    None) as they are."""
+    heads = PartitionSpec(None, None, TENSOR, None)
+    return jax.shard_map(
+        per_tensor,
+        in_specs=(heads, heads, heads, *(PartitionSpec(),) * len(whole)),
+        out_specs=heads,
+        axis_names={TENSOR},
+        check_vma=False,
+    )(*qkv, *whole)
 
 
 def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, positions_BxC,
@@ -274,7 +279,6 @@ def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, posit
     segments = None
     if segments_BxC is not None:
         segments = jnp.concatenate([halo_segments, segments_BxC], 1)
-    heads = PartitionSpec(None, None, TENSOR, None)
 
     def per_tensor(q, k, v, positions, segments, q_positions, q_segments):
         moved = kv_heads_moved(q.shape[2], group, split)
@@ -283,11 +287,5 @@ def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, posit
         k, v = (jnp.repeat(x, q.shape[2] // moved, axis=2) for x in (k, v))
         return attend(q, k, v, q_positions, positions, q_segments, segments)
 
-    whole = (PartitionSpec(),) * 4
-    return jax.shard_map(
-        per_tensor,
-        in_specs=(heads, heads, heads, *whole),
-        out_specs=heads,
-        axis_names={TENSOR},
-        check_vma=False,
-    )(q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, positions, segments, positions_BxC, segments_BxC)
+    qkv = (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD)
+    return _by_heads(per_tensor, qkv, positions, segments, positions_BxC, segments_BxC)
