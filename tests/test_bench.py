@@ -151,8 +151,13 @@ def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devic
     rows = results["generate"]
     assert set(rows) == set(two)
     # llama-tiny: 2 (k, v) x 4 layers x 2 kv heads x 8 dims x 4 bytes; deepseek-tiny's
-    # latent cache: 4 layers x (8 rotated key + 32 latent dims) x 4 bytes
-    want = {name: 2 * 4 * 2 * 8 * 4 for name in two} | {"deepseek-tiny, one device": 4 * 40 * 4}
+    # latent cache: 4 layers x (8 rotated key + 32 latent dims) x 4 bytes; gemma3-tiny's,
+    # 2 x 2 kv heads x 32 dims x 4 bytes a layer's slot, over the 80 slots (a bucket of
+    # 64 prompt ids and 16 new) 2 global layers hold every slot, 5 local ones 16
+    want = {name: 2 * 4 * 2 * 8 * 4 for name in two} | {
+        "deepseek-tiny, one device": 4 * 40 * 4,
+        "gemma3-tiny, one device": 2 * 2 * 32 * 4 * (2 * 80 + 5 * 16) / 80,
+    }
     for name, r in rows.items():
         assert r["cache_bytes_per_token"] == r["formula_bytes_per_token"] == want[name]
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0

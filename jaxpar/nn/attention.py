@@ -294,13 +294,26 @@ def _cache_attend(q_BxTxHxD, k_BxKxDxM, v_BxKxMxD, mask_BxTxM, scores: Scores):
     kv, dt = k_BxKxDxM.shape[1], q_BxTxHxD.dtype
     q_BxKxGxTxD = q_BxTxHxD * jnp.asarray(scores.scale, dt)
     q_BxKxGxTxD = q_BxKxGxTxD.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-    # batched products, at one new token too: as sums of broadcast products they were
-    # as fast on the peer benchmark's model and 1.4x (llama-tiny) to 4x (gemma3-tiny:
-    # 32 dims a head) slower, measured on XLA:CPU
-    att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, k_BxKxDxM.astype(dt))
+    # one new token of one row: as sums of products, for XLA:CPU copies the cache into a
+    # batched product of one row (llama-tiny decodes 1.9x faster so; gemma3-tiny, 32 dims
+    # a head, 1.8x slower); more rows: batched products (as sums they were as fast on
+    # the peer benchmark's model at 8 rows, and 1.4x (llama-tiny) to 4x (gemma3-tiny)
+    # slower)
+    sums = t == 1 and b == 1
+    if sums:
+        att_BxKxGxTxM = jnp.sum(
+            q_BxKxGxTxD[..., None] * k_BxKxDxM.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, k_BxKxDxM.astype(dt))
     att_BxKxGxTxM = scores.capped(att_BxKxGxTxM.astype(jnp.float32))
     prob = jax.nn.softmax(att_BxKxGxTxM + mask_BxTxM[:, None, None], axis=-1)
-    out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), v_BxKxMxD.astype(dt))
+    if sums:
+        out_BxKxGxTxD = jnp.sum(
+            prob.astype(dt)[..., None] * v_BxKxMxD.astype(dt)[:, :, None, None], axis=-2
+        )
+    else:
+        out_BxKxGxTxD = jnp.einsum("bkgtm,bkmd->bkgtd", prob.astype(dt), v_BxKxMxD.astype(dt))
     return out_BxKxGxTxD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
