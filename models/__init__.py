@@ -247,7 +247,6 @@ class LlamaConfig(Model):
         ),
     )
 
-
     @property
     def unit_size(self) -> int:
         """Blocks per unit of the layer stack (models/llama.py's Group): model.moe_every
