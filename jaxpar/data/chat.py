@@ -101,7 +101,8 @@ def tokenizer(folder: Path):
         ) from None
 
 
-def _read(folder: Path) -> tuple[str | None, dict]:
+def settings(folder: Path) -> dict:
+    """`folder`/tokenizer_config.json's settings ({} where there is none)."""
     path = folder / "tokenizer_config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
@@ -113,6 +114,11 @@ def _read(folder: Path) -> tuple[str | None, dict]:
             f"{type(config).__name__}, not an object of settings; give the file "
             "save_pretrained wrote"
         )
+    return config
+
+
+def _read(folder: Path) -> tuple[str | None, dict]:
+    config = settings(folder)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -329,7 +329,8 @@ class Generated:
     cache_slots: int  # M
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
+    """The slots of n prompt ids: the next power of two, at least PROMPT_BUCKET."""
     return max(PROMPT_BUCKET, 1 << (n - 1).bit_length())
 
 
@@ -444,15 +445,20 @@ def generate(
     stop: set[int],
     on_token: Callable[[int, int], None] | None = None,
     keys: jax.Array | None = None,
+    rows: int = 0,
+    finished: Callable[[int, list[int]], bool] | None = None,
 ) -> Generated:
     """The continuations of `prompts` (ids), decoded together; `on_token(row, id)` is
     called for each new id kept, as it is generated. Prompt i is sampled with keys[i]
-    (default: row_keys(sampling.seed, ...), a key per row from the seed)."""
+    (default: row_keys(sampling.seed, ...), a key per row from the seed). The batch is
+    padded to `rows` (default: the prompts, to a multiple of the data degree), so that
+    batches of fewer prompts share its programs; a row also ends where
+    `finished(row, its new ids)` says so (a stop string in them)."""
     m = decoder.m
     check_lengths(m, prompts, max_new)
     data = m.mesh.shape[DATA]
-    rows = math.ceil(len(prompts) / data) * data
-    p_slots = _bucket(max(len(p) for p in prompts))
+    rows = math.ceil(max(len(prompts), rows) / data) * data
+    p_slots = bucket(max(len(p) for p in prompts))
     m_slots = p_slots + math.ceil(max_new / NEW_BUCKET) * NEW_BUCKET
     tokens = np.zeros((rows, p_slots), np.int32)
     pad = np.full(rows, p_slots - 1, np.int32)  # padding rows: one id, never read
@@ -483,6 +489,7 @@ def generate(
                 if on_token:
                     on_token(int(i), int(ids[i, step]))
                 done[i] = ids[i, step] in stop or len(completions[i]) == max_new
+                done[i] |= finished is not None and finished(int(i), completions[i])
         if done.all():
             break
         out, cache = loop(m.params, nxt, cache, p_slots + t, pad_d, key, t)

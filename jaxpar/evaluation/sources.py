@@ -1,0 +1,52 @@
+"""What `jaxpar eval` scores: a run directory's checkpoint or hf:DIR, placed as `jaxpar
+generate` places it, and its tokenizer folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxpar import hf
+from jaxpar.data import tokens
+from jaxpar.errors import ConfigError
+from jaxpar.generation import decoding
+
+
+def check(source: str) -> None:
+    """The source's folder, before jax starts."""
+    if source.startswith(hf.SCHEME):
+        hf.directory_of(source)
+    elif not (Path(source) / "checkpoints").is_dir():
+        raise ConfigError(
+            f"eval: {source}: no checkpoints there; give a run directory that `jaxpar "
+            "train` wrote (with checkpoint.final, the default), or hf:DIR"
+        )
+
+
+def tokenizer_of(source: str, given: str | Path | None, loaded: decoding.Loaded) -> Path:
+    """The tokenizer folder: the one given, else hf:DIR's own folder, else the one the
+    run's data.path was prepared with (its meta.json says)."""
+    if given:
+        return Path(given)
+    if source.startswith(hf.SCHEME):
+        return hf.directory_of(source)
+    recorded = tokens.tokenizer_of(loaded.cfg.data)
+    if recorded is None:
+        raise ConfigError(
+            f"eval: {source} was not trained on data prepared with a tokenizer "
+            f"(data.path={loaded.cfg.data.path or 'none'}); give --tokenizer DIR, the "
+            "tokenizer of its ids"
+        )
+    return Path(recorded)
+
+
+def load(source: str, tokenizer, overrides: list[str], step: int | None = None, devices=None):
+    """(the model of `source` on a decoding layout, its Text)."""
+    from jaxpar.evaluation.harness import Text
+
+    check(source)
+    if tokenizer:  # read before the model is
+        text = Text(Path(tokenizer))
+    loaded = decoding.load(source, list(overrides), step, devices)
+    if not tokenizer:
+        text = Text(tokenizer_of(source, None, loaded))
+    return loaded, text
