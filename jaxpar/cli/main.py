@@ -7,6 +7,7 @@ mistake is refused in well under a second, and --help is instant."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
 from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
+from jaxpar.evaluation import BATCH_SIZE
 from jaxpar.training import rundir
 
 DEFAULT_CPU_DEVICES = 8
@@ -233,6 +235,37 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
     gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
+    ev = sub.add_parser(
+        "eval",
+        help="benchmark scores with lm-evaluation-harness (a run directory or hf:DIR)",
+        description="Score a run's newest checkpoint (or --step) or a Hugging Face checkpoint "
+        "(hf:DIR) on lm-eval tasks: lm-eval's names, jaxpar's local arithmetic tasks "
+        "(jaxpar_arithmetic_mc, jaxpar_arithmetic_gen), a task YAML or a folder of them (their "
+        "data files read beside them). Requests run in length buckets, one compile each, on "
+        "the layout `jaxpar generate` picks (parallel.data / parallel.tensor override). "
+        "Writes lm-eval's results JSON to RUN/eval/ (or --out) and prints its table.",
+    )
+    ev.add_argument("source", metavar="RUN_DIR|hf:DIR")
+    ev.add_argument("--tasks", nargs="+", required=True, metavar="NAME_OR_YAML")
+    ev.add_argument("--num-fewshot", type=int, metavar="K", help="default: each task's own")
+    ev.add_argument(
+        "--limit",
+        type=float,
+        metavar="N",
+        help="the first N documents of each task (or a share < 1)",
+    )
+    ev.add_argument(
+        "--batch-size", type=int, default=BATCH_SIZE, metavar="B", help="requests a batch"
+    )
+    ev.add_argument("--out", type=Path, metavar="DIR", help="default: SOURCE/eval")
+    ev.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="default: hf:DIR's own, or the one the run's data was prepared with",
+    )
+    ev.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -267,13 +300,14 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run even where the compiled step's memory looks larger than this machine's",
         )
-    for p in (train, bench, inspect, plan, export, gen):
+    for p in (train, bench, inspect, plan, export, gen, ev):
         p.add_argument(
             "--cpu-devices",
             type=int,
             metavar="N",
             help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default "
-            f"{1 if p is gen else DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is installed)",
+            f"{1 if p in (gen, ev) else DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is "
+            "installed)",
         )
     return parser
 
@@ -359,7 +393,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     the first flag, so the ones after it come back unparsed and join them here."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "bench", "inspect", "plan", "generate")
+    takes_overrides = args.command in ("train", "bench", "inspect", "plan", "generate", "eval")
     stray = [a for a in rest if a.startswith("-") or "=" not in a or not takes_overrides]
     if args.command == "launch":
         args.command_args = [a for a in args.command_args if a != "--"] + rest
@@ -440,6 +474,39 @@ def _generate(args: argparse.Namespace) -> int:
     layout = dict(model.mesh.shape)
     bytes_ = decoding.cache_bytes_per_token(model, done.cache_slots)
     print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "eval: lm-eval is not installed; pip install 'jaxpar[eval]' (EleutherAI's "
+            "lm-evaluation-harness)"
+        )
+    from jaxpar.evaluation import report, sources, tasks
+
+    if args.num_fewshot is not None and not 0 <= args.num_fewshot <= 1000:
+        raise ConfigError(f"--num-fewshot {args.num_fewshot}: give 0 to 1000 examples")
+    if args.limit is not None and not 0 < args.limit <= 1e9:
+        raise ConfigError(
+            f"--limit {args.limit:g}: give a count of documents, or a share in (0, 1)"
+        )
+    if not 1 <= args.batch_size <= 1 << 16:
+        raise ConfigError(f"--batch-size {args.batch_size}: give 1 to {1 << 16} requests")
+    if args.step is not None and not 0 <= args.step < 2**63:
+        raise ConfigError(f"--step {args.step}: give a step the run saved, or none for its newest")
+    sources.check(args.source)
+    out = args.out or sources.results_folder(args.source)
+    rundir.check_writable(out, "--out" if args.out else "eval: results folder")
+    load(overrides=args.overrides)  # the overrides' keys and values, checked
+    chosen = tasks.resolve(args.tasks)
+    _setup_devices(args.cpu_devices, default=1)  # one device unless asked, as generate
+    lm = report.model(args.source, args.tokenizer, args.overrides, args.step, args.batch_size)
+    results = report.evaluate(lm, chosen, args.num_fewshot, args.limit)
+    path = report.write(results, out)
+    print(report.table(results))
+    print(f"results: {path}", file=sys.stderr)
+    print(report.speeds(lm), file=sys.stderr)
     return 0
 
 
@@ -538,6 +605,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "eval":
+        return _eval(args)
     cfg, out = _check_config(args)
     if args.command == "plan":
         return _plan(cfg, args)

@@ -38,11 +38,10 @@ from tqdm import tqdm
 
 from jaxpar.data import chat
 from jaxpar.errors import ConfigError
+from jaxpar.evaluation import BATCH_SIZE, MAX_GEN_TOKS
 from jaxpar.evaluation.scoring import Scorer, bucket_of
 from jaxpar.generation import decoding
 
-MAX_GEN_TOKS = 256  # new ids of a generate_until request when its task does not say (as hf)
-BATCH_SIZE = 16  # requests a batch (rounded up to a multiple of the data degree)
 # transformers' clean-up of decoded text, where tokenizer_config.json asks for it
 _CLEAN_UP = (
     (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),

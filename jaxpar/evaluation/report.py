@@ -7,8 +7,15 @@ import json
 import time
 from pathlib import Path
 
+from jaxpar.evaluation import BATCH_SIZE, sources
 from jaxpar.evaluation.harness import JaxparLM
 from jaxpar.evaluation.tasks import Tasks
+
+
+def model(source: str, tokenizer, overrides: list[str], step=None, batch_size=BATCH_SIZE):
+    """The backend on `source`'s model, placed as `jaxpar generate` places it."""
+    loaded, text = sources.load(source, tokenizer, overrides, step)
+    return JaxparLM(source=source, loaded=loaded, text=text, batch_size=batch_size)
 
 
 def evaluate(
@@ -76,5 +83,5 @@ def speeds(lm: JaxparLM) -> str:
             f"generated {s['generated_tokens']:,} tokens at {s['generate_tokens_per_s']:,.0f} "
             f"tokens/s ({s['generate_buckets']} buckets)"
         )
-    layout = " x ".join(f"{k}={v}" for k, v in lm.m.mesh.shape.items())
+    layout = " x ".join(f"{k}={v}" for k, v in lm.m.mesh.shape.items() if k in ("data", "tensor"))
     return f"{'; '.join(parts) or 'nothing scored'}; layout {layout}"

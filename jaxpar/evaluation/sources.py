@@ -22,6 +22,12 @@ def check(source: str) -> None:
         )
 
 
+def results_folder(source: str) -> Path:
+    """Where the results go unless --out says: the run directory's eval/, or hf:DIR's."""
+    folder = hf.directory_of(source) if source.startswith(hf.SCHEME) else Path(source)
+    return folder / "eval"
+
+
 def tokenizer_of(source: str, given: str | Path | None, loaded: decoding.Loaded) -> Path:
     """The tokenizer folder: the one given, else hf:DIR's own folder, else the one the
     run's data.path was prepared with (its meta.json says)."""
