@@ -179,6 +179,11 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     if params is not None and s.problem.reference:
         params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
     grpo_run = cfg.train.objective is Objective.GRPO
+    benchmarks = None
+    if cfg.train.eval_tasks.strip():
+        from jaxpar.evaluation.during_training import Benchmarks
+
+        benchmarks = Benchmarks(cfg)
     return train(
         s.problem,
         cfg,
@@ -189,6 +194,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         params=params,
         eval_batches=s.eval_batches,
         rollouts=s.batches if grpo_run else None,
+        benchmarks=benchmarks,
         **kwargs,
     )
 

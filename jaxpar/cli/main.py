@@ -7,14 +7,13 @@ mistake is refused in well under a second, and --help is instant."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from jaxpar import __version__
+from jaxpar import __version__, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
@@ -478,11 +477,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError(
-            "eval: lm-eval is not installed; pip install 'jaxpar[eval]' (EleutherAI's "
-            "lm-evaluation-harness)"
-        )
+    evaluation.check_installed("jaxpar eval")
     from jaxpar.evaluation import report, sources, tasks
 
     if args.num_fewshot is not None and not 0 <= args.num_fewshot <= 1000:
@@ -551,6 +546,8 @@ def _check_config(args: argparse.Namespace):
         name = Path(args.config).stem + ("-inspect" if args.command == "inspect" else "")
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
         rundir.check_writable(out)
+        if cfg.train.eval_tasks.strip():
+            evaluation.check_installed(f"train.eval_tasks={cfg.train.eval_tasks}")
         if cfg.checkpoint.dir:
             rundir.check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
     return cfg, out

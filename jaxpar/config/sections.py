@@ -379,6 +379,21 @@ class Train(Section):
     eval_batches: Annotated[int, Range(1, 10**6, "held-out batches per evaluation")] = key(
         4, "batches of train.batch_size rows in each evaluation"
     )
+    eval_tasks: str = key(
+        "",
+        (
+            "comma-separated lm-eval tasks scored during training (lm-eval's names, jaxpar's "
+            "jaxpar_arithmetic_mc / jaxpar_arithmetic_gen, task YAML files or folders; `jaxpar "
+            "eval` runs them after), with the tokenizer data.path was prepared with; their "
+            "metrics go in metrics.jsonl and TensorBoard as eval/TASK/METRIC; empty = none"
+        ),
+    )
+    eval_tasks_every: Annotated[
+        int, Range(0, 10**9, "steps between task scores; 0 = the last step only")
+    ] = key(0, "score train.eval_tasks every N steps (and at the last); 0 = at the last step")
+    eval_tasks_limit: Annotated[int, Range(0, 10**9, "documents per task; 0 = all")] = key(
+        0, "score the first N documents of each of train.eval_tasks; 0 = all of them"
+    )
     loss_mask: LossMask = key(
         LossMask.AUTO,
         (

@@ -40,9 +40,10 @@ def scores(results: dict) -> dict[str, float]:
     its filter only where it is not `none`): what metrics.jsonl and TensorBoard get."""
     out = {}
     for task, metrics in results["results"].items():
+        known = results.get("higher_is_better", {}).get(task, {})  # the task's metrics
         for key, value in metrics.items():
             metric, _, filt = key.partition(",")
-            if metric == "alias" or "_stderr" in metric or not isinstance(value, int | float):
+            if metric not in known or not isinstance(value, int | float):
                 continue
             name = metric if filt in ("", "none") else f"{metric}_{filt}"
             out[f"{task}/{name}"] = float(value)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -67,6 +68,7 @@ def train(
     peak_tflops: float | None = None,
     eval_batches: Callable[..., dict] | None = None,
     rollouts=None,
+    benchmarks=None,
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
@@ -82,7 +84,9 @@ def train(
     `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
     every train.eval_every steps the mean loss over train.eval_batches of them is logged
     as eval_loss. `rollouts` (jaxpar.generation.rollouts.Rollouts, also the `batches`):
-    GRPO's, made from the state before each of its steps."""
+    GRPO's, made from the state before each of its steps. `benchmarks`
+    (jaxpar.evaluation.during_training.Benchmarks): train.eval_tasks' scores, logged
+    beside it when they are due."""
     out_dir = None if out_dir is None else Path(out_dir)
     if cfg.train.eval_every and eval_batches is None:
         raise ConfigError(
@@ -154,6 +158,7 @@ def train(
                 profile=profile,
                 evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
                 rollouts=rollouts,
+                benchmarks=benchmarks and (benchmarks.due, partial(benchmarks, engine=run.engine)),
             )
             loop = run_loop(run, state, batches, log, start, options)
         log.close()
@@ -316,6 +321,7 @@ class LoopOptions:
     profile: Path | None = None  # steps train.profile_steps traced into this folder
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
     rollouts: object = None  # GRPO's (jaxpar.generation.rollouts), made before their steps
+    benchmarks: tuple | None = None  # (due(steps done), state -> task scores)
 
 
 def run_loop(
@@ -372,12 +378,12 @@ def run_loop(
             loop.diverged = run.check(loop.state)
             if loop.diverged:
                 continue  # (saved by checkpoint.Saver.finish, as the state it is)
-        due_eval = opts.evaluate is not None and loop.end % cfg.eval_every == 0
+        due = [f for f in _due(opts, loop.end, cfg.eval_every) if f is not None]
         due_save = opts.every and loop.end % opts.every == 0
-        if due_eval or due_save:
-            # this step's metrics row (and eval loss) is written before its checkpoint
+        if due or due_save:
+            # this step's metrics row (and held-out scores) is written before its checkpoint
             # exists: a resume from it then misses no row
-            rows.settle(*pending, evaluate=opts.evaluate if due_eval else None)
+            rows.settle(*pending, evaluate=_together(due) if due else None)
             pending = None
         if due_save:
             opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
@@ -391,6 +397,17 @@ def run_loop(
         loop.end = loop.nonfinite - 1
     loop.stopped = opts.stops.asked if opts.stops and loop.end < cfg.steps else None
     return loop
+
+
+def _due(opts: LoopOptions, steps: int, eval_every: int) -> list[Callable | None]:
+    """The evaluations due after `steps` steps: the held-out loss, the tasks' scores."""
+    loss = opts.evaluate if opts.evaluate is not None and steps % eval_every == 0 else None
+    tasks = opts.benchmarks[1] if opts.benchmarks and opts.benchmarks[0](steps) else None
+    return [loss, tasks]
+
+
+def _together(evaluations: list[Callable]) -> Callable:
+    return lambda state: {k: v for f in evaluations for k, v in f(state).items()}
 
 
 class _Rows:
