@@ -1,0 +1,228 @@
+"""jaxpar eval: lm-eval's requests answered on the sharded model as lm-eval's own
+Hugging Face backend answers them, in length buckets, in every decoding layout; the
+command, the shipped local tasks, train.eval_tasks, and bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import one_line_error
+
+pytest.importorskip("lm_eval", reason="the test extra installs lm-eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import main as cli  # noqa: E402
+from jaxpar.config import presets, registry  # noqa: E402
+from jaxpar.evaluation import report, tasks  # noqa: E402
+from jaxpar.evaluation.harness import JaxparLM  # noqa: E402
+from jaxpar.nn.problem import registered  # noqa: E402
+
+SHIPPED = ["jaxpar_arithmetic_mc", "jaxpar_arithmetic_gen"]
+LAYOUTS = {
+    "one device": (["parallel.data=1", "parallel.tensor=1"], 1),
+    "tensor=2": (["parallel.data=1", "parallel.tensor=2"], 2),
+    "data=2 x tensor=2": (["parallel.data=2", "parallel.tensor=2"], 4),
+}
+LONG = "Question: What is 1 plus 2?\nAnswer: 3\n" * 12  # past the model's 64 positions
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, chat_tokenizer):
+    """hf:DIR of a Llama (GQA, 64 positions, the chat tokenizer's 512 ids) with weights
+    drawn far from the init (norm scales near 1), so that its choices are sharp and a
+    wrong id shows; written by jaxpar's own export (no torch needed)."""
+    cfg = presets.load("llama-tiny", ["model.vocab=512", "model.layers=2"])
+    problem = registered(cfg.model, cfg.train.seq_len)
+    rng = np.random.default_rng(0)
+    params = {
+        k: (1.0 if "norm" in k else 0.0) + 0.1 * rng.standard_normal(s.shape).astype(np.float32)
+        for k, s in problem.shapes.items()
+    }
+    folder = tmp_path_factory.mktemp("lm-eval") / "llama"
+    fmt = registry.hf_format(cfg.model.name, "--format hf")
+    hf.export(fmt, cfg.model, cfg.train.seq_len, params, folder)
+    for f in chat_tokenizer.iterdir():
+        shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 64  # contexts past it are cut
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def requests(checkpoint):
+    """lm-eval's requests of the shipped tasks (their first 12 documents), and the edges:
+    a context past the model's length (cut from the left), an empty context (the prefix
+    id), a text of several windows, a generation from a long context."""
+    chosen = tasks.resolve(SHIPPED)
+    out: dict[str, list] = {}
+    for task in chosen.objects:
+        task.build_all_requests(limit=12, rank=0, world_size=1)
+        for inst in task.instances:
+            out.setdefault(inst.request_type, []).append(inst)
+    out["loglikelihood"] += [
+        Instance("loglikelihood", {}, (LONG, " 3"), 0),
+        Instance("loglikelihood", {}, ("", "What is 4 plus 4?"), 0),
+    ]
+    out["loglikelihood_rolling"] = [
+        Instance("loglikelihood_rolling", {}, (text,), 0) for text in (LONG, "Short text.")
+    ]
+    out["generate_until"].append(
+        Instance("generate_until", {}, (LONG, {"until": ["\n"], "max_gen_toks": 16}), 0)
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_answers(checkpoint, requests):
+    """lm-eval's own `hf` backend's answers (transformers on torch, fp32)."""
+    pytest.importorskip("torch", reason="the test extra installs torch on 3.11")
+    from lm_eval.models.huggingface import HFLM
+
+    model = HFLM(pretrained=str(checkpoint), batch_size=4, dtype="float32", device="cpu")
+    return {kind: getattr(model, kind)(rs) for kind, rs in requests.items()}
+
+
+def backend(checkpoint, overrides, devices=1) -> JaxparLM:
+    model = report.model(f"hf:{checkpoint}", None, list(overrides), batch_size=8)
+    assert dict(model.m.mesh.shape)["data"] * dict(model.m.mesh.shape)["tensor"] == devices
+    return model
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "one device",
+        pytest.param("tensor=2", marks=pytest.mark.slow),
+        pytest.param("data=2 x tensor=2", marks=pytest.mark.slow),
+    ],
+)
+def test_every_request_equals_lm_evals_hf_backend(layout, checkpoint, requests, hf_answers):
+    """Each log-likelihood within 1e-4 (relative) of the hf backend's, the same greedy
+    flags, the same rolling sums, the same generated text: so the same scores."""
+    overrides, devices = LAYOUTS[layout]
+    model = backend(checkpoint, overrides, devices)
+    for kind, asked in requests.items():
+        ours, theirs = getattr(model, kind)(asked), hf_answers[kind]
+        if kind == "generate_until":
+            assert ours == theirs
+            assert any(ours), "the random model writes something before a stop"
+        elif kind == "loglikelihood":
+            np.testing.assert_allclose([x[0] for x in ours], [x[0] for x in theirs], rtol=1e-4)
+            assert [x[1] for x in ours] == [x[1] for x in theirs]
+        else:
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+    windows = len(model.tok_encode(LONG)) // model.max_length + 1
+    assert windows >= 4 and model.max_length == 64
+
+
+def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests):
+    """The count of compiled scoring programs is the count of length buckets: counted by
+    jax's own compile events, and none again for the same buckets."""
+    model = backend(checkpoint, LAYOUTS["one device"][0])
+    asked = [model._encode_pair(*i.args) for i in requests["loglikelihood"] if i.args[0]]
+    asked += [model._encode_pair("2 + 2 =", f" {n}") for n in range(6)]  # the 16 bucket
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: (
+            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    model._loglikelihood_tokens([(None, c, x) for c, x in asked])
+    buckets = model.buckets(asked)
+    assert len(compiles) == len(buckets) == len(model.scorer.compiled) == 3  # 16, 32, 64
+    assert len(asked) == 55
+    model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
+    assert len(compiles) == 3
+    jax.monitoring.clear_event_listeners()
+
+
+def test_lm_evals_own_entry_point_finds_the_jaxpar_model(checkpoint):
+    """`lm_eval --model jaxpar`: a fresh interpreter's lm-eval registry holds jaxpar's
+    backend (the .pth the install puts beside jaxpar), and lm-eval builds it from a
+    --model_args string with overrides."""
+    probe = "from lm_eval.api.registry import get_model; print(get_model('jaxpar').__module__)"
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert said.stdout.strip() == "jaxpar.evaluation.harness", said.stderr[-2000:]
+    from lm_eval.api.registry import get_model
+
+    args = f"source=hf:{checkpoint},parallel.tensor=2,parallel.data=1"
+    model = get_model("jaxpar").create_from_arg_string(args, {"batch_size": 4})
+    assert dict(model.m.mesh.shape)["tensor"] == 2 and model.rows == 4
+
+
+@pytest.mark.smoke
+def test_eval_command_writes_lm_evals_results_and_prints_its_table(checkpoint, tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["eval", f"hf:{checkpoint}", "--tasks", *SHIPPED, "--limit", "8", "--out", str(out)]
+    assert cli.main([*argv, "parallel.tensor=2"]) == 0
+    printed, err = capsys.readouterr()
+    (written,) = out.glob("results_*.json")
+    results = json.loads(written.read_text())
+    assert set(results["results"]) == set(SHIPPED)
+    assert results["n-samples"]["jaxpar_arithmetic_mc"]["effective"] == 8
+    assert "|jaxpar_arithmetic_mc |" in printed and "exact_match" in printed
+    assert "tokens/s" in err and "x tensor=2" in err
+
+
+def test_a_local_task_folder_reads_its_files_beside_it(tmp_path, monkeypatch):
+    """A copy of the shipped task elsewhere, run from a third folder: its relative
+    data_files are read beside its YAML."""
+    folder = tmp_path / "mine"
+    shutil.copytree(tasks.SHIPPED / "arithmetic", folder)
+    yaml = folder / "jaxpar_arithmetic_mc.yaml"
+    yaml.write_text(yaml.read_text().replace("task: jaxpar_arithmetic_mc", "task: my_sums"))
+    (folder / "jaxpar_arithmetic_gen.yaml").unlink()
+    monkeypatch.chdir(tmp_path)
+    for spec in (str(yaml), str(folder)):
+        chosen = tasks.resolve([spec])
+        assert chosen.names == ["my_sums"]
+        assert len(chosen.objects[0].eval_docs) == 40
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: ["--tasks", "jaxpar_arithmetic_m"], "close ones: jaxpar_arithmetic_mc"),
+        (lambda d: ["--tasks", _yaml(d, "task: x\noutput_type: [1\n")], "lm-eval refuses it"),
+        (
+            lambda d: ["--tasks", _yaml(d, "task: x\ndataset_path: json\noutput_type: guess\n")],
+            "lm-eval refuses it",
+        ),
+        (
+            lambda d: ["--tasks", _yaml(d, "task: x\ndataset_path: someone/sums\n")],
+            "needs a download from the Hugging Face hub",
+        ),
+        (lambda d: ["--tasks", "jaxpar_arithmetic_mc", "--tokenizer", _big(d)], "600 ids"),
+        (lambda d: ["--tasks", str(d / "none.yaml")], "no such file"),
+        (lambda d: ["--tasks", "jaxpar_arithmetic_mc", "--limit", "0"], "--limit 0"),
+    ],
+    ids=["unknown", "yaml", "refused", "hub", "tokenizer", "missing", "limit"],
+)
+def test_bad_eval_input_is_one_line(make, needle, checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine with no network
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    argv = ["eval", f"hf:{checkpoint}", *make(tmp_path), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    one_line_error(capsys, needle)
+
+
+def _yaml(folder, text: str) -> str:
+    path = folder / "task.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _big(folder) -> str:
+    from helpers import script
+
+    from jaxpar.data.tokens import corpus_bytes
+
+    script("make_tiny_llama").save_tokenizer(folder / "tok", corpus_bytes().decode()[:30000], 600)
+    return str(folder / "tok")
