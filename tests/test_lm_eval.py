@@ -226,3 +226,39 @@ def _big(folder) -> str:
 
     script("make_tiny_llama").save_tokenizer(folder / "tok", corpus_bytes().decode()[:30000], 600)
     return str(folder / "tok")
+
+
+@pytest.mark.slow
+def test_training_scores_tasks_beside_the_loss_and_eval_scores_the_run(
+    tmp_path, chat_tokenizer, capsys
+):
+    """train.eval_tasks in a 3D run (data x pipeline x tensor): scores at each
+    train.eval_tasks_every and the last step, in metrics.jsonl and TensorBoard; then
+    `jaxpar eval` on the run (its tokenizer from the prepared data) gives the last step's
+    scores again, and writes them in the run directory."""
+    from test_observe import events
+
+    from jaxpar.data.prepare import prepare
+    from jaxpar.data.tokens import corpus_bytes
+
+    (tmp_path / "corpus.txt").write_text(corpus_bytes().decode()[:60000])
+    prepare([tmp_path / "corpus.txt"], chat_tokenizer, tmp_path / "tokens")
+    run = tmp_path / "run"
+    argv = ["train", "--config", "llama-tiny", "model.vocab=512", "model.layers=2",
+            "train.steps=3", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
+            "train.eval_tasks=jaxpar_arithmetic_mc", "train.eval_tasks_every=2",
+            "train.eval_tasks_limit=6", "parallel.data=2", "parallel.pipeline=2",
+            "parallel.tensor=2", "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = "eval/jaxpar_arithmetic_mc/acc"
+    assert [r["step"] for r in rows if acc in r] == [2, 3]
+    assert [step for step, _ in events(run / "tensorboard")[acc]] == [2, 3]
+    assert "eval/jaxpar_arithmetic_mc/acc_norm" in rows[-1]
+    capsys.readouterr()
+    argv = ["eval", str(run), "--tasks", "jaxpar_arithmetic_mc", "--limit", "6"]
+    assert cli.main(argv) == 0
+    (written,) = (run / "eval").glob("results_*.json")
+    scored = json.loads(written.read_text())["results"]["jaxpar_arithmetic_mc"]
+    assert scored["acc,none"] == rows[-1][acc]
+    assert scored["acc_norm,none"] == rows[-1]["eval/jaxpar_arithmetic_mc/acc_norm"]

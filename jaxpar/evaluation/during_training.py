@@ -55,7 +55,7 @@ class Benchmarks:
         self.cfg = dataclasses.replace(cfg, model=dpo.model_of(cfg))
         self.text = Text(Path(folder))
         self.text.check(cfg.model.vocab)
-        self.tasks = tasks.resolve(names(cfg))
+        self.tasks = tasks.resolve(names(cfg), "train.eval_tasks:")
         self.lm = None
         self.shardings: dict = {}
 

@@ -50,26 +50,27 @@ def go_offline_without_network() -> bool:
         return True
 
 
-def resolve(specs: list[str]) -> Tasks:
-    """lm-eval's tasks for `specs` (names, task YAML files, folders of them), built."""
+def resolve(specs: list[str], where: str = "eval: --tasks") -> Tasks:
+    """lm-eval's tasks for `specs` (names, task YAML files, folders of them), built;
+    `where` names them in an error (the flag, or the key)."""
     offline = go_offline_without_network()
     files = [Path(s) for s in specs if s.endswith((".yaml", ".yml")) or Path(s).is_dir()]
     for f in files:
         if not f.exists():
-            raise ConfigError(f"eval: --tasks {f}: no such file or folder")
+            raise ConfigError(f"{where} {f}: no such file or folder")
     folders = [f if f.is_dir() else f.parent for f in files]
     local = _manager(tuple(str(f.resolve()) for f in [SHIPPED, *folders]), defaults=False)
     objects, names = [], []
     for spec in specs:
-        for name in _names(spec, local):
+        for name in _names(spec, local, where):
             manager = local if name in local.task_index else _everything(local)
-            built = _build(name, manager, offline, spec)
+            built = _build(name, manager, offline, f"{where} {spec}")
             objects.append(built)
             names += [t.task_name for t in _leaves(built)]
     return Tasks(objects, names, local)
 
 
-def _names(spec: str, local) -> list[str]:
+def _names(spec: str, local, where: str) -> list[str]:
     """The task names `spec` stands for."""
     path = Path(spec)
     if path.is_dir():
@@ -77,10 +78,10 @@ def _names(spec: str, local) -> list[str]:
             n for n, e in local.task_index.items() if e.yaml_path and _under(e.yaml_path, path)
         ]
         if not inside:
-            raise ConfigError(f"eval: --tasks {spec}: no task YAML in this folder")
+            raise ConfigError(f"{where} {spec}: no task YAML in this folder")
         return sorted(n for n in inside if local.task_index[n].kind.name in ("TASK", "PY_TASK"))
     if spec.endswith((".yaml", ".yml")):
-        return [_name_in(path)]
+        return [_name_in(path, where)]
     if spec in local.task_index:
         return [spec]
     everything = _everything(local)
@@ -88,23 +89,23 @@ def _names(spec: str, local) -> list[str]:
         close = difflib.get_close_matches(spec, everything.all_tasks, n=3, cutoff=0.6)
         hint = f"close ones: {', '.join(close)}" if close else "`lm_eval ls tasks` lists them"
         raise ConfigError(
-            f"eval: --tasks {spec}: no such task in lm-eval {_version()} or jaxpar's "
+            f"{where} {spec}: no such task in lm-eval {_version()} or jaxpar's "
             f"({', '.join(sorted(local.task_index))}); {hint}"
         )
     return [spec]
 
 
-def _name_in(path: Path) -> str:
+def _name_in(path: Path, where: str) -> str:
     from lm_eval.tasks._yaml_loader import load_yaml
 
     try:
         cfg = load_yaml(path, resolve_func=False)
     except Exception as e:  # yaml's and lm-eval's own errors, as one line
-        raise ConfigError(f"eval: --tasks {path}: lm-eval refuses it ({_line(e)})") from None
+        raise ConfigError(f"{where} {path}: lm-eval refuses it ({_line(e)})") from None
     name = cfg.get("task") or cfg.get("group")
     if not isinstance(name, str):
         raise ConfigError(
-            f"eval: --tasks {path}: lm-eval refuses it (no `task:` name, nor `group:`); "
+            f"{where} {path}: lm-eval refuses it (no `task:` name, nor `group:`); "
             "give the task a name"
         )
     return name
@@ -120,13 +121,13 @@ def _build(name: str, manager, offline: bool, spec: str):
         path = _dataset_path(entry, config)
         if offline and path and not _is_local(path, entry):
             raise ConfigError(
-                f"eval: --tasks {spec}: its dataset {path} needs a download from the "
+                f"{spec}: its dataset {path} needs a download from the "
                 "Hugging Face hub, which this machine cannot reach; download it where there "
                 "is a network (datasets' load_dataset, then save_to_disk or to_json), and "
                 "point a local task at the copy (`dataset_path: json` with `data_files`; "
                 f"{DOCS})"
             ) from None
-        raise ConfigError(f"eval: --tasks {spec}: lm-eval refuses it ({_line(e)})") from None
+        raise ConfigError(f"{spec}: lm-eval refuses it ({_line(e)})") from None
     if name in loaded["groups"]:
         return loaded["groups"][name]
     tasks = list(loaded["tasks"].values())
