@@ -23,6 +23,7 @@ LAYERS = (
     "step",
     "training",
     "generation",
+    "evaluation",  # benchmark scores: lm-eval's backend on the decoding layout
     "cli",
 )
 # models are plug-ins: they see what jaxpar.nn and the config give them

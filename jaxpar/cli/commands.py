@@ -342,7 +342,8 @@ def next_steps(cfg: Config, out: Path) -> list[str]:
     """The commands that take a finished run on, each as it runs when typed: its weights
     exported (and as a Hugging Face checkpoint, for a model that has the format; an
     adapter run's adapters as PEFT's), and,
-    for a model that decodes, `jaxpar generate` with the tokenizer its data was made by."""
+    for a model that decodes, `jaxpar generate` and `jaxpar eval` with the tokenizer its
+    data was made by."""
     spec = registry.get(cfg.model.name)
     steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
     if spec.hf is not None:
@@ -352,4 +353,6 @@ def next_steps(cfg: Config, out: Path) -> list[str]:
     if spec.cache_dims is not None:
         tokenizer = data.tokenizer_of(cfg.data) or "TOKENIZER_DIR"
         steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')
+        given = "" if data.tokenizer_of(cfg.data) else f" --tokenizer {tokenizer}"
+        steps.append(f"jaxpar eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen")
     return steps

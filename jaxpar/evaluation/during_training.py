@@ -38,7 +38,7 @@ class Benchmarks:
 
     def __init__(self, cfg: Config):
         from jaxpar.evaluation import tasks
-        from jaxpar.evaluation.harness import Text
+        from jaxpar.evaluation.text import Text
 
         if jax.process_count() > 1:
             raise ConfigError(

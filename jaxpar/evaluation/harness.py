@@ -16,15 +16,13 @@ backend (`hf`) answers them, so that the scores are the same:
   as gen_kwargs sample, each row stopped at its first `until` string or the end of
   text; the text cut before the first stop string.
 
-Text goes through the `tokenizers` file of a Hugging Face tokenizer folder, with
-special tokens added as its post-processor adds them (what transformers' fast tokenizer
-does by default, as the `hf` backend calls it), and decoded without them.
+Text goes through jaxpar.evaluation.text (transformers' fast tokenizer's encoding with
+`tokenizers` alone).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -36,59 +34,11 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from jaxpar.data import chat
 from jaxpar.errors import ConfigError
 from jaxpar.evaluation import BATCH_SIZE, MAX_GEN_TOKS
 from jaxpar.evaluation.scoring import Scorer, bucket_of
+from jaxpar.evaluation.text import Text
 from jaxpar.generation import decoding
-
-# transformers' clean-up of decoded text, where tokenizer_config.json asks for it
-_CLEAN_UP = (
-    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-    (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
-)  # fmt: skip
-
-
-class Text:
-    """A Hugging Face tokenizer folder read with `tokenizers`, as transformers' fast
-    tokenizer encodes and decodes: its end of text, its BOS, its clean-up setting."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.tok = chat.tokenizer(self.folder)
-        special = chat.Template(self.folder).tokens  # bos_token, eos_token, ... as text
-        self.vocab = self.tok.get_vocab_size()
-        self.eos = self._id(special.get("eos_token"))
-        if self.eos is None:  # a tokenizer without the setting: its end-of-text token
-            self.eos = min(chat.stop_ids(self.tok, False), default=None)
-        if self.eos is None:
-            raise ConfigError(
-                f"--tokenizer {self.folder}: no end-of-text token (tokenizer_config.json's "
-                "eos_token); lm-eval ends generations and empty contexts with it"
-            )
-        self.bos = self._id(special.get("bos_token"))
-        self.clean_up = chat.settings(self.folder).get("clean_up_tokenization_spaces") is True
-
-    def _id(self, token) -> int | None:
-        return None if not isinstance(token, str) else self.tok.token_to_id(token)
-
-    def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids, skip_special: bool = True) -> str:
-        text = self.tok.decode(list(ids), skip_special_tokens=skip_special)
-        if self.clean_up:
-            for before, after in _CLEAN_UP:
-                text = text.replace(before, after)
-        return text
-
-    def check(self, vocab: int) -> None:
-        """The tokenizer against the model's vocabulary."""
-        if self.vocab > vocab:
-            raise ConfigError(
-                f"--tokenizer {self.folder}: {self.vocab} ids, but the model has model.vocab="
-                f"{vocab}; give the tokenizer it was trained with"
-            )
 
 
 @register_model("jaxpar")

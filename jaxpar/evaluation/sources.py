@@ -8,6 +8,7 @@ from pathlib import Path
 from jaxpar import hf
 from jaxpar.data import tokens
 from jaxpar.errors import ConfigError
+from jaxpar.evaluation.text import Text
 from jaxpar.generation import decoding
 
 
@@ -47,8 +48,6 @@ def tokenizer_of(source: str, given: str | Path | None, loaded: decoding.Loaded)
 
 def load(source: str, tokenizer, overrides: list[str], step: int | None = None, devices=None):
     """(the model of `source` on a decoding layout, its Text)."""
-    from jaxpar.evaluation.harness import Text
-
     check(source)
     if tokenizer:  # read before the model is
         text = Text(Path(tokenizer))
