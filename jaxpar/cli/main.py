@@ -263,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="default: hf:DIR's own, or the one the run's data was prepared with",
     )
+    ev.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="each prompt through the tokenizer's chat template (few-shot examples as turns)",
+    )
     ev.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     bench = sub.add_parser(
@@ -497,7 +502,9 @@ def _eval(args: argparse.Namespace) -> int:
     chosen = tasks.resolve(args.tasks)
     _setup_devices(args.cpu_devices, default=1)  # one device unless asked, as generate
     lm = report.model(args.source, args.tokenizer, args.overrides, args.step, args.batch_size)
-    results = report.evaluate(lm, chosen, args.num_fewshot, args.limit)
+    if args.apply_chat_template:
+        lm.apply_chat_template([])  # a tokenizer without a template: said before scoring
+    results = report.evaluate(lm, chosen, args.num_fewshot, args.limit, args.apply_chat_template)
     path = report.write(results, out)
     print(report.table(results))
     print(f"results: {path}", file=sys.stderr)

@@ -124,6 +124,18 @@ class JaxparLM(TemplateLM):
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.text.decode(tokens, skip_special_tokens)
 
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.text.template.source if chat_template else None
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """The conversation through the tokenizer's chat template (--apply_chat_template)."""
+        if self.text.template.compiled is None:
+            raise ConfigError(
+                f"--apply-chat-template: {self.text.folder} has no chat template "
+                "(tokenizer_config.json's `chat_template`); drop the flag"
+            )
+        return self.text.template.render(chat_history, generation_prompt=add_generation_prompt)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         pairs = [(context, continuation) for _, context, continuation in requests]
         for context, continuation in pairs:

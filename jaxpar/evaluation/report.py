@@ -19,10 +19,16 @@ def model(source: str, tokenizer, overrides: list[str], step=None, batch_size=BA
 
 
 def evaluate(
-    lm: JaxparLM, tasks: Tasks, num_fewshot: int | None = None, limit: float | None = None
+    lm: JaxparLM,
+    tasks: Tasks,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    chat: bool = False,
 ) -> dict:
     """lm-eval's results of `tasks` on `lm` (its simple_evaluate: the task configs'
-    few-shot counts unless `num_fewshot`, the first `limit` documents of each)."""
+    few-shot counts unless `num_fewshot`, the first `limit` documents of each; with
+    `chat`, each prompt through the tokenizer's chat template, few-shot examples as
+    turns)."""
     import lm_eval
 
     return lm_eval.simple_evaluate(
@@ -32,6 +38,7 @@ def evaluate(
         limit=limit,
         task_manager=tasks.manager,
         log_samples=False,
+        apply_chat_template=chat,
     )
 
 

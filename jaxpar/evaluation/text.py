@@ -24,7 +24,8 @@ class Text:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.tok = chat.tokenizer(self.folder)
-        special = chat.Template(self.folder).tokens  # bos_token, eos_token, ... as text
+        self.template = chat.Template(self.folder)
+        special = self.template.tokens  # bos_token, eos_token, ... as text
         self.vocab = self.tok.get_vocab_size()
         self.eos = self._id(special.get("eos_token"))
         if self.eos is None:  # a tokenizer without the setting: its end-of-text token
