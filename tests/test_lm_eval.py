@@ -201,22 +201,47 @@ def test_a_local_task_folder_reads_its_files_beside_it(tmp_path, monkeypatch):
         ),
         (lambda d: ["--tasks", "jaxpar_arithmetic_mc", "--tokenizer", _big(d)], "600 ids"),
         (lambda d: ["--tasks", str(d / "none.yaml")], "no such file"),
+        (lambda d: ["--tasks", _task(d, None)], "Unable to find"),
+        (lambda d: ["--tasks", _task(d, '{"question": "What is 1 plus 1?"\n')], "lm-eval refuses"),
         (lambda d: ["--tasks", "jaxpar_arithmetic_mc", "--limit", "0"], "--limit 0"),
+        (lambda d: ["--tasks", "jaxpar_arithmetic_mc", "--tokenizer", str(d)], "no tokenizer.json"),
     ],
-    ids=["unknown", "yaml", "refused", "hub", "tokenizer", "missing", "limit"],
+    ids=[
+        "unknown",
+        "yaml",
+        "refused",
+        "hub",
+        "tokenizer",
+        "missing",
+        "no data",
+        "bad data",
+        "limit",
+        "no tokenizer",
+    ],
 )
 def test_bad_eval_input_is_one_line(make, needle, checkpoint, tmp_path, capsys, monkeypatch):
+    """Each said in one line before the model is read; nothing written."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine with no network
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     argv = ["eval", f"hf:{checkpoint}", *make(tmp_path), "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 2
     one_line_error(capsys, needle)
+    assert not (tmp_path / "out").exists()
 
 
 def _yaml(folder, text: str) -> str:
     path = folder / "task.yaml"
     path.write_text(text)
     return str(path)
+
+
+def _task(folder, data: str | None) -> str:
+    """The shipped multiple-choice task beside a data file that is missing (None) or
+    holds `data`."""
+    text = (tasks.SHIPPED / "arithmetic" / "jaxpar_arithmetic_mc.yaml").read_text()
+    if data is not None:
+        (folder / "arithmetic.jsonl").write_text(data)
+    return _yaml(folder, text)
 
 
 def _big(folder) -> str:
@@ -262,3 +287,40 @@ def test_training_scores_tasks_beside_the_loss_and_eval_scores_the_run(
     scored = json.loads(written.read_text())["results"]["jaxpar_arithmetic_mc"]
     assert scored["acc,none"] == rows[-1][acc]
     assert scored["acc_norm,none"] == rows[-1]["eval/jaxpar_arithmetic_mc/acc_norm"]
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "llama-tiny",
+        "mistral-tiny",
+        pytest.param("gemma3-tiny", marks=pytest.mark.slow),
+        "mixtral-tiny",
+        pytest.param("qwen3_moe-tiny", marks=pytest.mark.slow),
+        pytest.param("deepseek-tiny", marks=pytest.mark.slow),
+    ],
+)
+def test_scores_are_the_training_forward_in_every_family(preset, devices):
+    """Every decoding family's bucketed, left-padded scores equal its training forward
+    (the loss, dropless): windows shorter than a bucket (Mistral, Gemma 3's ring caches),
+    experts, latent attention."""
+    from jaxpar.evaluation.scoring import Scorer
+    from jaxpar.generation import decoding
+
+    experts = preset in ("mixtral-tiny", "qwen3_moe-tiny", "deepseek-tiny")
+    dropless = ["model.capacity_factor=0", "model.router_aux_loss=0"] if experts else []
+    loaded = decoding.random(preset, dropless, devices=devices[:2])
+    seq = loaded.cfg.train.seq_len
+    rng = np.random.default_rng(1)
+    lengths = [5, 20, 40, seq + 1, seq + 1]  # buckets 16, 32, 64, 64 (a window is 16)
+    rows = [rng.integers(0, loaded.cfg.model.vocab, n).tolist() for n in lengths]
+    scorer = Scorer(loaded, batch_size=2, max_length=seq)
+    ours = [s.logprob for s in scorer([(r[:1], r[1:]) for r in rows])]
+    tokens = np.zeros((len(rows), seq + 1), np.int32)
+    mask = np.zeros((len(rows), seq + 1), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)], mask[i, 1 : len(r)] = r, 1
+    loss = jax.jit(lambda p, b: loaded.problem.loss(decoding.restacked(p), b))
+    losses = loss(loaded.params, {"tokens": tokens, "loss_mask": mask})
+    np.testing.assert_allclose(ours, -np.asarray(losses).sum(-1), rtol=2e-5)
+    assert sorted(scorer.compiled) == [16, 32, 64]

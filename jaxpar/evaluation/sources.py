@@ -51,7 +51,7 @@ def load(source: str, tokenizer, overrides: list[str], step: int | None = None, 
     check(source)
     if tokenizer:  # read before the model is
         text = Text(Path(tokenizer))
-    loaded = decoding.load(source, list(overrides), step, devices)
+    loaded = decoding.load(source, list(overrides), step, devices, command="eval")
     if not tokenizer:
         text = Text(tokenizer_of(source, None, loaded))
     return loaded, text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def resolve(specs: list[str], where: str = "eval: --tasks") -> Tasks:
     """lm-eval's tasks for `specs` (names, task YAML files, folders of them), built;
     `where` names them in an error (the flag, or the key)."""
     offline = go_offline_without_network()
+    _quiet()
     files = [Path(s) for s in specs if s.endswith((".yaml", ".yml")) or Path(s).is_dir()]
     for f in files:
         if not f.exists():
@@ -68,6 +70,16 @@ def resolve(specs: list[str], where: str = "eval: --tasks") -> Tasks:
             objects.append(built)
             names += [t.task_name for t in _leaves(built)]
     return Tasks(objects, names, local)
+
+
+def _quiet() -> None:
+    """lm-eval's and datasets' logs and bars off (jaxpar says what went wrong, in one
+    line, and draws its own bar over the requests)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
 def _names(spec: str, local, where: str) -> list[str]:
@@ -189,9 +201,14 @@ def _leaves(built) -> list:
     return built.get_all_tasks() if hasattr(built, "get_all_tasks") else [built]
 
 
-def _line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)[:300]
+def _line(e: BaseException) -> str:
+    """An error as one line, with the error that caused it (datasets wraps the parser's)."""
+    said = []
+    while e is not None and len(said) < 2:
+        text = str(e).strip().splitlines()
+        said.append(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
+        e = e.__cause__
+    return (said[0] if len(said) == 1 else f"{said[0]}; {said[1]}")[:400]
 
 
 def _version() -> str:

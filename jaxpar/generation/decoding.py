@@ -131,13 +131,19 @@ class Loaded:
     source: str
 
 
-def load(source: str, overrides: list[str], step: int | None = None, devices=None) -> Loaded:
+def load(
+    source: str,
+    overrides: list[str],
+    step: int | None = None,
+    devices=None,
+    command: str = "generate",
+) -> Loaded:
     """A run directory's newest checkpoint (or `step`), or hf:DIR, placed for decoding
-    on `devices` (default: all)."""
+    on `devices` (default: all); `command` names the asker in an error."""
     if source.startswith(hf.SCHEME):
         directory = hf.directory_of(source)
         config = hf.read_config(directory)
-        spec = _spec_of(config, source)
+        spec = _spec_of(config, source, command)
         given = {o.partition("=")[0][6:] for o in overrides if o.startswith("model.")}
         cfg = presets.load(spec.tiny, [f"model.init={source}", *overrides])
         cfg = presets.resolve_init(cfg, given)
@@ -147,7 +153,7 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
     else:
         run = Path(source)
         if not run.is_dir():
-            raise ConfigError(f"generate: {source}: no such run directory (or give hf:DIR)")
+            raise ConfigError(f"{command}: {source}: no such run directory (or give hf:DIR)")
         saved, meta = export.run_params(run, step)
         cfg = presets.from_dict(meta["config"], overrides)
         if cfg.adapter.kind is AdapterKind.LORA:  # decoded with the adapters added in
@@ -165,7 +171,7 @@ def load(source: str, overrides: list[str], step: int | None = None, devices=Non
             if changed or missing:
                 given = [o for o in overrides if o.startswith("model.")]
                 raise ConfigError(
-                    f"generate: {source}'s checkpoint is not this model: "
+                    f"{command}: {source}'s checkpoint is not this model: "
                     + "; ".join(changed[:2] + [f"no {k}" for k in missing[:2]])
                     + f"; drop the overrides that change it ({' '.join(given) or 'none given'})"
                 )
@@ -219,8 +225,8 @@ def layout(cfg: Config, overrides, devices=None, problem: Problem | None = None)
     spec = registry.get(cfg.model.name)
     if spec.cache_dims is None:
         raise ConfigError(
-            f"generate: model.name={cfg.model.name} has no decoder with a KV cache; "
-            f"these do: {', '.join(_decoders())}"
+            f"model.name={cfg.model.name} has no decoder with a KV cache, which generate "
+            f"and eval read it through; these do: {', '.join(_decoders())}"
         )
     data, tensor = degrees(cfg.model, len(devices), overrides)
     # decoding's own layout, whatever the training layout was (pipeline, context, expert
@@ -300,14 +306,14 @@ def _decoders() -> list[str]:
     return [n for n in registry.names() if registry.get(n).cache_dims is not None]
 
 
-def _spec_of(config: dict, source: str):
+def _spec_of(config: dict, source: str, command: str):
     """The registered model whose Hugging Face format reads this config.json."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
     formats = {registry.get(n).hf.architecture: n for n in registry.names() if registry.get(n).hf}
     name = next((formats[a] for a in archs if a in formats), None)
     if name is None:
         raise ConfigError(
-            f"generate: {source}: config.json says {archs[0]}, which jaxpar does not read; "
+            f"{command}: {source}: config.json says {archs[0]}, which jaxpar does not read; "
             f"supported: {', '.join(sorted(formats))}"
         )
     return registry.get(name)
