@@ -86,7 +86,17 @@ def hf_answers(checkpoint, requests):
     from lm_eval.models.huggingface import HFLM
 
     model = HFLM(pretrained=str(checkpoint), batch_size=4, dtype="float32", device="cpu")
-    return {kind: getattr(model, kind)(rs) for kind, rs in requests.items()}
+    answers = {kind: getattr(model, kind)(rs) for kind, rs in requests.items()}
+    return answers, [model.apply_chat_template(h, g) for h, g in CHATS]
+
+
+CHATS = [  # (a conversation lm-eval renders, whether a generation prompt follows)
+    ([{"role": "user", "content": "What is 7 plus 7?"}], True),
+    ([{"role": "system", "content": "Add."}, {"role": "user", "content": "1 plus 2?"},
+      {"role": "assistant", "content": "3"}, {"role": "user", "content": "2 plus 2?"}], True),
+    ([{"role": "user", "content": "What is 1 plus 1?"}, {"role": "assistant", "content": "2"}],
+     False),
+]  # fmt: skip
 
 
 def backend(checkpoint, overrides, devices=1) -> JaxparLM:
@@ -105,11 +115,14 @@ def backend(checkpoint, overrides, devices=1) -> JaxparLM:
 )
 def test_every_request_equals_lm_evals_hf_backend(layout, checkpoint, requests, hf_answers):
     """Each log-likelihood within 1e-4 (relative) of the hf backend's, the same greedy
-    flags, the same rolling sums, the same generated text: so the same scores."""
+    flags, the same rolling sums, the same generated text: so the same scores; and the
+    same prompts through the chat template (--apply-chat-template)."""
     overrides, devices = LAYOUTS[layout]
     model = backend(checkpoint, overrides, devices)
+    answers, chats = hf_answers
+    assert [model.apply_chat_template(h, g) for h, g in CHATS] == chats  # lm-eval's chat form
     for kind, asked in requests.items():
-        ours, theirs = getattr(model, kind)(asked), hf_answers[kind]
+        ours, theirs = getattr(model, kind)(asked), answers[kind]
         if kind == "generate_until":
             assert ours == theirs
             assert any(ours), "the random model writes something before a stop"
@@ -160,8 +173,8 @@ def test_lm_evals_own_entry_point_finds_the_jaxpar_model(checkpoint):
 @pytest.mark.smoke
 def test_eval_command_writes_lm_evals_results_and_prints_its_table(checkpoint, tmp_path, capsys):
     out = tmp_path / "results"
-    argv = ["eval", f"hf:{checkpoint}", "--tasks", *SHIPPED, "--limit", "8", "--out", str(out)]
-    assert cli.main([*argv, "parallel.tensor=2"]) == 0
+    argv = ["eval", f"hf:{checkpoint}", "--tasks", *SHIPPED, "parallel.tensor=2", "--limit", "8"]
+    assert cli.main([*argv, "--out", str(out)]) == 0  # an override among the tasks: taken
     printed, err = capsys.readouterr()
     (written,) = out.glob("results_*.json")
     results = json.loads(written.read_text())

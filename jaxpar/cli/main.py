@@ -232,7 +232,6 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
     gen.add_argument("--seed", type=int, default=0, metavar="S")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
     gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     ev = sub.add_parser(
         "eval",
@@ -254,7 +253,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the first N documents of each task (or a share < 1)",
     )
     ev.add_argument(
-        "--batch-size", type=int, default=BATCH_SIZE, metavar="B", help="requests a batch"
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        metavar="B",
+        help=f"requests a batch (default {BATCH_SIZE})",
     )
     ev.add_argument("--out", type=Path, metavar="DIR", help="default: SOURCE/eval")
     ev.add_argument(
@@ -268,7 +271,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each prompt through the tokenizer's chat template (few-shot examples as turns)",
     )
-    ev.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     bench = sub.add_parser(
         "bench",
@@ -304,6 +306,8 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run even where the compiled step's memory looks larger than this machine's",
         )
+    for p in (gen, ev):
+        p.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
     for p in (train, bench, inspect, plan, export, gen, ev):
         p.add_argument(
             "--cpu-devices",
@@ -346,6 +350,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--peak-tflops {peak}: give a number > 0 and <= 1e+07 TFLOP/s")
 
     _check_cpu_devices(getattr(args, "cpu_devices", None))
+    step = getattr(args, "step", None)
+    if step is not None and not 0 <= step < 2**63:
+        raise ConfigError(f"--step {step}: give a step the run saved, or none for its newest")
     if args.command == "launch":
         if not 1 <= args.processes <= MAX_CPU_DEVICES:
             raise ConfigError(
@@ -409,13 +416,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if rest:
         args.overrides = [*args.overrides, *rest]
     if args.command == "generate" and args.prompt:
-        _overrides_among_prompts(args)
+        args.prompt = _overrides_among(args, args.prompt, "--prompt", "the prompt text")
+    if args.command == "eval":
+        args.tasks = _overrides_among(args, args.tasks, "--tasks", "a task")
     return args
 
 
-def _overrides_among_prompts(args: argparse.Namespace) -> None:
-    """`--prompt hi parallel.tensor=2`: argparse gives every word after --prompt to it;
-    the words that set a declared config key are overrides, in any order as elsewhere."""
+def _overrides_among(args: argparse.Namespace, words: list[str], flag: str, what: str):
+    """`--prompt hi parallel.tensor=2`: argparse gives every word after a flag of many
+    values to it; the words that set a declared config key are overrides, in any order
+    as elsewhere. The flag's own words are returned."""
     from jaxpar.config.presets import keys
 
     declared = keys()
@@ -424,10 +434,11 @@ def _overrides_among_prompts(args: argparse.Namespace) -> None:
         key, is_set, _ = word.partition("=")
         return bool(is_set) and key in declared
 
-    args.overrides = [*args.overrides, *(w for w in args.prompt if sets_a_key(w))]
-    args.prompt = [w for w in args.prompt if not sets_a_key(w)]
-    if not args.prompt:
-        raise ConfigError("--prompt: only KEY=VALUE overrides after it; give the prompt text")
+    args.overrides = [*args.overrides, *(w for w in words if sets_a_key(w))]
+    kept = [w for w in words if not sets_a_key(w)]
+    if not kept:
+        raise ConfigError(f"{flag}: only KEY=VALUE overrides after it; give {what}")
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,8 +461,6 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
-    if args.step is not None and not 0 <= args.step < 2**63:
-        raise ConfigError(f"--step {args.step}: give a step the run saved, or none for its newest")
     if not args.source.startswith("hf:") and not (Path(args.source) / "checkpoints").is_dir():
         raise ConfigError(
             f"generate: {args.source}: no checkpoints there; give a run directory that "
@@ -493,8 +502,6 @@ def _eval(args: argparse.Namespace) -> int:
         )
     if not 1 <= args.batch_size <= 1 << 16:
         raise ConfigError(f"--batch-size {args.batch_size}: give 1 to {1 << 16} requests")
-    if args.step is not None and not 0 <= args.step < 2**63:
-        raise ConfigError(f"--step {args.step}: give a step the run saved, or none for its newest")
     sources.check(args.source)
     out = args.out or sources.results_folder(args.source)
     rundir.check_writable(out, "--out" if args.out else "eval: results folder")

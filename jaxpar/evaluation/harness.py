@@ -22,6 +22,7 @@ Text goes through jaxpar.evaluation.text (transformers' fast tokenizer's encodin
 
 from __future__ import annotations
 
+import math
 import sys
 
 from lm_eval.api.model import TemplateLM
@@ -84,7 +85,14 @@ class JaxparLM(TemplateLM):
         self.text.check(loaded.cfg.model.vocab)
         self._max_length = int(max_length or loaded.positions)
         self._max_gen_toks = int(max_gen_toks)
-        size = BATCH_SIZE if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
+        if not 1 < self._max_length <= loaded.positions or self._max_gen_toks < 1:
+            raise ConfigError(
+                f"--model_args max_length={self._max_length}, max_gen_toks={self._max_gen_toks}:"
+                f" give a length of 2 to the model's {loaded.positions} positions, and 1 or "
+                "more new tokens"
+            )
+        auto = batch_size is None or str(batch_size).startswith("auto")  # lm-eval's auto: ours
+        size = BATCH_SIZE if auto else int(batch_size)
         self.scorer = Scorer(loaded, size, self._max_length)
         self.decoder = decoding.Decoder(loaded)
         self.rows = self.scorer.rows_per_batch
@@ -136,6 +144,19 @@ class JaxparLM(TemplateLM):
             )
         return self.text.template.render(chat_history, generation_prompt=add_generation_prompt)
 
+    def get_model_info(self) -> dict:
+        """What lm-eval's results JSON records of the model."""
+        shapes = self.m.problem.shapes.values()
+        return {
+            "model_source": self.m.source,
+            "model_num_parameters": int(sum(math.prod(s.shape) for s in shapes)),
+            "model_dtype": "float32",
+            "layout": {k: v for k, v in self.m.mesh.shape.items() if k in ("data", "tensor")},
+        }
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=True)  # jaxpar's bar, not two
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         pairs = [(context, continuation) for _, context, continuation in requests]
         for context, continuation in pairs:
@@ -145,7 +166,7 @@ class JaxparLM(TemplateLM):
                     f"continuation ids; lm-eval gives 1 or more of each, the continuation at "
                     f"most the model's {self.max_length}"
                 )
-        with self._bar(len(pairs), "loglikelihood", disable_tqdm) as bar:
+        with self._bar(len(pairs), "loglikelihood") as bar:
             before = (self.scorer.tokens, self.scorer.seconds)
 
             def done(n: int) -> None:
@@ -180,7 +201,7 @@ class JaxparLM(TemplateLM):
             groups.setdefault(repr(sorted(r.args[1].items())), []).append(n)
         out: list[str | None] = [None] * len(requests)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        with self._bar(len(requests), "generate_until", disable_tqdm) as bar:
+        with self._bar(len(requests), "generate_until") as bar:
             for members in groups.values():
                 kwargs = normalize_gen_kwargs(requests[members[0]].args[1], self._max_gen_toks)
                 until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -232,12 +253,13 @@ class JaxparLM(TemplateLM):
         self.generate_buckets.add((done.rows, done.prompt_slots, done.cache_slots))
         return [self.text.decode(c) for c in done.completions]
 
-    def _bar(self, total: int, what: str, disable: bool):
+    def _bar(self, total: int, what: str):
+        """A bar over requests (lm-eval's own, per batch of windows or of tokenizing, off)."""
         return tqdm(
             total=total,
             desc=what,
             unit="req",
-            disable=disable or not self.progress,
+            disable=not self.progress,
             file=sys.stderr,
             dynamic_ncols=True,
         )
