@@ -510,7 +510,7 @@ def _eval(args: argparse.Namespace) -> int:
     _setup_devices(args.cpu_devices, default=1)  # one device unless asked, as generate
     lm = report.model(args.source, args.tokenizer, args.overrides, args.step, args.batch_size)
     if args.apply_chat_template:
-        lm.apply_chat_template([])  # a tokenizer without a template: said before scoring
+        lm.check_chat_template()  # a tokenizer without one: said before anything is scored
     results = report.evaluate(lm, chosen, args.num_fewshot, args.limit, args.apply_chat_template)
     path = report.write(results, out)
     print(report.table(results))

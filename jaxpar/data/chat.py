@@ -62,13 +62,21 @@ class Template:
         self.source, self.tokens = _read(folder)
         self.compiled = None if self.source is None else _compile(self.source)
 
-    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict], generation_prompt: bool = False, continued: bool = False
+    ) -> str:
         """The conversation as the template writes it; ConfigError where the template
-        raises (its own raise_exception, or an error in it), naming the conversation."""
+        raises (its own raise_exception, or an error in it), naming the conversation.
+        `continued`: the text ends inside the last message, for the model to go on with
+        it (transformers' continue_final_message: what the template writes after the
+        message's content, its end of turn, cut)."""
         from jinja2 import TemplateError
 
+        if continued:
+            last = {**messages[-1], "content": str(messages[-1].get("content")) + _MARK}
+            messages = [*messages[:-1], last]
         try:
-            return self.compiled.render(
+            text = self.compiled.render(
                 messages=messages, add_generation_prompt=generation_prompt, **self.tokens
             )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
@@ -78,6 +86,19 @@ class Template:
                 f"beginning {str(first)[:40]!r} ({type(e).__name__}: {e}); fix the "
                 "template (tokenizer_config.json's `chat_template`), or the conversation"
             ) from None
+        if not continued:
+            return text
+        at = text.rfind(_MARK.strip())
+        if at < 0:
+            raise ConfigError(
+                f"--tokenizer {self.folder}: its chat template drops part of the last "
+                "message, so the text cannot end inside it"
+            )
+        # a template that trims the message's trailing spaces trimmed the mark's too
+        return text[:at] if text[at : at + len(_MARK)] == _MARK else text[:at].rstrip()
+
+
+_MARK = "JAXPAR_CONTINUES_HERE "  # where a continued last message ends, in its render
 
 
 def tokenizer(folder: Path):

@@ -135,14 +135,20 @@ class JaxparLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         return self.text.template.source if chat_template else None
 
-    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        """The conversation through the tokenizer's chat template (--apply_chat_template)."""
+    def check_chat_template(self) -> None:
         if self.text.template.compiled is None:
             raise ConfigError(
                 f"--apply-chat-template: {self.text.folder} has no chat template "
                 "(tokenizer_config.json's `chat_template`); drop the flag"
             )
-        return self.text.template.render(chat_history, generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """The conversation through the tokenizer's chat template (--apply_chat_template)."""
+        self.check_chat_template()
+        # without a generation prompt lm-eval prefills the assistant's turn: it goes on
+        return self.text.template.render(
+            chat_history, add_generation_prompt, continued=not add_generation_prompt
+        )
 
     def get_model_info(self) -> dict:
         """What lm-eval's results JSON records of the model."""
