@@ -137,7 +137,8 @@ def test_every_request_equals_lm_evals_hf_backend(layout, checkpoint, requests, 
 
 def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests):
     """The count of compiled scoring programs is the count of length buckets: counted by
-    jax's own compile events, and none again for the same buckets."""
+    jax's own compile events, and none again for the same buckets; requests that differ
+    in their last id alone run as one row."""
     model = backend(checkpoint, LAYOUTS["one device"][0])
     asked = [model._encode_pair(*i.args) for i in requests["loglikelihood"] if i.args[0]]
     asked += [model._encode_pair("2 + 2 =", f" {n}") for n in range(6)]  # the 16 bucket
@@ -151,6 +152,9 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
     buckets = model.buckets(asked)
     assert len(compiles) == len(buckets) == len(model.scorer.compiled) == 3  # 16, 32, 64
     assert len(asked) == 55
+    # a question's choices that differ in their last id share a row (as hf's logits cache)
+    shared = {tuple((c + x)[:-1]) for c, x in asked}
+    assert model.scorer.rows_scored == len(shared) < len(asked) - 5
     model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
     assert len(compiles) == 3
     jax.monitoring.clear_event_listeners()

@@ -8,8 +8,10 @@ model's length); a bucket's requests run `rows` at a time, left-padded to its le
 through the model's prefill (model.decode over an empty cache, as `jaxpar generate`
 reads a prompt: every layout it decodes in, experts dropless as transformers routes
 them). One program is compiled a bucket, however many requests it holds; it returns each
-target's log-probability and whether it is the argmax, so only [rows, bucket] numbers
-leave the devices.
+target's log-probability and whether it is the argmax, and the last position's
+log-probabilities whole, so only [rows, bucket + vocab] numbers leave the devices.
+Requests whose ids differ in their last id alone (a multiple-choice question's one-id
+choices) share one row, as lm-eval's hf backend shares their logits.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ class Scorer:
             logits_BxSxV = logits_BxSxV.astype(jnp.float32)
             logp_BxSxV = jax.nn.log_softmax(logits_BxSxV, axis=-1)
             picked_BxS = jnp.take_along_axis(logp_BxSxV, targets_BxS[..., None], -1)[..., 0]
-            return picked_BxS, jnp.argmax(logits_BxSxV, axis=-1) == targets_BxS
+            greedy_BxS = jnp.argmax(logits_BxSxV, axis=-1) == targets_BxS
+            # the last position whole: requests that differ in their last id alone share it
+            return picked_BxS, greedy_BxS, logp_BxSxV[:, -1], jnp.argmax(logits_BxSxV[:, -1], -1)
 
-        self._score = jax.jit(score, out_shardings=(self.rows, self.rows))
+        self._score = jax.jit(score, out_shardings=(self.rows,) * 4)
         self.compiled: dict[int, Callable] = {}  # bucket -> its program
         self.tokens = 0  # input ids scored (padding not counted)
+        self.rows_scored = 0  # rows run (requests that share their ids share one)
         self.seconds = 0.0  # in the programs, compiles not counted
         self.compile_s = 0.0
 
@@ -92,44 +97,56 @@ class Scorer:
         on_done: Callable[[int], None] | None = None,
     ) -> list[Scored]:
         """Each (context ids, continuation ids) request's Scored, in the order given;
-        `on_done(n)` after each batch of n requests."""
+        `on_done(n)` after each batch of n requests. Requests whose ids differ in the
+        last alone (the choices of a multiple-choice question, one id each) share a row,
+        as lm-eval's hf backend shares their logits."""
         ids = [self.inputs(c, x) for c, x in requests]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        rows: dict[tuple, list[int]] = {}  # the input ids -> the requests they score
+        for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
+            rows.setdefault(tuple(ids[i][:-1]), []).append(i)
+        by_bucket: dict[int, list[tuple]] = {}
+        for row in rows:
+            by_bucket.setdefault(bucket_of(len(row), self.max_length), []).append(row)
         out: list[Scored | None] = [None] * len(ids)
-        by_bucket: dict[int, list[int]] = {}
-        for i in order:
-            by_bucket.setdefault(bucket_of(len(ids[i]) - 1, self.max_length), []).append(i)
-        for bucket, members in by_bucket.items():
-            for start in range(0, len(members), self.rows_per_batch):
-                batch = members[start : start + self.rows_per_batch]
-                answers = self._batch(bucket, batch, ids, requests)
-                for i, (logprob, greedy) in zip(batch, answers, strict=True):
-                    out[i] = Scored(logprob, greedy)
+        for bucket, inputs in by_bucket.items():
+            for start in range(0, len(inputs), self.rows_per_batch):
+                batch = inputs[start : start + self.rows_per_batch]
+                for row, scored in zip(
+                    batch, self._batch(bucket, batch, rows, ids, requests), strict=True
+                ):
+                    for i, one in zip(rows[row], scored, strict=True):
+                        out[i] = one
                 if on_done:
-                    on_done(len(batch))
+                    on_done(sum(len(rows[row]) for row in batch))
         return out
 
-    def _batch(self, bucket: int, batch: list[int], ids, requests):
-        rows = self.rows_per_batch
-        tokens = np.zeros((rows, bucket), np.int32)
-        targets = np.zeros((rows, bucket), np.int32)
-        pad = np.full(rows, bucket - 1, np.int32)  # padding rows: one id, never read
-        for r, i in enumerate(batch):
-            n = len(ids[i]) - 1
-            tokens[r, bucket - n :], targets[r, bucket - n :] = ids[i][:-1], ids[i][1:]
+    def _batch(self, bucket: int, batch: list[tuple], rows: dict, ids, requests):
+        """Each row's requests' Scored: a row's targets are its first request's, and each
+        request's own last id is read from the row's last position."""
+        size = self.rows_per_batch
+        tokens = np.zeros((size, bucket), np.int32)
+        targets = np.zeros((size, bucket), np.int32)
+        pad = np.full(size, bucket - 1, np.int32)  # padding rows: one id, never read
+        for r, row in enumerate(batch):
+            n, first = len(row), ids[rows[row][0]]
+            tokens[r, bucket - n :], targets[r, bucket - n :] = row, first[1:]
             pad[r] = bucket - n
         positions = np.maximum(np.arange(bucket)[None] - pad[:, None], 0).astype(np.int32)
         program = self.program(bucket)
         start = time.perf_counter()
         put = lambda x: jax.device_put(x, self.rows)  # noqa: E731
-        picked, greedy = program(self.m.params, put(tokens), put(positions), put(pad), put(targets))
-        picked, greedy = np.asarray(picked), np.asarray(greedy)
+        placed = (put(tokens), put(positions), put(pad), put(targets))
+        picked, greedy, last, top = map(np.asarray, program(self.m.params, *placed))
         self.seconds += time.perf_counter() - start
         self.tokens += int(sum(bucket - pad[: len(batch)]))
+        self.rows_scored += len(batch)
         answers = []
-        for r, i in enumerate(batch):
-            k = len(requests[i][1])  # the continuation: the last k targets
-            answers.append(
-                (float(picked[r, bucket - k :].sum()), bool(greedy[r, bucket - k :].all()))
-            )
+        for r, row in enumerate(batch):
+            scored = []
+            for i in rows[row]:
+                k, t = len(requests[i][1]), ids[i][-1]  # the last k targets; the last id
+                before = slice(bucket - k, bucket - 1)
+                logprob = float(picked[r, before].sum() + last[r, t])
+                scored.append(Scored(logprob, bool(greedy[r, before].all() and top[r] == t)))
+            answers.append(scored)
         return answers
