@@ -160,6 +160,7 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
     jax.monitoring.clear_event_listeners()
 
 
+@pytest.mark.smoke
 def test_lm_evals_own_entry_point_finds_the_jaxpar_model(checkpoint):
     """`lm_eval --model jaxpar`: a fresh interpreter's lm-eval registry holds jaxpar's
     backend (the .pth the install puts beside jaxpar), and lm-eval builds it from a
