@@ -332,7 +332,7 @@ def test_scores_are_the_training_forward_in_every_family(preset, devices):
     rng = np.random.default_rng(1)
     lengths = [5, 20, 40, seq + 1, seq + 1]  # buckets 16, 32, 64, 64 (a window is 16)
     rows = [rng.integers(0, loaded.cfg.model.vocab, n).tolist() for n in lengths]
-    scorer = Scorer(loaded, batch_size=2, max_length=seq)
+    scorer = Scorer(decoding.Decoder(loaded), batch_size=2, max_length=seq)
     ours = [s.logprob for s in scorer([(r[:1], r[1:]) for r in rows])]
     tokens = np.zeros((len(rows), seq + 1), np.int32)
     mask = np.zeros((len(rows), seq + 1), np.int32)

@@ -93,8 +93,8 @@ class JaxparLM(TemplateLM):
             )
         auto = batch_size is None or str(batch_size).startswith("auto")  # lm-eval's auto: ours
         size = BATCH_SIZE if auto else int(batch_size)
-        self.scorer = Scorer(loaded, size, self._max_length)
         self.decoder = decoding.Decoder(loaded)
+        self.scorer = Scorer(self.decoder, size, self._max_length)
         self.rows = self.scorer.rows_per_batch
         self.progress = progress
         self.generated = 0  # new ids kept

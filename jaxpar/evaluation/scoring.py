@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.generation import decoding
 from jaxpar.parallel.axes import DATA
@@ -45,14 +44,15 @@ def bucket_of(length: int, most: int) -> int:
 
 
 class Scorer:
-    """Scores (context ids, continuation ids) pairs with one decoding-layout model."""
+    """Scores (context ids, continuation ids) pairs with a decoder's model (its cache
+    layout too)."""
 
-    def __init__(self, m: decoding.Loaded, batch_size: int, max_length: int):
-        self.m, self.max_length = m, max_length
+    def __init__(self, decoder: decoding.Decoder, batch_size: int, max_length: int):
+        m = self.m = decoder.m
+        self.max_length = max_length
         data = m.mesh.shape[DATA]
         self.rows_per_batch = math.ceil(batch_size / data) * data
-        self.rows = NamedSharding(m.mesh, PartitionSpec(DATA))
-        decoder = decoding.Decoder(m)
+        self.rows = decoder.rows
 
         def score(params, tokens_BxS, positions_BxS, pad_B, targets_BxS):
             shapes = decoder.cache_shapes(*tokens_BxS.shape)
