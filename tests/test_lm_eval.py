@@ -176,7 +176,9 @@ def test_lm_evals_own_entry_point_finds_the_jaxpar_model(checkpoint):
 
 
 @pytest.mark.smoke
-def test_eval_command_writes_lm_evals_results_and_prints_its_table(checkpoint, tmp_path, capsys):
+def test_eval_command_writes_lm_evals_results_and_prints_its_table(
+    checkpoint, tmp_path, capsys, devices
+):
     out = tmp_path / "results"
     argv = ["eval", f"hf:{checkpoint}", "--tasks", *SHIPPED, "parallel.tensor=2", "--limit", "8"]
     assert cli.main([*argv, "--out", str(out)]) == 0  # an override among the tasks: taken
@@ -237,7 +239,9 @@ def test_a_local_task_folder_reads_its_files_beside_it(tmp_path, monkeypatch):
         "no tokenizer",
     ],
 )
-def test_bad_eval_input_is_one_line(make, needle, checkpoint, tmp_path, capsys, monkeypatch):
+def test_bad_eval_input_is_one_line(
+    make, needle, checkpoint, tmp_path, capsys, monkeypatch, devices
+):
     """Each said in one line before the model is read; nothing written."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine with no network
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
