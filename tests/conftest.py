@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 import pytest
 
+pytest_plugins = ["suite_profile"]  # pytest --profile: each test's compiles and steps
+
 CACHE = os.environ.get("JAXPAR_TEST_CACHE")
 FIRST = CACHE is None  # the session's first process (pytest itself, or xdist's controller)
 if FIRST:

@@ -36,6 +36,8 @@ from jaxpar.parallel.sharding import leaf_key
 from jaxpar.step.build import Run, prepare
 from jaxpar.training import checkpoint, console, metrics, rundir
 
+STEP_EVENT = "/jaxpar/train/step"  # a jax.monitoring event per dispatched training step
+
 
 @dataclass
 class Result:
@@ -366,6 +368,7 @@ def run_loop(
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
             batch = batch_for(batches, step, sharding, run.step.batch_shapes)
             loop.state, step_metrics = compiled(loop.state, batch)
+        jax.monitoring.record_event(STEP_EVENT)  # for listeners: the test suite's profile
         if tracing and step + 1 == span[1]:
             jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
             jax.profiler.stop_trace()
