@@ -103,7 +103,11 @@ SMOKE = (
 )
 
 
+COLLECTED: set[str] = set()  # every test this process collected, before -m deselects any
+
+
 def pytest_collection_modifyitems(items):
+    COLLECTED.update(item.nodeid.split("tests/", 1)[-1] for item in items)
     for item in items:
         if any(item.nodeid.split("tests/")[-1].startswith(s) for s in SMOKE):
             item.add_marker(pytest.mark.smoke)

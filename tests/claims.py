@@ -1,0 +1,648 @@
+"""The ledger of claims: each thing the README and the docs say is proven, on the page that
+says it, with the tests that prove it. `scripts/update_docs.py` renders it as
+docs/proofs.md; tests/test_proofs.py fails when a claim has no test, when a test named
+here is gone, or when a page names a test file that no claim lists.
+
+A test is `FILE::FUNCTION` or `FILE::FUNCTION[ID]` (one case of a parametrized test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Claim:
+    page: str  # where the claim is made: README.md or docs/NAME.md
+    says: str  # the claim, as a user reads it
+    tests: tuple[str, ...]  # what proves it
+
+
+E, P = "test_equivalence.py::test_strategy_equals_one_device", "test_pipeline.py"
+CTX = "test_context.py::test_a_context_layout_trains_as_one_device"
+
+CLAIMS = (
+    # README: What is proven
+    Claim("README.md", "Data parallel with ZeRO-0 equals one device", (f"{E}[dp8-zero0]",)),
+    Claim(
+        "README.md",
+        "ZeRO-1 (optimizer state split) equals one device, its state the ZeRO formula's",
+        (f"{E}[dp8-zero1]", "test_ledger.py::test_state_bytes_match_zero_formula"),
+    ),
+    Claim(
+        "README.md",
+        "ZeRO-2 (gradients reduce-scattered) equals one device, at the textbook bytes",
+        (f"{E}[dp8-zero2]", "test_ledger.py::test_zero12_reduce_scatter_not_all_reduce"),
+    ),
+    Claim(
+        "README.md",
+        "ZeRO-3 (parameters gathered by layer) equals one device, its state the formula's",
+        (f"{E}[dp8-zero3]", "test_ledger.py::test_zero3_gathers_again_for_backward"),
+    ),
+    Claim(
+        "README.md",
+        "Megatron tensor parallel equals one device, at the textbook bytes",
+        (f"{E}[tp8]", "test_ledger.py::test_comm_at_textbook_minimum"),
+    ),
+    Claim("README.md", "data x tensor x ZeRO-3 equals one device", (f"{E}[dp4-tp2-zero3]",)),
+    Claim(
+        "docs/how-it-works.md",
+        "Every data-parallel layout's wire bytes are within 1.00-1.02 x the textbook minimum",
+        ("test_minimum.py::test_ratio_to_the_minimum",),
+    ),
+    Claim(
+        "README.md",
+        "GPipe, 1F1B and interleaved pipelines equal one device",
+        (f"{P}::test_schedule_equals_one_device",),
+    ),
+    Claim(
+        "README.md",
+        "The compiled pipeline's bubble is the formula's (p-1)/(m+p-1), and interleaving "
+        "shrinks it",
+        (
+            f"{P}::test_compiled_bubble_matches_formula",
+            f"{P}::test_interleaving_shrinks_the_bubble",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "The hand-written ring all-reduce and the gradient server train as XLA's all-reduce, "
+        "at the textbook bytes",
+        (
+            "test_dp.py::test_ring_and_server_train_like_xla",
+            "test_dp.py::test_ring_wire_bytes_are_the_textbook_all_reduce",
+            "test_dp.py::test_server_carries_n_times_a_ring_devices_traffic",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "ZeRO groups across hosts (replica) equal one device, each axis at its minimum",
+        (
+            "test_replica.py::test_replicas_of_zero_groups_equal_one_device",
+            "test_replica.py::test_each_axis_at_its_minimum",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "ZeRO-Offload trains as without offload, its optimizer state on the host",
+        (
+            "test_offload.py::test_offload_trains_like_no_offload",
+            "test_offload.py::test_optimizer_state_lives_on_the_host",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "Context parallelism (all_gather and Ulysses) equals one device at the textbook bytes",
+        (CTX, "test_context.py::test_context_bytes_are_the_textbook_minimum"),
+    ),
+    Claim(
+        "README.md",
+        "Expert parallelism equals one device at the textbook bytes",
+        (
+            "test_moe.py::test_a_mixture_trains_in_every_layout_as_on_one_device",
+            "test_moe.py::test_the_expert_axis_moves_the_textbook_bytes",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "A run killed with kill -9 resumes bitwise to the run that was never stopped",
+        (
+            "test_checkpoint.py::test_kill_9_where_it_can_hurt_resumes_to_the_straight_run",
+            "test_checkpoint.py::test_resume_is_bit_identical",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "A checkpoint restores into any other layout",
+        (
+            "test_checkpoint.py::test_restore_into_another_layout",
+            "test_moe.py::test_a_checkpoint_restores_into_another_expert_degree",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "Many processes (jax.distributed, gloo) equal one",
+        ("test_distributed.py::test_two_processes_train_like_one",),
+    ),
+    Claim(
+        "README.md",
+        "Every hand-written collective equals its jax.lax twin on integers",
+        (
+            "test_collectives.py::test_equals_lax_twin_on_integers",
+            "test_collectives.py::test_gradients_equal_the_twins",
+            "test_dp.py::test_reduce_equals_psum_and_psum_scatter_on_integers",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "Hugging Face checkpoints load and export with transformers' logits (Llama, Mistral, "
+        "Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, Gemma 2 and 3)",
+        (
+            "test_hf.py::test_loaded_weights_give_transformers_logits_in_every_layout",
+            "test_hf.py::test_train_export_and_load_in_transformers",
+            "test_families.py::test_trained_and_exported_logits_are_transformers_logits",
+            "test_mixtral.py::test_trained_and_exported_logits_are_transformers_logits",
+            "test_deepseek.py::test_trained_and_exported_logits_are_transformers_logits",
+            "test_gemma.py::test_trained_and_exported_logits_are_transformers_logits",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "jaxpar generate continues exactly as transformers.generate",
+        ("test_generate.py::test_greedy_equals_transformers_generate",),
+    ),
+    Claim(
+        "README.md",
+        "Generation is measured against transformers.generate by jaxpar bench",
+        ("test_bench.py::test_generate_section_reports_speeds_and_the_cache_against_its_formula",),
+    ),
+    Claim(
+        "README.md",
+        "jaxpar eval answers lm-eval's requests as its hf backend, in every decoding layout",
+        ("test_lm_eval.py::test_every_request_equals_lm_evals_hf_backend",),
+    ),
+    Claim(
+        "README.md",
+        "A bad configuration exits 2 with one line naming the key, the numbers and the fix",
+        (
+            "test_bad_input.py::test_override_refused",
+            "test_bad_input.py::test_every_subcommand_uses_the_same_checker",
+            "test_bad_input.py::test_refused_by_the_installed_command_before_jax_starts",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "The set-up commands, the tour and the walk-through run as written",
+        (
+            "test_docs.py::test_the_walk_through_and_the_tour_run_as_written",
+            "test_docs.py::test_every_command_the_docs_show_parses",
+        ),
+    ),
+    Claim(
+        "README.md",
+        "The default job (3D, ZeRO-1, 1F1B) equals one device",
+        ("test_equivalence.py::test_default_job_equals_one_device",),
+    ),
+    # docs/running.md
+    Claim(
+        "docs/running.md",
+        "The run directory holds metrics.jsonl, loss.png, summary.json and step.hlo.txt",
+        ("test_cli.py::test_train_writes_run_directory",),
+    ),
+    Claim(
+        "docs/running.md",
+        "Every invalid key, path and number is refused the same way by every subcommand",
+        (
+            "test_bad_input.py::test_subcommand_paths_and_numbers_refused",
+            "test_bad_input.py::test_the_ranges_are_the_reviewed_ones",
+            "test_bad_commands.py::test_every_numeric_flag_of_generate_has_a_range",
+        ),
+    ),
+    Claim(
+        "docs/running.md",
+        "TensorBoard events, MFU and throughput are written beside metrics.jsonl",
+        (
+            "test_observe.py::test_tensorboard_events_hold_every_tag_per_step",
+            "test_observe.py::test_mfu_and_throughput_in_rows_and_summary",
+        ),
+    ),
+    Claim(
+        "docs/running.md",
+        "train.check_replicas_every stops a run whose copies differ, naming them",
+        ("test_replica_check.py::test_a_corrupted_replica_stops_the_run_naming_it",),
+    ),
+    # docs/layouts.md
+    Claim(
+        "docs/layouts.md",
+        "The planner's predicted state equals the compiled step's within 2%",
+        (
+            "test_planner.py::test_prediction_matches_the_compiled_step",
+            "test_planner.py::test_planner_and_ledger_agree_on_the_minimum_and_the_state",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "jaxpar inspect's leaf bytes add up to the compiled state",
+        ("test_inspect.py::test_leaf_bytes_add_up_to_the_compiled_state",),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "The ring with every ZeRO stage, and buckets, equal XLA's all-reduce",
+        ("test_dp.py::test_ring_with_every_zero_stage", "test_dp.py::test_bucket_packing"),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "Local SGD and DiLoCo: one-step averages equal the all-reduce, the outer step is Nesterov",
+        (
+            "test_local_sgd.py::test_one_step_averages_of_sgd_equal_gradient_all_reduce",
+            "test_local_sgd.py::test_outer_step_is_diloco_nesterov",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "Replica groups across processes equal one device within 1e-4 (ring too)",
+        ("test_replica.py::test_ring_reduction_over_replicas_equals_one_device",),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "ZeRO-Offload with a pipeline, and offloaded activations, train as without offload",
+        (
+            "test_offload.py::test_offload_with_a_pipeline",
+            "test_offload.py::test_remat_offload_trains_like_keeping_activations",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "A step too big for the device is refused before compiling, naming settings that fit",
+        (
+            "test_preflight.py::test_too_big_a_step_names_the_settings_that_fit",
+            "test_preflight.py::test_state_too_big_is_refused_before_compiling",
+        ),
+    ),
+    # docs/how-it-works.md
+    Claim(
+        "docs/how-it-works.md",
+        "Each leaf's four shardings: Megatron and ZeRO placement, an unsplittable rule named",
+        (
+            "test_sharding.py::test_megatron_and_zero_placement",
+            "test_sharding.py::test_rule_that_cannot_split_is_an_error_naming_leaf_and_rule",
+        ),
+    ),
+    Claim(
+        "docs/how-it-works.md",
+        "The ledger reads ZeRO-1/2/3 in bf16 at 1.0 x the minimum",
+        ("test_ledger.py::test_bf16_zero_moves_the_compute_dtype",),
+    ),
+    Claim(
+        "docs/how-it-works.md",
+        "The packages import one way, lowest first",
+        ("test_imports.py::test_rooms_import_only_downwards",),
+    ),
+    Claim(
+        "docs/how-it-works.md",
+        "Golden partition specs and collective counts per strategy",
+        ("test_golden.py::test_partition_specs", "test_golden.py::test_collective_counts"),
+    ),
+    Claim(
+        "docs/how-it-works.md",
+        "Gradient accumulation equals one big batch",
+        (
+            "test_equivalence.py::test_grad_accum_equals_one_big_batch",
+            f"{P}::test_grad_accum_learns_the_same_on_six_layers",
+        ),
+    ),
+    # docs/long-sequences.md
+    Claim(
+        "docs/long-sequences.md",
+        "Causal balance evens the work, and its positions mask is the causal mask",
+        (
+            "test_context.py::test_balance_evens_the_causal_work",
+            "test_context.py::test_the_positions_mask_is_the_causal_mask_of_the_reordered_tokens",
+        ),
+    ),
+    Claim(
+        "docs/long-sequences.md",
+        "Activation memory falls as 1/context",
+        ("test_context.py::test_activation_memory_falls_as_one_over_context",),
+    ),
+    Claim(
+        "docs/long-sequences.md",
+        "Sequence parallel moves what tensor parallel moves, in less memory",
+        (
+            "test_context.py::test_sequence_parallel_moves_what_tensor_parallel_moves_in_less_memory",
+        ),
+    ),
+    # docs/experts.md
+    Claim(
+        "docs/experts.md",
+        "The mixture layer's output and gradients equal a loop over the experts (with and "
+        "without drops, dropless)",
+        (
+            "test_moe.py::test_without_drops_output_and_gradients_equal_the_loop",
+            "test_moe.py::test_with_drops_equal_the_loop_given_the_same_drop_mask",
+            "test_moe.py::test_dropless_grouped_products_equal_the_loop_where_capacity_would_drop",
+        ),
+    ),
+    Claim(
+        "docs/experts.md",
+        "Dropless trains equal to one device in every expert degree and schedule, at the "
+        "all-gather dispatcher's bytes",
+        (
+            "test_moe.py::test_dropless_trains_in_every_layout_as_on_one_device",
+            "test_moe.py::test_dropless_moves_the_all_gather_dispatchers_bytes",
+        ),
+    ),
+    Claim(
+        "docs/experts.md",
+        "The expert metrics are the whole batch's in any layout",
+        ("test_moe.py::test_the_metrics_report_the_whole_batch_in_any_layout",),
+    ),
+    Claim(
+        "docs/experts.md",
+        "The drop rate falls with the capacity factor and is zero dropless",
+        (
+            "test_moe.py::test_the_drop_rate_falls_as_the_capacity_factor_grows_and_is_zero_dropless",
+        ),
+    ),
+    Claim(
+        "docs/experts.md",
+        "Mixtral and Qwen3-MoE: first-step loss, exported logits and generate equal transformers",
+        (
+            "test_mixtral.py::test_first_step_loss_is_transformers_loss",
+            "test_mixtral.py::test_greedy_continuations_are_transformers_generate",
+        ),
+    ),
+    # docs/deepseek.md
+    Claim(
+        "docs/deepseek.md",
+        "DeepSeek-V3 and Qwen2-MoE: first-step loss and greedy generate equal transformers'",
+        (
+            "test_deepseek.py::test_first_step_loss_is_transformers_loss",
+            "test_deepseek.py::test_greedy_continuations_are_transformers_generate",
+        ),
+    ),
+    Claim(
+        "docs/deepseek.md",
+        "deepseek-tiny trains equal to one device in every layout; context gathers the latent "
+        "at the minimum",
+        (
+            "test_deepseek.py::test_deepseek_trains_in_every_layout_as_on_one_device",
+            "test_deepseek.py::test_context_gathers_the_latent_at_the_textbook_minimum",
+        ),
+    ),
+    Claim(
+        "docs/deepseek.md",
+        "The balancing bias moves by DeepSeek's rule, bit-identical on every device",
+        (
+            "test_deepseek.py::test_the_balancing_bias_moves_by_deepseeks_rule_on_every_device_alike",
+        ),
+    ),
+    # docs/gemma.md
+    Claim(
+        "docs/gemma.md",
+        "Gemma 2 and 3: first-step loss and generate past the window equal transformers'",
+        (
+            "test_gemma.py::test_first_step_loss_is_transformers_loss",
+            "test_gemma.py::test_greedy_continuations_past_the_window_are_transformers_generate",
+        ),
+    ),
+    Claim(
+        "docs/gemma.md",
+        "Gemma 3 trains equal to one device in every layout; the window's halo over context",
+        (
+            "test_gemma.py::test_gemma3_trains_in_every_layout_as_on_one_device",
+            "test_context.py::test_a_windowed_layers_halo_is_the_direct_form",
+        ),
+    ),
+    Claim(
+        "docs/gemma.md",
+        "Packed documents through Gemma's windows over context equal each document alone; "
+        "soft caps are the same in every attention form",
+        (
+            "test_documents.py::test_packed_documents_through_gemmas_windows_over_context",
+            "test_gpu.py::test_capped_scores_are_the_same_in_every_form",
+        ),
+    ),
+    Claim(
+        "docs/gemma.md",
+        "LoRA on Gemma's projections loads into PEFT with jaxpar's logits",
+        ("test_gemma.py::test_lora_on_gemmas_projections_loads_into_peft",),
+    ),
+    # docs/hugging-face.md
+    Claim(
+        "docs/hugging-face.md",
+        "Llama trains equal to one device in every layout, tied embeddings too",
+        (
+            "test_llama.py::test_llama_layout_equals_one_device",
+            "test_llama.py::test_tied_embeddings_equal_one_device",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
+        "A random Llama checkpoint loads with transformers' logits in every layout, and "
+        "trained and exported, loads back in transformers",
+        (
+            "test_hf.py::test_loaded_weights_give_transformers_logits_in_every_layout",
+            "test_hf.py::test_train_export_and_load_in_transformers",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
+        "Mistral, Qwen2, Qwen3: first-step loss and greedy generate equal transformers'",
+        (
+            "test_families.py::test_first_step_loss_is_transformers_loss",
+            "test_families.py::test_greedy_continuations_are_transformers_generate",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
+        "An exported checkpoint reads back exactly; each process reads only its slices",
+        (
+            "test_hf_input.py::test_an_exported_checkpoint_reads_back_exactly",
+            "test_hf_input.py::test_each_process_reads_only_its_own_devices_slices",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
+        "Nothing outside models/ names a model; a family is one record",
+        (
+            "test_registry.py::test_no_model_is_named_outside_models",
+            "test_registry.py::test_a_family_is_one_record",
+        ),
+    ),
+    # docs/adapters.md
+    Claim(
+        "docs/adapters.md",
+        "LoRA and QLoRA train equal to one device in every layout",
+        (
+            "test_adapters.py::test_adapters_train_in_every_layout_as_on_one_device",
+            "test_adapters.py::test_a_quantized_base_trains_as_its_dequantized_fp32_model",
+        ),
+    ),
+    Claim(
+        "docs/adapters.md",
+        "LoRA equals PEFT: PEFT loads jaxpar's adapters with its logits, and trains on from PEFT's",
+        (
+            "test_peft.py::test_peft_loads_the_exported_adapters_with_jaxpar_s_logits",
+            "test_peft.py::test_an_adapter_peft_made_trains_on_from_peft_s_loss",
+        ),
+    ),
+    Claim(
+        "docs/adapters.md",
+        "Only the adapters cross the data axis; a device's base bytes are the formula's",
+        (
+            "test_adapters.py::test_only_the_adapters_cross_the_data_axis",
+            "test_adapters.py::test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s",
+        ),
+    ),
+    # docs/preference.md
+    Claim(
+        "docs/preference.md",
+        "DPO equals TRL's DPOTrainer (gradient at step 1, loss after one step)",
+        ("test_dpo.py::test_dpo_equals_trl",),
+    ),
+    Claim(
+        "docs/preference.md",
+        "DPO equals one device in every layout; a precomputed reference equals the held copy",
+        (
+            "test_dpo.py::test_dpo_in_every_layout_equals_one_device",
+            "test_dpo.py::test_a_precomputed_reference_equals_the_held_copy",
+            "test_dpo.py::test_dpo_on_adapters_in_3d_equals_one_device",
+        ),
+    ),
+    # docs/grpo.md
+    Claim(
+        "docs/grpo.md",
+        "GRPO's loss and gradient equal TRL's GRPOTrainer",
+        (
+            "test_grpo.py::test_grpo_equals_trl",
+            "test_grpo.py::test_the_loss_and_its_gradient_are_the_formulas",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
+        "GRPO's update equals one device in every layout; completions are the same, the "
+        "reshard at its minimum",
+        (
+            "test_grpo.py::test_the_update_in_every_layout_equals_one_device",
+            "test_grpo.py::test_the_same_completions_in_every_layout_and_the_reshard_at_its_minimum",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
+        "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
+        ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
+    ),
+    # docs/fine-tuning.md
+    Claim(
+        "docs/fine-tuning.md",
+        "A packed window equals each document alone (gpt, and Llama against transformers)",
+        (
+            "test_documents.py::test_a_packed_window_equals_each_document_alone",
+            "test_documents.py::test_a_packed_llama_window_equals_transformers_on_each_document",
+        ),
+    ),
+    Claim(
+        "docs/fine-tuning.md",
+        "A masked loss is the same in every layout (never a mean of means)",
+        (
+            "test_documents.py::test_a_masked_loss_is_the_same_in_every_layout",
+            "test_documents.py::test_a_mean_of_means_would_differ_by_the_layout",
+        ),
+    ),
+    Claim(
+        "docs/fine-tuning.md",
+        "A packed step lowered for CUDA hands the documents to cuDNN's kernel as its mask",
+        ("test_gpu.py::test_packed_documents_reach_the_cudnn_kernel_as_its_mask",),
+    ),
+    Claim(
+        "docs/fine-tuning.md",
+        "The chat mask marks exactly the answers, as transformers' chat template renders them",
+        ("test_documents.py::test_the_chat_mask_marks_exactly_the_answers",),
+    ),
+    Claim(
+        "docs/fine-tuning.md",
+        "A resume after kill -9 reads the same batches, masks and documents",
+        ("test_documents.py::test_resume_after_kill_9_reads_the_same_batches_masks_and_documents",),
+    ),
+    # docs/generation.md
+    Claim(
+        "docs/generation.md",
+        "Decoding through the cache gives a full forward pass's logits, in every layout",
+        (
+            "test_generate.py::test_decoding_through_the_cache_equals_a_full_forward_pass",
+            "test_generate.py::test_greedy_and_sampled_output_is_the_same_in_every_layout",
+        ),
+    ),
+    Claim(
+        "docs/generation.md",
+        "The decode loop copies no weight and no cache; the cache holds the formula's bytes",
+        (
+            "test_generate.py::test_the_decode_loop_copies_no_weight_and_no_cache",
+            "test_generate.py::test_the_cache_holds_the_formula_per_token",
+        ),
+    ),
+    Claim(
+        "docs/generation.md",
+        "Sampling at temperature 1 matches the model's distribution",
+        ("test_generate.py::test_sampling_at_temperature_1_matches_the_distribution",),
+    ),
+    # docs/evaluation.md
+    Claim(
+        "docs/evaluation.md",
+        "One compile a length bucket; scores equal the training forward in every family",
+        (
+            "test_lm_eval.py::test_one_compile_a_length_bucket_however_many_requests",
+            "test_lm_eval.py::test_scores_are_the_training_forward_in_every_family",
+        ),
+    ),
+    Claim(
+        "docs/evaluation.md",
+        "Held-out loss is the same under every layout",
+        ("test_eval.py::test_held_out_loss_is_the_same_under_every_layout",),
+    ),
+    # docs/checkpoints.md
+    Claim(
+        "docs/checkpoints.md",
+        "SIGTERM saves and exits 0; a bad checkpoint directory exits 2",
+        (
+            "test_checkpoint.py::test_sigterm_saves_and_exits_0",
+            "test_checkpoint.py::test_corrupt_checkpoint_exits_2",
+        ),
+    ),
+    # docs/many-hosts.md
+    Claim(
+        "docs/many-hosts.md",
+        "Checkpoints move between two processes and one; a lost worker is named",
+        (
+            "test_distributed.py::test_checkpoints_move_between_two_processes_and_one",
+            "test_distributed.py::test_a_dead_worker_is_named_with_its_signal_and_the_checkpoint",
+        ),
+    ),
+    # docs/your-model.md
+    Claim(
+        "docs/your-model.md",
+        "Your own Flax module or pytree loss trains equal to one device in every strategy",
+        (
+            "test_api.py::test_user_nnx_module_every_strategy_equals_one_device",
+            "test_api.py::test_plain_pytree_with_regex_rules",
+            "test_your_model_page.py::test_your_own_model_examples_run",
+        ),
+    ),
+    Claim(
+        "docs/your-model.md",
+        "A registered model trains, inspects and plans from its record alone",
+        ("test_registry.py::test_a_registered_model_trains_inspects_and_plans",),
+    ),
+    # docs/benchmarks.md
+    Claim(
+        "docs/benchmarks.md",
+        "Compile time does not grow with depth; the bench's tables are the docs'",
+        (
+            "test_bench.py::test_compile_time_does_not_grow_with_depth",
+            "test_docs.py::test_the_measured_tables_are_the_benchs",
+        ),
+    ),
+    Claim(
+        "docs/benchmarks.md",
+        "The same GPT in PyTorch is compared side by side",
+        ("test_scripts.py::test_compare_torch_prints_the_table_with_the_load",),
+    ),
+    # docs/gpus.md
+    Claim(
+        "docs/gpus.md",
+        "A CUDA step (lowered here) runs cuDNN attention or blocked attention, no SxS buffer",
+        (
+            "test_gpu.py::test_a_cuda_bf16_step_runs_cudnn_attention_with_no_sxs_buffer",
+            "test_gpu.py::test_a_cuda_fp32_step_runs_blocked_attention_with_no_sxs_buffer",
+            "test_gpu.py::test_blocked_attention_equals_the_direct_form",
+        ),
+    ),
+    Claim(
+        "docs/gpus.md",
+        "The planner's FLOPs per token are the hand count; MFU uses the device's peak",
+        (
+            "test_observe.py::test_flops_per_token_is_the_hand_count",
+            "test_observe.py::test_peak_table_by_device_kind",
+        ),
+    ),
+)
