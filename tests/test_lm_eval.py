@@ -143,11 +143,12 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
     asked = [model._encode_pair(*i.args) for i in requests["loglikelihood"] if i.args[0]]
     asked += [model._encode_pair("2 + 2 =", f" {n}") for n in range(6)]  # the 16 bucket
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *_, **__: (
-            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
-        )
-    )
+
+    def listen(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
     model._loglikelihood_tokens([(None, c, x) for c, x in asked])
     buckets = model.buckets(asked)
     assert len(compiles) == len(buckets) == len(model.scorer.compiled) == 3  # 16, 32, 64
@@ -156,8 +157,8 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
     shared = {tuple((c + x)[:-1]) for c, x in asked}
     assert model.scorer.rows_scored == len(shared) < len(asked) - 5
     model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
+    jax.monitoring.unregister_event_duration_listener(listen)  # others' stay (the profile's)
     assert len(compiles) == 3
-    jax.monitoring.clear_event_listeners()
 
 
 @pytest.mark.smoke

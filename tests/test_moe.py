@@ -201,13 +201,14 @@ def test_the_balance_loss_is_the_number_of_choices_when_the_router_is_uniform():
     np.testing.assert_allclose(summed / seq, K, rtol=1e-6)
 
 
-# ---- layouts: a few steps of mixtral-tiny (its load-balance loss on) equal one device
+# ---- layouts: a few steps of mixtral-tiny (its load-balance loss on) equal one device:
+# a covering set, where every other axis and feature (ZeRO 1-3, accumulation, the ring and
+# the server, offload, replica, remat, each schedule, context both ways, moe_every) meets
+# the expert axis at least once
 
 STEPS = 4
 LAYOUTS = {
-    "dp8": ("parallel.data=8",),
     "dp4-tp2-zero3": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
-    "dp2-zero2-accum2": ("parallel.data=2", "parallel.zero=2", "train.grad_accum=2"),
     "expert8": ("parallel.data=1", "parallel.expert=8"),
     "dp2-expert4-zero3": ("parallel.data=2", "parallel.expert=4", "parallel.zero=3"),
     "expert2-dp2-tp2": ("parallel.expert=2", "parallel.data=2", "parallel.tensor=2"),
@@ -226,11 +227,6 @@ LAYOUTS = {
         "parallel.replica=2", "parallel.expert=2", "parallel.data=2", "parallel.zero=1",
         "parallel.remat=full",
     ),
-    # a pipeline hands each micro-batch's routing sums on with its residual stream
-    "pp2-gpipe-m2": (
-        "parallel.data=1", "parallel.pipeline=2", "parallel.microbatches=2",
-        "parallel.schedule=gpipe",
-    ),
     "pp2-expert2-tp2-1f1b-m2": (
         "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
         "parallel.microbatches=2", "parallel.schedule=1f1b",
@@ -239,8 +235,6 @@ LAYOUTS = {
         "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.zero=3",
         "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
     ),
-    # sequences split over context: each expert keeps the tokens it keeps on one device
-    "ctx2-dp4": ("parallel.context=2", "parallel.data=4"),
     "ctx4-expert2-unbalanced-ulysses": (
         "parallel.context=4", "parallel.expert=2", "parallel.data=1",
         "parallel.context_balance=false", "parallel.context_strategy=ulysses",
@@ -261,7 +255,7 @@ LAYOUTS = {
 }  # fmt: skip
 # The balance loss is over each micro-batch (its rows on all devices). One device with
 # the same micro-batches: where they are the same rows (one batch device).
-SAME_MICRO_BATCHES = ("pp2-gpipe-m2", "pp2-ctx2-tp2-gpipe-m2", "every2-pp2-gpipe-m2")
+SAME_MICRO_BATCHES = ("pp2-ctx2-tp2-gpipe-m2", "every2-pp2-gpipe-m2")
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +282,6 @@ def test_a_mixture_trains_in_every_layout_as_on_one_device(name, reference):
 
 NO_BALANCE = ("model.router_aux_loss=0",)
 DROPLESS_LAYOUTS = {
-    "expert2": ("parallel.data=4", "parallel.expert=2"),
     "expert4": ("parallel.data=2", "parallel.expert=4"),
     "expert8": ("parallel.data=1", "parallel.expert=8"),
     "expert2-dp2-tp2-zero3": (

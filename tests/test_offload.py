@@ -17,8 +17,10 @@ MESHES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 1e-2)])
-@pytest.mark.parametrize("mesh", MESHES)
+# each mesh and each precision once (the host update is the same code in either pair)
+@pytest.mark.parametrize(
+    "mesh,precision,rtol", [("dp8-zero1", "fp32", 1e-4), ("dp4-tp2-zero3", "bf16", 1e-2)]
+)
 def test_offload_trains_like_no_offload(devices, mesh, precision, rtol):
     """In bf16 the host's and the device's AdamW differ in fp32's last bits, which the
     bf16 compute copy rounds into whole bf16 steps that Adam amplifies on near-zero

