@@ -122,8 +122,7 @@ def test_a_packed_llama_window_equals_transformers_on_each_document(tmp_path):
         np.testing.assert_allclose(losses[a : b - 1], want, rtol=1e-5, atol=1e-5)
 
 
-LAYOUTS = {
-    "data8": ("parallel.data=8",),
+LAYOUTS = {  # data (ZeRO-3 over all 8), micro-batches, accumulation, context both ways
     "3d-micro4": ("parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
                   "parallel.microbatches=4"),
     "accum4": ("parallel.data=1", "train.grad_accum=4"),

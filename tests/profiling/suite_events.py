@@ -50,9 +50,9 @@ def listen() -> None:
 
     log = _Log(folder)
 
-    def on_duration(event: str, seconds: float, **_) -> None:
+    def on_duration(event: str, seconds: float, fun_name: str = "", **_) -> None:
         if event == COMPILE:
-            log.write("compile", s=seconds)
+            log.write("compile", s=seconds, program=fun_name)
 
     def on_event(event: str, **_) -> None:
         if event == STEP:
