@@ -85,11 +85,14 @@ def check(name: str) -> bool:
             seconds = time.perf_counter() - start
         finally:
             git("remove", "--force", str(tree))
-    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
-    caught = done.returncode == 1 and failed
-    said = failed[0].split(" - ")[0] if failed else done.stdout.strip().splitlines()[-1:]
-    print(f"{name}: {'caught by ' if caught else 'MISSED: '}{said} ({seconds:.0f} s)")
-    return bool(caught)
+    lines = done.stdout.splitlines()
+    failed = [line.split(" - ")[0] for line in lines if line.startswith("FAILED")]
+    why = next((line[1:].strip() for line in lines if line.startswith("E ")), "")
+    if failed:  # a test failed (-x under xdist exits 2: interrupted after the first)
+        print(f"{name}: caught by {failed[0].removeprefix('FAILED ')} ({seconds:.0f} s)\n  {why}")
+    else:
+        print(f"{name}: MISSED ({done.returncode}): {lines[-1:]} ({seconds:.0f} s)")
+    return bool(failed)
 
 
 def main() -> int:
