@@ -113,16 +113,6 @@ LAYOUTS = {
             "parallel.microbatches=2",
         ],
     ),
-    "3d-zero3 -> dp8-zero0": (
-        [
-            "parallel.data=2",
-            "parallel.pipeline=2",
-            "parallel.tensor=2",
-            "parallel.zero=3",
-            "parallel.microbatches=2",
-        ],
-        ["parallel.data=8", "parallel.zero=0"],
-    ),
     "tp4 -> one device": (["parallel.data=1", "parallel.tensor=4"], ["parallel.data=1"]),
     "cp4 zero3 -> dp2 cp2 tp2 sp": (
         ["parallel.data=2", "parallel.context=4", "parallel.zero=3"],

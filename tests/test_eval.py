@@ -90,7 +90,6 @@ def single(devices):
 
 LAYOUTS = {
     "dp8-zero3": ["parallel.data=8", "parallel.zero=3"],
-    "dp4-tp2": ["parallel.data=4", "parallel.tensor=2", "parallel.zero=1"],
     "3d-1f1b": THREE_D_1F1B,
     "context4-ulysses-replica2": [
         "parallel.replica=2",
