@@ -52,25 +52,28 @@ def pytest_runtest_logreport(report):
         _profile["wall"][report.nodeid] += report.duration
 
 
-COUNTS = ("wall", "compile_s", "compiles", "cached", "steps")
+COUNTS = ("wall", "trace_s", "compile_s", "compiles", "cached", "steps")
 
 
 def _row(test: str, wall: float = 0.0, **more) -> dict:
-    return dict(test=test, wall=wall, compile_s=0.0, compiles=0, cached=0, steps=0, **more)
+    return dict(
+        test=test, wall=wall, trace_s=0.0, compile_s=0.0, compiles=0, cached=0, steps=0, **more
+    )
 
 
 def rows(wall: dict, events: list[dict]) -> list[dict]:
-    """One row per test: wall, compile_s, compiles (cache misses), cached (hits), steps,
+    """One row per test: wall, trace_s (tracing and lowering), compile_s, compiles (cache
+    misses), cached (hits), steps,
     shared (its distinct programs that some other test also compiled or read)."""
     row = {t: _row(t, wall=w) for t, w in wall.items()}
     users, programs = defaultdict(set), defaultdict(set)
     for e in events:
         r = row.setdefault(e["test"], _row(e["test"]))
-        if e["kind"] == "compile":
-            r["compile_s"] += e["s"]
+        if e["kind"] in ("compile", "trace"):
+            r[f"{e['kind']}_s"] += e["s"]
         elif e["kind"] == "step":
             r["steps"] += 1
-        else:
+        elif e["kind"] in ("miss", "hit"):
             r["compiles" if e["kind"] == "miss" else "cached"] += 1
             users[e["key"]].add(e["test"])
             programs[e["test"]].add(e["key"])
@@ -92,11 +95,13 @@ def by_file(rows_: list[dict]) -> list[dict]:
 
 def table(rows_: list[dict], top: int | None = None) -> str:
     lines = [
-        f"{'wall s':>8} {'compile s':>9} {'compiles':>8} {'cached':>6} {'shared':>6} steps  test"
+        f"{'wall s':>8} {'trace s':>7} {'compile s':>9} {'compiles':>8} {'cached':>6} "
+        f"{'shared':>6} steps  test"
     ]
     for r in rows_[:top]:
         lines.append(
-            f"{r['wall']:8.1f} {r['compile_s']:9.1f} {r['compiles']:8d} {r['cached']:6d} "
+            f"{r['wall']:8.1f} {r['trace_s']:7.1f} {r['compile_s']:9.1f} {r['compiles']:8d} "
+            f"{r['cached']:6d} "
             f"{r['shared']:6d} {r['steps']:5d}  {r['test']}"
         )
     return "\n".join(lines)
@@ -124,7 +129,7 @@ def pytest_terminal_summary(terminalreporter, config):
     write("")
     write(
         f"suite profile: {len(profile['wall'])} tests, {total['wall']:.0f} s of test time, "
-        f"{total['compile_s']:.0f} s compiling ({total['compiles']} compiles, "
+        f"{total['trace_s']:.0f} s tracing and lowering, {total['compile_s']:.0f} s compiling ({total['compiles']} compiles, "
         f"{total['cached']} read from the cache), {total['steps']} training steps"
     )
     write(f"the {TOP} slowest tests:")

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_rows_sum_each_tests_events_and_count_programs_another_test_used():
     events = [
         {"test": "a.py::x", "kind": "compile", "s": 1.5, "program": "jit_step"},
+        {"test": "a.py::x", "kind": "trace", "s": 0.5, "program": "jit_step"},
         {"test": "a.py::x", "kind": "miss", "key": "k1", "program": "jit_step"},
         {"test": "a.py::x", "kind": "miss", "key": "k2", "program": "jit_init"},
         {"test": "a.py::x", "kind": "step"},
@@ -23,8 +24,8 @@ def test_rows_sum_each_tests_events_and_count_programs_another_test_used():
     ]
     rows = {r["test"]: r for r in suite_profile.rows({"a.py::x": 3.0, "b.py::y": 1.0}, events)}
     assert rows["a.py::x"] == {
-        "test": "a.py::x", "wall": 3.0, "compile_s": 1.5, "compiles": 2, "cached": 0,
-        "steps": 2, "shared": 1,
+        "test": "a.py::x", "wall": 3.0, "trace_s": 0.5, "compile_s": 1.5, "compiles": 2,
+        "cached": 0, "steps": 2, "shared": 1,
     }  # fmt: skip
     assert (rows["b.py::y"]["cached"], rows["b.py::y"]["shared"]) == (1, 1)
     files = suite_profile.by_file(list(rows.values()))

@@ -18,10 +18,12 @@ a pure function of (seed, step), and the step is in the state.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,10 +259,15 @@ class Checkpoints:
                 raise FileNotFoundError(f"{STATE}/_METADATA (orbax's index of it) is missing")
             return read()
         except Exception as e:  # a corrupt or foreign checkpoint: one line, no traceback
-            raise CheckpointError(
+            error = CheckpointError(
                 f"checkpoint {self.directory / str(step)}: cannot be read ({_cause(e)}); "
                 "move it away (or use --restart) to start fresh"
-            ) from None
+            )
+        # the failed read's coroutines that were never awaited, collected here, unsaid
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+            gc.collect()
+        raise error
 
     def close(self) -> None:
         self.wait()
@@ -292,17 +299,24 @@ def _echo(value: BaseException | None, tb) -> bool:
     )
 
 
+def _orbax_coroutine(obj) -> bool:
+    """A coroutine of orbax's (one a failed read left never awaited)."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
 def _quiet_the_reads_in_flight() -> None:
     """When a restore fails, orbax's other reads still in flight fail as they land (their
-    event loop closed, their results never collected), and each reports the same broken
-    checkpoint with a traceback, from the moment of the failure to the interpreter's
-    exit. The failure is reported once, as a CheckpointError: from the first restore on,
-    drop those echoes (tracebacks through orbax, or of asyncio's closed loop alone)."""
+    event loop closed, their results never collected, their coroutines never awaited),
+    and each reports the same broken checkpoint with a traceback, from the moment of the
+    failure to the interpreter's exit. The failure is reported once, as a
+    CheckpointError: from the first restore on, drop those echoes (tracebacks through
+    orbax, or of asyncio's closed loop alone, or an orbax coroutine's "never awaited")."""
     if getattr(sys.unraisablehook, "quiets_orbax", False):
         return
 
     def unraisable(u, previous=sys.unraisablehook):
-        if not _echo(u.exc_value, u.exc_traceback):
+        if not (_echo(u.exc_value, u.exc_traceback) or _orbax_coroutine(u.object)):
             previous(u)
 
     def excepthook(kind, value, tb, previous=sys.excepthook):

@@ -5,6 +5,8 @@ of its own in $JAXPAR_PROFILE_DIR, each event tagged with the test that ran it
 
 - `compile`: seconds in XLA's backend compile (jax's own duration event), whether it
   compiled or read the persistent cache;
+- `trace`: seconds tracing a program to a jaxpr and lowering it to StableHLO (jax's
+  own duration events), which every program pays, even one read from the cache;
 - `miss` / `hit`: a program compiled anew / read from the session's persistent cache
   (another test, or another process of this one, compiled it), with its cache key;
 - `step`: one training step dispatched (jaxpar's `/jaxpar/train/step` event).
@@ -19,6 +21,7 @@ import os
 DIR = "JAXPAR_PROFILE_DIR"
 STEP = "/jaxpar/train/step"
 COMPILE = "/jax/core/compile/backend_compile_duration"
+TRACE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _CACHE_LOG = {
     "Persistent compilation cache hit": "hit",
     "PERSISTENT COMPILATION CACHE MISS": "miss",
@@ -53,6 +56,8 @@ def listen() -> None:
     def on_duration(event: str, seconds: float, fun_name: str = "", **_) -> None:
         if event == COMPILE:
             log.write("compile", s=seconds, program=fun_name)
+        elif event in TRACE:
+            log.write("trace", s=seconds, program=fun_name)
 
     def on_event(event: str, **_) -> None:
         if event == STEP:
