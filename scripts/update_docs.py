@@ -96,14 +96,16 @@ named here is gone, or when a page names a test file that no claim lists.
 `pytest --profile` (as `.ci/run` runs the suite) prints, per test and per file, the wall
 time, the seconds jax spent tracing and lowering, XLA's compile seconds and compiles, the
 programs read from the session's compile cache instead, the training steps run, and how
-many of a test's programs another test also compiled. A new feature's proofs cost at most 90 s of suite time on 2 cores: profile
-the suite before and after the change on the same idle machine (`--profile-json PATH`)
-and `scripts/suite_profile.py BEFORE AFTER` prints the files that moved and the total
-against the budget (exit 1 over it). A proof must fail on a wrong implementation:
-`scripts/mutation_check.py` breaks five claims on purpose (ZeRO-2's reduce-scatter made a
-mean, DPO without its reference, packed documents' positions run on, a device's expert
-dropping its tokens, a pipeline skipping a micro-batch) and shows the cheaper proofs of
-each still fail. The levers that keep a proof cheap:
+many of a test's programs another test also compiled. A new feature's proofs cost at most
+90 s of suite time on 2 cores: profile the suite before and after the change on the same
+idle machine (`--profile-json PATH`) and `scripts/suite_profile.py BEFORE AFTER` prints
+the files that moved and the total against the budget (exit 1 over it). A proof must fail
+on a wrong implementation: `scripts/mutation_check.py` breaks five claims on purpose
+(ZeRO-2's reduce-scatter made a mean, DPO without its reference, packed documents'
+positions run on, a device's expert dropping its tokens, a pipeline skipping a
+micro-batch) and shows the cheaper proofs of each still fail.
+
+The levers that keep a proof cheap:
 
 - one training run per (model, layout), cached for the session (`helpers.trained`), feeds
   every check on it;

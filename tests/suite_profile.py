@@ -129,8 +129,9 @@ def pytest_terminal_summary(terminalreporter, config):
     write("")
     write(
         f"suite profile: {len(profile['wall'])} tests, {total['wall']:.0f} s of test time, "
-        f"{total['trace_s']:.0f} s tracing and lowering, {total['compile_s']:.0f} s compiling ({total['compiles']} compiles, "
-        f"{total['cached']} read from the cache), {total['steps']} training steps"
+        f"{total['trace_s']:.0f} s tracing and lowering, {total['compile_s']:.0f} s compiling "
+        f"({total['compiles']} compiles, {total['cached']} read from the cache), "
+        f"{total['steps']} training steps"
     )
     write(f"the {TOP} slowest tests:")
     write(table(every, TOP))

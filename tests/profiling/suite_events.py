@@ -21,7 +21,10 @@ import os
 DIR = "JAXPAR_PROFILE_DIR"
 STEP = "/jaxpar/train/step"
 COMPILE = "/jax/core/compile/backend_compile_duration"
-TRACE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+TRACE = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+)
 _CACHE_LOG = {
     "Persistent compilation cache hit": "hit",
     "PERSISTENT COMPILATION CACHE MISS": "miss",
