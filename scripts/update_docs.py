@@ -109,10 +109,15 @@ The levers that keep a proof cheap:
 
 - one training run per (model, layout), cached for the session (`helpers.trained`), feeds
   every check on it;
-- a layout matrix is a covering array: every pair of its factors meets once, not the full
-  product (`tests/layouts.py`);
+- a layout matrix is a covering set: every pair of its factors (axis, degree, schedule,
+  ZeRO stage, feature) meets at least once, not the full product; each matrix says what
+  its entries cover (`tests/test_moe.py`, `test_context.py`, `test_pipeline.py`,
+  `test_llama.py`);
 - the fewest steps and devices that make a wrong implementation fail;
-- one interpreter for many cases where the claim is not about the process itself.
+- one interpreter for many cases where the claim is not about the process itself;
+- Python's byte code compiled once, at install (`.ci/run`): where the environment sets
+  `PYTHONDONTWRITEBYTECODE`, a venv without it parses jax, torch and transformers anew in
+  every process the suite starts (jax's import 3.7 s instead of 1.0 s).
 """
 
 
