@@ -63,8 +63,8 @@ def _row(test: str, wall: float = 0.0, **more) -> dict:
 
 def rows(wall: dict, events: list[dict]) -> list[dict]:
     """One row per test: wall, trace_s (tracing and lowering), compile_s, compiles (cache
-    misses), cached (hits), steps,
-    shared (its distinct programs that some other test also compiled or read)."""
+    misses), cached (hits), steps, shared (its distinct programs that some other test also
+    compiled or read)."""
     row = {t: _row(t, wall=w) for t, w in wall.items()}
     users, programs = defaultdict(set), defaultdict(set)
     for e in events:
@@ -101,8 +101,7 @@ def table(rows_: list[dict], top: int | None = None) -> str:
     for r in rows_[:top]:
         lines.append(
             f"{r['wall']:8.1f} {r['trace_s']:7.1f} {r['compile_s']:9.1f} {r['compiles']:8d} "
-            f"{r['cached']:6d} "
-            f"{r['shared']:6d} {r['steps']:5d}  {r['test']}"
+            f"{r['cached']:6d} {r['shared']:6d} {r['steps']:5d}  {r['test']}"
         )
     return "\n".join(lines)
 
