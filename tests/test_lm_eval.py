@@ -252,6 +252,20 @@ def test_bad_eval_input_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
+def test_offline_reaches_the_hub_libraries_imported_before(monkeypatch):
+    """huggingface_hub and datasets read HF_HUB_OFFLINE once, at import: imported before
+    (by TRL, a notebook), their flags follow it, or each hub request is retried with
+    back-off (23 s here) before it fails."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    assert tasks.go_offline_without_network()
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+
+
 def _yaml(folder, text: str) -> str:
     path = folder / "task.yaml"
     path.write_text(text)

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +40,25 @@ class Tasks:
 
 def go_offline_without_network() -> bool:
     """Set the hub's offline mode where huggingface.co cannot be reached (so that a
-    dataset is read from the cache, not retried for half a minute): before lm-eval and
-    datasets are imported. True where offline."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return True
-    try:
-        socket.create_connection(HUB, timeout=3).close()
-        return False
-    except OSError:
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-        return True
+    dataset is read from the cache, not retried for half a minute). True where offline."""
+    if os.environ.get("HF_HUB_OFFLINE") != "1":
+        try:
+            socket.create_connection(HUB, timeout=3).close()
+            return False
+        except OSError:
+            os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    _offline_where_imported()
+    return True
+
+
+def _offline_where_imported() -> None:
+    """huggingface_hub and datasets read the offline variable once, when imported: where
+    this process imported them before (a script, a notebook, TRL), their flags are set
+    too, or every hub request is retried with back-off (23 s) before it fails."""
+    if (hub := sys.modules.get("huggingface_hub.constants")) is not None:
+        hub.HF_HUB_OFFLINE = True
+    if (datasets := sys.modules.get("datasets.config")) is not None:
+        datasets.HF_HUB_OFFLINE = datasets.HF_DATASETS_OFFLINE = True
 
 
 def resolve(specs: list[str], where: str = "eval: --tasks") -> Tasks:
