@@ -211,6 +211,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
     """Every valid layout of base's model and batch (parallel.* and train.grad_accum);
     pipelines only for a model that can be cut into stages."""
     n = machine.devices
+    trains = {a: dataclasses.replace(base.train, grad_accum=a) for a in (1, 2, 4, 8)}
     for t, c, strategy in _inside_host(machine.per_host, work.attention is not None):
         deepest = min(work.layers, n // (t * c)) if pipelines else 1
         for p in (x for x in range(1, deepest + 1) if (n // (t * c)) % x == 0):
@@ -222,53 +223,62 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
             )
             # expert: its degrees dividing the data-parallel devices and the experts
             experts = work.experts.experts if work.experts else 1
-            for x, r, zero, offload, micro, remat, accum in itertools.product(
-                [x for x in range(1, dp + 1) if dp % x == 0 and experts % x == 0],
-                replicas,
-                zeros,
-                tuple(Offload),
-                (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
-                (Remat.NONE, Remat.FULL),
-                (1, 2, 4, 8),
+            for x, r in itertools.product(
+                [x for x in range(1, dp + 1) if dp % x == 0 and experts % x == 0], replicas
             ):
-                d = dp // (r * x)
-                if (
-                    dp % (r * x)
-                    or (offload is Offload.OPTIMIZER and zero == 0)
-                    # replicas of ZeRO-0 groups split one all-reduce in two: never better
-                    or (r > 1 and zero == 0)
-                    # ZeRO-3 in a pipeline gathers a stage's layers every tick, which
-                    # is not modelled here (6.6x the per-micro-batch gathers measured on
-                    # gpt-tiny dp4 pp2): left out rather than ranked wrongly
-                    or (zero == 3 and p > 1)
-                ):
+                if dp % (r * x):
                     continue
-                par = dataclasses.replace(
-                    base.parallel,
-                    replica=r,
-                    data=d,
-                    expert=x,
-                    pipeline=p,
-                    context=c,
-                    context_strategy=strategy,
-                    tensor=t,
-                    zero=zero,
-                    offload=offload,
-                    microbatches=micro,
-                    remat=remat,
-                    schedule="1f1b",
-                    virtual_stages=1,
-                )
-                cfg = dataclasses.replace(
-                    base, parallel=par, train=dataclasses.replace(base.train, grad_accum=accum)
-                )
-                mesh = {REPLICA: r, DATA: d, EXPERT: x, PIPE: p, CONTEXT: c, TENSOR: t}
+                mesh = {REPLICA: r, DATA: dp // (r * x), EXPERT: x, PIPE: p, CONTEXT: c, TENSOR: t}
                 try:
-                    work.check(mesh)
-                    check_train(cfg, mesh)
+                    work.check(mesh)  # the model's dims against the mesh: once a mesh
                 except ConfigError:
                     continue
-                yield cfg, mesh
+                for cfg in _layouts(base, mesh, strategy, zeros, trains):
+                    try:
+                        check_train(cfg, mesh)
+                    except ConfigError:
+                        continue
+                    yield cfg, mesh
+
+
+def _layouts(base: Config, mesh: dict, strategy, zeros, trains: dict):
+    """The configs of one mesh: ZeRO stage, offload, micro-batches, recomputation and
+    gradient accumulation (`trains`: base.train by grad_accum)."""
+    p, r = mesh[PIPE], mesh[REPLICA]
+    for zero, offload, micro, remat, accum in itertools.product(
+        zeros,
+        tuple(Offload),
+        (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
+        (Remat.NONE, Remat.FULL),
+        trains,
+    ):
+        if (
+            (offload is Offload.OPTIMIZER and zero == 0)
+            # replicas of ZeRO-0 groups split one all-reduce in two: never better
+            or (r > 1 and zero == 0)
+            # ZeRO-3 in a pipeline gathers a stage's layers every tick, which is not
+            # modelled here (6.6x the per-micro-batch gathers measured on gpt-tiny dp4
+            # pp2): left out rather than ranked wrongly
+            or (zero == 3 and p > 1)
+        ):
+            continue
+        par = dataclasses.replace(
+            base.parallel,
+            replica=r,
+            data=mesh[DATA],
+            expert=mesh[EXPERT],
+            pipeline=p,
+            context=mesh[CONTEXT],
+            context_strategy=strategy,
+            tensor=mesh[TENSOR],
+            zero=zero,
+            offload=offload,
+            microbatches=micro,
+            remat=remat,
+            schedule="1f1b",
+            virtual_stages=1,
+        )
+        yield dataclasses.replace(base, parallel=par, train=trains[accum])
 
 
 def _inside_host(per_host: int, attention: bool):
