@@ -194,6 +194,27 @@ def _flat(tree) -> dict:
     }
 
 
+def _state_handler() -> ocp.StandardCheckpointHandler:
+    """orbax's StandardCheckpointHandler, writing a replicated array's replicas in
+    parallel (each a slice of it) only where several processes share the writing. In one
+    process every replica is on this host: the slices would cost a compiled program per
+    leaf and slice (200 on a small run's first save) and parallelise nothing. The files
+    are the same either way (tests/test_checkpoint.py holds orbax's internals to it)."""
+    handler = ocp.StandardCheckpointHandler()
+    if jax.process_count() == 1:
+        types = ocp.type_handlers
+        registry = types.create_type_handler_registry(
+            *((t, types.get_type_handler(t)) for t in types.supported_types())
+        )
+        store = types.get_type_handler(jax.Array)._array_metadata_store
+        whole = types.ArrayHandler(use_replica_parallel=False, array_metadata_store=store)
+        registry.add(jax.Array, whole, override=True)
+        handler._impl = ocp.PyTreeCheckpointHandler(  # as orbax makes it, with this registry
+            save_concurrent_gb=96, restore_concurrent_gb=96, type_handler_registry=registry
+        )
+    return handler
+
+
 class Checkpoints:
     """The checkpoints of one run directory (an orbax CheckpointManager)."""
 
@@ -210,7 +231,7 @@ class Checkpoints:
                     cleanup_tmp_directories=create,  # saves cut short by a kill
                 ),
                 item_handlers={
-                    STATE: ocp.StandardCheckpointHandler(),
+                    STATE: _state_handler(),
                     META: ocp.JsonCheckpointHandler(),
                 },
             )
