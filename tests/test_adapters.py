@@ -91,6 +91,7 @@ def test_step_zero_is_the_base_model_exactly(devices):
     np.testing.assert_array_equal(adapted.loss(params, batch), base.loss(base.init(key), batch))
 
 
+@pytest.mark.slow  # 7 s: out of the fast tier
 def test_merged_weights_equal_a_full_fine_tune_of_only_the_adapters(devices):
     steps, overrides = 3, (*LORA, "train.clip_norm=0", "train.weight_decay=0.01")
     cfg, base, adapted, _ = _problems(overrides)
@@ -160,6 +161,7 @@ def test_nf4_stores_each_value_as_its_nearest_code_in_half_a_byte():
     assert np.all(np.abs(got - np.asarray(w)) <= half_gap * blocks_absmax + 1e-6)
 
 
+@pytest.mark.slow  # 8 s and 5 s: out of the fast tier
 @pytest.mark.parametrize("base", ["nf4", "int8"])
 def test_a_quantized_base_trains_as_its_dequantized_fp32_model(base, devices):
     overrides = (*LORA, *NF4_DIMS, f"adapter.base={base}")

@@ -210,7 +210,11 @@ def test_a_local_task_folder_reads_its_files_beside_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "make, needle",
     [
-        (lambda d: ["--tasks", "jaxpar_arithmetic_m"], "close ones: jaxpar_arithmetic_mc"),
+        pytest.param(  # builds lm-eval's whole index (6 s): out of the fast tier
+            lambda d: ["--tasks", "jaxpar_arithmetic_m"],
+            "close ones: jaxpar_arithmetic_mc",
+            marks=pytest.mark.slow,
+        ),
         (lambda d: ["--tasks", _yaml(d, "task: x\noutput_type: [1\n")], "lm-eval refuses it"),
         (
             lambda d: ["--tasks", _yaml(d, "task: x\ndataset_path: json\noutput_type: guess\n")],

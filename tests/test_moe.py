@@ -423,6 +423,7 @@ def test_the_expert_axis_moves_the_textbook_bytes(name, devices):
     assert tensor.wire <= 1.25 * tensor.minimum, comm
 
 
+@pytest.mark.slow  # 6 s: out of the fast tier
 def test_zero_splits_the_state_over_data_and_expert_as_over_data_alone(devices):
     """`expert` is a data axis for ZeRO: on data=2 x expert=4 each device holds as little
     optimizer state as on data=8 (the other leaves split 8 ways over data x expert, the
