@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -118,6 +119,23 @@ def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool =
 
 
 @functools.cache
+@contextlib.contextmanager
+def jax_durations(event: str):
+    """The seconds of each `event` (one of jax's duration events, e.g.
+    /jax/core/compile/backend_compile_duration) while the block runs."""
+    seen = []
+
+    def listen(name, seconds, **_):
+        if name == event:
+            seen.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:  # others' listeners stay (the suite profile's)
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def prepared(preset: str, overrides: tuple[str, ...]) -> Run:
     """A compiled (not run) step and its report (cached). Of STEPS steps, unless the
     overrides say otherwise: the very program `trained` runs for the same layout (the

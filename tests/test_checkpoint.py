@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import THREE_D_1F1B, one_line_error
+from helpers import THREE_D_1F1B, jax_durations, one_line_error
 from safetensors.numpy import load_file
 
 import jaxpar
@@ -439,12 +439,6 @@ def test_a_run_directory_without_checkpoints_is_not_overwritten(tmp_path, capsys
     assert "restart: set aside" in capsys.readouterr().out
 
 
-TRACED = []  # jax's traces, while a test listens (jax has no public way to stop listening)
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, s, **kw: TRACED.append(s) if event.endswith("jaxpr_trace_duration") else None
-)
-
-
 def test_one_process_writes_a_replicated_array_whole(devices, tmp_path):
     """orbax's replica-parallel write slices a replicated array, one slice a replica (a
     compiled program each: 3,159 of the suite's 5,437 compiles); in one process, where
@@ -459,10 +453,10 @@ def test_one_process_writes_a_replicated_array_whole(devices, tmp_path):
     x = jax.device_put(np.arange(24 * 40, dtype=np.float32).reshape(24, 40), everywhere)
     jax.block_until_ready(x)
     checkpoints = Checkpoints(tmp_path / "ck")
-    TRACED.clear()
-    checkpoints.save(1, {"x": x}, {"step": 1})
-    checkpoints.wait()
-    assert TRACED == []
+    with jax_durations("/jax/core/compile/jaxpr_trace_duration") as traced:
+        checkpoints.save(1, {"x": x}, {"step": 1})
+        checkpoints.wait()
+    assert traced == []
     like = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere)
     assert np.array_equal(checkpoints.restore(1, {"x": like})["x"], x)
 

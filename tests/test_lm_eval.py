@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import one_line_error
+from helpers import jax_durations, one_line_error
 
 pytest.importorskip("lm_eval", reason="the test extra installs lm-eval")
 
@@ -142,22 +142,15 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
     model = backend(checkpoint, LAYOUTS["one device"][0])
     asked = [model._encode_pair(*i.args) for i in requests["loglikelihood"] if i.args[0]]
     asked += [model._encode_pair("2 + 2 =", f" {n}") for n in range(6)]  # the 16 bucket
-    compiles = []
-
-    def listen(name, *_, **__):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    model._loglikelihood_tokens([(None, c, x) for c, x in asked])
-    buckets = model.buckets(asked)
-    assert len(compiles) == len(buckets) == len(model.scorer.compiled) == 3  # 16, 32, 64
-    assert len(asked) == 55
-    # a question's choices that differ in their last id share a row (as hf's logits cache)
-    shared = {tuple((c + x)[:-1]) for c, x in asked}
-    assert model.scorer.rows_scored == len(shared) < len(asked) - 5
-    model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
-    jax.monitoring.unregister_event_duration_listener(listen)  # others' stay (the profile's)
+    with jax_durations("/jax/core/compile/backend_compile_duration") as compiles:
+        model._loglikelihood_tokens([(None, c, x) for c, x in asked])
+        buckets = model.buckets(asked)
+        assert len(compiles) == len(buckets) == len(model.scorer.compiled) == 3  # 16, 32, 64
+        assert len(asked) == 55
+        # a question's choices that differ in their last id share a row (as hf's logits cache)
+        shared = {tuple((c + x)[:-1]) for c, x in asked}
+        assert model.scorer.rows_scored == len(shared) < len(asked) - 5
+        model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
     assert len(compiles) == 3
 
 
@@ -266,6 +259,7 @@ def test_offline_reaches_the_hub_libraries_imported_before(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
     assert tasks.go_offline_without_network()
     assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
 

@@ -216,7 +216,6 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
         deepest = min(work.layers, n // (t * c)) if pipelines else 1
         for p in (x for x in range(1, deepest + 1) if (n // (t * c)) % x == 0):
             dp = n // (t * p * c)
-            zeros = (0, 1, 2, 3) if dp > 1 else (0,)
             # replica: 1, or one ZeRO group per host (hybrid sharding across hosts)
             replicas = (
                 (1, machine.hosts) if 1 < machine.hosts < dp and dp % machine.hosts == 0 else (1,)
@@ -233,7 +232,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     work.check(mesh)  # the model's dims against the mesh: once a mesh
                 except ConfigError:
                     continue
-                for cfg in _layouts(base, mesh, strategy, zeros, trains):
+                for cfg in _layouts(base, mesh, strategy, trains):
                     try:
                         check_train(cfg, mesh)
                     except ConfigError:
@@ -241,12 +240,14 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     yield cfg, mesh
 
 
-def _layouts(base: Config, mesh: dict, strategy, zeros, trains: dict):
-    """The configs of one mesh: ZeRO stage, offload, micro-batches, recomputation and
-    gradient accumulation (`trains`: base.train by grad_accum)."""
+def _layouts(base: Config, mesh: dict, strategy, trains: dict):
+    """The configs of one mesh: ZeRO stage (where there are data-parallel copies to split
+    over), offload, micro-batches, recomputation and gradient accumulation (`trains`:
+    base.train by grad_accum)."""
     p, r = mesh[PIPE], mesh[REPLICA]
+    copies = r * mesh[DATA] * mesh[EXPERT]
     for zero, offload, micro, remat, accum in itertools.product(
-        zeros,
+        (0, 1, 2, 3) if copies > 1 else (0,),
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
