@@ -9,6 +9,8 @@ command's help and config checks) does not start jax.
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 
+from jaxpar import moved
+
 try:
     __version__ = version("jaxpar")
 except PackageNotFoundError:  # run from a source tree that was never installed
@@ -65,6 +67,7 @@ _EXPORTS = {
     "mesh": ("jaxpar.parallel.mesh", None),
 }
 __all__ = sorted(_EXPORTS)
+moved.install()  # the last release's module paths, forwarded with a warning
 
 
 def __getattr__(name: str):

@@ -3,12 +3,22 @@ imports inside functions too: a late import is still an arrow), and between the 
 (subpackages) only downwards, in the order of LAYERS."""
 
 import ast
+import importlib
+import json
+import sys
+import warnings
 from pathlib import Path
+
+import pytest
+
+import jaxpar
+from jaxpar import moved
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first: a room imports only rooms before it (and itself)
 LAYERS = (
+    "moved",  # the last release's module paths, forwarded (it names the rooms as strings)
     "errors",  # what a user can fix: every room raises them
     "names",  # logical names of dims: what models and the rules table share
     "hf",  # Hugging Face files in and out: what a family record declares
@@ -133,3 +143,61 @@ def test_a_cycle_and_a_back_arrow_are_found():
         "jaxpar.models.gpt -> jaxpar.cost.formulas"
     ]
     assert back_arrows({"jaxpar.step.engine": {"jaxpar.nn.scope"}}) == []
+
+
+LAST_RELEASE = json.loads((ROOT / "tests/golden/last_release_names.json").read_text())
+
+
+def _fresh_import(name: str):
+    """Import `name` as a script's first import of it would (the warning comes once)."""
+    sys.modules.pop(name, None)
+    package, _, child = name.rpartition(".")
+    vars(sys.modules[package]).pop(child, None)
+    try:
+        __import__(name)  # as `import jaxpar.x` runs it (import_module is a frame between)
+        return sys.modules[name]
+    finally:  # the alias goes: later imports of the old path warn again
+        sys.modules.pop(name, None)
+        vars(sys.modules[package]).pop(child, None)
+
+
+@pytest.mark.parametrize("old", sorted(moved.MOVED))
+def test_the_last_releases_module_paths_import_with_a_warning(old):
+    """A script of the last release runs: each old module path imports, warns with its
+    new home unless `import jaxpar` exports it, and holds every name it held then."""
+    homes = [f"jaxpar.{home}" for home in moved.MOVED[old]]
+    if old in ("config", "cost", "data"):  # now a subpackage, which forwards the names
+        module = sys.modules[f"jaxpar.{old}"]
+        with pytest.warns(DeprecationWarning, match=rf"jaxpar\.{old}\.\w+ moved to jaxpar\."):
+            getattr(module, LAST_RELEASE["names"][old][0])
+    elif old in moved.EXPORTED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            module = _fresh_import(f"jaxpar.{old}")
+        assert module is getattr(jaxpar, old)
+    else:
+        with pytest.warns(DeprecationWarning, match=" and ".join(homes)) as said:
+            module = _fresh_import(f"jaxpar.{old}")
+        assert said[0].filename == __file__  # the line that imports it, as in a script
+        if len(homes) == 1:
+            assert module is sys.modules[homes[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        missing = [n for n in LAST_RELEASE["names"][old] if not hasattr(module, n)]
+    assert missing == []
+
+
+def test_an_old_name_says_where_it_lives_and_an_unknown_path_still_fails():
+    with pytest.warns(DeprecationWarning, match=r"jaxpar.config.Config moved to jaxpar.Config"):
+        from jaxpar.config import Config
+    assert Config is jaxpar.Config
+    with pytest.warns(DeprecationWarning, match="jaxpar.layers moved"):
+        layers = _fresh_import("jaxpar.layers")
+    assert layers.stack is jaxpar.stack and layers.BATCH == jaxpar.BATCH
+    with pytest.raises(AttributeError, match=r"'jaxpar.layers' has no attribute 'scan_cached'"):
+        _ = layers.scan_cached  # gone in this release (LAST_RELEASE["gone"])
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("jaxpar.nothing")
+    from jaxpar.config import presets  # a submodule, never the old module's name
+
+    assert presets is sys.modules["jaxpar.config.presets"]
