@@ -62,6 +62,8 @@ _EXPORTS = {
     "Result": ("jaxpar.training.trainer", "Result"),
     "restore": ("jaxpar.training.checkpoint", "restore"),
     "train": ("jaxpar.training.trainer", "train"),
+    "setup": ("jaxpar.recipe", "setup"),
+    "Setup": ("jaxpar.recipe", "Setup"),
     "generate": ("jaxpar.generation.prompts", "generate"),
     "distributed": ("jaxpar.parallel.distributed", None),
     "mesh": ("jaxpar.parallel.mesh", None),

@@ -1,6 +1,6 @@
-"""The module paths of the last release, before jaxpar's modules moved into subpackages:
-`import jaxpar.sharding` or `from jaxpar.config import Config` still works and warns,
-with a DeprecationWarning naming the new home, until REMOVED_IN.
+"""The module paths of the last release, before jaxpar's modules moved into subpackages,
+and those renamed since: `import jaxpar.sharding` or `from jaxpar.config import Config`
+still works and warns, with a DeprecationWarning naming the new home, until REMOVED_IN.
 
 An old module with one new home is that very module (`jaxpar.sharding is
 jaxpar.parallel.sharding`); one split in several reads each name from the homes in turn.
@@ -50,7 +50,7 @@ MOVED = {
     "ledger": ("cost.ledger",),
     "local_sgd": ("step.local_sgd",),
     "mesh": ("parallel.mesh",),
-    "mesh_rules": ("parallel.mesh_rules",),
+    "mesh_rules": ("parallel.layout_checks",),
     "metrics": ("training.metrics", "cost.report"),
     "offload": ("step.offload",),
     "optim": ("step.optimizer",),
@@ -75,13 +75,21 @@ MOVED = {
     "trainer": ("training.trainer",),
     "xla_flags": ("step.xla_flags",),
     "zero": ("parallel.zero",),
+    # renamed since the last release
+    "parallel.mesh_rules": ("parallel.layout_checks",),  # checks, not a rules table
 }
+# names that left a module still there: the module -> their new homes
+LEFT = {"cli.commands": ("recipe",)}
 # modules that `import jaxpar` exports by these names: importing them is not deprecated
 EXPORTED = {"mesh", "distributed"}
 
 
+def _where(old: str) -> tuple[str, ...]:
+    return MOVED.get(old) or LEFT[old]
+
+
 def _homes(old: str) -> list[types.ModuleType]:
-    return [importlib.import_module(f"jaxpar.{home}") for home in MOVED[old]]
+    return [importlib.import_module(f"jaxpar.{home}") for home in _where(old)]
 
 
 def _warn(old: str, new: str, stacklevel: int) -> None:
@@ -103,13 +111,14 @@ def _found(old: str, name: str):
                 return home, value
     raise AttributeError(
         f"module 'jaxpar.{old}' has no attribute {name!r} (its last release's names "
-        f"are in {', '.join(f'jaxpar.{h}' for h in MOVED[old])})"
+        f"are in {', '.join(f'jaxpar.{h}' for h in _where(old))})"
     )
 
 
 def attribute(package: str, name: str):
     """`name` of the last release's module that a subpackage now stands where (e.g.
-    jaxpar.config's Config, now in jaxpar.config.sections), with the warning."""
+    jaxpar.config's Config, now in jaxpar.config.sections), or of a module some names
+    left (LEFT), with the warning."""
     old = package.removeprefix("jaxpar.")
     home, value = _found(old, name)
     public = sys.modules["jaxpar"]

@@ -94,6 +94,7 @@ def main() -> None:
         multihost_utils.sync_global_devices("chat data")
         args.data = args.chat / "tokens"
 
+    from jaxpar import recipe
     from jaxpar.cli import commands
     from jaxpar.config import presets
     from jaxpar.config.sections import AdapterKind, BaseStorage
@@ -125,7 +126,7 @@ def main() -> None:
     cfg = presets.resolve_init(cfg)
     plan = planner.make_plan(
         cfg,
-        commands.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg),
+        recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg),
         planner.machine(jax.device_count(), args.device_memory),
         planner.of_config(cfg),
     )

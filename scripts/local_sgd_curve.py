@@ -47,8 +47,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxpar.cli.commands import setup
     from jaxpar.cost.report import human_bytes, table
+    from jaxpar.recipe import setup
     from jaxpar.training.trainer import train
 
     curves, rows = {}, []

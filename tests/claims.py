@@ -613,6 +613,19 @@ CLAIMS = (
         "A registered model trains, inspects and plans from its record alone",
         ("test_registry.py::test_a_registered_model_trains_inspects_and_plans",),
     ),
+    Claim(
+        "docs/your-model.md",
+        "A shipped model is built from Python as the command builds it (`jaxpar.setup`)",
+        ("test_your_model_page.py::test_your_own_model_examples_run",),
+    ),
+    Claim(
+        "docs/how-it-works.md",
+        "The last release's module paths import, warning with each one's new home",
+        (
+            "test_imports.py::test_the_last_releases_module_paths_import_with_a_warning",
+            "test_imports.py::test_an_old_name_says_where_it_lives_and_an_unknown_path_still_fails",
+        ),
+    ),
     # docs/benchmarks.md
     Claim(
         "docs/benchmarks.md",

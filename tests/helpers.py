@@ -18,10 +18,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.cli.commands import setup
 from jaxpar.config import presets
 from jaxpar.cost.report import Report
 from jaxpar.parallel.axes import AXES
+from jaxpar.recipe import setup
 from jaxpar.step.build import Run, prepare
 from jaxpar.training.trainer import train
 

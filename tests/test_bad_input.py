@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import one_line_error
 
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.cli import main as cli
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config
@@ -530,7 +530,7 @@ def _built_in_python(argv: list[str]) -> None:
             for name, values in tree.items()
         }
     )
-    s = commands.setup(cfg)
+    s = recipe.setup(cfg)
     run.prepare(cfg, s.problem, s.mesh, s.batches(0))
 
 

@@ -21,9 +21,9 @@ from safetensors.numpy import load_file
 
 import jaxpar
 from jaxpar.cli import main as cli
-from jaxpar.cli.commands import setup as model_setup
 from jaxpar.config import presets, registry
 from jaxpar.parallel.axes import AXES
+from jaxpar.recipe import setup as model_setup
 from jaxpar.step.build import build
 
 

@@ -18,8 +18,7 @@ from helpers import changed_config, family_logits, save_drawn  # noqa: E402
 from test_mixtral import theirs  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import hf  # noqa: E402
-from jaxpar.cli import commands  # noqa: E402
+from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets, registry  # noqa: E402
 from jaxpar.generation import decoding  # noqa: E402
@@ -131,7 +130,7 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     )
     cfg = presets.resolve_init(cfg, {"router_aux_loss"})
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    s = commands.setup(cfg, devices[:n])
+    s = recipe.setup(cfg, devices[:n])
     params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
     tokens = s.batches(0)["tokens"]
@@ -218,7 +217,7 @@ def _bias_run(devices, *overrides, steps=1, out_dir=None):
         ["model.capacity_factor=0", f"train.steps={steps}", "train.batch_size=8", *overrides],
     )
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    s = commands.setup(cfg, devices[:n])
+    s = recipe.setup(cfg, devices[:n])
     first = s.problem.init(jax.random.key(cfg.train.seed))
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True, out_dir=out_dir)
     return cfg, s, first, result

@@ -224,7 +224,7 @@ def test_a_row_with_nothing_trained_adds_nothing_and_no_nan():
 
 @pytest.mark.slow
 def test_a_step_with_nothing_trained_is_zero_not_nan(chat_folder, devices):
-    from jaxpar.cli.commands import setup
+    from jaxpar.recipe import setup
     from jaxpar.step.build import build
 
     cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "parallel.data=2"])
@@ -388,10 +388,10 @@ def test_bad_marks_are_refused(change, overrides, needle, chat_folder, tmp_path,
 
 def test_held_out_batches_carry_the_same_marks(chat_folder):
     """eval_loss is over the held-out answers, packed as in training."""
-    from jaxpar.cli import commands
+    from jaxpar import recipe
 
     cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "train.eval_every=5"])
-    held_out = commands.held_out_batches(cfg)(0)
+    held_out = recipe.held_out_batches(cfg)(0)
     assert set(held_out) == {"tokens", "segment_ids", "positions", "loss_mask"}
     val = np.fromfile(chat_folder / "val.mask", np.uint8)
     first = held_out["tokens"][0]

@@ -10,7 +10,7 @@ import pytest
 from helpers import THREE_D_1F1B, _shipped, one_line_error
 
 import jaxpar
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
 from jaxpar.data import tokens as data
@@ -28,7 +28,7 @@ def test_the_corpus_tail_is_held_out_and_never_trained_on():
     np.testing.assert_array_equal(held_out, whole[len(trained) :])
     # every window of a training batch lies in the first part, of an eval batch in the tail
     tail = held_out.tobytes()
-    batch = commands.held_out_batches(cfg)(0)["tokens"].astype(np.uint8)
+    batch = recipe.held_out_batches(cfg)(0)["tokens"].astype(np.uint8)
     assert all(row.tobytes() in tail for row in batch)
     starts = np.random.default_rng([0, 0]).integers(0, len(trained) - 65, size=16)
     assert starts.max() + 65 <= len(trained)
@@ -39,7 +39,7 @@ def test_a_prepared_folder_evaluates_on_val_bin(tmp_path):
     (tmp_path / "val.bin").write_bytes(np.arange(100, 200, dtype="<u2").repeat(10).tobytes())
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16"}))
     cfg = presets.load("gpt-tiny", [*EVAL, "data.source=tokens", f"data.path={tmp_path}"])
-    held_out = commands.held_out_batches(cfg)(1)["tokens"]
+    held_out = recipe.held_out_batches(cfg)(1)["tokens"]
     assert held_out.min() >= 100
     trained = data.batch_at(
         data.load_tokens(cfg.data, cfg.train, cfg.model),
@@ -50,8 +50,8 @@ def test_a_prepared_folder_evaluates_on_val_bin(tmp_path):
 
 def test_synthetic_eval_batches_are_fresh_draws():
     cfg = presets.load("gpt-tiny", [*EVAL, "data.source=synthetic"])
-    _, batches = commands.model_problem(cfg, {"data": 1, "pipeline": 1, "tensor": 1})
-    held_out = commands.held_out_batches(cfg)
+    _, batches = recipe.model_problem(cfg, {"data": 1, "pipeline": 1, "tensor": 1})
+    held_out = recipe.held_out_batches(cfg)
     assert not np.array_equal(held_out(0)["tokens"], batches(0)["tokens"])
 
 
@@ -78,7 +78,7 @@ def run_eval(overrides, out=None, batches=None):
         mesh=mesh,
         quiet=True,
         out_dir=out,
-        eval_batches=commands.held_out_batches(cfg),
+        eval_batches=recipe.held_out_batches(cfg),
     )
     return [(r["step"], r["eval_loss"]) for r in result.rows if "eval_loss" in r]
 

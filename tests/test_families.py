@@ -14,8 +14,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import family_logits, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import hf  # noqa: E402
-from jaxpar.cli import commands  # noqa: E402
+from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets, registry  # noqa: E402
 from jaxpar.generation import decoding  # noqa: E402
@@ -62,7 +61,7 @@ def test_first_step_loss_is_transformers_loss(family, layout, devices):
     name, directory = family
     cfg = loaded(name, directory, *layout, "train.steps=1", "train.lr=1e-12")
     n = math.prod((cfg.parallel.data, cfg.parallel.tensor))
-    s = commands.setup(cfg, devices[:n])
+    s = recipe.setup(cfg, devices[:n])
     params = hf.initial_params(registry.get(name).hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
     tokens = s.batches(0)["tokens"]

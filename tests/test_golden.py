@@ -12,7 +12,7 @@ import pytest
 from helpers import compile_only
 from layouts import STRATEGIES
 
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.config import presets
 from jaxpar.parallel.mesh import resolve_degrees
 from jaxpar.parallel.sharding import SPEC_FIELDS, plan
@@ -24,7 +24,7 @@ MODELS = ("gpt-tiny", "mlp-tiny")
 def _specs(preset: str, overrides) -> dict:
     cfg = presets.load(preset, list(overrides))
     mesh_shape = resolve_degrees(cfg.parallel, 8)
-    problem, _ = commands.model_problem(cfg, mesh_shape)
+    problem, _ = recipe.model_problem(cfg, mesh_shape)
     specs = plan(
         problem.names,
         jax.tree.map(lambda s: s.shape, problem.shapes),

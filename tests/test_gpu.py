@@ -15,9 +15,9 @@ import pytest
 from jax._src import custom_partitioning
 from jax._src.cudnn import fused_attention_stablehlo
 
-from jaxpar.cli.commands import setup
 from jaxpar.config import presets
 from jaxpar.nn import attention, scope
+from jaxpar.recipe import setup
 from jaxpar.step import xla_flags
 from jaxpar.step.build import build, step_inputs
 

@@ -14,7 +14,6 @@ import pytest
 from helpers import THREE_D_1F1B, Trained, assert_same_training, one_line_error, script
 
 from jaxpar.cli import main as cli
-from jaxpar.cli.commands import trained_model
 from jaxpar.config import presets
 from jaxpar.config.sections import Grpo
 from jaxpar.data import prompts
@@ -23,6 +22,7 @@ from jaxpar.nn.problem import Problem
 from jaxpar.objectives import grpo
 from jaxpar.parallel.axes import AXES
 from jaxpar.parallel.mesh import build_mesh
+from jaxpar.recipe import trained_model
 from jaxpar.training.trainer import train
 
 VOCAB = 512  # the chat tokenizer's
@@ -251,7 +251,7 @@ def test_the_update_in_every_layout_equals_one_device(layout):
 def rolled(folder, out, more: tuple[str, ...], steps: int = 1):
     """A GRPO run of llama-tiny on as many devices as `more`'s degrees ask for, into
     `out`: (its result, its rollouts.jsonl rows, its summary.json)."""
-    from jaxpar.cli.commands import setup
+    from jaxpar.recipe import setup
 
     cfg = presets.load("llama-tiny", [*keys(folder, *more), f"train.steps={steps}"])
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)

@@ -13,8 +13,7 @@ torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU)
 transformers = pytest.importorskip("transformers")
 
 import jaxpar  # noqa: E402
-from jaxpar import hf  # noqa: E402
-from jaxpar.cli import commands  # noqa: E402
+from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets, registry  # noqa: E402
 
@@ -92,7 +91,7 @@ def test_loaded_weights_give_transformers_logits_in_every_layout(name, checkpoin
     transformers' logits."""
     cfg = loaded_config(checkpoint_dir, *LAYOUTS[name], "train.steps=1", "train.lr=1e-12")
     assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.rope_scaling) == (2, 2, "llama3")
-    s = commands.setup(
+    s = recipe.setup(
         cfg,
         devices[
             : math.prod(getattr(cfg.parallel, a) for a in ("data", "pipeline", "context", "tensor"))
@@ -131,7 +130,7 @@ def test_train_export_and_load_in_transformers(tie, tmp_path, devices):
     params = {
         k: np.asarray(v) for k, v in jaxpar.load_exported(_safetensors(run, tmp_path)).items()
     }
-    tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
+    tokens = recipe.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
     trained = jaxpar_logits(cfg, params, tokens)
     assert np.abs(trained - torch_logits(source, tokens)).max() > 1e-3  # it did train
     assert_close(trained, torch_logits(tmp_path / "out", tokens))

@@ -11,8 +11,7 @@ import pytest
 from helpers import one_line_error
 from safetensors.numpy import load_file, save_file
 
-from jaxpar import hf
-from jaxpar.cli import commands
+from jaxpar import hf, recipe
 from jaxpar.cli import main as cli
 from jaxpar.config import presets, registry
 from jaxpar.nn.problem import registered
@@ -123,7 +122,7 @@ def test_an_exported_checkpoint_reads_back_exactly(tmp_path, devices):
     on a mesh that splits every dim the files' layout flattens."""
     cfg = presets.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
     directory = write_checkpoint(tmp_path / "ckpt")
-    s = commands.setup(cfg)
+    s = recipe.setup(cfg)
     want = {k: np.asarray(v) for k, v in load_file(str(directory / "model.safetensors")).items()}
     read = hf.initial_params(registry.get("llama").hf, cfg.model, directory, s.problem.shapes)
     sharding = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, None, "tensor"))
@@ -141,7 +140,7 @@ WORKER = """
 import sys
 import jax
 from jaxpar import hf
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.parallel import distributed
 from jaxpar.config import presets
 from jaxpar.config import registry
@@ -150,7 +149,7 @@ if "JAX_NUM_CPU_DEVICES" not in __import__("os").environ:
     mesh.use_cpu_devices(8)
 distributed.initialize()
 cfg = presets.load("llama-tiny", ["model.layers=2", "parallel.data=2", "parallel.tensor=4"])
-s = commands.setup(cfg)
+s = recipe.setup(cfg)
 read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
 from jaxpar.training.checkpoint import layout
 from jaxpar.step.build import build
@@ -200,7 +199,7 @@ def test_each_process_reads_only_its_own_devices_slices(tmp_path):
 IMPORT = """
 import sys, time
 from jaxpar import hf
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.parallel import mesh
 from jaxpar.config import presets
 from jaxpar.config import registry
@@ -209,7 +208,7 @@ import jax
 from jaxpar.training.checkpoint import layout
 from jaxpar.step.build import build
 cfg = presets.load("llama-tiny", sys.argv[2:])
-s = commands.setup(cfg)
+s = recipe.setup(cfg)
 engine = build(s.problem, cfg, s.mesh)
 targets = layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
 def hwm():

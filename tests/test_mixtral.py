@@ -14,8 +14,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import changed_config, family_logits, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import hf  # noqa: E402
-from jaxpar.cli import commands  # noqa: E402
+from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets, registry  # noqa: E402
 from jaxpar.generation import decoding  # noqa: E402
@@ -114,7 +113,7 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     cfg = presets.resolve_init(cfg, {"router_aux_loss"})
     assert (cfg.model.experts, cfg.model.router_aux_loss) == (4, BALANCE)
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
-    s = commands.setup(cfg, devices[:n])
+    s = recipe.setup(cfg, devices[:n])
     params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
     tokens = s.batches(0)["tokens"]

@@ -8,12 +8,13 @@ import struct
 import pytest
 from helpers import one_line_error
 
-from jaxpar.cli import commands
+from jaxpar import recipe
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
 from jaxpar.config import sections as config
 from jaxpar.cost import throughput
 from jaxpar.nn.problem import registered
+from jaxpar.training import trainer
 from jaxpar.training.metrics import TENSORBOARD_TAGS
 
 
@@ -123,6 +124,6 @@ def test_bad_profile_steps_exit_2(capsys, value, needles):
 
 def test_profile_without_a_run_directory_is_refused(devices):
     cfg = presets.load("gpt-tiny", ["train.profile_steps=1:2"])
-    s = commands.setup(cfg)
+    s = recipe.setup(cfg)
     with pytest.raises(config.ConfigError, match="give train\\(..., out_dir=...\\)"):
-        commands.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True)
+        trainer.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True)

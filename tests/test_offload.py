@@ -6,8 +6,8 @@ import re
 import pytest
 from helpers import THREE_D_1F1B, assert_same_training, compile_only, trained
 
-from jaxpar.cli.commands import setup
 from jaxpar.config import presets
+from jaxpar.recipe import setup
 from jaxpar.step.build import build, step_inputs
 
 MESHES = {

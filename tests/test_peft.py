@@ -15,6 +15,7 @@ from helpers import one_line_error  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_hf import jaxpar_logits, loaded_config, save_tiny_llama, torch_logits  # noqa: E402
 
+from jaxpar import recipe  # noqa: E402
 from jaxpar.adapters import lora  # noqa: E402
 from jaxpar.adapters import peft as peft_io  # noqa: E402
 from jaxpar.cli import commands  # noqa: E402
@@ -49,7 +50,7 @@ def test_peft_loads_the_exported_adapters_with_jaxpar_s_logits(tmp_path, devices
     cfg = loaded_config(source, *lora_keys)
     params, _ = export.run_params(run)
     merged = lora.merged(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model, params)
-    tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
+    tokens = recipe.setup(cfg, devices[:1]).batches(0)["tokens"][:, :-1]
     ours = jaxpar_logits(cfg, {k: np.asarray(v) for k, v in merged.items()}, tokens)
     base = transformers.LlamaForCausalLM.from_pretrained(source).eval()
     model = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
@@ -90,7 +91,7 @@ def test_an_adapter_peft_made_trains_on_from_peft_s_loss(tmp_path, devices, caps
     )
     keys = ["parallel.data=4", "parallel.tensor=2", "train.steps=1"]
     result = commands.train_config(presets.from_dict(presets.to_dict(cfg), keys), quiet=True)
-    tokens = commands.setup(cfg, devices[:1]).batches(0)["tokens"]
+    tokens = recipe.setup(cfg, devices[:1]).batches(0)["tokens"]
     with torch.no_grad():
         logits = model(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits
     want = torch.nn.functional.cross_entropy(

@@ -12,14 +12,13 @@ PAGE = Path(__file__).parent.parent / "docs" / "your-model.md"
 
 
 def python_blocks() -> list[str]:
-    text = PAGE.read_text().split("\n## ")[0]  # the page's first part, before adding a model
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
 @pytest.mark.slow
 def test_your_own_model_examples_run(tmp_path):
     blocks = python_blocks()
-    assert len(blocks) == 2  # the model, trained; then pipeline-ready
+    assert len(blocks) == 3  # the model, trained; then pipeline-ready; a shipped model
     after = """
 assert result.losses[-1] < result.losses[0], result.losses
 model = jaxpar.to_nnx(Model, result.params)
@@ -28,10 +27,12 @@ assert model(x).shape == (32, 8)
 assert (pathlib.Path("runs/mine") / "metrics.jsonl").exists()
 print("PAGE OK")
 """
-    first, pipelined = blocks
-    script = f"import pathlib\n{first}\n{after}\n{pipelined}\n{after}"
+    first, pipelined, shipped = blocks
+    script = f"import pathlib\n{first}\n{after}\n{pipelined}\n{after}\n{shipped}"
+    script += "\nassert len(result.losses) == 3 and s.mesh.shape == {**s.mesh.shape, 'data': 4}"
+    script += "\nprint('SHIPPED OK')"
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("PAGE OK") == 2
+    assert done.stdout.count("PAGE OK") == 2 and "SHIPPED OK" in done.stdout

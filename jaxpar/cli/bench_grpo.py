@@ -34,9 +34,9 @@ def even_ids(prompts, completions, **fields) -> list[float]:
 def steps(tables: dict, show) -> dict:
     import jax
 
-    from jaxpar.cli.commands import setup
     from jaxpar.config import presets
     from jaxpar.data import prompts
+    from jaxpar.recipe import setup
     from jaxpar.training.trainer import train
 
     rng = np.random.default_rng(0)

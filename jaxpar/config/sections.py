@@ -1,7 +1,7 @@
 """The configuration: frozen, keyword-only sections (parallel, model, adapter, train, dpo, grpo,
 data, checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
 when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
-checks across sections and against the mesh are jaxpar.parallel.mesh_rules'.
+checks across sections and against the mesh are jaxpar.parallel.layout_checks'.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from jaxpar.nn.problem import loss_elements, registered
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.batches import batch_split
-from jaxpar.parallel.mesh_rules import check_train
+from jaxpar.parallel.layout_checks import check_train
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 from jaxpar.parallel.sharding import plan as placement
 from jaxpar.parallel.zero import stack_dims

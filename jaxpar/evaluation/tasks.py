@@ -1,7 +1,7 @@
 """The tasks `jaxpar eval` runs: lm-eval's names, the tasks jaxpar ships
-(jaxpar/tasks), and local ones (a task YAML, or a folder of them), each built by lm-eval
-before the model is loaded, so that a name, a file or a dataset that cannot be used
-ends the command with one line.
+(`local_tasks/` beside this file), and local ones (a task YAML, or a folder of them),
+each built by lm-eval before the model is loaded, so that a name, a file or a dataset
+that cannot be used ends the command with one line.
 
 A local task's relative `data_files` (`dataset_path: json`, csv, parquet, ...) are read
 beside its YAML, wherever the command runs. With no network, the hub is not asked at all
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jaxpar.errors import ConfigError
 
-SHIPPED = Path(__file__).resolve().parent.parent / "tasks"  # jaxpar's own tasks
+SHIPPED = Path(__file__).resolve().parent / "local_tasks"  # jaxpar's own tasks
 HUB = ("huggingface.co", 443)
 # datasets' packaged builders: a task with one of these reads local files
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")

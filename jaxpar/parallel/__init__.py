@@ -2,5 +2,5 @@
 to axes and the four shardings of a leaf (`sharding`), the batch arithmetic
 (`batches`), data parallelism (`data_parallel`, over the `ring` or a gradient `server`),
 ZeRO (`zero`), the pipeline's stages and schedules (`pipeline`, `schedules`), context
-parallelism (`context`), the rules every layout meets (`mesh_rules`), hand-written
+parallelism (`context`), the checks every layout meets (`layout_checks`), hand-written
 collectives (`collectives`), and many processes (`distributed`)."""

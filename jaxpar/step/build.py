@@ -21,7 +21,7 @@ from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
 from jaxpar.data.tokens import SEGMENT_IDS
 from jaxpar.nn.problem import Problem, loss_elements
-from jaxpar.parallel import mesh_rules
+from jaxpar.parallel import layout_checks
 from jaxpar.parallel.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.mesh import describe
@@ -70,7 +70,7 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
     `batch`'s shapes (one global batch), and describe it. A step that would not fit in
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
-    mesh_rules.check_train(cfg, mesh_shape)
+    layout_checks.check_train(cfg, mesh_shape)
     engine = build(problem, cfg, mesh)
     preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)

@@ -1,11 +1,13 @@
 """The jitted train step with gradient sync, composed from the techniques in their
 own modules (parameter averaging, parallel.dp_sync=params, is jaxpar.step.local_sgd's).
 
-    stored state ──► compute view (zero.py: cast; ZeRO-3 gather; offload fetch)
-      └─► value_and_grad per micro-batch (plain, or schedules.py for every pipeline schedule)
-      └─► accumulate (accumulate.py; ZeRO-2 reduce-scatters each micro-batch)
-      └─► finish the data-parallel reduction (zero.py via dp.py: xla | ring | server)
-      └─► clip and AdamW (optim.py) on the device, or on the host (offload.py)
+    stored state ──► compute view (parallel/zero.py: cast; ZeRO-3 gather; offload fetch)
+      └─► value_and_grad per micro-batch (plain, or step/pipelined.py for every pipeline
+          schedule, each schedule's order from parallel/schedules.py)
+      └─► accumulate (step/accumulate.py; ZeRO-2 reduce-scatters each micro-batch)
+      └─► finish the data-parallel reduction (parallel/zero.py via
+          parallel/data_parallel.py: xla | ring.py | server.py)
+      └─► clip and AdamW (step/optimizer.py) on the device, or on the host (step/offload.py)
 
 The pieces both step builders share (the Engine, the forward/backward on this device's
 rows, the held-out loss) are jaxpar.step.engine's.
