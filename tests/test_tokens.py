@@ -230,3 +230,31 @@ def test_a_file_larger_than_the_run_could_hold_is_only_mapped(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     print(f"2048 MiB of tokens: peak {peak_mb:.0f} MiB")
     assert 0 < peak_mb < 1024, peak_mb  # of a 2048 MiB file
+
+
+def test_one_tokenizer_ends_text_pairs_and_eval_requests_with_one_token(tmp_path):
+    """A vocabulary holding two end-of-text tokens, tokenizer_config.json naming the
+    second: pretraining text, preference answers and eval requests all end with it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxpar.data import prepare
+    from jaxpar.evaluation.text import Text
+
+    words = ["<|endoftext|>", "</s>", *"abcdefghijklmnopqrstuvwxyz ?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(words[:2])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    eos = tok.token_to_id("</s>")
+    (tmp_path / "a.txt").write_text("one document\n\nanother one\n")
+    argv = ["prepare-data", str(tmp_path / "a.txt"), "--tokenizer", str(folder)]
+    assert cli.main([*argv, "--out", str(tmp_path / "text")]) == 0
+    assert json.loads((tmp_path / "text" / data.META).read_text())["end_of_text_id"] == eos
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "ab", "chosen": "cd", "rejected": "ef"}) + "\n")
+    [(pair, _)] = list(prepare._pair_rows([pairs], folder, 64))
+    assert [ids[-1] for ids in (pair.chosen, pair.rejected)] == [eos, eos]
+    assert Text(folder).eos == eos

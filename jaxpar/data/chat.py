@@ -48,6 +48,17 @@ def stop_ids(tok, conversations: bool) -> set[int]:
     return {tok.token_to_id(t) for t in ends if tok.token_to_id(t) is not None}
 
 
+def end_of_text(tok, template: Template) -> str | None:
+    """The token that ends a document, one rule for pretraining text, preference answers
+    and eval requests: tokenizer_config.json's eos_token where the vocabulary holds it
+    (the token transformers' tokenizer calls its eos), else the first of END_OF_TEXT it
+    holds; None: neither."""
+    named = template.tokens.get("eos_token")
+    if isinstance(named, str) and tok.token_to_id(named) is not None:
+        return named
+    return next((t for t in END_OF_TEXT if tok.token_to_id(t) is not None), None)
+
+
 @dataclass(frozen=True)
 class Example:
     ids: list[int]

@@ -104,8 +104,7 @@ def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
     line a pair the tokenizer can render, else ConfigError naming it. The tokenizer's
     end-of-text text ends each text answer, as TRL's does."""
     tok, template = chat.tokenizer(tokenizer), chat.Template(tokenizer)
-    eos = next((t for t in chat.END_OF_TEXT if tok.token_to_id(t) is not None), None)
-    eos = template.tokens.get("eos_token") or eos
+    eos = chat.end_of_text(tok, template)
     for path in inputs:
         for row, where, size in chat.lines(path, "prepare-data"):
             if row is None:
@@ -239,9 +238,8 @@ def _prepare(
     tok = chat.tokenizer(tokenizer)
     vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    eos = next(
-        (tok.token_to_id(t) for t in chat.END_OF_TEXT if tok.token_to_id(t) is not None), None
-    )
+    eos = chat.end_of_text(tok, chat.Template(tokenizer))
+    eos = None if eos is None else tok.token_to_id(eos)
     every = max(1, round(1 / val_fraction))
     masked = fmt not in ("text", "prompts")
     names = () if fmt == "prompts" else ("train", "val")

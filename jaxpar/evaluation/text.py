@@ -27,9 +27,7 @@ class Text:
         self.template = chat.Template(self.folder)
         special = self.template.tokens  # bos_token, eos_token, ... as text
         self.vocab = self.tok.get_vocab_size()
-        self.eos = self._id(special.get("eos_token"))
-        if self.eos is None:  # a tokenizer without the setting: its end-of-text token
-            self.eos = min(chat.stop_ids(self.tok, False), default=None)
+        self.eos = self._id(chat.end_of_text(self.tok, self.template))
         if self.eos is None:
             raise ConfigError(
                 f"--tokenizer {self.folder}: no end-of-text token (tokenizer_config.json's "
