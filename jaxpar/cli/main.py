@@ -75,6 +75,36 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"jaxpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_parser, _launch_parser, _plan_parser, _inspect_parser, _export_parser):
+        add(sub)
+    for add in (_prepare_data_parser, _generate_parser, _eval_parser, _bench_parser):
+        add(sub)
+    return parser
+
+
+def _cpu_devices(parser: argparse.ArgumentParser, default: int = DEFAULT_CPU_DEVICES) -> None:
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        metavar="N",
+        help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default {default} when "
+        "no GPU/TPU plugin is installed)",
+    )
+
+
+def _force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even where the compiled step's memory looks larger than this machine's",
+    )
+
+
+def _step(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
+
+
+def _train_parser(sub) -> None:
     train = sub.add_parser(
         "train",
         help="train a model with the configured parallelism",
@@ -100,6 +130,17 @@ def _parser() -> argparse.ArgumentParser:
         ("--process-id", int, "this process's id, 0 .. num-processes - 1"),
     ):
         train.add_argument(flag, type=kind, help=text)
+    train.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="per device, what MFU divides by (default: the device kind's dense bf16 peak; "
+        "none on a CPU)",
+    )
+    _force(train)
+    _cpu_devices(train)
+
+
+def _launch_parser(sub) -> None:
     launch = sub.add_parser(
         "launch", help="run a command as N local processes of one job (CPU collectives: gloo)"
     )
@@ -108,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
     )
+
+
+def _plan_parser(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="rank every parallel layout of a model on N devices, predicted from shapes",
@@ -133,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
         help="compile the top layouts that fit on this host's (simulated) devices, at "
         "gpt-tiny's dims, and print predicted against compiled figures",
     )
+    _cpu_devices(plan)
+
+
+def _inspect_parser(sub) -> None:
     inspect = sub.add_parser(
         "inspect",
         help="compile a step (no run): every leaf's shardings and bytes, the ledger, a picture",
@@ -148,6 +196,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where layout.png goes (default: a new runs/<time>-<config>-inspect, as a run's)",
     )
+    _cpu_devices(inspect)
+
+
+def _export_parser(sub) -> None:
     export = sub.add_parser(
         "export",
         help="write a run's latest parameters: one safetensors file, or a Hugging Face "
@@ -164,6 +216,10 @@ def _parser() -> argparse.ArgumentParser:
         "peft: an adapter run's adapter_model.safetensors and adapter_config.json, as "
         "peft.PeftModel.from_pretrained loads them",
     )
+    _cpu_devices(export)
+
+
+def _prepare_data_parser(sub) -> None:
     prep = sub.add_parser(
         "prepare-data",
         help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
@@ -208,6 +264,9 @@ def _parser() -> argparse.ArgumentParser:
         help="--format preference: ids of a prompt and its answer at most; a longer answer "
         f"loses its end, as TRL's max_length (default {MAX_LENGTH})",
     )
+
+
+def _generate_parser(sub) -> None:
     gen = sub.add_parser(
         "generate",
         help="continue prompts with a trained model (a run directory or hf:DIR), KV-cached",
@@ -233,6 +292,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, metavar="S")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
+    _step(gen)
+    _cpu_devices(gen, default=1)
+
+
+def _eval_parser(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="benchmark scores with lm-evaluation-harness (a run directory or hf:DIR)",
@@ -272,6 +336,11 @@ def _parser() -> argparse.ArgumentParser:
         help="each prompt through the tokenizer's chat template (few-shot examples as turns)",
     )
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
+    _step(ev)
+    _cpu_devices(ev, default=1)
+
+
+def _bench_parser(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="compare strategies on a model: time, memory, communication",
@@ -294,30 +363,8 @@ def _parser() -> argparse.ArgumentParser:
         help="measure only these sections: strategies schedules dp hosts offload remat "
         "checkpoint compile plan generate grpo (default: all)",
     )
-    train.add_argument(
-        "--peak-tflops",
-        type=float,
-        help="per device, what MFU divides by (default: the device kind's dense bf16 peak; "
-        "none on a CPU)",
-    )
-    for p in (train, bench):
-        p.add_argument(
-            "--force",
-            action="store_true",
-            help="run even where the compiled step's memory looks larger than this machine's",
-        )
-    for p in (gen, ev):
-        p.add_argument("--step", type=int, help="a run's checkpoint (default: its newest)")
-    for p in (train, bench, inspect, plan, export, gen, ev):
-        p.add_argument(
-            "--cpu-devices",
-            type=int,
-            metavar="N",
-            help=f"simulate N devices on the CPU, 1 to {MAX_CPU_DEVICES} (default "
-            f"{1 if p in (gen, ev) else DEFAULT_CPU_DEVICES} when no GPU/TPU plugin is "
-            "installed)",
-        )
-    return parser
+    _force(bench)
+    _cpu_devices(bench)
 
 
 def _check_cpu_devices(n: int | None, flag: str = "--cpu-devices") -> None:
@@ -445,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
         _check_arguments(args)
-        return _run(args)
+        return HANDLERS[args.command](args)
     except UserError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
@@ -519,10 +566,11 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(cfg, args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace) -> int:
     from jaxpar.cli.commands import plan_config
     from jaxpar.cost import planner
 
+    cfg, _ = _check_config(args)
     if not 0 < args.top <= 10**6:
         raise ConfigError(f"--top {args.top}: give a number > 0 and <= 1e+06")
     machine = planner.machine(
@@ -567,98 +615,123 @@ def _check_config(args: argparse.Namespace):
     return cfg, out
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "launch":
-        from jaxpar.parallel.distributed import launch
+def _launch(args: argparse.Namespace) -> int:
+    from jaxpar.parallel.distributed import launch
 
-        rest, out, ckpt = args.command_args, Path("."), None
-        if not rest[0].endswith(".py"):
-            inner = _parse(rest)
-            cfg, run_dir = _check_config(inner)
-            if run_dir is not None:  # one run directory for all workers
-                out, rest = run_dir, rest if inner.out else [*rest, "--out", str(run_dir)]
-                ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-            elif getattr(inner, "out", None):
-                out = inner.out.parent
-        return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
-    if args.command == "prepare-data":
-        from jaxpar.data.prepare import prepare
+    rest, out, ckpt = args.command_args, Path("."), None
+    if not rest[0].endswith(".py"):
+        inner = _parse(rest)
+        cfg, run_dir = _check_config(inner)
+        if run_dir is not None:  # one run directory for all workers
+            out, rest = run_dir, rest if inner.out else [*rest, "--out", str(run_dir)]
+            ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        elif getattr(inner, "out", None):
+            out = inner.out.parent
+    return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
 
-        meta = prepare(
-            args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
-        )
-        trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
-        if asked := meta.get("prompts"):
-            print(
-                f"wrote {args.out}: {asked['prompts']['train']:,} training and "
-                f"{asked['prompts']['val']:,} held-out prompts (the longest "
-                f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
-            )
-            return 0
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from jaxpar.data.prepare import prepare
+
+    meta = prepare(
+        args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
+    )
+    trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
+    if asked := meta.get("prompts"):
         print(
-            f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
-            f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
-            f"{meta['documents']:,} documents"
-            + ("" if trained is None else f"; {trained:,} training tokens are answers")
+            f"wrote {args.out}: {asked['prompts']['train']:,} training and "
+            f"{asked['prompts']['val']:,} held-out prompts (the longest "
+            f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
         )
-        if meta.get("skipped_without_answer"):
-            print(
-                f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
-                "turn: nothing in them to train on"
-            )
-        if pairs := meta.get("pairs"):
-            print(
-                f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
-                f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
-                f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
-                f"{pairs['longest_pair'] - 1}"
-            )
         return 0
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "eval":
-        return _eval(args)
-    cfg, out = _check_config(args)
-    if args.command == "plan":
-        return _plan(cfg, args)
-    _setup_devices(args.cpu_devices)
-    if args.command == "train":
-        from jaxpar.cli.commands import next_steps, train_config
-        from jaxpar.parallel.distributed import initialize
-
-        initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
-        result = train_config(
-            cfg, out, restart=args.restart, force=args.force, peak_tflops=args.peak_tflops
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
+        f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
+        f"{meta['documents']:,} documents"
+        + ("" if trained is None else f"; {trained:,} training tokens are answers")
+    )
+    if meta.get("skipped_without_answer"):
+        print(
+            f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
+            "turn: nothing in them to train on"
         )
-        if result is None:  # done already
-            return 0
-        written = [name for name in rundir.RUN_FILES if (out / name).exists()]
-        print(f"\nrun directory: {out}  ({', '.join(written)})")
-        if result.checkpoints:
-            print(f"checkpoints:   {result.checkpoints}")
-            print("next:          " + "\n               ".join(next_steps(cfg, out)))
-    elif args.command == "inspect":
-        from jaxpar.cli.commands import inspect_config
-
-        print(inspect_config(cfg, out / "layout.png"))
-    elif args.command == "export":
-        from jaxpar.training.export import export, export_hf, export_peft
-
-        if args.format == "hf":
-            step, tensors = export_hf(args.run_dir, args.to)
-            print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
-        elif args.format == "peft":
-            step, tensors = export_peft(args.run_dir, args.to)
-            print(f"wrote {tensors} adapter tensors of step {step} to {args.to} (PEFT)")
-        else:
-            step, tensors = export(args.run_dir, args.to)
-            print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
-    else:
-        from jaxpar.cli.bench import Base, run_bench
-
-        base = Base(args.config, tuple(args.overrides), args.force)
-        run_bench(base, steps=args.steps, out=args.out, only=args.only)
+    if pairs := meta.get("pairs"):
+        print(
+            f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
+            f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
+            f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
+            f"{pairs['longest_pair'] - 1}"
+        )
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from jaxpar.cli.commands import next_steps, train_config
+    from jaxpar.parallel.distributed import initialize
+
+    cfg, out = _check_config(args)
+    _setup_devices(args.cpu_devices)
+    initialize(args.coordinator, args.num_processes, args.process_id, cfg.distributed.timeout_s)
+    result = train_config(
+        cfg, out, restart=args.restart, force=args.force, peak_tflops=args.peak_tflops
+    )
+    if result is None:  # done already
+        return 0
+    written = [name for name in rundir.RUN_FILES if (out / name).exists()]
+    print(f"\nrun directory: {out}  ({', '.join(written)})")
+    if result.checkpoints:
+        print(f"checkpoints:   {result.checkpoints}")
+        print("next:          " + "\n               ".join(next_steps(cfg, out)))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from jaxpar.cli.commands import inspect_config
+
+    cfg, out = _check_config(args)
+    _setup_devices(args.cpu_devices)
+    print(inspect_config(cfg, out / "layout.png"))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from jaxpar.training.export import export, export_hf, export_peft
+
+    _setup_devices(args.cpu_devices)
+    if args.format == "hf":
+        step, tensors = export_hf(args.run_dir, args.to)
+        print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
+    elif args.format == "peft":
+        step, tensors = export_peft(args.run_dir, args.to)
+        print(f"wrote {tensors} adapter tensors of step {step} to {args.to} (PEFT)")
+    else:
+        step, tensors = export(args.run_dir, args.to)
+        print(f"wrote {tensors} parameters of step {step} to {args.to} (safetensors)")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from jaxpar.cli.bench import Base, run_bench
+
+    _check_config(args)  # the default model's tiny preset, where no --config is given
+    _setup_devices(args.cpu_devices)
+    base = Base(args.config, tuple(args.overrides), args.force)
+    run_bench(base, steps=args.steps, out=args.out, only=args.only)
+    return 0
+
+
+# each subcommand's handler: args -> exit status
+HANDLERS = {
+    "train": _train,
+    "launch": _launch,
+    "plan": _plan,
+    "inspect": _inspect,
+    "export": _export,
+    "prepare-data": _prepare_data,
+    "generate": _generate,
+    "eval": _eval,
+    "bench": _bench,
+}
 
 
 if __name__ == "__main__":
