@@ -5,14 +5,16 @@ still works and warns, with a DeprecationWarning naming the new home, until REMO
 An old module with one new home is that very module (`jaxpar.sharding is
 jaxpar.parallel.sharding`); one split in several reads each name from the homes in turn.
 Where the old module's name is now a subpackage (config, cost, data), the package
-forwards the old module's names (`attribute`). Two old names cannot come back, as the
+forwards the old module's names (`attribute`). Three old names cannot come back, as the
 new subpackages' modules hold them: `jaxpar.cli.main` (the function is now
-`jaxpar.cli.main.main`) and `jaxpar.step.build` (now `jaxpar.step.gradient_sync.build`).
+`jaxpar.cli.main.main`), `jaxpar.step.build` (now `jaxpar.step.gradient_sync.build`) and
+`jaxpar.bench.measure` (now `jaxpar.bench.measure.measure`).
 Nothing is imported until an old path is used."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 import warnings
@@ -21,13 +23,17 @@ from importlib.machinery import ModuleSpec
 
 REMOVED_IN = "0.3.0"  # the release after next: the old paths go then
 
+# `jaxpar bench`'s modules, the one holding most first
+BENCH = ("bench.measure", "bench.run", "bench.strategies", "bench.schedules", "bench.dp")
+BENCH += ("bench.hosts", "bench.offload", "bench.remat", "bench.context", "bench.experts")
+BENCH += ("bench.checkpoint", "bench.compile", "bench.longest", "bench.plan", "bench.generate")
 # old module (jaxpar.<old>) -> its new homes under jaxpar, the one holding most first
 MOVED = {
     "accumulate": ("step.accumulate",),
     "attention": ("nn.attention",),
     "axes": ("parallel.axes",),
     "batches": ("parallel.batches",),
-    "bench": ("cli.bench", "cli.bench_generate"),
+    "bench": BENCH,
     "chat": ("data.chat",),
     "checkpoint": ("training.checkpoint",),
     "collectives": ("parallel.collectives", "parallel.ring", "parallel.server"),
@@ -77,6 +83,9 @@ MOVED = {
     "zero": ("parallel.zero",),
     # renamed since the last release
     "parallel.mesh_rules": ("parallel.layout_checks",),  # checks, not a rules table
+    "cli.bench": BENCH,  # a library of its own: a module per section
+    "cli.bench_generate": ("bench.generate",),
+    "cli.bench_grpo": ("bench.grpo",),
 }
 # names that left a module still there: the module -> their new homes
 LEFT = {"cli.commands": ("recipe",)}
@@ -120,6 +129,11 @@ def attribute(package: str, name: str):
     jaxpar.config's Config, now in jaxpar.config.sections), or of a module some names
     left (LEFT), with the warning."""
     old = package.removeprefix("jaxpar.")
+    holder = vars(sys.modules[package])
+    if name.startswith("__") or (  # a submodule of the package, not yet imported: importing
+        "__path__" in holder and importlib.util.find_spec(f"{package}.{name}") is not None
+    ):
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
     home, value = _found(old, name)
     public = sys.modules["jaxpar"]
     new = f"jaxpar.{name}" if name in public.__all__ else f"{home.__name__}.{name}"

@@ -3,13 +3,16 @@
 import pytest
 from helpers import jaxpar_command
 
-from jaxpar.cli import bench, bench_generate
-from jaxpar.cli.bench import Base, run_bench
+from jaxpar.bench import compile as by_depth
+from jaxpar.bench import context as long_sequences
+from jaxpar.bench import experts, generate, hosts, measure, strategies
+from jaxpar.bench.measure import Base
+from jaxpar.bench.run import run_bench
 
 
 @pytest.mark.slow
 def test_remat_section(devices, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
+    monkeypatch.setattr(measure, "REPEATS", 1)  # what is checked is the table, not timing
     results = run_bench(steps=2, only=["remat"])
     assert list(results) == ["remat"]
     rows = results["remat"]
@@ -24,13 +27,14 @@ def test_remat_section(devices, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
+    monkeypatch.setattr(measure, "REPEATS", 1)  # what is checked is the table, not timing
     # the section's table at two strategies, one of them with tensor and sequence
     # parallelism (test_context proves each strategy's bytes on its own, compiled only)
     layouts = {
-        k: bench.CONTEXT[k] for k in ("S=256 context=8 ulysses", "S=256 context=4 tensor=2 sp")
+        k: long_sequences.CONTEXT[k]
+        for k in ("S=256 context=8 ulysses", "S=256 context=4 tensor=2 sp")
     }
-    monkeypatch.setattr(bench, "CONTEXT", layouts)
+    monkeypatch.setattr(long_sequences, "CONTEXT", layouts)
     rows = run_bench(steps=2, only=["context"])["context"]
     assert list(rows) == list(layouts)
     for name, r in rows.items():
@@ -42,9 +46,9 @@ def test_context_section_measures_each_strategy_at_the_textbook_bytes(devices, c
 
 @pytest.mark.slow
 def test_experts_section_splits_the_experts_at_the_textbook_bytes(devices, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is the table, not timing
+    monkeypatch.setattr(measure, "REPEATS", 1)  # what is checked is the table, not timing
     cases = ("expert=1", "expert=4", "expert=2, dropless")
-    monkeypatch.setattr(bench, "EXPERTS", {k: bench.EXPERTS[k] for k in cases})
+    monkeypatch.setattr(experts, "EXPERTS", {k: experts.EXPERTS[k] for k in cases})
     rows = run_bench(steps=2, only=["experts"])["experts"]
     one, four, dropless = (rows[k]["report"] for k in cases)
     assert one.comm.by_axis["expert"].wire == 0
@@ -70,10 +74,10 @@ def test_unknown_section_exits_2():
 
 @pytest.mark.slow
 def test_hosts_section_puts_replicas_and_averaging_beside_flat_zero(devices, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "REPEATS", 1)  # what is checked is bytes, not timing
+    monkeypatch.setattr(measure, "REPEATS", 1)  # what is checked is bytes, not timing
     checked = ("flat zero1", "replica2 zero1", "params every 1", "params every 36")
-    monkeypatch.setattr(bench, "ACROSS_HOSTS", {k: bench.ACROSS_HOSTS[k] for k in checked})
-    rows = bench.run_bench(steps=2, only=["hosts"])["hosts"]
+    monkeypatch.setattr(hosts, "ACROSS_HOSTS", {k: hosts.ACROSS_HOSTS[k] for k in checked})
+    rows = run_bench(steps=2, only=["hosts"])["hosts"]
     flat, hsdp = rows["flat zero1"]["report"].comm, rows["replica2 zero1"]["report"].comm
     # across the two halves: the replicas' slice only, against the flat ring's two hops
     assert rows["replica2 zero1"]["across_2_hosts"] == pytest.approx(
@@ -92,8 +96,8 @@ def test_bench_takes_a_config_and_skips_what_it_cannot_split(
     devices, capsys, monkeypatch, tmp_path
 ):
     monkeypatch.chdir(tmp_path)  # where the picture goes by default
-    two = {name: bench.STRATEGIES[name] for name in ("dp8-zero0", "tp8")}
-    monkeypatch.setattr(bench, "STRATEGIES", two)
+    two = {name: strategies.STRATEGIES[name] for name in ("dp8-zero0", "tp8")}
+    monkeypatch.setattr(strategies, "STRATEGIES", two)
     base = Base("gpt-tiny", ("model.heads=2", "model.embed=32"))
     rows = run_bench(base, steps=1, only=["strategies"])["strategies"]
     assert rows["dp8-zero0"]["report"].config["model"]["embed"] == 32
@@ -108,8 +112,9 @@ def test_bench_takes_a_config_and_skips_what_it_cannot_split(
 def test_compile_time_does_not_grow_with_depth(devices, monkeypatch, capsys):
     """The layer stack is scanned: 32 layers are the same program as 4 (the compiler's
     work, counted in HLO lines; the seconds are the bench's to report, not to assert)."""
-    monkeypatch.setattr(bench, "COMPILE_LAYOUTS", {"dp8-zero3": bench.COMPILE_LAYOUTS["dp8-zero3"]})
-    monkeypatch.setattr(bench, "COMPILE_DEPTHS", (4, 32))
+    layouts = {"dp8-zero3": by_depth.COMPILE_LAYOUTS["dp8-zero3"]}
+    monkeypatch.setattr(by_depth, "COMPILE_LAYOUTS", layouts)
+    monkeypatch.setattr(by_depth, "COMPILE_DEPTHS", (4, 32))
     depths = run_bench(only=["compile"])["compile"]["dp8-zero3"]
     assert depths[32]["hlo_lines"] == depths[4]["hlo_lines"]
     assert "32 / 4" in capsys.readouterr().out
@@ -123,7 +128,7 @@ def test_the_strategies_picture_is_drawn(devices, tmp_path):
 
     results = {
         name: {"report": compile_only("gpt-tiny", overrides), "step_s": 0.02}
-        for name, overrides in list(bench.STRATEGIES.items())[:2]
+        for name, overrides in list(strategies.STRATEGIES.items())[:2]
     }
     plot_strategies(results, tmp_path / "bench.png", "two strategies")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -141,12 +146,12 @@ def test_plan_section_times_the_70b_plan(capsys):
 def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devices, monkeypatch):
     """The layouts' table, and the peer's (in its own process of one device): what is
     checked is the tables and the bytes a step must read, not timing."""
-    monkeypatch.setattr(bench_generate, "LAYOUT_NEW", 4)
-    two = {k: v for k, v in bench_generate.LAYOUTS.items() if k != "tensor=2"}
-    monkeypatch.setattr(bench_generate, "LAYOUTS", two)
-    cases = (bench_generate.Case(2, 4, sampled=True),)
-    monkeypatch.setattr(bench_generate, "PEER_CASES", cases)
-    monkeypatch.setattr(bench_generate, "ROUNDS", 1)
+    monkeypatch.setattr(generate, "LAYOUT_NEW", 4)
+    two = {k: v for k, v in generate.LAYOUTS.items() if k != "tensor=2"}
+    monkeypatch.setattr(generate, "LAYOUTS", two)
+    cases = (generate.Case(2, 4, sampled=True),)
+    monkeypatch.setattr(generate, "PEER_CASES", cases)
+    monkeypatch.setattr(generate, "ROUNDS", 1)
     results = run_bench(only=["generate"])
     rows = results["generate"]
     assert set(rows) == set(two)

@@ -1,2 +1,2 @@
 """The `jaxpar` command: the parser and dispatch (`main`), what the subcommands run
-(`commands`), `jaxpar inspect` (`inspect`) and `jaxpar bench` (`bench`)."""
+(`commands`) and `jaxpar inspect` (`inspect`); `jaxpar bench` runs jaxpar.bench."""

@@ -711,7 +711,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from jaxpar.cli.bench import Base, run_bench
+    from jaxpar.bench.measure import Base
+    from jaxpar.bench.run import run_bench
 
     _check_config(args)  # the default model's tiny preset, where no --config is given
     _setup_devices(args.cpu_devices)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.bench import measure
 from jaxpar.cost.report import human_bytes, table
 
 LAYOUTS = {
@@ -31,7 +32,7 @@ def even_ids(prompts, completions, **fields) -> list[float]:
     return out
 
 
-def steps(tables: dict, show) -> dict:
+def grpo_steps(tables: dict) -> dict:
     import jax
 
     from jaxpar.config import presets
@@ -82,5 +83,9 @@ def steps(tables: dict, show) -> dict:
     )
     header = ["training layout", "generate ms", "reshard ms", "update ms", "generate tok/s",
               "reshard / device", "/ minimum"]  # fmt: skip
-    show(tables, "grpo", title, table(rows, header))
+    measure.show(tables, "grpo", title, table(rows, header))
     return results
+
+
+def run(base, steps: int, tables: dict, out=None) -> dict:
+    return {"grpo": grpo_steps(tables)}

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.bench import measure
 from jaxpar.cost.report import table
 
 PEER_MODEL = (
@@ -172,7 +173,7 @@ def _peer_seconds(model, prompts, case: Case) -> float:
     return seconds
 
 
-def against_peer(tables: dict, show) -> dict:
+def against_peer(tables: dict) -> dict:
     """PEER_CASES by jaxpar and transformers, alternated, with the roofline columns: in a
     process of its own with one CPU device (simulated devices share the cores, and a
     process holding 8 of them decodes 1.4x slower on one: measured)."""
@@ -182,7 +183,7 @@ def against_peer(tables: dict, show) -> dict:
         [
             sys.executable,
             "-m",
-            "jaxpar.cli.bench_generate",
+            "jaxpar.bench.generate",
             json.dumps({"cases": [dataclasses.astuple(c) for c in PEER_CASES], "rounds": ROUNDS}),
         ],  # fmt: skip
         env=env,
@@ -223,7 +224,7 @@ def against_peer(tables: dict, show) -> dict:
         f"({' '.join(o.split('.', 1)[1] for o in PEER_MODEL[:6])}), one CPU device, "
         f"prompts of {PROMPT_IDS} ids; best of {ROUNDS} alternated rounds"
     )
-    show(tables, "generate-peer", title, table(rows, header))
+    measure.show(tables, "generate-peer", title, table(rows, header))
     return results
 
 
@@ -270,7 +271,7 @@ def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
     return results
 
 
-def layouts(tables: dict, show) -> dict:
+def layouts(tables: dict) -> dict:
     """llama-tiny's (and deepseek-tiny's) prefill and decode tokens/s in every decoding
     layout (random weights, greedy, 8 prompts, LAYOUT_NEW new tokens each; the second
     call, the first's compile apart), and the KV cache bytes per token as allocated
@@ -305,8 +306,12 @@ def layouts(tables: dict, show) -> dict:
         f"{LAYOUT_NEW} new tokens each, greedy"
     )
     header = ["layout", "prefill tok/s", "decode tok/s", "compile s", "cache B/token / formula"]
-    show(tables, "generate", title, table(rows, header))
+    measure.show(tables, "generate", title, table(rows, header))
     return results
+
+
+def run(base, steps: int, tables: dict, out=None) -> dict:
+    return {"generate": layouts(tables), "generate-peer": against_peer(tables)}
 
 
 if __name__ == "__main__":  # against_peer's process
