@@ -221,6 +221,11 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "The planner's ZeRO state and data-parallel traffic are the ZeRO paper's, by hand",
+        ("test_planner.py::test_the_planner_predicts_the_zero_papers_bytes_on_data_8",),
+    ),
+    Claim(
+        "docs/layouts.md",
         "jaxpar inspect's leaf bytes add up to the compiled state",
         ("test_inspect.py::test_leaf_bytes_add_up_to_the_compiled_state",),
     ),

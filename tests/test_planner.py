@@ -1,5 +1,6 @@
 """`jaxpar plan`: predictions from shapes alone, checked against compiled steps."""
 
+import math
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from jaxpar.config import presets
 from jaxpar.config.sections import Offload
 from jaxpar.cost import formulas as cost
 from jaxpar.cost import planner
+from jaxpar.names import LAYERS
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
 from jaxpar.parallel.axes import DATA, PIPE, REPLICA, TENSOR
@@ -141,7 +143,8 @@ AGREEMENT = {**STRATEGIES, "3d-1f1b": tuple(THREE_D_1F1B), "zero1-bf16-compute":
 )
 def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     """For a run's own layout the planner predicts the very minimum and ZeRO state that
-    the run's ledger reports: one function computes both (jaxpar.cost.formulas)."""
+    the run's ledger reports: one function computes both (jaxpar.cost.formulas; the
+    figures themselves are checked by hand in the test below)."""
     overrides = AGREEMENT[name]
     cfg = presets.load("gpt-tiny", list(overrides))
     mesh = resolve_degrees(cfg.parallel, 8)
@@ -153,6 +156,32 @@ def test_planner_and_ledger_agree_on_the_minimum_and_the_state(name, devices):
     assert guess.minimum[REPLICA] == compiled.comm.by_axis[REPLICA].minimum
     if mesh[PIPE] == 1:  # with a pipeline the run has no single Megatron figure per device
         assert guess.minimum[TENSOR] == compiled.comm.by_axis[TENSOR].minimum
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_planner_predicts_the_zero_papers_bytes_on_data_8(zero):
+    """The planner against figures computed here, not by jaxpar.cost.formulas (the test
+    above holds the run to the same formulas, so it cannot catch a wrong one). psi is the
+    parameter count, read from the model's shapes; fp32 weights are 4 psi bytes and Adam's
+    two moments 8 psi (the ZeRO paper's K = 12 without the fp16 copy), each split over the
+    8 devices from the stage that shards it. Per device a ring moves (N-1)/N of what it
+    reduce-scatters or gathers and 2(N-1)/N of what it all-reduces: the gradients
+    all-reduced (ZeRO 0-2), or under ZeRO-3 reduce-scattered, every weight gathered for
+    the forward and each layer's weights again for its backward (the rest are kept)."""
+    cfg = presets.load("gpt-tiny", ["parallel.data=8", f"parallel.zero={zero}"])
+    problem = registered(cfg.model, cfg.train.seq_len)
+    psi = sum(math.prod(s.shape) for s in problem.shapes.values())
+    stack = sum(
+        math.prod(s.shape) for k, s in problem.shapes.items() if problem.names[k][0] == LAYERS
+    )
+    n, weights, moments = 8, 4 * psi, 8 * psi
+    state = {0: weights + moments, 1: weights + moments / n, 2: weights + moments / n}
+    state[3] = (weights + moments) / n
+    ring = (n - 1) / n
+    data = 2 * ring * 4 * psi if zero < 3 else ring * 4 * (psi + psi + stack)
+    mesh = resolve_degrees(cfg.parallel, n)
+    guess = planner.predict(cfg, mesh, MACHINE, problem, planner.of_config(cfg))
+    assert (guess.formula_state, guess.minimum[DATA]) == (state[zero], data)
 
 
 def test_replicas_are_enumerated_across_hosts_and_priced_there():
