@@ -1,6 +1,7 @@
 """The imports run one way: no cycle among jaxpar's modules and its models (counting the
 imports inside functions too: a late import is still an arrow), and between the rooms
-(subpackages) only downwards, in the order of LAYERS."""
+(subpackages) only downwards, in the order of LAYERS. The last release's module paths
+still import, with a warning; no function is longer than a screen."""
 
 import ast
 import importlib
@@ -209,3 +210,15 @@ def test_an_old_name_says_where_it_lives_and_an_unknown_path_still_fails():
     from jaxpar.config import presets  # a submodule, never the old module's name
 
     assert presets is sys.modules["jaxpar.config.presets"]
+
+
+def test_no_function_is_longer_than_a_screen():
+    """No function in jaxpar/ or models/ over 80 lines, its docstring counted."""
+    long = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {lines}")
+    assert long == []

@@ -187,12 +187,11 @@ def scale_of(adapter: Adapter) -> float:
     return adapter.alpha / adapter.rank
 
 
-def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
-    """`problem` (a registered model) with adapters on adapter.targets, trained alone;
-    its base frozen, stored as adapter.base."""
-    targets = targets_of(adapter, model)
-    quantized = quantized_of(adapter, model, problem.shapes)
-    kind, r, scale = str(adapter.base), adapter.rank, scale_of(adapter)
+def _stored(problem: Problem, adapter: Adapter, targets, quantized) -> tuple[dict, dict]:
+    """(logical names, ShapeDtypeStructs) of every stored leaf: the base's as
+    adapter.base keeps them (a quantized weight as its codes and scales), then each
+    target's A and B in fp32."""
+    kind, r = str(adapter.base), adapter.rank
     names, shapes = {}, {}
     low = adapter.base is not BaseStorage.SAME  # bf16, or what is not quantized
     for k, n in problem.names.items():
@@ -218,6 +217,16 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
         names[p.b] = (*n[: p.stacked], LORA_RANK, *n[cut:])
         shapes[p.a] = jax.ShapeDtypeStruct((*shape[:cut], r), jnp.float32)
         shapes[p.b] = jax.ShapeDtypeStruct((*lead, r, *shape[cut:]), jnp.float32)
+    return names, shapes
+
+
+def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
+    """`problem` (a registered model) with adapters on adapter.targets, trained alone;
+    its base frozen, stored as adapter.base."""
+    targets = targets_of(adapter, model)
+    quantized = quantized_of(adapter, model, problem.shapes)
+    kind, scale = str(adapter.base), scale_of(adapter)
+    names, shapes = _stored(problem, adapter, targets, quantized)
     trained = {k for p in targets for k in (p.a, p.b)}
 
     def store(base: dict) -> dict:

@@ -302,10 +302,62 @@ def predict(
     in the layout of its pipeline (pipeline.in_stages), `specs` its placement on `mesh`
     at the config's ZeRO stage where already made (placed_on)."""
     par, train = cfg.parallel, cfg.train
-    d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     specs = specs or placed_on(trained, mesh, par.zero)
-    pairs = cost.leaf_pairs(specs, trained.shapes)
     placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained, mesh)
+    acts, gather = _activations_and_gathers(cfg, mesh, trained, work, specs)
+    state = placed.device
+    # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
+    t, p = mesh[TENSOR], mesh[PIPE]
+    per_micro = blocks.tensor_elements(trained, batch_split(train, par, mesh).micro, t)
+    tensor_elements = None if per_micro is None else per_micro * par.microbatches / p
+    minimum = cost.minimum(
+        cfg.parallel,
+        cfg.train,
+        specs,
+        trained,
+        mesh,
+        tensor_elements if t > 1 else 0,
+        experts=work.experts,
+    )
+    comm = _traffic(cfg, mesh, trained, work, specs, minimum)
+    comm_s = _comm_seconds(comm, mesh, machine)
+    if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
+        compute_bytes = cost.dtype_bytes(train.precision)
+        moved = (4 + compute_bytes) * placed.opt_elements * train.grad_accum ** (par.zero == 3)
+        comm["host"] = moved
+        comm_s += moved / machine.host_bytes_s
+    bubble = cost.bubble(p, par.microbatches)
+    compute_s = _compute_seconds(cfg, mesh, machine, trained, work)
+    return Candidate(
+        cfg=cfg,
+        mesh=mesh,
+        state=state,
+        model_state=placed.model,
+        formula_state=cost.problem_state(cfg.parallel, cfg.train, specs, trained, mesh),
+        paper_state=sum(
+            cost.paper_state(par.zero, psi, n)
+            for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()
+        ),
+        minimum=minimum,
+        activations=acts,
+        gather_temp=gather,
+        device=state + acts + gather,
+        base=placed.frozen,
+        opt=placed.opt,
+        host=placed.host * machine.per_host,
+        comm=comm,
+        comm_s=comm_s,
+        compute_s=compute_s,
+        bubble=bubble,
+        step_s=compute_s / (1 - bubble) + comm_s,
+    )
+
+
+def _activations_and_gathers(cfg: Config, mesh: dict, trained, work: Workload, specs):
+    """(the activations a device keeps for its backward pass, the bytes of ZeRO-3's
+    gathered layers in flight), per device."""
+    par, train = cfg.parallel, cfg.train
+    d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     compute_bytes = cost.dtype_bytes(train.precision)
     split = batch_split(train, par, mesh)
     alive = min(par.microbatches, p) if p > 1 else 1
@@ -317,6 +369,9 @@ def predict(
     else:
         kept = work.layer_elements(t, c)
     acts = alive * layers * split.micro * kept * compute_bytes
+    if par.zero != 3 or d * mesh.get(EXPERT, 1) == 1:
+        return acts, 0.0
+    pairs = cost.leaf_pairs(specs, trained.shapes)
     names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
     one_layer = sum(
         cost.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
@@ -324,24 +379,18 @@ def predict(
         if stack_dims(n)
     )
     # ZeRO-3 gathers a layer whole before it runs: this one and the next in flight
-    gather = 2 * one_layer * compute_bytes if par.zero == 3 and d * mesh.get(EXPERT, 1) > 1 else 0.0
-    state = placed.device
-    device = state + acts + gather
-    # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
-    per_micro = blocks.tensor_elements(trained, split.micro, t)
-    tensor_elements = None if per_micro is None else per_micro * par.microbatches / p
-    minimum = cost.minimum(
-        cfg.parallel,
-        cfg.train,
-        specs,
-        trained,
-        mesh,
-        tensor_elements if t > 1 else 0,
-        experts=work.experts,
-    )
+    return acts, 2 * one_layer * compute_bytes
+
+
+def _traffic(cfg: Config, mesh: dict, trained, work: Workload, specs, minimum: dict) -> dict:
+    """Bytes per device per step over each axis: the minimum's, the experts' exchange,
+    context's, and the pipeline's hand-overs."""
+    par, train = cfg.parallel, cfg.train
+    p, c = mesh[PIPE], mesh.get(CONTEXT, 1)
+    split = batch_split(train, par, mesh)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
-    hand_over = split.micro * work.boundary_elements / c * compute_bytes
-    comm = {
+    hand_over = split.micro * work.boundary_elements / c * cost.dtype_bytes(train.precision)
+    return {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
         EXPERT: cost.expert_bytes(cfg.parallel, cfg.train, specs, trained, mesh, work.experts),
@@ -359,6 +408,11 @@ def predict(
         TENSOR: minimum[TENSOR] or 0.0,
         PIPE: par.microbatches * train.grad_accum * hand_over if p > 1 else 0.0,
     }
+
+
+def _comm_seconds(comm: dict, mesh: dict, machine: Machine) -> float:
+    """The traffic's seconds, each axis at the inter-host rate where it spans hosts."""
+    d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     inside = machine.per_host
     # replicas are hosts apart; a ZeRO group (data x pipeline x tensor) spans hosts
     # where it holds more devices than one host has
@@ -370,14 +424,15 @@ def predict(
         DATA: d * mesh.get(EXPERT, 1) * p * c * t > inside,
         REPLICA: mesh.get(REPLICA, 1) > 1,
     }
-    comm_s = sum(
+    return sum(
         b / (machine.inter_bytes_s if spans[a] else machine.intra_bytes_s) for a, b in comm.items()
     )
-    if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
-        moved = (4 + compute_bytes) * placed.opt_elements * train.grad_accum ** (par.zero == 3)
-        comm["host"] = moved
-        comm_s += moved / machine.host_bytes_s
-    bubble = cost.bubble(p, par.microbatches)
+
+
+def _compute_seconds(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload):
+    """The busiest device's compute time at the machine's MFU."""
+    par, train = cfg.parallel, cfg.train
+    p, c = mesh[PIPE], mesh.get(CONTEXT, 1)
     flops = work.flops_per_row
     if work.experts:  # the experts run on every slot they hold, empty ones too
         flops += work.experts.idle_flops(train.seq_len, c)
@@ -385,30 +440,7 @@ def predict(
     # a pipeline runs at its slowest device's pace (the bubble stretches that below)
     share = slowest_stage_share(trained, work.layers, p)
     per_stage = math.prod(mesh.values()) // p  # devices sharing each stage's work
-    compute_s = flops * share / per_stage / (machine.peak_flops * machine.mfu)
-    return Candidate(
-        cfg=cfg,
-        mesh=mesh,
-        state=state,
-        model_state=placed.model,
-        formula_state=cost.problem_state(cfg.parallel, cfg.train, specs, trained, mesh),
-        paper_state=sum(
-            cost.paper_state(par.zero, psi, n)
-            for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()
-        ),
-        minimum=minimum,
-        activations=acts,
-        gather_temp=gather,
-        device=device,
-        base=placed.frozen,
-        opt=placed.opt,
-        host=placed.host * inside,
-        comm=comm,
-        comm_s=comm_s,
-        compute_s=compute_s,
-        bubble=bubble,
-        step_s=compute_s / (1 - bubble) + comm_s,
-    )
+    return flops * share / per_stage / (machine.peak_flops * machine.mfu)
 
 
 def slowest_stage_share(trained, layers: int, p: int) -> float:

@@ -160,27 +160,8 @@ def describe_step(
     led = read_ledger(par, step.hlo, mesh_shape)
     compute_bytes = cost.dtype_bytes(cfg.train.precision)
     split = batch_split(cfg.train, par, mesh_shape)
-    # With a pipeline each device runs some layers, and the head or embedding on some
-    # stages only: the Megatron count per device has no single value.
-    t = mesh_shape[TENSOR]
-    tensor_elements = (
-        blocks.tensor_elements(problem, split.accum, t) if mesh_shape[PIPE] == 1 else None
-    )
     spec = registry.get(cfg.model.name)
-    attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
-    experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None
-    documents = SEGMENT_IDS in batch
-    minimum = cost.minimum(
-        cfg.parallel,
-        cfg.train,
-        engine.specs,
-        trained,
-        mesh_shape,
-        tensor_elements,
-        attention,
-        documents,
-        experts,
-    )
+    minimum = _minimum(cfg, mesh_shape, problem, engine, SEGMENT_IDS in batch)
     formula = cost.problem_state(cfg.parallel, cfg.train, engine.specs, trained, mesh_shape)
     device, host = ledger.memory(
         step.executable,
@@ -232,6 +213,32 @@ def describe_step(
                 par.sync_every if averaging else None,
             ),
         ),
+    )
+
+
+def _minimum(cfg: Config, mesh_shape: dict, problem: Problem, engine: Engine, documents: bool):
+    """The step's textbook minimum bytes per device over each axis (jaxpar.cost.formulas),
+    from the model's own dims: its attention, its experts, its Megatron all-reduces."""
+    split = batch_split(cfg.train, cfg.parallel, mesh_shape)
+    # With a pipeline each device runs some layers, and the head or embedding on some
+    # stages only: the Megatron count per device has no single value.
+    t = mesh_shape[TENSOR]
+    tensor_elements = (
+        blocks.tensor_elements(problem, split.accum, t) if mesh_shape[PIPE] == 1 else None
+    )
+    spec = registry.get(cfg.model.name)
+    attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
+    experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None
+    return cost.minimum(
+        cfg.parallel,
+        cfg.train,
+        engine.specs,
+        engine.problem,
+        mesh_shape,
+        tensor_elements,
+        attention,
+        documents,
+        experts,
     )
 
 

@@ -62,52 +62,37 @@ def _stacked(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(DATA, *spec)
 
 
-def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _manual(tree):
+    """The specs as shard_map's in- and out-specs over its manual axes (data, pipeline)."""
+    return jax.tree.map(lambda s: only_axes(s, (DATA, PIPE)), tree, is_leaf=_is_spec)
+
+
+def _copies(problem: Problem, mesh: Mesh, compute, inner, global_state):
+    """(the specs of each device's copy and its inner optimizer state, stacked over data;
+    the whole state's shardings, the copies' beside the global state's)."""
     n = mesh.shape[DATA]
-    every = par.sync_every
-    shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
-    specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
-    policy = zero_policy(train, par, specs, problem.names)
-    inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem))
-    outer = outer_optimizer(par)
-    compute = pick(specs, "compute")
-    global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
     copies = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), problem.shapes)
-    copy_specs = jax.tree.map(_stacked, compute, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    copy_specs = jax.tree.map(_stacked, compute, is_leaf=_is_spec)
     inner_specs = optax.tree_map_params(
         inner,
         lambda _, spec: spec,
         jax.eval_shape(inner.init, copies),
         copy_specs,
         transform_non_params=lambda _: PartitionSpec(),
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
+        is_leaf=_is_spec,
     )
-    local_specs = Local(params=copy_specs, opt=inner_specs)
-    named = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s))
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    shardings = global_state.replace(
-        local=Local(
-            params=named(copy_specs, is_leaf=is_spec), opt=named(inner_specs, is_leaf=is_spec)
-        )
-    )
-    value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
-    mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
-    clip = functools.partial(
-        optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(problem.names)
-    )
+    named = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s), is_leaf=_is_spec)
+    local = Local(params=named(copy_specs), opt=named(inner_specs))
+    return Local(params=copy_specs, opt=inner_specs), global_state.replace(local=local)
 
-    def spread(params) -> Local:
-        stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
-        return Local(params=stacked, opt=inner.init(stacked))
 
-    def init(key):
-        params = problem.init(key)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, outer.init(params), zero, None, spread(params))
-
-    manual = lambda tree: jax.tree.map(  # noqa: E731
-        lambda s: only_axes(s, (DATA, PIPE)), tree, is_leaf=is_spec
-    )
+def _device_step(problem: Problem, train: Train, every: int, inner, outer, value_and_grad, clip):
+    """One device's step, inside shard_map: its local step on its rows, then (every
+    `every` steps, and at the last) the copies averaged into the outer optimizer."""
 
     def device_step(local: Local, params, outer_opt, batch, step, skipped, total):
         """One device's local step on its rows, then (every `every` steps) the average."""
@@ -141,11 +126,65 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
         norm = jax.lax.pmean(norm, DATA)
         return local, params, outer_opt, loss, norm, applied, finite, reports
 
+    return device_step
+
+
+def _mean_grads(problem: Problem, mesh: Mesh, local_specs, compute, value_and_grad):
+    """(state, batch) -> the copies' gradients on their rows, averaged (diagnostics)."""
+
+    def mean_grads(state: TrainState, batch):
+        def one(local, batch):
+            mine = jax.tree.map(lambda x: x[0], local.params)
+            count = trained_count(problem, batch)
+            return jax.lax.pmean(value_and_grad(mine, batch, count)[1], DATA)
+
+        return jax.shard_map(
+            one,
+            mesh=mesh,
+            in_specs=(_manual(local_specs), PartitionSpec(BATCH_AXES)),
+            out_specs=_manual(compute),
+            axis_names={REPLICA, DATA, EXPERT, PIPE},
+            check_vma=False,
+        )(state.local, batch)
+
+    return mean_grads
+
+
+def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
+    """The engine of parallel.dp_sync=params: each device's copy trained on its rows by the
+    inner optimizer, averaged every parallel.sync_every steps into the outer one."""
+    n = mesh.shape[DATA]
+    every = par.sync_every
+    shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
+    specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
+    policy = zero_policy(train, par, specs, problem.names)
+    inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem))
+    outer = outer_optimizer(par)
+    compute = pick(specs, "compute")
+    global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
+    local_specs, shardings = _copies(problem, mesh, compute, inner, global_state)
+    value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
+    mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
+    clip = functools.partial(
+        optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(problem.names)
+    )
+
+    def spread(params) -> Local:
+        stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
+        return Local(params=stacked, opt=inner.init(stacked))
+
+    def init(key):
+        params = problem.init(key)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, outer.init(params), zero, None, spread(params))
+
+    device_step = _device_step(problem, train, every, inner, outer, value_and_grad, clip)
+
     def train_step(state: TrainState, batch):
         specs_in = (
-            manual(local_specs),
-            manual(compute),
-            manual(jax.tree.map(lambda s: s.spec, global_state.opt)),
+            _manual(local_specs),
+            _manual(compute),
+            _manual(jax.tree.map(lambda s: s.spec, global_state.opt)),
             PartitionSpec(BATCH_AXES),
             PartitionSpec(),
             PartitionSpec(),
@@ -165,22 +204,7 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
         metrics = (loss, schedule(state.step), norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics)
 
-    def mean_grads(state: TrainState, batch):
-        """The copies' gradients on their rows, averaged (diagnostics)."""
-
-        def one(local, batch):
-            mine = jax.tree.map(lambda x: x[0], local.params)
-            count = trained_count(problem, batch)
-            return jax.lax.pmean(value_and_grad(mine, batch, count)[1], DATA)
-
-        return jax.shard_map(
-            one,
-            mesh=mesh,
-            in_specs=(manual(local_specs), PartitionSpec(BATCH_AXES)),
-            out_specs=manual(compute),
-            axis_names={REPLICA, DATA, EXPERT, PIPE},
-            check_vma=False,
-        )(state.local, batch)
+    mean_grads = _mean_grads(problem, mesh, local_specs, compute, value_and_grad)
 
     return jitted(
         mesh,

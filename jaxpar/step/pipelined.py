@@ -173,16 +173,73 @@ class _Slots(NamedTuple):
     reports: dict  # what the model reported, summed so far (jaxpar.report)
 
 
+class _Ticks(NamedTuple):
+    """A schedule's table as this device reads it inside the step."""
+
+    table: jax.Array  # [ticks, stages, 2]: what each stage runs, (kind, micro-batch)
+    sends_f: jax.Array  # [ticks]: some stage hands an activation forward at the tick
+    sends_b: jax.Array  # [ticks]: some stage hands a gradient back at the tick
+    slots: int  # buffer slots: the micro-batches a device holds at once
+    stage: jax.Array  # this device's stage
+    stages: int
+
+
+def _ticks(table: np.ndarray, slots: int) -> _Ticks:
+    sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
+    sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
+    stage = jax.lax.axis_index(PIPE)
+    return _Ticks(jnp.asarray(table), sends_f, sends_b, slots, stage, table.shape[1])
+
+
+def _hand_over(ticks: _Ticks, t, state: _Slots, send_f, send_b, zeros_h) -> _Slots:
+    """Tick t's hand-overs: activations to the next stage, gradients to the previous one,
+    each filed in the slot of the micro-batch the neighbour ran."""
+    table, stage, p, slots = ticks.table, ticks.stage, ticks.stages, ticks.slots
+    # Hand over only on ticks where some stage has something to hand over (the
+    # condition is the same on every device, so the collective stays matched).
+    got_f = jax.lax.cond(
+        ticks.sends_f[t],
+        lambda: jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)]),
+        lambda: zeros_h,
+    )
+    got_b = jax.lax.cond(
+        ticks.sends_b[t],
+        lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
+        lambda: zeros_h,
+    )
+    acts, gins = state.acts, state.gins
+    # File what the neighbours handed over, by the table's record of what they ran.
+    prev_kind, prev_i = table[t, stage - 1, 0], table[t, stage - 1, 1]
+    slot = prev_i % slots
+    acts = _put(acts, slot, _select((stage > 0) & (prev_kind == FWD), got_f, _take(acts, slot)))
+    nxt = jnp.minimum(stage + 1, p - 1)
+    next_kind, next_i = table[t, nxt, 0], table[t, nxt, 1]
+    slot = next_i % slots
+    got = (stage < p - 1) & (next_kind == BWD)
+    gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
+    return state._replace(acts=acts, gins=gins)
+
+
+def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict) -> _Slots:
+    """Nothing run yet: empty buffers, fp32 gradients and loss at zero."""
+    buffers = _zeros(h_shape, (slots,))
+    return _Slots(
+        acts=buffers,
+        gins=buffers,
+        g_stack=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
+        g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
+        loss=jnp.zeros((), jnp.float32),
+        reports=reports,
+    )
+
+
 def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     """1f1b: ((this device's summed loss / count, its reports summed), gradients of all
     local parameters)."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p = layout.stages
-    table, slots_n = one_f_one_b(p, m)
-    table_j = jnp.asarray(table)
-    sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
-    sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
-    stage = jax.lax.axis_index(PIPE)
+    ticks = _ticks(*one_f_one_b(p, m))
+    table_j, slots_n, stage = ticks.table, ticks.slots, ticks.stage
     every_stack, rest_storage = _split(params, pipe.stack_keys)
     # gradients of the trained leaves alone; the frozen ones are constants
     trained = pipe.problem.trainable
@@ -245,41 +302,12 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
     def tick(state, t):
         kind, i = table_j[t, stage, 0], table_j[t, stage, 1]
         state, send_f, send_b = jax.lax.switch(kind, [idle, forward, backward], state, i)
-        # Hand over only on ticks where some stage has something to hand over (the
-        # condition is the same on every device, so the collective stays matched).
-        got_f = jax.lax.cond(
-            sends_f[t],
-            lambda: jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)]),
-            lambda: zeros_h,
-        )
-        got_b = jax.lax.cond(
-            sends_b[t],
-            lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
-            lambda: zeros_h,
-        )
-        acts, gins = state.acts, state.gins
-        # File what the neighbours handed over, by the table's record of what they ran.
-        prev_kind, prev_i = table_j[t, stage - 1, 0], table_j[t, stage - 1, 1]
-        slot = prev_i % slots_n
-        acts = _put(acts, slot, _select((stage > 0) & (prev_kind == FWD), got_f, _take(acts, slot)))
-        nxt = jnp.minimum(stage + 1, p - 1)
-        next_kind, next_i = table_j[t, nxt, 0], table_j[t, nxt, 1]
-        slot = next_i % slots_n
-        got = (stage < p - 1) & (next_kind == BWD)
-        gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
-        return state._replace(acts=acts, gins=gins), None
+        return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
 
-    buffers = _zeros(h_shape, (slots_n,))
-    state = _Slots(
-        acts=buffers,
-        gins=buffers,
-        g_stack=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), stack),
-        g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
-        loss=jnp.zeros((), jnp.float32),
-        reports=_no_reports(parts, whole(rest), h_shape, _take(mbs, 0)),
-    )
+    reports = _no_reports(parts, whole(rest), h_shape, _take(mbs, 0))
+    state = _empty_slots(h_shape, slots_n, stack, rest, reports)
     with jax.named_scope(TICKS_SCOPE):
-        state, _ = jax.lax.scan(tick, state, jnp.arange(len(table)))
+        state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
     (g_rest_storage,) = rest_vjp(grads)
     return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}

@@ -77,6 +77,56 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=zero, mesh_shape=describe(mesh))
     model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes, problem.trainable)
+    to_saved, from_saved, unstage = _converters(problem, engine, precision)
+    on_device = jax.tree.map(
+        lambda s: s.with_memory_kind("device"),
+        engine.state_shardings,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+    # Copies, never the state's own buffers: the next step donates those while orbax is
+    # still copying the saved ones off the device (jit hands back an unchanged input as
+    # the same array, so the copy is explicit).
+    save_jit = jax.jit(lambda state: jax.tree.map(jnp.copy, to_saved(state)))
+
+    def to_saved_on_device(state: TrainState) -> dict:
+        # offloaded parts live in host memory: bring them over, then unstage
+        return save_jit(jax.device_put(state, on_device))
+
+    def fresh(params) -> TrainState:
+        zero = jnp.zeros((), jnp.int32)
+        opt = engine.tx.init(problem.trainable(params))
+        saved = {"step": zero, "skipped": zero, "params": params, "opt": opt}
+        if engine.spread is not None:
+            saved["local"] = engine.spread(params)
+        return from_saved(saved)
+
+    def leaf_sum(k: str, x):  # of a stored leaf, in the model's layout (on the device)
+        return base_lib.leaf_sum(unstage(k, jax.device_put(x, on_device.params[k])))
+
+    def base_hash(state: TrainState) -> str:
+        sums = {k: leaf_sum(k, state.params[k]) for k in problem.frozen}
+        return base_lib.fingerprint(sums, problem.shapes)
+
+    return Layout(
+        to_saved=to_saved_on_device,
+        from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
+        target=_targets(problem, engine, model, to_saved),
+        params=jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            problem.shapes,
+            model.params,
+        ),
+        shapes={k: list(v) for k, v in _flat(shapes).items()},
+        fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
+        base_hash=base_hash,
+        frozen=problem.frozen,
+        copies=describe(mesh)["data"] if engine.spread is not None else None,
+    )
+
+
+def _converters(problem: Problem, engine: Engine, precision: Precision):
+    """(to_saved, from_saved, unstage): the state in the run's layout (a pipeline's layer
+    stack in stages) to the saved dict in the model's layout, and back."""
     staged = engine.layout
     stack = set(problem.parts.stack_keys) if staged else set()
     keys = jax.tree_util.tree_map_with_path(lambda path, _: leaf_key(path), problem.shapes)
@@ -120,20 +170,12 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
             local=saved.get("local"),
         )
 
-    on_device = jax.tree.map(
-        lambda s: s.with_memory_kind("device"),
-        engine.state_shardings,
-        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
-    )
-    # Copies, never the state's own buffers: the next step donates those while orbax is
-    # still copying the saved ones off the device (jit hands back an unchanged input as
-    # the same array, so the copy is explicit).
-    save_jit = jax.jit(lambda state: jax.tree.map(jnp.copy, to_saved(state)))
+    return to_saved, from_saved, unstage
 
-    def to_saved_on_device(state: TrainState) -> dict:
-        # offloaded parts live in host memory: bring them over, then unstage
-        return save_jit(jax.device_put(state, on_device))
 
+def _targets(problem: Problem, engine: Engine, model, to_saved) -> dict:
+    """The saved dict as ShapeDtypeStructs with this run's shardings in the model's layout
+    (`model`): what a restore reads into."""
     abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.eval_shape(engine.init, jax.random.key(0)),
@@ -147,41 +189,10 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     }
     if engine.spread is not None:
         saved_shardings["local"] = engine.state_shardings.local
-    target = jax.tree.map(
+    return jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         saved_shapes,
         saved_shardings,
-    )
-
-    def fresh(params) -> TrainState:
-        zero = jnp.zeros((), jnp.int32)
-        opt = engine.tx.init(problem.trainable(params))
-        saved = {"step": zero, "skipped": zero, "params": params, "opt": opt}
-        if engine.spread is not None:
-            saved["local"] = engine.spread(params)
-        return from_saved(saved)
-
-    def leaf_sum(k: str, x):  # of a stored leaf, in the model's layout (on the device)
-        return base_lib.leaf_sum(unstage(k, jax.device_put(x, on_device.params[k])))
-
-    def base_hash(state: TrainState) -> str:
-        sums = {k: leaf_sum(k, state.params[k]) for k in problem.frozen}
-        return base_lib.fingerprint(sums, problem.shapes)
-
-    return Layout(
-        to_saved=to_saved_on_device,
-        from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
-        target=target,
-        params=jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            problem.shapes,
-            model.params,
-        ),
-        shapes={k: list(v) for k, v in _flat(shapes).items()},
-        fresh=jax.jit(fresh, out_shardings=engine.state_shardings),
-        base_hash=base_hash,
-        frozen=problem.frozen,
-        copies=describe(mesh)["data"] if engine.spread is not None else None,
     )
 
 

@@ -90,17 +90,7 @@ def train(
     (jaxpar.evaluation.during_training.Benchmarks): train.eval_tasks' scores, logged
     beside it when they are due."""
     out_dir = None if out_dir is None else Path(out_dir)
-    if cfg.train.eval_every and eval_batches is None:
-        raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every}: give the held-out data, "
-            "train(..., eval_batches=fn) with fn(i) a batch like batches(i), or "
-            "train.eval_every=0"
-        )
-    if cfg.train.profile_steps and out_dir is None:
-        raise ConfigError(
-            f"train.profile_steps={cfg.train.profile_steps}: a profile is written into the "
-            "run directory's profile/ folder; give train(..., out_dir=...), or drop the key"
-        )
+    _check_asked(cfg, out_dir, eval_batches)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
@@ -109,48 +99,16 @@ def train(
         if start >= cfg.train.steps:  # said before anything compiles
             say(finished(start, cfg.train.steps))
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-        first = batches(0)
-        check_first_batch(first, cfg.train.batch_size)
-        run = prepare(cfg, problem, mesh, first, force)
-        if peak_tflops is not None:
-            run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
+        run = _compiled(cfg, problem, mesh, batches, force, peak_tflops)
         saver.bind(problem, run.engine, mesh)
-        if start:
-            base = {}  # the frozen parameters, not in the checkpoint: made again
-            if problem.frozen:
-                base = checkpoint.frozen_base(saver.layout, problem, params, cfg.train.seed)
-            state = saver.restore(start, base)
-            if start < cfg.train.steps:  # said once the checkpoint has been read
-                say(f"resuming from step {start}: {saver.directory / str(start)}")
-        else:
-            if params is not None:  # given, e.g. read from a Hugging Face checkpoint
-                state = saver.layout.fresh(params(saver.layout.params))
-            else:
-                state = run.engine.init(jax.random.key(cfg.train.seed))
-            if problem.frozen:
-                saver.base = {
-                    "from": base_source(cfg, params is not None),
-                    "hash": saver.layout.base_hash(state),
-                }
+        state = _first_state(cfg, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
         files = out_dir if out_dir and lead else None
-        if files:
-            files.mkdir(parents=True, exist_ok=True)
-            (files / rundir.HLO).write_text(run.step.hlo)
         if rollouts is not None:
             say(rollouts.bind(run, state, out_dir if lead else None, start))
-        log = metrics.MetricsLog(
-            files / rundir.METRICS if files else None,
-            resume_at=start,
-            events=files / rundir.TENSORBOARD if files else None,
-        )
-        if files:
-            say(f"tensorboard --logdir {files}")
-        profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
-        if profile:
-            say(f"profiling steps {cfg.train.profile_steps} into {profile}")
+        log, profile = _run_files(files, run, cfg, start, say)
         with _Stops() as stops:
             options = LoopOptions(
                 progress=progress and not quiet and lead,
@@ -165,6 +123,89 @@ def train(
             loop = run_loop(run, state, batches, log, start, options)
         log.close()
         state = saver.finish(loop, start)
+    _raise_a_failure(run, state, batches, loop, saver)
+    extra = rollouts.summary() if rollouts is not None else {}
+    report = _finish(run, loop, log.rows, files, saver, say, extra)
+    return Result(
+        losses=loop.losses,
+        params=_policy(problem, run.engine.export(state.params)),
+        report=report,
+        rows=log.rows,
+        checkpoints=saver.directory if saver.opened else None,
+        stopped=loop.stopped,
+    )
+
+
+def _compiled(cfg: Config, problem: Problem, mesh, batches, force: bool, peak_tflops) -> Run:
+    """The step compiled for the first batch's shapes (checked first), with MFU over
+    `peak_tflops` where given."""
+    first = batches(0)
+    check_first_batch(first, cfg.train.batch_size)
+    run = prepare(cfg, problem, mesh, first, force)
+    if peak_tflops is not None:
+        run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
+    return run
+
+
+def _run_files(files: Path | None, run, cfg: Config, start: int, say):
+    """(the metrics log, the profile's folder or None): into the run directory `files`
+    (None: this process writes none), with the compiled step's HLO beside them."""
+    if files:
+        files.mkdir(parents=True, exist_ok=True)
+        (files / rundir.HLO).write_text(run.step.hlo)
+    log = metrics.MetricsLog(
+        files / rundir.METRICS if files else None,
+        resume_at=start,
+        events=files / rundir.TENSORBOARD if files else None,
+    )
+    if files:
+        say(f"tensorboard --logdir {files}")
+    profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
+    if profile:
+        say(f"profiling steps {cfg.train.profile_steps} into {profile}")
+    return log, profile
+
+
+def _check_asked(cfg: Config, out_dir: Path | None, eval_batches) -> None:
+    """What the config asks of train()'s arguments: held-out data, a run directory."""
+    if cfg.train.eval_every and eval_batches is None:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: give the held-out data, "
+            "train(..., eval_batches=fn) with fn(i) a batch like batches(i), or "
+            "train.eval_every=0"
+        )
+    if cfg.train.profile_steps and out_dir is None:
+        raise ConfigError(
+            f"train.profile_steps={cfg.train.profile_steps}: a profile is written into the "
+            "run directory's profile/ folder; give train(..., out_dir=...), or drop the key"
+        )
+
+
+def _first_state(cfg: Config, problem: Problem, run, saver, params, start: int, say):
+    """The state the loop starts from: checkpoint `start`'s (the frozen base made again),
+    or a fresh one from `params` or the problem's init (the frozen base's hash kept)."""
+    if start:
+        base = {}  # the frozen parameters, not in the checkpoint: made again
+        if problem.frozen:
+            base = checkpoint.frozen_base(saver.layout, problem, params, cfg.train.seed)
+        state = saver.restore(start, base)
+        if start < cfg.train.steps:  # said once the checkpoint has been read
+            say(f"resuming from step {start}: {saver.directory / str(start)}")
+        return state
+    if params is not None:  # given, e.g. read from a Hugging Face checkpoint
+        state = saver.layout.fresh(params(saver.layout.params))
+    else:
+        state = run.engine.init(jax.random.key(cfg.train.seed))
+    if problem.frozen:
+        saver.base = {
+            "from": base_source(cfg, params is not None),
+            "hash": saver.layout.base_hash(state),
+        }
+    return state
+
+
+def _raise_a_failure(run, state, batches, loop, saver) -> None:
+    """The loop's end as an error: a non-finite step, diverged copies, a failure."""
     if loop.nonfinite is not None:
         raise NonFinite(_nonfinite_message(run, state, batches, loop, saver))
     if loop.diverged:
@@ -178,16 +219,6 @@ def train(
     if loop.failed is not None:
         where = f"; the state is saved to {saver.where(loop.end)}" if saver.opened else ""
         raise type(loop.failed)(f"step {loop.end + 1}: {loop.failed}{where}")
-    extra = rollouts.summary() if rollouts is not None else {}
-    report = _finish(run, loop, log.rows, files, saver, say, extra)
-    return Result(
-        losses=loop.losses,
-        params=_policy(problem, run.engine.export(state.params)),
-        report=report,
-        rows=log.rows,
-        checkpoints=saver.directory if saver.opened else None,
-        stopped=loop.stopped,
-    )
 
 
 def _policy(problem: Problem, params):
