@@ -63,6 +63,7 @@ _EXPORTS = {
     "restore": ("jaxpar.training.checkpoint", "restore"),
     "train": ("jaxpar.training.trainer", "train"),
     "setup": ("jaxpar.recipe", "setup"),
+    "Hook": ("jaxpar.training.hooks", "Hook"),
     "Setup": ("jaxpar.recipe", "Setup"),
     "generate": ("jaxpar.generation.prompts", "generate"),
     "distributed": ("jaxpar.parallel.distributed", None),

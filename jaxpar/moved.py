@@ -86,6 +86,7 @@ MOVED = {
     "cli.bench": BENCH,  # a library of its own: a module per section
     "cli.bench_generate": ("bench.generate",),
     "cli.bench_grpo": ("bench.grpo",),
+    "generation.rollouts": ("objectives.rollouts",),  # the GRPO driver, with its objective
 }
 # names that left a module still there: the module -> their new homes
 LEFT = {"cli.commands": ("recipe",)}

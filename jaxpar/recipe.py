@@ -4,25 +4,24 @@ config evaluates. What `jaxpar train` builds, for a Python user too (`jaxpar.set
 
     cfg = jaxpar.load("gpt-tiny", ["parallel.data=2"])
     s = jaxpar.setup(cfg)
-    jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, eval_batches=s.eval_batches)
+    jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, eval_batches=s.eval_batches,
+                 hooks=s.hooks)
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
-from jaxpar.adapters import lora
+from jaxpar import objectives
+from jaxpar.adapters import initial, lora
 from jaxpar.config import registry
-from jaxpar.config.sections import AdapterKind, Config, Objective, Reference
-from jaxpar.data import pairs, prompts
+from jaxpar.config.sections import AdapterKind, Config, computed_model
 from jaxpar.data import tokens as data
-from jaxpar.errors import ConfigError
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import dpo, grpo, precompute
+from jaxpar.objectives import reference
 from jaxpar.parallel import layout_checks
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -37,6 +36,9 @@ class Setup:
     source: str  # the data, in words
     # (i, rows=slice(None)) -> held-out batch i (train.eval_every > 0; else None)
     eval_batches: Callable[..., dict] | None = None
+    # what the run does around its steps (jaxpar.training.hooks): the objective's (GRPO's
+    # rollouts, which are its batches too), train.eval_tasks' scores
+    hooks: tuple = ()
 
 
 def setup(cfg: Config, devices=None) -> Setup:
@@ -44,63 +46,34 @@ def setup(cfg: Config, devices=None) -> Setup:
     the config checked against the mesh first."""
     mesh = build_mesh(cfg.parallel, devices)
     problem, batches = model_problem(cfg, describe(mesh), devices)
-    return Setup(
-        mesh, problem, batches, data.describe(cfg.data, cfg.train), held_out_batches(cfg, devices)
-    )
+    hooks = objectives.of(cfg).hooks(batches)
+    if cfg.train.eval_tasks.strip():
+        from jaxpar.evaluation.during_training import Benchmarks
+
+        hooks += (Benchmarks(cfg),)
+    source = data.describe(cfg.data, cfg.train)
+    return Setup(mesh, problem, batches, source, held_out_batches(cfg, devices), hooks)
 
 
 def model_problem(
     cfg: Config, mesh_shape: dict, devices=None
 ) -> tuple[Problem, Callable[..., dict]]:
-    """(the registered model `model.*` as a Problem, batches(step) from `data.*`)."""
+    """(the registered model `model.*` as a Problem, batches(step) from `data.*`), as
+    train.objective trains it."""
     registry.check_model(cfg.model, mesh_shape)
     layout_checks.check_train(cfg, mesh_shape)
     own = trained_model(cfg)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    if cfg.train.objective is Objective.DPO:
-        return dpo.objective(own, cfg), _pair_batches(cfg, own, "train", devices)
-    if cfg.train.objective is Objective.GRPO:
-        from jaxpar.generation.rollouts import Rollouts
-
-        _check_grpo(cfg)
-        return grpo.objective(own, cfg), Rollouts(cfg, own, math.prod(mesh_shape.values()))
-    if prompts.meta_of(cfg.data) is not None:
-        raise ConfigError(
-            f"data.path={cfg.data.path} holds prompts (prepare-data --format prompts), with no "
-            f"answers to train on by train.objective={cfg.train.objective}; train them with "
-            "train.objective=grpo"
-        )
-    if pairs.meta_of(cfg.data) is not None:
-        raise ConfigError(
-            f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
-            "preference), and train.objective=lm would train on the rejected answers too; "
-            "train them with train.objective=dpo"
-        )
-    tokens = data.load_tokens(cfg.data, cfg.train, cfg.model)
-    return own, _batches(cfg, tokens, 0, "train")
-
-
-def _check_grpo(cfg: Config) -> None:
-    g, every = cfg.grpo, cfg.checkpoint.every
-    if cfg.train.eval_every:
-        raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every}: train.objective=grpo has no held-out "
-            "loss (its measure is the rollouts' reward, in metrics.jsonl); give "
-            "train.eval_every=0"
-        )
-    if every % g.iterations:
-        raise ConfigError(
-            f"checkpoint.every={every}: a GRPO run saves between rollouts, each grpo.iterations="
-            f"{g.iterations} steps, so that a resume samples them again; give a multiple of "
-            f"{g.iterations}"
-        )
+    objective = objectives.of(cfg)
+    objective.check(cfg)
+    return objective.problem(own, cfg), objective.batches(cfg, own, "train", mesh_shape, devices)
 
 
 def trained_model(cfg: Config) -> Problem:
     """The registered model with adapter.* on it, as the objective trains it (before the
     objective: what DPO wraps and what its precomputed reference scores)."""
-    return with_adapters(registered(dpo.model_of(cfg), cfg.train.seq_len), cfg)
+    return with_adapters(registered(computed_model(cfg), cfg.train.seq_len), cfg)
 
 
 def with_adapters(problem: Problem, cfg: Config) -> Problem:
@@ -110,57 +83,19 @@ def with_adapters(problem: Problem, cfg: Config) -> Problem:
     return problem
 
 
-def _pair_batches(cfg: Config, own: Problem, split: str, devices=None) -> Callable[..., dict]:
-    """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, with the
-    reference's log-probabilities where dpo.reference=precompute (`own`: the model
-    before the objective, scored once)."""
-    t = cfg.train
-    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
-    reference = None
-    if dpo.mode(cfg) is Reference.PRECOMPUTE:
-        reference = precompute.reference_logps(cfg, own, split, devices)
-
-    def batches(i: int, rows: slice = slice(None)) -> dict:
-        return pairs.batch_at(
-            held,
-            seed=t.seed,
-            step=i,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            rows=rows,
-            reference=reference,
-        )
-
-    return batches
-
-
-def _batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
-    """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
-    (documents, loss mask) the config uses."""
-    t = cfg.train
-    marks = data.load_marks(cfg.data, t, tokens, split) if tokens is not None else data.Marks()
-
-    def batches(i: int, rows: slice = slice(None)) -> dict:
-        return data.batch_at(
-            tokens,
-            seed=t.seed,
-            step=first + i,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            vocab=cfg.model.vocab,
-            rows=rows,
-            marks=marks,
-        )
-
-    return batches
-
-
 def held_out_batches(cfg: Config, devices=None) -> Callable[..., dict] | None:
     """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
     if not cfg.train.eval_every:
         return None
-    if cfg.train.objective is Objective.DPO:
-        return _pair_batches(cfg, trained_model(cfg), "val", devices)
-    tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
-    first = data.EVAL_STREAM if tokens is None else 0  # synthetic: draws never trained on
-    return _batches(cfg, tokens, first, "val")
+    return objectives.of(cfg).batches(cfg, trained_model(cfg), "val", None, devices)
+
+
+def initial_params(cfg: Config, problem: Problem) -> Callable[[dict], dict] | None:
+    """A run's initial parameters read from files (targets -> arrays, as jaxpar.train
+    takes them): model.init's checkpoint with adapter.init's adapters, and the copy of
+    the reference that `problem` (as setup made it) holds; None for the init from
+    train.seed."""
+    params = initial.params(cfg, trained_model(cfg))
+    if params is None or not problem.reference:
+        return params
+    return reference.copies(params, [k.removeprefix(reference.COPY) for k in problem.reference])

@@ -624,6 +624,11 @@ CLAIMS = (
         ("test_your_model_page.py::test_your_own_model_examples_run",),
     ),
     Claim(
+        "docs/your-model.md",
+        "A hook runs around the steps; its figures are logged, its failure ends the run named",
+        ("test_api.py::test_a_hook_runs_around_the_steps_and_fails_a_run_in_one_line",),
+    ),
+    Claim(
         "docs/how-it-works.md",
         "The last release's module paths import, warning with each one's new home",
         (

@@ -1,5 +1,7 @@
 """The Python API trains a user's own model: an NNX module, or a plain pytree."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,6 +187,60 @@ def test_step_one_is_logged_whatever_log_every(devices):
         jaxpar.from_nnx(Classifier, nnx_loss), cfg, batches, mesh=mesh, quiet=True
     )
     assert [row["step"] for row in result.rows] == [1, 5, 6]
+
+
+class Counting(jaxpar.Hook):
+    """A user's hook: work before every third step, a figure after every second."""
+
+    def __init__(self, fail_at=None):
+        self.calls, self.fail_at = [], fail_at
+
+    def start(self, run, state, files, step):
+        self.calls.append(("start", step))
+        return "counting steps"
+
+    def boundary(self, step):
+        return step % 3 == 0
+
+    def before_due(self, step):
+        return step % 3 == 0
+
+    def before(self, state, step):
+        if step == self.fail_at:
+            raise jaxpar.Stopped("the counter gave up")
+        self.calls.append(("before", step))
+        return {"counted": float(step)}
+
+    def due(self, steps):
+        return steps % 2 == 0
+
+    def after(self, state):
+        self.calls.append(("after", int(state.step)))
+        return {"step_seen": float(state.step)}
+
+    def summary(self):
+        return {"counting": len(self.calls)}
+
+
+def test_a_hook_runs_around_the_steps_and_fails_a_run_in_one_line(devices, tmp_path):
+    """jaxpar.train(hooks=...) calls a hook as jaxpar.training.hooks says: its figures
+    land in the metrics rows and summary.json; its Stopped ends the run, the step named."""
+    cfg = jaxpar.Config(
+        parallel=jaxpar.Parallel(data=1), train=jaxpar.Train(steps=6, batch_size=32)
+    )
+    mesh = jaxpar.build_mesh(cfg.parallel, devices[:1])
+    problem, hook = jaxpar.from_nnx(Classifier, nnx_loss), Counting()
+    result = jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, hooks=[hook],
+                          out_dir=tmp_path)  # fmt: skip
+    assert hook.calls == [("start", 0), ("before", 0), ("after", 2), ("before", 3),
+                          ("after", 4), ("after", 6)]  # fmt: skip
+    rows = {row["step"]: row for row in result.rows}
+    assert rows[1]["counted"] == 0 and rows[4]["counted"] == 3 and rows[6]["step_seen"] == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["counting"] == 6
+    with pytest.raises(jaxpar.Stopped, match="step 4: the counter gave up"):
+        jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, hooks=[Counting(3)])
+    with pytest.warns(DeprecationWarning, match=r"train\(\.\.\., rollouts=\.\.\.\) is"):
+        jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, rollouts=Counting())
 
 
 def test_the_names_the_readme_uses_are_exported():

@@ -19,7 +19,7 @@ from jaxpar.config.sections import Grpo
 from jaxpar.data import prompts
 from jaxpar.data.prepare import prepare
 from jaxpar.nn.problem import Problem
-from jaxpar.objectives import grpo
+from jaxpar.objectives import grpo, rollouts
 from jaxpar.parallel.axes import AXES
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.recipe import trained_model
@@ -126,8 +126,8 @@ def fixed_batch(rows: int, width: int, vocab: int, seed: int, iterations: int, b
     rng = np.random.default_rng(seed)
     asked = [list(rng.integers(1, vocab, rng.integers(3, 9))) for _ in range(rows)]
     new = [list(rng.integers(1, vocab, rng.integers(1, min(25, width - 8)))) for _ in range(rows)]
-    batch = grpo.rows_of(asked, new, width)
-    batch[grpo.ADVANTAGES] = grpo.advantages(rng.normal(size=(rows // 4, 4)), True)
+    batch = rollouts.rows_of(asked, new, width)
+    batch[grpo.ADVANTAGES] = rollouts.group_advantages(rng.normal(size=(rows // 4, 4)), True)
     spread = {grpo.OLD: iterations > 1, grpo.REF: beta > 0}
     for k, on in spread.items():
         if on:
@@ -181,12 +181,12 @@ def test_the_loss_and_its_gradient_are_the_formulas(loss, beta, iterations, corr
 
 def test_advantages_are_normalized_within_each_group():
     rewards = np.array([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
-    scaled = grpo.advantages(rewards, True).reshape(2, 4)
+    scaled = rollouts.group_advantages(rewards, True).reshape(2, 4)
     std = np.std([1, 0, 0, 1], ddof=1)
     np.testing.assert_allclose(scaled[0], (rewards[0] - 0.5) / (std + 1e-4), rtol=1e-6)
     assert not scaled[1].any()  # a group of equal rewards teaches nothing
     np.testing.assert_allclose(
-        grpo.advantages(rewards, False).reshape(2, 4)[0], [0.5, -0.5, -0.5, 0.5]
+        rollouts.group_advantages(rewards, False).reshape(2, 4)[0], [0.5, -0.5, -0.5, 0.5]
     )
     assert not Grpo(loss="dr_grpo").scaled and Grpo(loss="grpo").scaled
     assert Grpo(loss="dr_grpo", scale_rewards="group").scaled
@@ -257,7 +257,7 @@ def rolled(folder, out, more: tuple[str, ...], steps: int = 1):
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     s = setup(cfg, jax.devices()[:n])
     result = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
-                   rollouts=s.batches)  # fmt: skip
+                   hooks=s.hooks)  # fmt: skip
     rows = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
     return result, rows, json.loads((out / "summary.json").read_text())
 
@@ -463,7 +463,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
     asked = [list(rng.integers(3, VOCAB, 6)) for _ in range(4) for _ in range(2)]
     new = [list(rng.integers(3, VOCAB, n)) for n in (1, 12, 3, 9, 12, 2, 5, 7)]
     rewards = np.array([[1.0, 0.0], [0.0, 0.5], [1.0, 1.0], [0.2, 0.9]])
-    advantages = grpo.advantages(rewards, loss != "dr_grpo")
+    advantages = rollouts.group_advantages(rewards, loss != "dr_grpo")
     width, most = 6 + 12, 12
 
     # jaxpar
@@ -479,7 +479,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
     targets = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one)
                for k, s in own.shapes.items()}  # fmt: skip
     params = jax.device_get(fill(targets))
-    batch = {**grpo.rows_of(asked, new, width), grpo.ADVANTAGES: advantages}
+    batch = {**rollouts.rows_of(asked, new, width), grpo.ADVANTAGES: advantages}
     logp = -np.asarray(own.loss(params, batch))  # the policy's, per target
     noise = np.random.default_rng(1).uniform(-0.4, 0.4, (2, *logp.shape)).astype(np.float32)
     if iterations > 1:

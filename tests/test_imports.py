@@ -29,12 +29,14 @@ LAYERS = (
     "nn",
     "models",
     "adapters",  # low-rank adapters on a registered model, its base frozen or quantized
-    "objectives",  # what a run trains for besides the next token: DPO on preference pairs
     "cost",
     "step",
     "training",
     "generation",
     "evaluation",  # benchmark scores: lm-eval's backend on the decoding layout
+    # what a run trains for, each a plug-in: the next token, DPO on preference pairs, GRPO
+    # on its rollouts (which decode: above generation)
+    "objectives",
     "recipe",  # a config into mesh, Problem and batches: what `jaxpar train` builds
     "bench",  # `jaxpar bench` as a library: a module per section
     "cli",

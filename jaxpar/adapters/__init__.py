@@ -4,4 +4,5 @@
   trained leaves are the adapters alone, the base frozen and stored as `adapter.base`.
 - `quant`: the frozen base's 4-bit NormalFloat (QLoRA) and int8 storage.
 - `peft`: adapters out to, and in from, Hugging Face PEFT's files.
+- `initial`: a run's starting weights read from files, adapters and all.
 """

@@ -56,7 +56,7 @@ def grpo_steps(tables: dict) -> dict:
             s = setup(cfg, jax.devices())
             out = Path(tmp) / name.replace(" ", "")
             run = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
-                        rollouts=s.batches)  # fmt: skip
+                        hooks=s.hooks)  # fmt: skip
             later = run.rows[1:]  # the first step's compiles apart
             r = results[name] = {
                 k: float(np.median([row[k] for row in later]))

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import jax
 
-from jaxpar import moved, recipe
+from jaxpar import moved, objectives, recipe
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config_lib
-from jaxpar.config.sections import AdapterKind, Config, Objective
+from jaxpar.config.sections import AdapterKind, Config
 from jaxpar.data import tokens as data
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
-from jaxpar.objectives import dpo, grpo, precompute
 from jaxpar.parallel import layout_checks
 from jaxpar.training.trainer import Result, finished, finished_at, train
 
@@ -34,15 +33,6 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         print(finished(done, cfg.train.steps))
         return None
     s = recipe.setup(cfg)
-    params = precompute.initial(cfg, recipe.trained_model(cfg))
-    if params is not None and s.problem.reference:
-        params = dpo.copies(params, [k.removeprefix(dpo.COPY) for k in s.problem.reference])
-    grpo_run = cfg.train.objective is Objective.GRPO
-    benchmarks = None
-    if cfg.train.eval_tasks.strip():
-        from jaxpar.evaluation.during_training import Benchmarks
-
-        benchmarks = Benchmarks(cfg)
     return train(
         s.problem,
         cfg,
@@ -50,10 +40,9 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         out_dir=out_dir,
         mesh=s.mesh,
         source=s.source,
-        params=params,
+        params=recipe.initial_params(cfg, s.problem),
         eval_batches=s.eval_batches,
-        rollouts=s.batches if grpo_run else None,
-        benchmarks=benchmarks,
+        hooks=s.hooks,
         **kwargs,
     )
 
@@ -149,10 +138,7 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     from jaxpar.errors import ConfigError
 
     problem = recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
-    if cfg.train.objective is Objective.DPO:  # its reference held, or not
-        problem = dpo.objective(problem, cfg)
-    if cfg.train.objective is Objective.GRPO:
-        problem = grpo.objective(problem, cfg)
+    problem = objectives.of(cfg).problem(problem, cfg)  # a reference held, or not
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:

@@ -7,7 +7,7 @@ checks across sections and against the mesh are jaxpar.parallel.layout_checks'.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar, Literal
 
 from jaxpar.config import registry
@@ -643,6 +643,16 @@ class Config:
                     f"{section}: expected a jaxpar.{cls.__name__}(...), got "
                     f"{type(getattr(self, section)).__name__}"
                 )
+
+
+def computed_model(cfg: Config) -> Model:
+    """The model.* section a run computes with: for a DPO or GRPO run, a mixture's
+    load-balance loss left out of the per-token losses its log-probabilities are read
+    from (TRL adds it to the loss; here it is reported, moe/balance_loss, not trained)."""
+    scored = cfg.train.objective in (Objective.DPO, Objective.GRPO)
+    if scored and getattr(cfg.model, "router_aux_loss", 0):
+        return replace(cfg.model, router_aux_loss=0.0)
+    return cfg.model
 
 
 def profile_range(train: Train) -> tuple[int, int] | None:

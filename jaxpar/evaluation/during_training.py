@@ -19,12 +19,12 @@ import jax
 
 from jaxpar.adapters import lora
 from jaxpar.config import registry
-from jaxpar.config.sections import AdapterKind, Config, Offload
+from jaxpar.config.sections import AdapterKind, Config, Offload, computed_model
 from jaxpar.data import tokens
 from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.nn.problem import registered
-from jaxpar.objectives import dpo
+from jaxpar.training.hooks import Hook
 
 PREFIX = "eval/"  # metrics.jsonl's and TensorBoard's names: eval/TASK/METRIC
 
@@ -33,8 +33,9 @@ def names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.train.eval_tasks.split(",") if t.strip()]
 
 
-class Benchmarks:
-    """state -> {eval/TASK/METRIC: score}, for the trainer (`due(step)` says when)."""
+class Benchmarks(Hook):
+    """A hook of the trainer: after each due step, {eval/TASK/METRIC: score} of the
+    state, beside its held-out loss."""
 
     def __init__(self, cfg: Config):
         from jaxpar.evaluation import tasks
@@ -52,19 +53,24 @@ class Benchmarks:
                 f"data.path={cfg.data.path or 'none'} was not prepared with a tokenizer "
                 "(jaxpar prepare-data); train on prepared data, or drop train.eval_tasks"
             )
-        self.cfg = dataclasses.replace(cfg, model=dpo.model_of(cfg))
+        self.cfg = dataclasses.replace(cfg, model=computed_model(cfg))
         self.text = Text(Path(folder))
         self.text.check(cfg.model.vocab)
         self.tasks = tasks.resolve(names(cfg), "train.eval_tasks:")
         self.lm = None
         self.shardings: dict = {}
+        self.engine = None  # the run's (start)
+
+    def start(self, run, state, files, step: int) -> str:
+        self.engine = run.engine
+        return ""
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` steps is scored."""
         t = self.cfg.train
         return step == t.steps or bool(t.eval_tasks_every and step % t.eval_tasks_every == 0)
 
-    def __call__(self, state, engine) -> dict:
+    def after(self, state) -> dict:
         from jaxpar.evaluation import report
         from jaxpar.evaluation.harness import JaxparLM
 
@@ -75,7 +81,7 @@ class Benchmarks:
             positions = decoding.positions_of(self.cfg)
             loaded = decoding.Loaded(cfg, problem, None, mesh, positions, dims, "the run")
             self.lm = JaxparLM(loaded=loaded, text=self.text, progress=False)
-        params = _copies(self._model_params(state, engine), self.shardings)
+        params = _copies(self._model_params(state, self.engine), self.shardings)
         self.lm.m.params = decoding.by_layer(params, self.lm.m.problem.names)
         limit = self.cfg.train.eval_tasks_limit or None
         results = report.evaluate(self.lm, self.tasks, limit=limit)

@@ -1,2 +1,30 @@
-"""What a run trains its model for besides the next token (train.objective): preference
-pairs by DPO (jaxpar.objectives.dpo)."""
+"""What a run trains its model for (train.objective), each objective a plug-in module
+named in OBJECTIVES: the next token (`lm`), DPO on preference pairs (`dpo`), GRPO on its
+rollouts (`grpo`, which `rollouts` drives), beside what they share: the reference
+(`reference`), the pairs' log-probabilities (`answers`), a reference computed once
+(`precompute`), and GRPO's reward functions (`rewards`).
+
+An objective module has:
+- check(cfg): its own checks of the config, before anything is loaded;
+- problem(own, cfg): the model's Problem (adapters on it) as the objective trains it;
+- batches(cfg, own, split, mesh_shape, devices): (i, rows=slice(None)) -> batch i of
+  `split` ("train", or "val": held out; None where it has none);
+- hooks(batches): what it runs around the steps (jaxpar.training.hooks), e.g. GRPO's
+  rollouts before theirs.
+
+Adding one is its module, its train.objective choice (jaxpar.config.sections.Objective)
+and its line in OBJECTIVES."""
+
+from importlib import import_module
+from types import ModuleType
+
+OBJECTIVES = {  # train.objective -> its module
+    "lm": "jaxpar.objectives.lm",
+    "dpo": "jaxpar.objectives.dpo",
+    "grpo": "jaxpar.objectives.grpo",
+}
+
+
+def of(cfg) -> ModuleType:
+    """The module of the run's train.objective."""
+    return import_module(OBJECTIVES[str(cfg.train.objective)])

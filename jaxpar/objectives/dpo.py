@@ -29,21 +29,21 @@ rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejec
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Config, Dpo, DpoLoss, Objective, Reference
-from jaxpar.data.pairs import CHOSEN, REFERENCE, REJECTED
-from jaxpar.data.tokens import SEGMENT_IDS
+from jaxpar.config.sections import Config, Dpo, DpoLoss, Reference
+from jaxpar.data import pairs
+from jaxpar.data.pairs import REFERENCE
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum
 from jaxpar.nn.problem import Parts, Problem
 from jaxpar.nn.scope import report
-from jaxpar.parallel.axes import CONTEXT
-
-COPY = "reference/"  # the keys of the reference's copy of a trained leaf
+from jaxpar.objectives import precompute, reference
+from jaxpar.objectives.answers import answer_sums, logps
 
 
 def mode(cfg: Config) -> Reference:
@@ -51,7 +51,7 @@ def mode(cfg: Config) -> Reference:
     lora = cfg.adapter.kind == "lora"
     chosen = cfg.dpo.reference
     if chosen is Reference.AUTO:
-        return Reference.ADAPTERS_OFF if lora and not cfg.adapter.init else Reference.COPY
+        return Reference.ADAPTERS_OFF if reference.fresh_adapters(cfg) else Reference.COPY
     if chosen is Reference.ADAPTERS_OFF and not lora:
         raise ConfigError(
             "dpo.reference=adapters-off: the reference is the base with the adapters off, and "
@@ -64,32 +64,6 @@ def mode(cfg: Config) -> Reference:
             "dpo.reference=copy (a copy of the adapters alone)"
         )
     return chosen
-
-
-def model_of(cfg: Config):
-    """The model.* section a DPO or GRPO run computes with: a mixture's load-balance loss
-    left out of the per-token losses its log-probabilities are read from (TRL adds it to
-    the loss; here it is reported, moe/balance_loss, and not trained)."""
-    scored = cfg.train.objective in (Objective.DPO, Objective.GRPO)
-    if scored and getattr(cfg.model, "router_aux_loss", 0):
-        return dataclasses.replace(cfg.model, router_aux_loss=0.0)
-    return cfg.model
-
-
-def answer_sums(per_token: jax.Array, batch: dict) -> jax.Array:
-    """[rows, 2] each row's per-token values summed over its chosen and its rejected
-    answer's trained targets (whole rows: summed over `context` where it splits them)."""
-    segment = sequence.local(batch[SEGMENT_IDS][:, 1:])
-    sums = jnp.stack(
-        [jnp.sum(jnp.where(segment == s, per_token, 0.0), -1) for s in (CHOSEN, REJECTED)], -1
-    )
-    return jax.lax.psum(sums, CONTEXT) if sequence.active() is not None else sums
-
-
-def logps(losses: jax.Array, batch: dict) -> jax.Array:
-    """[rows, 2] log pi of each row's chosen and rejected answer, from the model's
-    per-token losses (zero where a target is not trained)."""
-    return -answer_sums(losses.astype(jnp.float32), batch)
 
 
 def pair_losses(policy: jax.Array, reference: jax.Array, batch: dict, dpo: Dpo) -> jax.Array:
@@ -109,10 +83,10 @@ def pair_losses(policy: jax.Array, reference: jax.Array, batch: dict, dpo: Dpo) 
 
 def _report(policy: jax.Array, rewards: jax.Array) -> None:
     """The means over the batch's pairs (every device's rows; on each context device alike)."""
-    pairs = batch_sum(jnp.float32(policy.shape[0]))
+    count = batch_sum(jnp.float32(policy.shape[0]))
 
     def mean(x):
-        return batch_sum(jnp.sum(x)) / pairs
+        return batch_sum(jnp.sum(x)) / count
 
     report("rewards/chosen", mean(rewards[:, 0]))
     report("rewards/rejected", mean(rewards[:, 1]))
@@ -134,18 +108,8 @@ def objective(problem: Problem, cfg: Config) -> Problem:
     """`problem` (a registered model, adapters on it or not) trained by DPO on pairs, with
     its reference as dpo.reference says."""
     dpo, how = cfg.dpo, mode(cfg)
-    trained = [k for k in problem.names if k not in problem.frozen]
-    copied = trained if how is Reference.COPY else []
-
-    def policy(params):
-        return {k: v for k, v in params.items() if not k.startswith(COPY)}
-
-    def held(params):
-        """The reference's leaves (of any part of the params: a stage's stack)."""
-        out = {k: v for k, v in params.items() if k in problem.frozen}
-        out.update({k: params[COPY + k] for k in copied if COPY + k in params})
-        return jax.lax.stop_gradient(out)
-
+    copied = reference.trained_keys(problem) if how is Reference.COPY else []
+    policy, held = reference.policy, reference.held(problem, copied)
     precomputed = how is Reference.PRECOMPUTE
 
     def finish(policy_losses, reference_losses, batch):
@@ -163,43 +127,16 @@ def objective(problem: Problem, cfg: Config) -> Problem:
     if problem.parts is not None:
         parts = _parts(problem.parts, policy, held, finish, copied, precomputed)
     flops = problem.flops_per_token
-    return dataclasses.replace(
+    return reference.with_copy(
         problem,
-        init=with_copies(problem.init, copied),
-        shapes={**problem.shapes, **{COPY + k: problem.shapes[k] for k in copied}},
-        names={**problem.names, **{COPY + k: problem.names[k] for k in copied}},
+        copied,
         loss=loss,
         parts=parts,
-        module=None,
         count=lambda batch: jnp.float32(batch["tokens"].shape[0]),
         # the reference's forward pass: a third of a trained token's
         flops_per_token=None if flops is None or precomputed else flops * 4 / 3,
-        frozen=problem.frozen | {COPY + k for k in copied},
-        reference=frozenset(COPY + k for k in copied),
         reference_forward=not precomputed,
     )
-
-
-def with_copies(init, copied):
-    def made(key):
-        params = init(key)
-        return {**params, **{COPY + k: params[k] for k in copied}}
-
-    return made
-
-
-def copies(params, copied_keys) -> callable:
-    """`params` (targets -> arrays, as jaxpar.train takes them) with the reference's
-    copies of `copied_keys` made beside the policy's leaves."""
-
-    def made(targets):
-        own = params({k: v for k, v in targets.items() if not k.startswith(COPY)})
-        placed = {COPY + k: targets[COPY + k].sharding for k in copied_keys}
-        copy = jax.jit(lambda x: {COPY + k: jnp.copy(x[k]) for k in copied_keys},
-                       out_shardings=placed)  # fmt: skip
-        return {**own, **copy(own)}
-
-    return made
 
 
 def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Parts:
@@ -220,5 +157,44 @@ def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Par
         ref = inner.post(held(params), h[1], batch)
         return finish(inner.post(policy(params), h[0], batch), ref, batch)
 
-    stack = inner.stack_keys + tuple(COPY + k for k in copied if k in inner.stack_keys)
+    stack = reference.stack_keys(inner, copied)
     return Parts(stack_keys=stack, pre=pre, chunk=chunk, post=post, costs=inner.costs)
+
+
+# -- the plug-in (jaxpar.objectives) ----------------------------------------------------
+
+
+def check(cfg: Config) -> None:
+    mode(cfg)  # a reference the run cannot have is refused
+
+
+def problem(own: Problem, cfg: Config) -> Problem:
+    return objective(own, cfg)
+
+
+def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> Callable:
+    """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, with the
+    reference's log-probabilities where dpo.reference=precompute (`own`: the model
+    before the objective, scored once)."""
+    t = cfg.train
+    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
+    reference = None
+    if mode(cfg) is Reference.PRECOMPUTE:
+        reference = precompute.reference_logps(cfg, own, split, devices)
+
+    def batches(i: int, rows: slice = slice(None)) -> dict:
+        return pairs.batch_at(
+            held,
+            seed=t.seed,
+            step=i,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            rows=rows,
+            reference=reference,
+        )
+
+    return batches
+
+
+def hooks(batches) -> tuple:
+    return ()

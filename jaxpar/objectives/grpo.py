@@ -1,5 +1,5 @@
 """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath), with DAPO's and
-Dr. GRPO's losses, as a Problem over rollout rows (jaxpar.generation.rollouts makes them).
+Dr. GRPO's losses, as a Problem over rollout rows (jaxpar.objectives.rollouts makes them).
 
 A row is one completion: its prompt's ids, then the completion's (up to and with its stop
 id), then padding; the loss mask marks the completion's ids. Beside the ids a row carries
@@ -30,22 +30,20 @@ TRL's kl and clip_ratio/* (token means over the batch).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpar.config.sections import AdapterKind, Config, Grpo, GrpoLoss
+from jaxpar.config.sections import Config, Grpo, GrpoLoss
+from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum
 from jaxpar.nn.problem import Problem
 from jaxpar.nn.scope import report
-from jaxpar.objectives import dpo
+from jaxpar.objectives import reference
+from jaxpar.objectives.rollouts import ADVANTAGES, OLD, REF, Rollouts
 from jaxpar.parallel.axes import CONTEXT
-
-ADVANTAGES, OLD, REF = "advantages", "old_logps", "ref_logps"
-PAD_ID = 0
-STD_EPSILON = 1e-4  # added to a group's std before dividing by it (TRL's)
 
 
 def token_losses(logp, old, ref, advantages, g: Grpo):
@@ -69,21 +67,18 @@ def token_losses(logp, old, ref, advantages, g: Grpo):
 def copied(problem: Problem, cfg: Config) -> list[str]:
     """The trained leaves the reference keeps a copy of (grpo.beta > 0): all of them, or
     none where it is the base with fresh adapters (their start is zero: adapters off)."""
-    fresh = cfg.adapter.kind is AdapterKind.LORA and not cfg.adapter.init
-    if not cfg.grpo.beta or fresh:
+    if not cfg.grpo.beta or reference.fresh_adapters(cfg):
         return []
-    return [k for k in problem.names if k not in problem.frozen]
+    return reference.trained_keys(problem)
 
 
 def objective(problem: Problem, cfg: Config) -> Problem:
     """`problem` (a registered model, adapters on it or not) trained by GRPO on rollout
     rows (the module's docstring). The reference's copy (`copied`) is held beside the
-    policy as DPO holds it, under dpo.COPY keys, and read by the rollouts alone."""
+    policy as DPO holds it (jaxpar.objectives.reference), and read by the rollouts alone."""
     g = cfg.grpo
     copies = copied(problem, cfg)
-
-    def policy(params):
-        return {k: v for k, v in params.items() if not k.startswith(dpo.COPY)}
+    policy = reference.policy
 
     def finish(losses, batch):
         mask = documents.target_weights(batch).astype(jnp.float32)
@@ -111,20 +106,14 @@ def objective(problem: Problem, cfg: Config) -> Problem:
         parts = dataclasses.replace(
             parts,
             post=lambda params, h, batch: finish(inner(params, h, batch), batch),
-            stack_keys=parts.stack_keys
-            + tuple(dpo.COPY + k for k in copies if k in parts.stack_keys),
+            stack_keys=reference.stack_keys(parts, copies),
         )
-    return dataclasses.replace(
+    return reference.with_copy(
         problem,
-        init=dpo.with_copies(problem.init, copies),
-        shapes={**problem.shapes, **{dpo.COPY + k: problem.shapes[k] for k in copies}},
-        names={**problem.names, **{dpo.COPY + k: problem.names[k] for k in copies}},
+        copies,
         loss=lambda params, batch: finish(problem.loss(policy(params), batch), batch),
         parts=parts,
-        module=None,
         count=count,
-        frozen=problem.frozen | {dpo.COPY + k for k in copies},
-        reference=frozenset(dpo.COPY + k for k in copies),
     )
 
 
@@ -143,23 +132,34 @@ def _report(mask, clips, kl) -> None:
         report("kl", mean(jax.lax.stop_gradient(kl)))
 
 
-def advantages(rewards_PxG: np.ndarray, scaled: bool) -> np.ndarray:
-    """[P x G] each completion's reward less its group's mean, over the group's std
-    (TRL's: Bessel-corrected, + 1e-4) where `scaled`; flattened prompt-major."""
-    r = np.asarray(rewards_PxG, np.float64)
-    out = r - r.mean(axis=1, keepdims=True)
-    if scaled:
-        out = out / (r.std(axis=1, ddof=1, keepdims=True) + STD_EPSILON)
-    return out.reshape(-1).astype(np.float32)
+# -- the plug-in (jaxpar.objectives) ----------------------------------------------------
 
 
-def rows_of(prompts: list[list[int]], completions: list[list[int]], seq_len: int) -> dict:
-    """`tokens` [rows, seq_len + 1] (each prompt, its completion, padding) and `loss_mask`
-    (1 at each completion id), one row per (prompt, completion)."""
-    n = len(prompts)
-    tokens = np.full((n, seq_len + 1), PAD_ID, np.int32)
-    mask = np.zeros((n, seq_len + 1), np.int32)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        tokens[i, : len(p) + len(c)] = p + c
-        mask[i, len(p) : len(p) + len(c)] = 1
-    return {"tokens": tokens, "loss_mask": mask}
+def check(cfg: Config) -> None:
+    g, every = cfg.grpo, cfg.checkpoint.every
+    if cfg.train.eval_every:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: train.objective=grpo has no held-out "
+            "loss (its measure is the rollouts' reward, in metrics.jsonl); give "
+            "train.eval_every=0"
+        )
+    if every % g.iterations:
+        raise ConfigError(
+            f"checkpoint.every={every}: a GRPO run saves between rollouts, each grpo.iterations="
+            f"{g.iterations} steps, so that a resume samples them again; give a multiple of "
+            f"{g.iterations}"
+        )
+
+
+def problem(own: Problem, cfg: Config) -> Problem:
+    return objective(own, cfg)
+
+
+def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
+    """The rollouts: each its rows, made before their steps (a hook too); no held-out
+    split (check refuses train.eval_every)."""
+    return Rollouts(cfg, own, math.prod(mesh_shape.values())) if split == "train" else None
+
+
+def hooks(batches) -> tuple:
+    return (batches,)

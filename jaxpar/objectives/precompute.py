@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -25,33 +24,19 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import hf
-from jaxpar.adapters import lora, peft
-from jaxpar.config import presets, registry
-from jaxpar.config.sections import AdapterKind, Config, Parallel
+from jaxpar.adapters import initial
+from jaxpar.config import presets
+from jaxpar.config.sections import Config, Parallel
 from jaxpar.data import pairs
 from jaxpar.data.tokens import META
 from jaxpar.errors import ConfigError
 from jaxpar.nn.problem import Problem
-from jaxpar.objectives import dpo
+from jaxpar.objectives.answers import logps
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.mesh import build_mesh, serving_layout
 from jaxpar.parallel.sharding import named, pick, plan
 
 FOLDER = "reference"  # under data.path
-
-
-def initial(cfg: Config, own: Problem) -> Callable[[dict], dict] | None:
-    """The run's initial parameters from files (targets -> arrays, as jaxpar.train takes
-    them) for `own` (the registered model, adapters on it, no objective): model.init's
-    checkpoint, with adapter.init's adapters; None for the init from train.seed."""
-    directory = hf.directory_of(cfg.model.init)
-    if directory and cfg.adapter.kind is AdapterKind.LORA:
-        read = peft.initial(cfg.adapter, cfg.model, own.shapes) if cfg.adapter.init else None
-        return lora.from_files(cfg, own, directory, read)
-    if directory:
-        fmt = registry.hf_format(cfg.model.name, "model.init")
-        return hf.initial_params(fmt, cfg.model, directory, own.shapes)
-    return None
 
 
 def reference_logps(cfg: Config, own: Problem, split: str, devices=None) -> np.ndarray:
@@ -106,14 +91,14 @@ def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None
         k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
         for k, s in own.shapes.items()
     }
-    fill = initial(cfg, own)
+    fill = initial.params(cfg, own)
     if fill is None:
         params = jax.jit(own.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
     else:
         params = fill(targets)
     rows = NamedSharding(mesh, PartitionSpec(DATA))
     score = jax.jit(
-        lambda p, batch: dpo.logps(own.loss(p, batch), batch),
+        lambda p, batch: logps(own.loss(p, batch), batch),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
     )
     chunk = data * max(1, cfg.train.batch_size // data)

@@ -133,7 +133,7 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
         )
         ax.legend(fontsize=8)
     rewarded = [r for r in rows if r.get("reward") is not None]
-    if rewarded:  # GRPO's rollouts: their mean reward, on its own scale
+    if rewarded:  # an RL objective's rollouts: their mean reward, on its own scale
         right = ax.twinx()
         right.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], "o-",
                    color="tab:green", lw=1.5, ms=3, label="mean reward")  # fmt: skip

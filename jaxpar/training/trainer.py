@@ -14,9 +14,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -28,13 +28,14 @@ from jaxpar.adapters.base import source as base_source
 from jaxpar.config.sections import Checkpoint, Config, OnNonfinite, profile_range
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
-from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged
+from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged, Stopped
 from jaxpar.nn.problem import Problem
 from jaxpar.parallel.batches import batch_for, check_first_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.step.build import Run, prepare
 from jaxpar.training import checkpoint, console, metrics, rundir
+from jaxpar.training.hooks import Hook
 
 STEP_EVENT = "/jaxpar/train/step"  # a jax.monitoring event per dispatched training step
 
@@ -69,6 +70,7 @@ def train(
     params: Callable[[dict], dict] | None = None,
     peak_tflops: float | None = None,
     eval_batches: Callable[..., dict] | None = None,
+    hooks: Sequence[Hook] = (),
     rollouts=None,
     benchmarks=None,
 ) -> Result:
@@ -85,12 +87,12 @@ def train(
     `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
     `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
     every train.eval_every steps the mean loss over train.eval_batches of them is logged
-    as eval_loss. `rollouts` (jaxpar.generation.rollouts.Rollouts, also the `batches`):
-    GRPO's, made from the state before each of its steps. `benchmarks`
-    (jaxpar.evaluation.during_training.Benchmarks): train.eval_tasks' scores, logged
-    beside it when they are due."""
+    as eval_loss. `hooks` (jaxpar.training.hooks.Hook) run around the steps: an
+    objective's rollouts before theirs, train.eval_tasks' scores after theirs
+    (`rollouts=` and `benchmarks=`, the same as hooks, warn until 0.3.0)."""
     out_dir = None if out_dir is None else Path(out_dir)
     _check_asked(cfg, out_dir, eval_batches)
+    hooks = _hooks(hooks, rollouts, benchmarks)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
     ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
@@ -106,8 +108,9 @@ def train(
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
         files = out_dir if out_dir and lead else None
-        if rollouts is not None:
-            say(rollouts.bind(run, state, out_dir if lead else None, start))
+        for hook in hooks:
+            if lines := hook.start(run, state, out_dir if lead else None, start):
+                say(lines)
         log, profile = _run_files(files, run, cfg, start, say)
         with _Stops() as stops:
             options = LoopOptions(
@@ -117,15 +120,13 @@ def train(
                 stops=stops,
                 profile=profile,
                 evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
-                rollouts=rollouts,
-                benchmarks=benchmarks and (benchmarks.due, partial(benchmarks, engine=run.engine)),
+                hooks=tuple(hooks),
             )
             loop = run_loop(run, state, batches, log, start, options)
         log.close()
         state = saver.finish(loop, start)
     _raise_a_failure(run, state, batches, loop, saver)
-    extra = rollouts.summary() if rollouts is not None else {}
-    report = _finish(run, loop, log.rows, files, saver, say, extra)
+    report = _finish(run, loop, log.rows, files, saver, say, hooks)
     return Result(
         losses=loop.losses,
         params=_policy(problem, run.engine.export(state.params)),
@@ -222,7 +223,7 @@ def _raise_a_failure(run, state, batches, loop, saver) -> None:
 
 
 def _policy(problem: Problem, params):
-    """The trained model's parameters: without a reference model's copy (DPO's)."""
+    """The trained model's parameters: without the copy of a reference it holds."""
     if not problem.reference:
         return params
     return {k: v for k, v in params.items() if k not in problem.reference}
@@ -270,9 +271,9 @@ def finished(step: int, steps: int) -> str:
     )
 
 
-def _finish(run, loop, rows: list, files: Path | None, saver, say, extra: dict) -> Report:
-    """The report with the run's figures, the closing table, summary.json and loss.png,
-    and where a stopped run resumes from."""
+def _finish(run, loop, rows: list, files: Path | None, saver, say, hooks) -> Report:
+    """The report with the run's figures, the closing table, summary.json (with what the
+    hooks add) and loss.png, and where a stopped run resumes from."""
     report = run.report
     if saver.newest is not None:
         report = report.trained(checkpoint=str(saver.where(saver.newest)))
@@ -290,6 +291,7 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say, extra: dict) 
     if report.checkpoint and not loop.stopped:
         say(f"weights: {report.checkpoint}")
     if files:
+        extra = {k: v for hook in hooks for k, v in hook.summary().items()}
         metrics.write_json(files / rundir.SUMMARY, {**report.to_json(), **extra})
         metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
     if loop.stopped:
@@ -353,8 +355,7 @@ class LoopOptions:
     stops: _Stops | None = None  # signals that ask it to stop after the step in flight
     profile: Path | None = None  # steps train.profile_steps traced into this folder
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
-    rollouts: object = None  # GRPO's (jaxpar.generation.rollouts), made before their steps
-    benchmarks: tuple | None = None  # (due(steps done), state -> task scores)
+    hooks: tuple[Hook, ...] = ()  # run around the steps (jaxpar.training.hooks)
 
 
 def run_loop(
@@ -375,21 +376,20 @@ def run_loop(
     pending = None  # (step, metrics on device) of the step in flight
     span = profile_range(cfg) if opts.profile else None
     tracing = False
-    from jaxpar.objectives.rewards import RewardFailed
 
     for step in range(start, cfg.steps):
-        # a run that rolls out stops between rollouts only (where its resume rolls out)
-        boundary = opts.rollouts is None or opts.rollouts.due(step)
+        # a hook may hold stops to its boundaries (rollouts': where a resume rolls out)
+        boundary = all(hook.boundary(step) for hook in opts.hooks)
         asked = opts.stops and opts.stops.asked and boundary
         if loop.nonfinite is not None or loop.diverged or asked:
             break
-        if opts.rollouts is not None and boundary:
-            if pending is not None:  # its step time without this rollout's
+        if working := [hook for hook in opts.hooks if hook.before_due(step)]:
+            if pending is not None:  # its step time without the hooks' work
                 rows.settle(*pending)
                 pending = None
             try:
-                rows.extra = opts.rollouts.before(loop.state, step)
-            except RewardFailed as e:
+                rows.extra = _before(working, loop.state, step)
+            except Stopped as e:
                 loop.failed = e
                 break
             rows.last = time.perf_counter()
@@ -434,10 +434,27 @@ def run_loop(
 
 
 def _due(opts: LoopOptions, steps: int, eval_every: int) -> list[Callable | None]:
-    """The evaluations due after `steps` steps: the held-out loss, the tasks' scores."""
+    """The evaluations due after `steps` steps: the held-out loss, the hooks' figures."""
     loss = opts.evaluate if opts.evaluate is not None and steps % eval_every == 0 else None
-    tasks = opts.benchmarks[1] if opts.benchmarks and opts.benchmarks[0](steps) else None
-    return [loss, tasks]
+    return [loss, *(hook.after for hook in opts.hooks if hook.due(steps))]
+
+
+def _before(hooks: list[Hook], state, step: int) -> dict:
+    """The hooks' work before step `step`: the columns its metrics row gains."""
+    return {k: v for hook in hooks for k, v in (hook.before(state, step) or {}).items()}
+
+
+def _hooks(hooks, rollouts, benchmarks) -> list[Hook]:
+    """`hooks`, and the hooks that came by their old keywords (with the warning)."""
+    old = {"rollouts": rollouts, "benchmarks": benchmarks}
+    for name in (n for n, hook in old.items() if hook is not None):
+        warnings.warn(
+            f"train(..., {name}=...) is train(..., hooks=[...]) (jaxpar.training.hooks); "
+            "the keyword goes in jaxpar 0.3.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return [*hooks, *(hook for hook in old.values() if hook is not None)]
 
 
 def _together(evaluations: list[Callable]) -> Callable:
@@ -501,7 +518,7 @@ class _Rows:
         )
         if loop.eval_losses:
             speed["eval"] = f"{loop.eval_losses[-1][1]:.4f}"
-        if row.get("reward") is not None:  # GRPO's rollouts, live
+        if row.get("reward") is not None:  # an RL objective's rollouts, live
             speed["reward"] = f"{row['reward']:.3f}"
         if row.get(console.DROPPED) is not None:  # a mixture's drops, live
             speed["dropped"] = f"{row[console.DROPPED]:.0%}"

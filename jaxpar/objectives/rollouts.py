@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.adapters import lora
 from jaxpar.config import registry
-from jaxpar.config.sections import AdapterKind, Config, Offload
+from jaxpar.config.sections import AdapterKind, Config, Offload, computed_model
 from jaxpar.cost import ledger
 from jaxpar.cost.report import human_bytes
 from jaxpar.data import chat, pairs, prompts
@@ -44,20 +44,25 @@ from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.names import LAYERS
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import dpo, grpo, rewards
-from jaxpar.objectives.dpo import COPY
+from jaxpar.objectives import reference, rewards
+from jaxpar.objectives.reference import COPY
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
+from jaxpar.training.hooks import Hook
 
 FILE = "rollouts.jsonl"
+# a rollout row's columns beside its ids (read by the loss, jaxpar.objectives.grpo)
+ADVANTAGES, OLD, REF = "advantages", "old_logps", "ref_logps"
+PAD_ID = 0
+STD_EPSILON = 1e-4  # added to a group's std before dividing by it (TRL's)
 
 
-class Rollouts:
+class Rollouts(Hook):
     """batches(step) for a GRPO run: the rows of the latest rollout (the module's
     docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
 
     def __init__(self, cfg: Config, own: Problem, devices: int):
-        cfg = dataclasses.replace(cfg, model=dpo.model_of(cfg))  # scored as trained
+        cfg = dataclasses.replace(cfg, model=computed_model(cfg))  # scored as trained
         g, t = cfg.grpo, cfg.train
         if jax.process_count() > 1:
             raise ConfigError(
@@ -105,9 +110,9 @@ class Rollouts:
         self.current = {
             "tokens": np.zeros((rows, width + 1), np.int32),
             "loss_mask": np.zeros((rows, width + 1), np.int32),
-            grpo.ADVANTAGES: np.zeros(rows, np.float32),
-            **({grpo.OLD: np.zeros((rows, width), np.float32)} if g.iterations > 1 else {}),
-            **({grpo.REF: np.zeros((rows, width), np.float32)} if g.beta else {}),
+            ADVANTAGES: np.zeros(rows, np.float32),
+            **({OLD: np.zeros((rows, width), np.float32)} if g.iterations > 1 else {}),
+            **({REF: np.zeros((rows, width), np.float32)} if g.beta else {}),
         }
         self.file: Path | None = None
 
@@ -116,7 +121,7 @@ class Rollouts:
 
     # -- placement ---------------------------------------------------------------------
 
-    def bind(self, run, state, files: Path | None, start: int) -> str:
+    def start(self, run, state, files: Path | None, start: int) -> str:
         """Place the generation layout on `run`'s devices (the base and the reference
         there once, from `state`), compile the reshard and count its bytes; returns the
         start-up summary's lines."""
@@ -158,7 +163,7 @@ class Rollouts:
         self.base = self._placed({k: params[k] for k in frozen})
         self.reference = None
         if g.beta:  # a copy of the trained leaves (their start), or none: the base alone
-            copy = {k: params[COPY + k] for k in self.trained if COPY + k in params}
+            copy = reference.read(params, self.trained)
             self.reference = self._placed(copy)
         positions = decoding.positions_of(cfg)
         dims = registry.get(cfg.model.name).cache_dims(cfg.model)
@@ -245,7 +250,11 @@ class Rollouts:
 
     # -- a rollout ---------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
+    def boundary(self, step: int) -> bool:
+        """A run stops between rollouts only (where its resume rolls out)."""
+        return step % self.cfg.grpo.iterations == 0
+
+    def before_due(self, step: int) -> bool:
         return step % self.cfg.grpo.iterations == 0
 
     def before(self, state, step: int) -> dict:
@@ -273,16 +282,16 @@ class Rollouts:
         ]
         fields = _fields([self.held.fields[i] for i in index for _ in range(g.group)])
         total, each = rewards.score(self.rewards, prompts_, completions, fields)
-        advantages = grpo.advantages(total.reshape(self.count, g.group), g.scaled)
+        advantages = group_advantages(total.reshape(self.count, g.group), g.scaled)
         batch = {
-            **grpo.rows_of(asked, done.completions, cfg.train.seq_len),
-            grpo.ADVANTAGES: advantages,
+            **rows_of(asked, done.completions, cfg.train.seq_len),
+            ADVANTAGES: advantages,
         }
         if g.iterations > 1:
-            batch[grpo.OLD] = self._logps(self.loaded.params, batch)
+            batch[OLD] = self._logps(self.loaded.params, batch)
         if g.beta:
             reference = self.publish(self.reference, self.base)
-            batch[grpo.REF] = self._logps(reference, batch)
+            batch[REF] = self._logps(reference, batch)
         self.current = batch
         self.loaded.params = None
         score_s = time.perf_counter() - start
@@ -382,3 +391,25 @@ def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
         y0, y1, _ = y.indices(n)
         out *= max(0, min(x1, y1) - max(x0, y0))
     return out
+
+
+def group_advantages(rewards_PxG: np.ndarray, scaled: bool) -> np.ndarray:
+    """[P x G] each completion's reward less its group's mean, over the group's std
+    (TRL's: Bessel-corrected, + 1e-4) where `scaled`; flattened prompt-major."""
+    r = np.asarray(rewards_PxG, np.float64)
+    out = r - r.mean(axis=1, keepdims=True)
+    if scaled:
+        out = out / (r.std(axis=1, ddof=1, keepdims=True) + STD_EPSILON)
+    return out.reshape(-1).astype(np.float32)
+
+
+def rows_of(prompts: list[list[int]], completions: list[list[int]], seq_len: int) -> dict:
+    """`tokens` [rows, seq_len + 1] (each prompt, its completion, padding) and `loss_mask`
+    (1 at each completion id), one row per (prompt, completion)."""
+    n = len(prompts)
+    tokens = np.full((n, seq_len + 1), PAD_ID, np.int32)
+    mask = np.zeros((n, seq_len + 1), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, : len(p) + len(c)] = p + c
+        mask[i, len(p) : len(p) + len(c)] = 1
+    return {"tokens": tokens, "loss_mask": mask}

@@ -1,0 +1,68 @@
+"""The next token: a registered model trained on token data (data.*) by its own loss,
+the default objective (train.objective=lm). The plug-in functions every objective
+module has are jaxpar.objectives' docstring's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxpar.config.sections import Config
+from jaxpar.data import pairs, prompts
+from jaxpar.data import tokens as data
+from jaxpar.errors import ConfigError
+from jaxpar.nn.problem import Problem
+
+
+def check(cfg: Config) -> None:
+    """Data the next token would train wrongly on: prompts alone, preference pairs."""
+    if prompts.meta_of(cfg.data) is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path} holds prompts (prepare-data --format prompts), with no "
+            f"answers to train on by train.objective={cfg.train.objective}; train them with "
+            "train.objective=grpo"
+        )
+    if pairs.meta_of(cfg.data) is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
+            "preference), and train.objective=lm would train on the rejected answers too; "
+            "train them with train.objective=dpo"
+        )
+
+
+def problem(own: Problem, cfg: Config) -> Problem:
+    return own
+
+
+def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> Callable:
+    """(i, rows=slice(None)) -> batch i of `split`'s tokens ("val": held out; synthetic
+    data draws the held-out batches from a stream never trained on)."""
+    if split == "train":
+        return token_batches(cfg, data.load_tokens(cfg.data, cfg.train, cfg.model), 0, split)
+    tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
+    first = data.EVAL_STREAM if tokens is None else 0
+    return token_batches(cfg, tokens, first, split)
+
+
+def hooks(batches) -> tuple:
+    return ()
+
+
+def token_batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
+    """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
+    (documents, loss mask) the config uses."""
+    t = cfg.train
+    marks = data.load_marks(cfg.data, t, tokens, split) if tokens is not None else data.Marks()
+
+    def batches(i: int, rows: slice = slice(None)) -> dict:
+        return data.batch_at(
+            tokens,
+            seed=t.seed,
+            step=first + i,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            vocab=cfg.model.vocab,
+            rows=rows,
+            marks=marks,
+        )
+
+    return batches
