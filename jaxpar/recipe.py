@@ -36,8 +36,8 @@ class Setup:
     source: str  # the data, in words
     # (i, rows=slice(None)) -> held-out batch i (train.eval_every > 0; else None)
     eval_batches: Callable[..., dict] | None = None
-    # what the run does around its steps (jaxpar.training.hooks): the objective's (GRPO's
-    # rollouts, which are its batches too), train.eval_tasks' scores
+    # what the objective does around the steps (jaxpar.training.hooks): GRPO's rollouts,
+    # which are its batches too (train.eval_tasks' scores: jaxpar.evaluation.during_training)
     hooks: tuple = ()
 
 
@@ -47,10 +47,6 @@ def setup(cfg: Config, devices=None) -> Setup:
     mesh = build_mesh(cfg.parallel, devices)
     problem, batches = model_problem(cfg, describe(mesh), devices)
     hooks = objectives.of(cfg).hooks(batches)
-    if cfg.train.eval_tasks.strip():
-        from jaxpar.evaluation.during_training import Benchmarks
-
-        hooks += (Benchmarks(cfg),)
     source = data.describe(cfg.data, cfg.train)
     return Setup(mesh, problem, batches, source, held_out_batches(cfg, devices), hooks)
 

@@ -239,6 +239,8 @@ def test_a_hook_runs_around_the_steps_and_fails_a_run_in_one_line(devices, tmp_p
     assert json.loads((tmp_path / "summary.json").read_text())["counting"] == 6
     with pytest.raises(jaxpar.Stopped, match="step 4: the counter gave up"):
         jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, hooks=[Counting(3)])
+    with pytest.raises(jaxpar.ConfigError, match=r"hooks=\.\.\.\): dict is not a jaxpar.Hook"):
+        jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, hooks=[{}])
     with pytest.warns(DeprecationWarning, match=r"train\(\.\.\., rollouts=\.\.\.\) is"):
         jaxpar.train(problem, cfg, batches, mesh=mesh, quiet=True, rollouts=Counting())
 

@@ -33,6 +33,11 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         print(finished(done, cfg.train.steps))
         return None
     s = recipe.setup(cfg)
+    hooks = s.hooks
+    if cfg.train.eval_tasks.strip():  # built where a run trains: tasks are read now
+        from jaxpar.evaluation.during_training import Benchmarks
+
+        hooks += (Benchmarks(cfg),)
     return train(
         s.problem,
         cfg,
@@ -42,7 +47,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         source=s.source,
         params=recipe.initial_params(cfg, s.problem),
         eval_batches=s.eval_batches,
-        hooks=s.hooks,
+        hooks=hooks,
         **kwargs,
     )
 

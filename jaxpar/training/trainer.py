@@ -454,7 +454,13 @@ def _hooks(hooks, rollouts, benchmarks) -> list[Hook]:
             DeprecationWarning,
             stacklevel=3,
         )
-    return [*hooks, *(hook for hook in old.values() if hook is not None)]
+    every = [*hooks, *(hook for hook in old.values() if hook is not None)]
+    for hook in (h for h in every if not isinstance(h, Hook)):
+        raise ConfigError(
+            f"train(..., hooks=...): {type(hook).__name__} is not a jaxpar.Hook; subclass "
+            "jaxpar.Hook and override the methods it needs (jaxpar.training.hooks)"
+        )
+    return every
 
 
 def _together(evaluations: list[Callable]) -> Callable:
