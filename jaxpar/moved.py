@@ -37,7 +37,7 @@ MOVED = {
     "chat": ("data.chat",),
     "checkpoint": ("training.checkpoint",),
     "collectives": ("parallel.collectives", "parallel.ring", "parallel.server"),
-    "commands": ("cli.commands",),
+    "commands": ("recipe", "planning", "inspection"),
     "config": ("config.sections",),
     "console": ("training.console",),
     "context": ("nn.scope",),
@@ -50,7 +50,7 @@ MOVED = {
     "engine": ("step.engine",),
     "export": ("training.export",),
     "hlo": ("cost.hlo",),
-    "inspect": ("cli.inspect",),
+    "inspect": ("inspection",),
     "keys_help": ("config.keys_help",),
     "layers": ("nn.layers", "nn.staging", "nn.tensor_parallel", "nn.experts", "names"),
     "ledger": ("cost.ledger",),
@@ -87,19 +87,16 @@ MOVED = {
     "cli.bench_generate": ("bench.generate",),
     "cli.bench_grpo": ("bench.grpo",),
     "generation.rollouts": ("objectives.rollouts",),  # the GRPO driver, with its objective
+    # what the commands run, out of the command line (cli/ parses and dispatches)
+    "cli.commands": ("recipe", "planning", "inspection", "training.console"),
+    "cli.inspect": ("inspection",),
 }
-# names that left a module still there: the module -> their new homes
-LEFT = {"cli.commands": ("recipe",)}
 # modules that `import jaxpar` exports by these names: importing them is not deprecated
 EXPORTED = {"mesh", "distributed"}
 
 
-def _where(old: str) -> tuple[str, ...]:
-    return MOVED.get(old) or LEFT[old]
-
-
 def _homes(old: str) -> list[types.ModuleType]:
-    return [importlib.import_module(f"jaxpar.{home}") for home in _where(old)]
+    return [importlib.import_module(f"jaxpar.{home}") for home in MOVED[old]]
 
 
 def _warn(old: str, new: str, stacklevel: int) -> None:
@@ -121,14 +118,13 @@ def _found(old: str, name: str):
                 return home, value
     raise AttributeError(
         f"module 'jaxpar.{old}' has no attribute {name!r} (its last release's names "
-        f"are in {', '.join(f'jaxpar.{h}' for h in _where(old))})"
+        f"are in {', '.join(f'jaxpar.{h}' for h in MOVED[old])})"
     )
 
 
 def attribute(package: str, name: str):
     """`name` of the last release's module that a subpackage now stands where (e.g.
-    jaxpar.config's Config, now in jaxpar.config.sections), or of a module some names
-    left (LEFT), with the warning."""
+    jaxpar.config's Config, now in jaxpar.config.sections), with the warning."""
     old = package.removeprefix("jaxpar.")
     holder = vars(sys.modules[package])
     if name.startswith("__") or (  # a submodule of the package, not yet imported: importing

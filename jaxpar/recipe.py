@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from jax.sharding import Mesh
 
@@ -26,6 +27,7 @@ from jaxpar.parallel import layout_checks
 from jaxpar.parallel.axes import TENSOR
 from jaxpar.parallel.mesh import build_mesh, describe
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
+from jaxpar.training.trainer import Result, finished, finished_at, train
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,30 @@ def initial_params(cfg: Config, problem: Problem) -> Callable[[dict], dict] | No
     if params is None or not problem.reference:
         return params
     return reference.copies(params, [k.removeprefix(reference.COPY) for k in problem.reference])
+
+
+def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result | None:
+    """Train the registered model as the config says (what `jaxpar train` runs), from
+    model.init's checkpoint if it names one (its config.json already read into cfg).
+    None, saying so at once, for a run already done (unless restarted)."""
+    if not kwargs.get("restart") and (done := finished_at(cfg, out_dir)) is not None:
+        print(finished(done, cfg.train.steps))
+        return None
+    s = setup(cfg)
+    hooks = s.hooks
+    if cfg.train.eval_tasks.strip():  # built where a run trains: tasks are read now
+        from jaxpar.evaluation.during_training import Benchmarks
+
+        hooks += (Benchmarks(cfg),)
+    return train(
+        s.problem,
+        cfg,
+        s.batches,
+        out_dir=out_dir,
+        mesh=s.mesh,
+        source=s.source,
+        params=initial_params(cfg, s.problem),
+        eval_batches=s.eval_batches,
+        hooks=hooks,
+        **kwargs,
+    )

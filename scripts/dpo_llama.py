@@ -67,7 +67,7 @@ def main() -> None:
     if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
         jaxpar.mesh.use_cpu_devices(args.cpu_devices)
 
-    from jaxpar.cli import commands
+    from jaxpar import recipe
     from jaxpar.config import presets
     from jaxpar.config.sections import AdapterKind
     from jaxpar.data.prepare import prepare
@@ -97,7 +97,7 @@ def main() -> None:
         data=jaxpar.Data(source="tokens", path=str(tokens)),
         adapter=adapter,
     )
-    result = commands.train_config(presets.resolve_init(cfg), out_dir=args.out)
+    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)
     accuracy = [row["rewards/accuracies"] for row in result.rows]
     fifth = max(1, len(accuracy) // 5)
     print(

@@ -95,7 +95,6 @@ def main() -> None:
         args.data = args.chat / "tokens"
 
     from jaxpar import recipe
-    from jaxpar.cli import commands
     from jaxpar.config import presets
     from jaxpar.config.sections import AdapterKind, BaseStorage
     from jaxpar.cost import planner
@@ -133,7 +132,7 @@ def main() -> None:
     best = plan.ranked[0]
     if jax.process_index() == 0:
         print(f"plan: {best.label()} ({plan.rule()})")
-    result = commands.train_config(best.cfg, out_dir=args.out)
+    result = recipe.train_config(best.cfg, out_dir=args.out)
     if jax.process_index() == 0:
         steps, tensors = export_hf(args.out, args.out / "hf")
         held_out = result.report.eval_loss

@@ -68,7 +68,7 @@ def main() -> None:
     if not jaxpar.mesh.accelerator_installed() and "JAX_NUM_CPU_DEVICES" not in os.environ:
         jaxpar.mesh.use_cpu_devices(args.cpu_devices)
 
-    from jaxpar.cli import commands
+    from jaxpar import recipe
     from jaxpar.config import presets
     from jaxpar.data.prepare import prepare
     from jaxpar.models import LlamaConfig
@@ -100,7 +100,7 @@ def main() -> None:
         ),
         data=jaxpar.Data(source="tokens", path=str(prepared)),
     )
-    result = commands.train_config(presets.resolve_init(cfg), out_dir=args.out)
+    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)
     rolled = [row for row in result.rows if "reward" in row]
     fifth = max(1, len(rolled) // 5)
     for name in ["reward", *(k for k in rolled[0] if k.startswith("rewards/"))]:

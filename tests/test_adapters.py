@@ -17,8 +17,8 @@ from helpers import (
 )
 from helpers import reference as one_device
 
+from jaxpar import inspection
 from jaxpar.adapters import lora, quant
-from jaxpar.cli import inspect
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
 from jaxpar.cost import planner
@@ -201,7 +201,7 @@ def test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s(devices):
     split = ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3")
     run = prepared("llama-tiny", (*nf4, *split))
     compiled = run.report
-    rows = {r["path"]: r for r in inspect.leaves(run)}  # jaxpar inspect's leaf table
+    rows = {r["path"]: r for r in inspection.leaves(run)}  # jaxpar inspect's leaf table
     assert rows["blocks/attn/wq/codes"]["grad"] is None is rows["blocks/attn/wq/codes"]["opt"]
     assert "data" in tuple(rows["blocks/attn/wq/lora_a"]["opt"])  # ZeRO-3 splits A's state
     cfg = presets.load("llama-tiny", [*nf4, *split])
@@ -333,12 +333,14 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(tm
 
 
 def test_a_finished_adapter_run_names_its_peft_export(tmp_path):
-    from jaxpar.cli.commands import next_steps
+    from jaxpar.training.console import next_steps
 
-    cfg = presets.load("llama-tiny", ["adapter.kind=lora"])
-    steps = next_steps(cfg, tmp_path)
-    assert f"jaxpar export {tmp_path} --to {tmp_path / 'peft'} --format peft" in steps
-    assert not any("peft" in s for s in next_steps(presets.load("llama-tiny"), tmp_path))
+    def steps(cfg):
+        return next_steps(tmp_path, cfg.model.name, cfg.adapter, cfg.data)
+
+    lora = steps(presets.load("llama-tiny", ["adapter.kind=lora"]))
+    assert f"jaxpar export {tmp_path} --to {tmp_path / 'peft'} --format peft" in lora
+    assert not any("peft" in s for s in steps(presets.load("llama-tiny")))
 
 
 def test_the_base_fingerprint_is_its_formula_in_any_layout(devices):

@@ -242,7 +242,7 @@ def test_dpo_equals_trl(loss, layout, max_length, chat_tokenizer, tmp_path):
     fp32 (TRL's default is bf16 autocast)."""
     from datasets import Dataset
 
-    from jaxpar.cli.commands import train_config
+    from jaxpar.recipe import train_config
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

@@ -38,6 +38,8 @@ LAYERS = (
     # on its rollouts (which decode: above generation)
     "objectives",
     "recipe",  # a config into mesh, Problem and batches: what `jaxpar train` builds
+    "planning",  # `jaxpar plan`: layouts ranked from shapes, the top ones compiled
+    "inspection",  # `jaxpar inspect`: a compiled step, leaf by leaf
     "bench",  # `jaxpar bench` as a library: a module per section
     "cli",
 )
@@ -205,10 +207,9 @@ def test_an_old_name_says_where_it_lives_and_an_unknown_path_still_fails():
         _ = layers.scan_cached  # gone in this release (LAST_RELEASE["gone"])
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("jaxpar.nothing")
-    from jaxpar.cli import commands  # setup left it for jaxpar.recipe
-
-    with pytest.warns(DeprecationWarning, match=r"commands.setup moved to jaxpar.setup"):
-        assert commands.setup is jaxpar.setup
+    with pytest.warns(DeprecationWarning, match="jaxpar.cli.commands moved to jaxpar.recipe"):
+        commands = _fresh_import("jaxpar.cli.commands")  # what the commands run: moved out
+    assert commands.setup is jaxpar.setup and commands.plan_config is jaxpar.planning.plan_config
     from jaxpar.config import presets  # a submodule, never the old module's name
 
     assert presets is sys.modules["jaxpar.config.presets"]

@@ -4,13 +4,13 @@ from pathlib import Path
 
 from helpers import THREE_D_1F1B, prepared
 
-from jaxpar.cli import inspect
+from jaxpar import inspection
 from jaxpar.cli import main as cli
 
 
 def test_leaf_bytes_add_up_to_the_compiled_state(devices):
     run = prepared("gpt-tiny", (*THREE_D_1F1B[:3], "parallel.zero=3", *THREE_D_1F1B[4:]))
-    rows = inspect.leaves(run)
+    rows = inspection.leaves(run)
     assert sum(r["bytes"] for r in rows) == run.report.memory_per_device.params
     wqkv = next(r for r in rows if r["path"] == "blocks/attn/wqkv")
     assert wqkv["names"][:2] == ("stage", "layers")  # the pipeline's staged stack
@@ -40,7 +40,7 @@ def test_the_picture_names_each_column_on_every_inner_axis():
     class Mesh:
         shape = {"expert": 4, "pipeline": 1, "context": 1, "tensor": 2}
 
-    columns = [inspect._column(Mesh, k) for k in range(8)]
+    columns = [inspection._column(Mesh, k) for k in range(8)]
     assert columns[:3] == ["e0 p0 t0", "e0 p0 t1", "e1 p0 t0"] and columns[-1] == "e3 p0 t1"
     Mesh.shape = {"expert": 1, "pipeline": 2, "context": 2, "tensor": 2}
-    assert inspect._column(Mesh, 7) == "p1 c1 t1"
+    assert inspection._column(Mesh, 7) == "p1 c1 t1"

@@ -18,7 +18,6 @@ from test_hf import jaxpar_logits, loaded_config, save_tiny_llama, torch_logits 
 from jaxpar import recipe  # noqa: E402
 from jaxpar.adapters import lora  # noqa: E402
 from jaxpar.adapters import peft as peft_io  # noqa: E402
-from jaxpar.cli import commands  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets  # noqa: E402
 from jaxpar.nn.problem import registered  # noqa: E402
@@ -90,7 +89,7 @@ def test_an_adapter_peft_made_trains_on_from_peft_s_loss(tmp_path, devices, caps
         "down_proj,q_proj,v_proj",
     )
     keys = ["parallel.data=4", "parallel.tensor=2", "train.steps=1"]
-    result = commands.train_config(presets.from_dict(presets.to_dict(cfg), keys), quiet=True)
+    result = recipe.train_config(presets.from_dict(presets.to_dict(cfg), keys), quiet=True)
     tokens = recipe.setup(cfg, devices[:1]).batches(0)["tokens"]
     with torch.no_grad():
         logits = model(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits

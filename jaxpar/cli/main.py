@@ -567,8 +567,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jaxpar.cli.commands import plan_config
     from jaxpar.cost import planner
+    from jaxpar.planning import plan_config
 
     cfg, _ = _check_config(args)
     if not 0 < args.top <= 10**6:
@@ -666,8 +666,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jaxpar.cli.commands import next_steps, train_config
     from jaxpar.parallel.distributed import initialize
+    from jaxpar.recipe import train_config
+    from jaxpar.training.console import next_steps
 
     cfg, out = _check_config(args)
     _setup_devices(args.cpu_devices)
@@ -681,12 +682,13 @@ def _train(args: argparse.Namespace) -> int:
     print(f"\nrun directory: {out}  ({', '.join(written)})")
     if result.checkpoints:
         print(f"checkpoints:   {result.checkpoints}")
-        print("next:          " + "\n               ".join(next_steps(cfg, out)))
+        steps = next_steps(out, cfg.model.name, cfg.adapter, cfg.data)
+        print("next:          " + "\n               ".join(steps))
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from jaxpar.cli.commands import inspect_config
+    from jaxpar.inspection import inspect_config
 
     cfg, out = _check_config(args)
     _setup_devices(args.cpu_devices)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from jaxpar.config import registry
+from jaxpar.config.sections import Adapter, AdapterKind, Data
 from jaxpar.cost.report import Report, human_bytes, table
 from jaxpar.cost.throughput import shown
+from jaxpar.data.tokens import tokenizer_of
 from jaxpar.parallel.axes import EXPERT, REPLICA
 from jaxpar.step import xla_flags
 
@@ -146,3 +151,23 @@ def closing(report: Report, losses: list[float], rows: list[dict] = ()) -> str:
             "model.experts_per_token drops none), or model.router_aux_loss to balance them"
         )
     return lines
+
+
+def next_steps(out: Path, model_name: str, adapter: Adapter, data: Data) -> list[str]:
+    """The commands that take a finished run on, each as it runs when typed: its weights
+    exported (and as a Hugging Face checkpoint, for a model that has the format; an
+    adapter run's adapters as PEFT's), and, for a model that decodes, `jaxpar generate`
+    and `jaxpar eval` with the tokenizer its data was made by."""
+    spec = registry.get(model_name)
+    steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
+    if spec.hf is not None:
+        steps.append(f"jaxpar export {out} --to {out / 'hf'} --format hf")
+    if adapter.kind is AdapterKind.LORA:
+        steps.append(f"jaxpar export {out} --to {out / 'peft'} --format peft")
+    if spec.cache_dims is not None:
+        made_by = tokenizer_of(data)
+        tokenizer = made_by or "TOKENIZER_DIR"
+        steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')
+        given = "" if made_by else f" --tokenizer {tokenizer}"
+        steps.append(f"jaxpar eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen")
+    return steps

@@ -16,10 +16,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar import recipe
+from jaxpar.config.sections import Config
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
-from jaxpar.step.build import Run
+from jaxpar.step.build import Run, prepare
+from jaxpar.training import console
 
 PANELS = 3  # largest leaves drawn, besides the batch
 
@@ -160,3 +163,22 @@ def _slices(index: tuple, shape) -> str:
         start, stop = s.start or 0, n if s.stop is None else s.stop
         parts.append(":" if (start, stop) == (0, n) else f"{start}:{stop}")
     return "[" + ",".join(parts) + "]"
+
+
+def inspect_config(cfg: Config, picture: Path) -> str:
+    """A shipped model's step as the config says, compiled and not run (`jaxpar
+    inspect`): the leaf table and the ledger's summary; the layout drawn to `picture`."""
+    s = recipe.setup(cfg)
+    run = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True)
+    rows = leaves(run)
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    draw(run, rows, picture)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.problem.shapes))
+    return "\n".join(
+        [
+            leaf_table(rows),
+            "",
+            console.startup(run.report, n_params, s.mesh.devices.flat[0].platform, s.source),
+            f"\nlayout picture: {picture}",
+        ]
+    )

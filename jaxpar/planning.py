@@ -1,6 +1,7 @@
-"""What the `jaxpar` subcommands run, over one `jaxpar.recipe.setup(cfg, devices)`: a
-registered model (`model.name`) as a Problem on the configured data and mesh. Trained,
-compiled for inspection, or planned from its shapes."""
+"""`jaxpar plan`: every layout of a registered model on a machine, ranked from shapes
+alone (jaxpar.cost.planner); the winner's config written out; with --validate, the top
+ones that fit this host compiled (not run) at the model's tiny dims, predicted against
+compiled."""
 
 from __future__ import annotations
 
@@ -9,79 +10,23 @@ import math
 from pathlib import Path
 
 import jax
+import yaml
 
-from jaxpar import moved, objectives, recipe
+from jaxpar import objectives, recipe
 from jaxpar.config import presets, registry
-from jaxpar.config import sections as config_lib
-from jaxpar.config.sections import AdapterKind, Config
-from jaxpar.data import tokens as data
+from jaxpar.config.sections import Config
+from jaxpar.cost import planner
+from jaxpar.cost.report import human_bytes, table
+from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
 from jaxpar.parallel import layout_checks
-from jaxpar.training.trainer import Result, finished, finished_at, train
-
-
-def __getattr__(name: str):  # setup and its helpers moved to jaxpar.recipe
-    return moved.attribute(__name__, name)
-
-
-def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result | None:
-    """Train the registered model as the config says (what `jaxpar train` runs), from
-    model.init's checkpoint if it names one (its config.json already read into cfg).
-    None, saying so at once, for a run already done (unless restarted)."""
-    if not kwargs.get("restart") and (done := finished_at(cfg, out_dir)) is not None:
-        print(finished(done, cfg.train.steps))
-        return None
-    s = recipe.setup(cfg)
-    hooks = s.hooks
-    if cfg.train.eval_tasks.strip():  # built where a run trains: tasks are read now
-        from jaxpar.evaluation.during_training import Benchmarks
-
-        hooks += (Benchmarks(cfg),)
-    return train(
-        s.problem,
-        cfg,
-        s.batches,
-        out_dir=out_dir,
-        mesh=s.mesh,
-        source=s.source,
-        params=recipe.initial_params(cfg, s.problem),
-        eval_batches=s.eval_batches,
-        hooks=hooks,
-        **kwargs,
-    )
-
-
-def inspect_config(cfg: Config, picture: Path) -> str:
-    """A shipped model's step as the config says, compiled and not run (`jaxpar
-    inspect`): the leaf table and the ledger's summary; the layout drawn to `picture`."""
-    from jaxpar.cli import inspect
-    from jaxpar.step.build import prepare
-    from jaxpar.training import console
-
-    s = recipe.setup(cfg)
-    run = prepare(cfg, s.problem, s.mesh, s.batches(0), force=True)
-    rows = inspect.leaves(run)
-    picture.parent.mkdir(parents=True, exist_ok=True)
-    inspect.draw(run, rows, picture)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.problem.shapes))
-    return "\n".join(
-        [
-            inspect.leaf_table(rows),
-            "",
-            console.startup(run.report, n_params, s.mesh.devices.flat[0].platform, s.source),
-            f"\nlayout picture: {picture}",
-        ]
-    )
+from jaxpar.step.build import prepare
 
 
 def validate(plan, machine, top: int, scale: str) -> str:
     """`jaxpar plan --validate`: the top layouts that fit on this host's devices, with the
     model and batch scaled down to `scale`'s, predicted and compiled (not run)."""
-    from jaxpar.cost import planner
-    from jaxpar.cost.report import human_bytes, table
-    from jaxpar.step.build import prepare
-
     small = presets.load(scale)
     rows, local = [], jax.device_count()
     for c in plan.ranked[:top]:
@@ -97,7 +42,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         try:
             registry.check_model(cfg.model, c.mesh)
             layout_checks.check_train(cfg, c.mesh)
-        except config_lib.ConfigError as e:
+        except ConfigError as e:
             rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
             continue
         shapes = registered(cfg.model, cfg.train.seq_len)
@@ -136,12 +81,6 @@ def validate(plan, machine, top: int, scale: str) -> str:
 def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
     """`jaxpar plan` for a registered model: every layout ranked, from shapes alone; the
     winner's config written to `out`; with `check`, the top ones validated."""
-    import yaml
-
-    from jaxpar.cost import planner
-    from jaxpar.cost.report import human_bytes
-    from jaxpar.errors import ConfigError
-
     problem = recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
     problem = objectives.of(cfg).problem(problem, cfg)  # a reference held, or not
     work = planner.of_config(cfg)
@@ -186,23 +125,3 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
         out.write_text(f"# jaxpar train --config {out}\n" + yaml.safe_dump(winner, sort_keys=False))
         text += f"\nwritten: {out}"
     return text
-
-
-def next_steps(cfg: Config, out: Path) -> list[str]:
-    """The commands that take a finished run on, each as it runs when typed: its weights
-    exported (and as a Hugging Face checkpoint, for a model that has the format; an
-    adapter run's adapters as PEFT's), and,
-    for a model that decodes, `jaxpar generate` and `jaxpar eval` with the tokenizer its
-    data was made by."""
-    spec = registry.get(cfg.model.name)
-    steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
-    if spec.hf is not None:
-        steps.append(f"jaxpar export {out} --to {out / 'hf'} --format hf")
-    if cfg.adapter.kind is AdapterKind.LORA:
-        steps.append(f"jaxpar export {out} --to {out / 'peft'} --format peft")
-    if spec.cache_dims is not None:
-        tokenizer = data.tokenizer_of(cfg.data) or "TOKENIZER_DIR"
-        steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')
-        given = "" if data.tokenizer_of(cfg.data) else f" --tokenizer {tokenizer}"
-        steps.append(f"jaxpar eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen")
-    return steps
