@@ -81,8 +81,8 @@ def validate(plan, machine, top: int, scale: str) -> str:
 def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
     """`jaxpar plan` for a registered model: every layout ranked, from shapes alone; the
     winner's config written to `out`; with `check`, the top ones validated."""
-    problem = recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg)
-    problem = objectives.of(cfg).problem(problem, cfg)  # a reference held, or not
+    problem = recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model)
+    problem = objectives.of(cfg.train.objective).problem(problem, cfg)  # a reference held, or not
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:

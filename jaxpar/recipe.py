@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxpar import objectives
 from jaxpar.adapters import initial, lora
 from jaxpar.config import registry
-from jaxpar.config.sections import AdapterKind, Config, computed_model
+from jaxpar.config.sections import Adapter, AdapterKind, Config, Model, Train, computed_model
 from jaxpar.data import tokens as data
 from jaxpar.nn.problem import Problem, registered
 from jaxpar.objectives import reference
@@ -48,7 +48,7 @@ def setup(cfg: Config, devices=None) -> Setup:
     the config checked against the mesh first."""
     mesh = build_mesh(cfg.parallel, devices)
     problem, batches = model_problem(cfg, describe(mesh), devices)
-    hooks = objectives.of(cfg).hooks(batches)
+    hooks = objectives.of(cfg.train.objective).hooks(batches)
     source = data.describe(cfg.data, cfg.train)
     return Setup(mesh, problem, batches, source, held_out_batches(cfg, devices), hooks)
 
@@ -60,24 +60,25 @@ def model_problem(
     train.objective trains it."""
     registry.check_model(cfg.model, mesh_shape)
     layout_checks.check_train(cfg, mesh_shape)
-    own = trained_model(cfg)
+    own = trained_model(cfg.model, cfg.adapter, cfg.train)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
-    objective = objectives.of(cfg)
+    objective = objectives.of(cfg.train.objective)
     objective.check(cfg)
     return objective.problem(own, cfg), objective.batches(cfg, own, "train", mesh_shape, devices)
 
 
-def trained_model(cfg: Config) -> Problem:
+def trained_model(model: Model, adapter: Adapter, train: Train) -> Problem:
     """The registered model with adapter.* on it, as the objective trains it (before the
     objective: what DPO wraps and what its precomputed reference scores)."""
-    return with_adapters(registered(computed_model(cfg), cfg.train.seq_len), cfg)
+    computed = registered(computed_model(model, train.objective), train.seq_len)
+    return with_adapters(computed, adapter, model)
 
 
-def with_adapters(problem: Problem, cfg: Config) -> Problem:
+def with_adapters(problem: Problem, adapter: Adapter, model: Model) -> Problem:
     """The registered model's `problem` with adapter.* on it (unchanged for kind=none)."""
-    if cfg.adapter.kind is AdapterKind.LORA:
-        return lora.adapted(problem, cfg.adapter, cfg.model)
+    if adapter.kind is AdapterKind.LORA:
+        return lora.adapted(problem, adapter, model)
     return problem
 
 
@@ -85,15 +86,19 @@ def held_out_batches(cfg: Config, devices=None) -> Callable[..., dict] | None:
     """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
     if not cfg.train.eval_every:
         return None
-    return objectives.of(cfg).batches(cfg, trained_model(cfg), "val", None, devices)
+    return objectives.of(cfg.train.objective).batches(
+        cfg, trained_model(cfg.model, cfg.adapter, cfg.train), "val", None, devices
+    )
 
 
-def initial_params(cfg: Config, problem: Problem) -> Callable[[dict], dict] | None:
+def initial_params(
+    model: Model, adapter: Adapter, train: Train, problem: Problem
+) -> Callable[[dict], dict] | None:
     """A run's initial parameters read from files (targets -> arrays, as jaxpar.train
     takes them): model.init's checkpoint with adapter.init's adapters, and the copy of
     the reference that `problem` (as setup made it) holds; None for the init from
     train.seed."""
-    params = initial.params(cfg, trained_model(cfg))
+    params = initial.params(model, adapter, train, trained_model(model, adapter, train))
     if params is None or not problem.reference:
         return params
     return reference.copies(params, [k.removeprefix(reference.COPY) for k in problem.reference])
@@ -103,7 +108,10 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
     """Train the registered model as the config says (what `jaxpar train` runs), from
     model.init's checkpoint if it names one (its config.json already read into cfg).
     None, saying so at once, for a run already done (unless restarted)."""
-    if not kwargs.get("restart") and (done := finished_at(cfg, out_dir)) is not None:
+    if (
+        not kwargs.get("restart")
+        and (done := finished_at(cfg.checkpoint, cfg.train.steps, out_dir)) is not None
+    ):
         print(finished(done, cfg.train.steps))
         return None
     s = setup(cfg)
@@ -119,7 +127,7 @@ def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result |
         out_dir=out_dir,
         mesh=s.mesh,
         source=s.source,
-        params=initial_params(cfg, s.problem),
+        params=initial_params(cfg.model, cfg.adapter, cfg.train, s.problem),
         eval_batches=s.eval_batches,
         hooks=hooks,
         **kwargs,

@@ -125,7 +125,7 @@ def main() -> None:
     cfg = presets.resolve_init(cfg)
     plan = planner.make_plan(
         cfg,
-        recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg),
+        recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model),
         planner.machine(jax.device_count(), args.device_memory),
         planner.of_config(cfg),
     )

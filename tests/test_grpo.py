@@ -157,7 +157,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(loss, beta, iterations, corr
         soft = jax.nn.log_softmax(jnp.asarray(logits), -1)
         logp = np.asarray(jnp.take_along_axis(soft, batch["tokens"][:, 1:, None], -1)[..., 0])
         batch[grpo.OLD] = logp + np.random.default_rng(2).uniform(-0.5, 0.5, logp.shape)
-    problem = grpo.objective(_toy(rows, width, vocab), cfg)
+    problem = grpo.problem(_toy(rows, width, vocab), cfg)
     params = {k: logits for k in problem.names}  # the reference's copy beside the policy
 
     def total(p):
@@ -206,7 +206,7 @@ STEPS = 4
 def updated(more: tuple[str, ...], preset: str = "llama-tiny") -> Trained:
     """`preset` trained by GRPO for STEPS steps on fixed rollout rows (no sampling)."""
     cfg = presets.load(preset, [*UPDATE, f"train.steps={STEPS}", *more])
-    problem = grpo.objective(trained_model(cfg), cfg)
+    problem = grpo.problem(trained_model(cfg.model, cfg.adapter, cfg.train), cfg)
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n])
     batches = [fixed_batch(16, 32, VOCAB, s, 2, 0.04) for s in range(STEPS)]
@@ -472,7 +472,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
             f"grpo.max_new_tokens={most}", f"train.seq_len={width}", "train.batch_size=8",
             "grpo.group=2", f"grpo.kl_correction={str(correction).lower()}"]  # fmt: skip
     cfg = presets.resolve_init(presets.load("llama-tiny", over))
-    own = trained_model(cfg)
+    own = trained_model(cfg.model, cfg.adapter, cfg.train)
     fill = hf.initial_params(registry.hf_format(cfg.model.name, "model.init"), cfg.model,
                              tmp_path / "hf", own.shapes)  # fmt: skip
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -486,7 +486,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
         batch[grpo.OLD] = logp + noise[0]
     if beta:
         batch[grpo.REF] = logp + noise[1]
-    problem = grpo.objective(own, cfg)
+    problem = grpo.problem(own, cfg)
     full = {**params, **{k: params[k.removeprefix("reference/")] for k in problem.reference}}
 
     def total(p):

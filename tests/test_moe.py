@@ -380,7 +380,9 @@ def test_expert_gradients_are_the_same_at_every_expert_degree(devices):
         cfg, mesh, problem, batches = _shipped(
             "mixtral-tiny", (f"parallel.data={8 // x}", f"parallel.expert={x}")
         )
-        engine = build(problem, cfg, mesh)  # its gradients alone: no step compiled
+        engine = build(
+            problem, cfg.parallel, cfg.train, mesh
+        )  # its gradients alone: no step compiled
         grads[x] = jax.device_get(engine.grads(engine.init(jax.random.key(0)), batches(0)))
     for x in (2, 4, 8):
         for key, want in grads[1].items():
@@ -482,7 +484,7 @@ def test_a_checkpoint_restores_into_another_expert_degree(devices, tmp_path):
     layout = ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2", "parallel.zero=1"]
     cfg, s = _setup("mixtral-tiny", [*layout, *steps])
     state = jaxpar.restore(tmp_path / "checkpoints", s.problem, cfg, s.mesh)
-    engine = build(s.problem, cfg, s.mesh)
+    engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
     assert int(state.step) == 2
     assert_identical(engine.export(state.params), saved.params)
     for got, want in zip(

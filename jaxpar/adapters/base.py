@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxpar import hf
 from jaxpar.adapters import lora
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import Model, Train
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.nn.problem import Problem
 
@@ -56,11 +56,11 @@ def of(params: dict) -> str:
     return fingerprint({k: leaf_sum(v) for k, v in params.items()}, params)
 
 
-def source(cfg: Config, given: bool) -> str:
+def source(model: Model, train: Train, given: bool) -> str:
     """Where a run's base comes from, as its checkpoints name it."""
-    if cfg.model.init:
-        return cfg.model.init
-    return "the params given to jaxpar.train" if given else f"train.seed={cfg.train.seed}"
+    if model.init:
+        return model.init
+    return "the params given to jaxpar.train" if given else f"train.seed={train.seed}"
 
 
 def required(reference: dict | None, where) -> dict:
@@ -85,7 +85,9 @@ def check(reference: dict | None, found: str, where) -> None:
         )
 
 
-def rebuilt(cfg: Config, problem: Problem, trained: dict, reference: dict | None, where) -> dict:
+def rebuilt(
+    model: Model, train: Train, problem: Problem, trained: dict, reference: dict | None, where
+) -> dict:
     """An adapter run's stored parameters (host arrays): the `trained` leaves a checkpoint
     holds, and its frozen base made again from `reference` (checked by its fingerprint),
     on one device."""
@@ -101,7 +103,7 @@ def rebuilt(cfg: Config, problem: Problem, trained: dict, reference: dict | None
                 f"checkpoint {where}: its frozen base is {reference['from']}, which is not a "
                 "directory now; put the base back there to export or decode this run"
             )
-        params = lora.from_files(cfg, problem, directory)(targets)
+        params = lora.from_files(model, train, problem, directory)(targets)
         base = {k: params[k] for k in frozen}
     elif reference["from"].startswith("train.seed="):
         seed = int(reference["from"].removeprefix("train.seed="))

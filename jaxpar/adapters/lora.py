@@ -24,7 +24,7 @@ from flax import struct
 from jaxpar import hf
 from jaxpar.adapters import quant
 from jaxpar.config import registry
-from jaxpar.config.sections import Adapter, BaseStorage
+from jaxpar.config.sections import Adapter, BaseStorage, Train
 from jaxpar.errors import ConfigError
 from jaxpar.hf import Tensor
 from jaxpar.names import LAYERS, LORA_RANK, SCALE_ONE
@@ -314,13 +314,13 @@ def initial(problem: Problem, adapted_problem: Problem, base_fill, seed: int, re
     return build
 
 
-def from_files(cfg, problem: Problem, directory, read=None):
+def from_files(model, train: Train, problem: Problem, directory, read=None):
     """(targets -> params) of an adapter run (`problem`) on the base in model.init's
     Hugging Face `directory`, with the adapters `read` gives or fresh ones."""
-    plain = registered(cfg.model, cfg.train.seq_len)
-    fmt = registry.hf_format(cfg.model.name, "model.init")
-    fill = hf.initial_params(fmt, cfg.model, directory, plain.shapes)
-    return initial(plain, problem, fill, cfg.train.seed, read)
+    plain = registered(model, train.seq_len)
+    fmt = registry.hf_format(model.name, "model.init")
+    fill = hf.initial_params(fmt, model, directory, plain.shapes)
+    return initial(plain, problem, fill, train.seed, read)
 
 
 def merged(problem: Problem, adapter: Adapter, model, params: dict) -> dict:

@@ -645,14 +645,14 @@ class Config:
                 )
 
 
-def computed_model(cfg: Config) -> Model:
+def computed_model(model: Model, objective: Objective) -> Model:
     """The model.* section a run computes with: for a DPO or GRPO run, a mixture's
     load-balance loss left out of the per-token losses its log-probabilities are read
     from (TRL adds it to the loss; here it is reported, moe/balance_loss, not trained)."""
-    scored = cfg.train.objective in (Objective.DPO, Objective.GRPO)
-    if scored and getattr(cfg.model, "router_aux_loss", 0):
-        return replace(cfg.model, router_aux_loss=0.0)
-    return cfg.model
+    scored = objective in (Objective.DPO, Objective.GRPO)
+    if scored and getattr(model, "router_aux_loss", 0):
+        return replace(model, router_aux_loss=0.0)
+    return model
 
 
 def profile_range(train: Train) -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar.config import registry
-from jaxpar.config.sections import Config, ContextStrategy, Offload, Remat, Train
+from jaxpar.config.sections import Config, ContextStrategy, Offload, Parallel, Remat, Train
 from jaxpar.cost import blocks
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes, table
@@ -303,23 +303,23 @@ def predict(
     at the config's ZeRO stage where already made (placed_on)."""
     par, train = cfg.parallel, cfg.train
     specs = specs or placed_on(trained, mesh, par.zero)
-    placed = cost.placed_state(cfg.parallel, cfg.train, specs, trained, mesh)
-    acts, gather = _activations_and_gathers(cfg, mesh, trained, work, specs)
+    placed = cost.placed_state(par, train, specs, trained, mesh)
+    acts, gather = _activations_and_gathers(par, train, mesh, trained, work, specs)
     state = placed.device
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
     t, p = mesh[TENSOR], mesh[PIPE]
     per_micro = blocks.tensor_elements(trained, batch_split(train, par, mesh).micro, t)
     tensor_elements = None if per_micro is None else per_micro * par.microbatches / p
     minimum = cost.minimum(
-        cfg.parallel,
-        cfg.train,
+        par,
+        train,
         specs,
         trained,
         mesh,
         tensor_elements if t > 1 else 0,
         experts=work.experts,
     )
-    comm = _traffic(cfg, mesh, trained, work, specs, minimum)
+    comm = _traffic(par, train, mesh, trained, work, specs, minimum)
     comm_s = _comm_seconds(comm, mesh, machine)
     if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
         compute_bytes = cost.dtype_bytes(train.precision)
@@ -327,13 +327,13 @@ def predict(
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
-    compute_s = _compute_seconds(cfg, mesh, machine, trained, work)
+    compute_s = _compute_seconds(par, train, mesh, machine, trained, work)
     return Candidate(
         cfg=cfg,
         mesh=mesh,
         state=state,
         model_state=placed.model,
-        formula_state=cost.problem_state(cfg.parallel, cfg.train, specs, trained, mesh),
+        formula_state=cost.problem_state(par, train, specs, trained, mesh),
         paper_state=sum(
             cost.paper_state(par.zero, psi, n)
             for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()
@@ -353,10 +353,11 @@ def predict(
     )
 
 
-def _activations_and_gathers(cfg: Config, mesh: dict, trained, work: Workload, specs):
+def _activations_and_gathers(
+    par: Parallel, train: Train, mesh: dict, trained, work: Workload, specs
+):
     """(the activations a device keeps for its backward pass, the bytes of ZeRO-3's
     gathered layers in flight), per device."""
-    par, train = cfg.parallel, cfg.train
     d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
     compute_bytes = cost.dtype_bytes(train.precision)
     split = batch_split(train, par, mesh)
@@ -382,10 +383,11 @@ def _activations_and_gathers(cfg: Config, mesh: dict, trained, work: Workload, s
     return acts, 2 * one_layer * compute_bytes
 
 
-def _traffic(cfg: Config, mesh: dict, trained, work: Workload, specs, minimum: dict) -> dict:
+def _traffic(
+    par: Parallel, train: Train, mesh: dict, trained, work: Workload, specs, minimum: dict
+) -> dict:
     """Bytes per device per step over each axis: the minimum's, the experts' exchange,
     context's, and the pipeline's hand-overs."""
-    par, train = cfg.parallel, cfg.train
     p, c = mesh[PIPE], mesh.get(CONTEXT, 1)
     split = batch_split(train, par, mesh)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
@@ -393,10 +395,10 @@ def _traffic(cfg: Config, mesh: dict, trained, work: Workload, specs, minimum: d
     return {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
-        EXPERT: cost.expert_bytes(cfg.parallel, cfg.train, specs, trained, mesh, work.experts),
+        EXPERT: cost.expert_bytes(par, train, specs, trained, mesh, work.experts),
         CONTEXT: cost.context_bytes(
-            cfg.parallel,
-            cfg.train,
+            par,
+            train,
             specs,
             trained.shapes,
             mesh,
@@ -429,9 +431,10 @@ def _comm_seconds(comm: dict, mesh: dict, machine: Machine) -> float:
     )
 
 
-def _compute_seconds(cfg: Config, mesh: dict, machine: Machine, trained, work: Workload):
+def _compute_seconds(
+    par: Parallel, train: Train, mesh: dict, machine: Machine, trained, work: Workload
+):
     """The busiest device's compute time at the machine's MFU."""
-    par, train = cfg.parallel, cfg.train
     p, c = mesh[PIPE], mesh.get(CONTEXT, 1)
     flops = work.flops_per_row
     if work.experts:  # the experts run on every slot they hold, empty ones too

@@ -29,8 +29,9 @@ from jaxpar.training.hooks import Hook
 PREFIX = "eval/"  # metrics.jsonl's and TensorBoard's names: eval/TASK/METRIC
 
 
-def names(cfg: Config) -> list[str]:
-    return [t.strip() for t in cfg.train.eval_tasks.split(",") if t.strip()]
+def names(eval_tasks: str) -> list[str]:
+    """train.eval_tasks' names, in order."""
+    return [t.strip() for t in eval_tasks.split(",") if t.strip()]
 
 
 class Benchmarks(Hook):
@@ -53,10 +54,10 @@ class Benchmarks(Hook):
                 f"data.path={cfg.data.path or 'none'} was not prepared with a tokenizer "
                 "(jaxpar prepare-data); train on prepared data, or drop train.eval_tasks"
             )
-        self.cfg = dataclasses.replace(cfg, model=computed_model(cfg))
+        self.cfg = dataclasses.replace(cfg, model=computed_model(cfg.model, cfg.train.objective))
         self.text = Text(Path(folder))
         self.text.check(cfg.model.vocab)
-        self.tasks = tasks.resolve(names(cfg), "train.eval_tasks:")
+        self.tasks = tasks.resolve(names(cfg.train.eval_tasks), "train.eval_tasks:")
         self.lm = None
         self.shardings: dict = {}
         self.engine = None  # the run's (start)
@@ -78,7 +79,7 @@ class Benchmarks(Hook):
         if self.lm is None:
             cfg, mesh, problem, self.shardings = decoding.layout(self.cfg, [])
             dims = registry.get(cfg.model.name).cache_dims(cfg.model)
-            positions = decoding.positions_of(self.cfg)
+            positions = decoding.positions_of(self.cfg.model, self.cfg.train.seq_len)
             loaded = decoding.Loaded(cfg, problem, None, mesh, positions, dims, "the run")
             self.lm = JaxparLM(loaded=loaded, text=self.text, progress=False)
         params = _copies(self._model_params(state, self.engine), self.shardings)

@@ -197,7 +197,7 @@ def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -
     """The model of `cfg` on a decoding layout of `devices` (default: all), its
     parameters from fill(targets: key -> ShapeDtypeStruct with its sharding)."""
     spec = registry.get(cfg.model.name)
-    positions = positions_of(cfg) if positions is None else positions
+    positions = positions_of(cfg.model, cfg.train.seq_len) if positions is None else positions
     cfg, mesh, problem, shardings = layout(cfg, overrides, devices)
     targets = {
         k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
@@ -207,14 +207,14 @@ def placed(cfg: Config, fill, overrides, devices, source: str, positions=None) -
     return Loaded(cfg, problem, params, mesh, int(positions), spec.cache_dims(cfg.model), source)
 
 
-def positions_of(cfg: Config) -> int:
-    """The most positions `cfg`'s model takes: what its export writes (the trained
-    length, or more)."""
-    spec = registry.get(cfg.model.name)
+def positions_of(model: Model, seq_len: int) -> int:
+    """The most positions `model` takes, trained at `seq_len`: what its export writes
+    (the trained length, or more)."""
+    spec = registry.get(model.name)
     to_hf = spec.hf.config_to_hf if spec.hf else None
     if to_hf is None:
-        return cfg.train.seq_len
-    return int(to_hf(cfg.model, cfg.train.seq_len)["max_position_embeddings"])
+        return seq_len
+    return int(to_hf(model, seq_len)["max_position_embeddings"])
 
 
 def layout(cfg: Config, overrides, devices=None, problem: Problem | None = None):

@@ -25,6 +25,6 @@ OBJECTIVES = {  # train.objective -> its module
 }
 
 
-def of(cfg) -> ModuleType:
-    """The module of the run's train.objective."""
-    return import_module(OBJECTIVES[str(cfg.train.objective)])
+def of(objective) -> ModuleType:
+    """The module of a train.objective."""
+    return import_module(OBJECTIVES[str(objective)])

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Config, Dpo, DpoLoss, Reference
+from jaxpar.config.sections import Adapter, Config, Dpo, DpoLoss, Reference
 from jaxpar.data import pairs
 from jaxpar.data.pairs import REFERENCE
 from jaxpar.errors import ConfigError
@@ -46,20 +46,20 @@ from jaxpar.objectives import precompute, reference
 from jaxpar.objectives.answers import answer_sums, logps
 
 
-def mode(cfg: Config) -> Reference:
+def mode(dpo: Dpo, adapter: Adapter) -> Reference:
     """dpo.reference resolved: auto is adapters-off for fresh adapters, else copy."""
-    lora = cfg.adapter.kind == "lora"
-    chosen = cfg.dpo.reference
+    lora = adapter.kind == "lora"
+    chosen = dpo.reference
     if chosen is Reference.AUTO:
-        return Reference.ADAPTERS_OFF if reference.fresh_adapters(cfg) else Reference.COPY
+        return Reference.ADAPTERS_OFF if reference.fresh_adapters(adapter) else Reference.COPY
     if chosen is Reference.ADAPTERS_OFF and not lora:
         raise ConfigError(
             "dpo.reference=adapters-off: the reference is the base with the adapters off, and "
             "adapter.kind=none trains no adapters; use adapter.kind=lora, or dpo.reference=copy"
         )
-    if chosen is Reference.ADAPTERS_OFF and cfg.adapter.init:
+    if chosen is Reference.ADAPTERS_OFF and adapter.init:
         raise ConfigError(
-            f"dpo.reference=adapters-off with adapter.init={cfg.adapter.init}: the run starts "
+            f"dpo.reference=adapters-off with adapter.init={adapter.init}: the run starts "
             "from trained adapters, so the base alone is not the model it starts as; use "
             "dpo.reference=copy (a copy of the adapters alone)"
         )
@@ -104,10 +104,10 @@ def as_tokens(losses: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.zeros(like.shape, jnp.float32).at[:, 0].set(share)
 
 
-def objective(problem: Problem, cfg: Config) -> Problem:
+def objective(problem: Problem, dpo: Dpo, adapter: Adapter) -> Problem:
     """`problem` (a registered model, adapters on it or not) trained by DPO on pairs, with
     its reference as dpo.reference says."""
-    dpo, how = cfg.dpo, mode(cfg)
+    how = mode(dpo, adapter)
     copied = reference.trained_keys(problem) if how is Reference.COPY else []
     policy, held = reference.policy, reference.held(problem, copied)
     precomputed = how is Reference.PRECOMPUTE
@@ -165,11 +165,11 @@ def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Par
 
 
 def check(cfg: Config) -> None:
-    mode(cfg)  # a reference the run cannot have is refused
+    mode(cfg.dpo, cfg.adapter)  # a reference the run cannot have is refused
 
 
 def problem(own: Problem, cfg: Config) -> Problem:
-    return objective(own, cfg)
+    return objective(own, cfg.dpo, cfg.adapter)
 
 
 def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> Callable:
@@ -179,7 +179,7 @@ def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> 
     t = cfg.train
     held = pairs.load(cfg.data, t, cfg.model.vocab, split)
     reference = None
-    if mode(cfg) is Reference.PRECOMPUTE:
+    if mode(cfg.dpo, cfg.adapter) is Reference.PRECOMPUTE:
         reference = precompute.reference_logps(cfg, own, split, devices)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:

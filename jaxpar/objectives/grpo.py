@@ -35,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Config, Grpo, GrpoLoss
+from jaxpar.config.sections import Adapter, Config, Grpo, GrpoLoss
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum
@@ -64,20 +64,19 @@ def token_losses(logp, old, ref, advantages, g: Grpo):
     return loss, (low, high), kl
 
 
-def copied(problem: Problem, cfg: Config) -> list[str]:
+def copied(problem: Problem, g: Grpo, adapter: Adapter) -> list[str]:
     """The trained leaves the reference keeps a copy of (grpo.beta > 0): all of them, or
     none where it is the base with fresh adapters (their start is zero: adapters off)."""
-    if not cfg.grpo.beta or reference.fresh_adapters(cfg):
+    if not g.beta or reference.fresh_adapters(adapter):
         return []
     return reference.trained_keys(problem)
 
 
-def objective(problem: Problem, cfg: Config) -> Problem:
+def objective(problem: Problem, g: Grpo, adapter: Adapter) -> Problem:
     """`problem` (a registered model, adapters on it or not) trained by GRPO on rollout
     rows (the module's docstring). The reference's copy (`copied`) is held beside the
     policy as DPO holds it (jaxpar.objectives.reference), and read by the rollouts alone."""
-    g = cfg.grpo
-    copies = copied(problem, cfg)
+    copies = copied(problem, g, adapter)
     policy = reference.policy
 
     def finish(losses, batch):
@@ -152,7 +151,7 @@ def check(cfg: Config) -> None:
 
 
 def problem(own: Problem, cfg: Config) -> Problem:
-    return objective(own, cfg)
+    return objective(own, cfg.grpo, cfg.adapter)
 
 
 def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import Config, Data, Train
 from jaxpar.data import pairs, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
@@ -37,21 +37,23 @@ def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> 
     """(i, rows=slice(None)) -> batch i of `split`'s tokens ("val": held out; synthetic
     data draws the held-out batches from a stream never trained on)."""
     if split == "train":
-        return token_batches(cfg, data.load_tokens(cfg.data, cfg.train, cfg.model), 0, split)
-    tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
-    first = data.EVAL_STREAM if tokens is None else 0
-    return token_batches(cfg, tokens, first, split)
+        tokens, first = data.load_tokens(cfg.data, cfg.train, cfg.model), 0
+    else:
+        tokens = data.load_eval_tokens(cfg.data, cfg.train, cfg.model)
+        first = data.EVAL_STREAM if tokens is None else 0
+    return token_batches(cfg.data, cfg.train, cfg.model.vocab, tokens, first, split)
 
 
 def hooks(batches) -> tuple:
     return ()
 
 
-def token_batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., dict]:
+def token_batches(
+    source: Data, t: Train, vocab: int, tokens, first: int, split: str
+) -> Callable[..., dict]:
     """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
     (documents, loss mask) the config uses."""
-    t = cfg.train
-    marks = data.load_marks(cfg.data, t, tokens, split) if tokens is not None else data.Marks()
+    marks = data.load_marks(source, t, tokens, split) if tokens is not None else data.Marks()
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(
@@ -60,7 +62,7 @@ def token_batches(cfg: Config, tokens, first: int, split: str) -> Callable[..., 
             step=first + i,
             batch_size=t.batch_size,
             seq_len=t.seq_len,
-            vocab=cfg.model.vocab,
+            vocab=vocab,
             rows=rows,
             marks=marks,
         )

@@ -91,7 +91,7 @@ def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None
         k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
         for k, s in own.shapes.items()
     }
-    fill = initial.params(cfg, own)
+    fill = initial.params(cfg.model, cfg.adapter, cfg.train, own)
     if fill is None:
         params = jax.jit(own.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
     else:

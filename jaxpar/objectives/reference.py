@@ -18,15 +18,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import AdapterKind, Config
+from jaxpar.config.sections import Adapter, AdapterKind
 from jaxpar.nn.problem import Problem
 
 COPY = "reference/"  # the keys of the reference's copy of a trained leaf
 
 
-def fresh_adapters(cfg: Config) -> bool:
+def fresh_adapters(adapter: Adapter) -> bool:
     """An adapter run from fresh adapters: its start is its base with the adapters off."""
-    return cfg.adapter.kind is AdapterKind.LORA and not cfg.adapter.init
+    return adapter.kind is AdapterKind.LORA and not adapter.init
 
 
 def trained_keys(problem: Problem) -> list[str]:

@@ -62,7 +62,9 @@ class Rollouts(Hook):
     docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
 
     def __init__(self, cfg: Config, own: Problem, devices: int):
-        cfg = dataclasses.replace(cfg, model=computed_model(cfg))  # scored as trained
+        cfg = dataclasses.replace(
+            cfg, model=computed_model(cfg.model, cfg.train.objective)
+        )  # scored as trained
         g, t = cfg.grpo, cfg.train
         if jax.process_count() > 1:
             raise ConfigError(
@@ -90,7 +92,7 @@ class Rollouts(Hook):
                 f"a prompt; give a multiple of {g.group}"
             )
         longest = max(len(p) for p in self.held.ids)
-        positions = decoding.positions_of(cfg)
+        positions = decoding.positions_of(cfg.model, cfg.train.seq_len)
         if longest + g.max_new_tokens > positions:
             raise ConfigError(
                 f"grpo.max_new_tokens={g.max_new_tokens}: the longest prompt of data.path "
@@ -165,7 +167,7 @@ class Rollouts(Hook):
         if g.beta:  # a copy of the trained leaves (their start), or none: the base alone
             copy = reference.read(params, self.trained)
             self.reference = self._placed(copy)
-        positions = decoding.positions_of(cfg)
+        positions = decoding.positions_of(cfg.model, cfg.train.seq_len)
         dims = registry.get(cfg.model.name).cache_dims(cfg.model)
         # its parameters are published for each rollout and let go after it: between
         # rollouts the devices hold the training state (and a reference's copy) alone

@@ -26,8 +26,7 @@ from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.batches import batch_split
 
 
-def _check_adapter(cfg: Config) -> None:
-    adapter = cfg.adapter
+def _check_adapter(adapter: Adapter, par: Parallel) -> None:
     if adapter.kind is AdapterKind.NONE:
         default = Adapter()
         changed = [
@@ -47,7 +46,7 @@ def _check_adapter(cfg: Config) -> None:
             "as the layer is made ready (so that every layout runs it), where dropout on an "
             "adapter's input has no place; use adapter.dropout=0"
         )
-    if cfg.parallel.dp_sync is DpSync.PARAMS:
+    if par.dp_sync is DpSync.PARAMS:
         raise ConfigError(
             "adapter.kind=lora with parallel.dp_sync=params: averaging copies of the "
             "parameters is not built for adapters; use parallel.dp_sync=grads"
@@ -74,7 +73,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
-    _check_adapter(cfg)
+    _check_adapter(cfg.adapter, cfg.parallel)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

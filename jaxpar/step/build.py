@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config, DpSync, Parallel, Train
+from jaxpar.config.sections import Config, DpSync, Model, Parallel, Train
 from jaxpar.cost import blocks, ledger, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
@@ -58,11 +58,11 @@ class Run:
     peak_flops: float | None = None  # per device (None: not known, a CPU; no MFU)
 
 
-def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
+def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
     """The engine of parallel.dp_sync: gradients synced every step (jaxpar.step.gradient_sync), or
     parameters averaged every sync_every steps (jaxpar.step.local_sgd)."""
-    builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
-    return builder(problem, cfg.parallel, cfg.train, mesh)
+    builder = build_averaging if par.dp_sync is DpSync.PARAMS else build_grad_sync
+    return builder(problem, par, train, mesh)
 
 
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
@@ -71,14 +71,16 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
     layout_checks.check_train(cfg, mesh_shape)
-    engine = build(problem, cfg, mesh)
-    preflight.check_state(cfg, engine, mesh_shape, force)
+    engine = build(problem, cfg.parallel, cfg.train, mesh)
+    preflight.check_state(cfg.parallel, cfg.train, engine, mesh_shape, force)
     step = compile_step(engine, batch)
 
     def need_of(changed: Config) -> int:  # the step's bytes under another config
         rows = changed.train.batch_size
         smaller = jax.tree.map(lambda x: x[:rows], batch)
-        return preflight.step_bytes(compile_step(build(problem, changed, mesh), smaller).executable)
+        return preflight.step_bytes(
+            compile_step(build(problem, changed.parallel, changed.train, mesh), smaller).executable
+        )
 
     preflight.check_compiled(cfg, step.executable, mesh_shape, force, need_of, step.seconds)
     report = describe_step(cfg, mesh, problem, engine, step, batch)
@@ -161,7 +163,8 @@ def describe_step(
     compute_bytes = cost.dtype_bytes(cfg.train.precision)
     split = batch_split(cfg.train, par, mesh_shape)
     spec = registry.get(cfg.model.name)
-    minimum = _minimum(cfg, mesh_shape, problem, engine, SEGMENT_IDS in batch)
+    documents = SEGMENT_IDS in batch
+    minimum = _minimum(cfg.model, par, cfg.train, mesh_shape, problem, engine, documents)
     formula = cost.problem_state(cfg.parallel, cfg.train, engine.specs, trained, mesh_shape)
     device, host = ledger.memory(
         step.executable,
@@ -216,22 +219,25 @@ def describe_step(
     )
 
 
-def _minimum(cfg: Config, mesh_shape: dict, problem: Problem, engine: Engine, documents: bool):
+def _minimum(
+    model: Model, par: Parallel, train: Train, mesh_shape: dict, problem: Problem, engine: Engine,
+    documents: bool,
+):  # fmt: skip
     """The step's textbook minimum bytes per device over each axis (jaxpar.cost.formulas),
     from the model's own dims: its attention, its experts, its Megatron all-reduces."""
-    split = batch_split(cfg.train, cfg.parallel, mesh_shape)
+    split = batch_split(train, par, mesh_shape)
     # With a pipeline each device runs some layers, and the head or embedding on some
     # stages only: the Megatron count per device has no single value.
     t = mesh_shape[TENSOR]
     tensor_elements = (
         blocks.tensor_elements(problem, split.accum, t) if mesh_shape[PIPE] == 1 else None
     )
-    spec = registry.get(cfg.model.name)
-    attention = spec.attention_dims(cfg.model) if spec.attention_dims else None
-    experts = spec.expert_dims(cfg.model, cfg.train.seq_len) if spec.expert_dims else None
+    spec = registry.get(model.name)
+    attention = spec.attention_dims(model) if spec.attention_dims else None
+    experts = spec.expert_dims(model, train.seq_len) if spec.expert_dims else None
     return cost.minimum(
-        cfg.parallel,
-        cfg.train,
+        par,
+        train,
         engine.specs,
         engine.problem,
         mesh_shape,

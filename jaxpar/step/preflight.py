@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from jaxpar.config.sections import Config, Offload, Remat
+from jaxpar.config.sections import Config, Offload, Parallel, Remat, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes
 from jaxpar.errors import ConfigError
@@ -54,17 +54,15 @@ def budget() -> Budget | None:
     return Budget(int(limit), f"{device.device_kind} memory", 1) if limit else None
 
 
-def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
+def check_state(par: Parallel, train: Train, engine, mesh_shape: dict, force: bool) -> None:
     """Before compiling: the model state and gradients alone must fit."""
     have = budget()
     if force or have is None:
         return
     specs, problem = engine.specs, engine.problem
     psi = cost.params_per_device(specs, problem.shapes, mesh_shape)
-    offloaded = cfg.parallel.offload is not Offload.NONE
-    state = (
-        0 if offloaded else cost.problem_state(cfg.parallel, cfg.train, specs, problem, mesh_shape)
-    )
+    offloaded = par.offload is not Offload.NONE
+    state = 0 if offloaded else cost.problem_state(par, train, specs, problem, mesh_shape)
     own = problem.trainable
     need = state + cost.grad_bytes(own(specs), own(problem.shapes), mesh_shape)
     if need > have.bytes_per_device:

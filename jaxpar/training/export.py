@@ -40,7 +40,7 @@ def run_params(run_dir: Path, step: int | None = None) -> tuple[dict[str, np.nda
     if cfg.adapter.kind is AdapterKind.LORA:
         problem = lora.adapted(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model)
         where = directory / str(meta["step"])
-        params = base.rebuilt(cfg, problem, params, meta.get("base"), where)
+        params = base.rebuilt(cfg.model, cfg.train, problem, params, meta.get("base"), where)
     return params, meta
 
 

@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.adapters.base import source as base_source
-from jaxpar.config.sections import Checkpoint, Config, OnNonfinite, profile_range
+from jaxpar.config.sections import Checkpoint, Config, Model, OnNonfinite, Train, profile_range
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
 from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged, Stopped
@@ -91,7 +91,7 @@ def train(
     objective's rollouts before theirs, train.eval_tasks' scores after theirs
     (`rollouts=` and `benchmarks=`, the same as hooks, warn until 0.3.0)."""
     out_dir = None if out_dir is None else Path(out_dir)
-    _check_asked(cfg, out_dir, eval_batches)
+    _check_asked(cfg.train, out_dir, eval_batches)
     hooks = _hooks(hooks, rollouts, benchmarks)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
@@ -103,7 +103,7 @@ def train(
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
         run = _compiled(cfg, problem, mesh, batches, force, peak_tflops)
         saver.bind(problem, run.engine, mesh)
-        state = _first_state(cfg, problem, run, saver, params, start, say)
+        state = _first_state(cfg.model, cfg.train, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
@@ -111,7 +111,7 @@ def train(
         for hook in hooks:
             if lines := hook.start(run, state, out_dir if lead else None, start):
                 say(lines)
-        log, profile = _run_files(files, run, cfg, start, say)
+        log, profile = _run_files(files, run, cfg.train.profile_steps, start, say)
         with _Stops() as stops:
             options = LoopOptions(
                 progress=progress and not quiet and lead,
@@ -148,7 +148,7 @@ def _compiled(cfg: Config, problem: Problem, mesh, batches, force: bool, peak_tf
     return run
 
 
-def _run_files(files: Path | None, run, cfg: Config, start: int, say):
+def _run_files(files: Path | None, run, profile_steps: str, start: int, say):
     """(the metrics log, the profile's folder or None): into the run directory `files`
     (None: this process writes none), with the compiled step's HLO beside them."""
     if files:
@@ -161,45 +161,45 @@ def _run_files(files: Path | None, run, cfg: Config, start: int, say):
     )
     if files:
         say(f"tensorboard --logdir {files}")
-    profile = files / rundir.PROFILE if files and cfg.train.profile_steps else None
+    profile = files / rundir.PROFILE if files and profile_steps else None
     if profile:
-        say(f"profiling steps {cfg.train.profile_steps} into {profile}")
+        say(f"profiling steps {profile_steps} into {profile}")
     return log, profile
 
 
-def _check_asked(cfg: Config, out_dir: Path | None, eval_batches) -> None:
+def _check_asked(train: Train, out_dir: Path | None, eval_batches) -> None:
     """What the config asks of train()'s arguments: held-out data, a run directory."""
-    if cfg.train.eval_every and eval_batches is None:
+    if train.eval_every and eval_batches is None:
         raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every}: give the held-out data, "
+            f"train.eval_every={train.eval_every}: give the held-out data, "
             "train(..., eval_batches=fn) with fn(i) a batch like batches(i), or "
             "train.eval_every=0"
         )
-    if cfg.train.profile_steps and out_dir is None:
+    if train.profile_steps and out_dir is None:
         raise ConfigError(
-            f"train.profile_steps={cfg.train.profile_steps}: a profile is written into the "
+            f"train.profile_steps={train.profile_steps}: a profile is written into the "
             "run directory's profile/ folder; give train(..., out_dir=...), or drop the key"
         )
 
 
-def _first_state(cfg: Config, problem: Problem, run, saver, params, start: int, say):
+def _first_state(model: Model, train: Train, problem: Problem, run, saver, params, start: int, say):
     """The state the loop starts from: checkpoint `start`'s (the frozen base made again),
     or a fresh one from `params` or the problem's init (the frozen base's hash kept)."""
     if start:
         base = {}  # the frozen parameters, not in the checkpoint: made again
         if problem.frozen:
-            base = checkpoint.frozen_base(saver.layout, problem, params, cfg.train.seed)
+            base = checkpoint.frozen_base(saver.layout, problem, params, train.seed)
         state = saver.restore(start, base)
-        if start < cfg.train.steps:  # said once the checkpoint has been read
+        if start < train.steps:  # said once the checkpoint has been read
             say(f"resuming from step {start}: {saver.directory / str(start)}")
         return state
     if params is not None:  # given, e.g. read from a Hugging Face checkpoint
         state = saver.layout.fresh(params(saver.layout.params))
     else:
-        state = run.engine.init(jax.random.key(cfg.train.seed))
+        state = run.engine.init(jax.random.key(train.seed))
     if problem.frozen:
         saver.base = {
-            "from": base_source(cfg, params is not None),
+            "from": base_source(model, train, params is not None),
             "hash": saver.layout.base_hash(state),
         }
     return state
@@ -254,14 +254,14 @@ def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: b
         yield
 
 
-def finished_at(cfg: Config, out_dir: Path | None) -> int | None:
+def finished_at(ckpt: Checkpoint, steps: int, out_dir: Path | None) -> int | None:
     """The step of a run that is done (its latest checkpoint at train.steps or past it),
     found without compiling anything; None while there is something to train."""
-    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
+    ckpt_dir = _checkpoint_dir(ckpt, out_dir)
     if ckpt_dir is None or not ckpt_dir.is_dir():
         return None
     latest = checkpoint.Checkpoints(ckpt_dir, create=False).latest
-    return latest if latest is not None and latest >= cfg.train.steps else None
+    return latest if latest is not None and latest >= steps else None
 
 
 def finished(step: int, steps: int) -> str:

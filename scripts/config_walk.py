@@ -1,0 +1,134 @@
+"""The config's walk from an entry point (issue 60's measure): every function that the
+`Config`, or one of its sections, reaches from `jaxpar.train`, followed depth first
+through the calls that hand it on (the config whole, `cfg.parallel`, or a parameter that
+holds either), with the files in the order the walk enters them. A stop is a function
+the config or a section arrives at; a return is an entry into a file the walk had
+already left.
+
+    .venv/bin/python scripts/config_walk.py [FILE:FUNCTION]   (default the trainer's train)
+
+A call is resolved by its name (an attribute's last part) among jaxpar/'s functions,
+preferring the caller's own file, then a module the caller names (`planner.predict`);
+a static reading: a plug-in's module chosen at run time (`objectives.of(...)`) is not
+followed."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _params(fn: ast.FunctionDef) -> list[ast.arg]:
+    return fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+
+
+def index(package: Path):
+    """(name -> [(file, node)] for every function of the package, file -> {a name it
+    imports: the file it names, a module or the function's own}), whole-file imports
+    and those inside functions alike."""
+    found: dict[str, list] = {}
+    imports: dict[str, dict[str, str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        file = str(path.relative_to(ROOT))
+        names = imports.setdefault(file, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                found.setdefault(node.name, []).append((file, node))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpar"):
+                base = node.module.replace(".", "/")
+                for alias in node.names:
+                    module = ROOT / base / alias.name
+                    where = (
+                        f"{base}/{alias.name}.py"
+                        if module.with_suffix(".py").is_file()
+                        else (
+                            f"{base}/{alias.name}/__init__.py"
+                            if module.is_dir()
+                            else f"{base}.py"
+                            if (ROOT / f"{base}.py").is_file()
+                            else f"{base}/__init__.py"
+                        )
+                    )
+                    names[alias.asname or alias.name] = where  # fmt: skip
+    return found, imports
+
+
+def _carries(arg: ast.expr, held: set[str]) -> bool:
+    """`arg` is the config or a section of it: a held name, or an attribute of one."""
+    while isinstance(arg, ast.Attribute):
+        arg = arg.value
+    return isinstance(arg, ast.Name) and arg.id in held
+
+
+def _handed_on(fn: ast.FunctionDef, held: set[str]):
+    """(called name, the module named before it or None, the parameters it receives
+    the config or a section as: positions and keywords) for each call of `fn`."""
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Call):
+            continue
+        positions = [i for i, a in enumerate(node.args) if _carries(a, held)]
+        keywords = [k.arg for k in node.keywords if k.arg and _carries(k.value, held)]
+        if not positions and not keywords:
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute):
+            module = f.value.id if isinstance(f.value, ast.Name) else None
+            yield f.attr, module, positions, keywords
+        elif isinstance(f, ast.Name):
+            yield f.id, None, positions, keywords
+
+
+def _resolve(table, imports, name: str, module: str | None, caller: str):
+    """The function a call names: the caller's own, or the one its imports name."""
+    options = table.get(name, [])
+    where = imports[caller].get(module) if module else imports[caller].get(name, caller)
+    return [o for o in options if o[0] == where][:1] or [o for o in options if o[0] == caller][:1]
+
+
+def walk(start_file: str, start: str, package: Path = ROOT / "jaxpar"):
+    table, imports = index(package)
+    stops, seen, files = [], set(), []
+
+    def visit(file: str, node: ast.FunctionDef, held: set[str]) -> None:
+        if (file, node.name) in seen:
+            return
+        seen.add((file, node.name))
+        stops.append(f"{file}:{node.lineno} {node.name}")
+        if not files or files[-1] != file:
+            files.append(file)
+        for name, module, positions, keywords in _handed_on(node, held):
+            for callee_file, callee in _resolve(table, imports, name, module, file):
+                params = _params(callee)
+                skip = 1 if params and params[0].arg in ("self", "cls") else 0
+                names = {params[i + skip].arg for i in positions if i + skip < len(params)}
+                names |= {k for k in keywords if any(p.arg == k for p in params)}
+                if names:
+                    visit(callee_file, callee, names)
+                    if files[-1] != file:
+                        files.append(file)  # back in this function's file
+
+    (first,) = [n for f, n in table[start] if f == start_file]
+    config = {p.arg for p in _params(first) if p.arg == "cfg"}
+    visit(start_file, first, config)
+    left, returns = set(), 0
+    for previous, file in zip(files, files[1:], strict=False):
+        left.add(previous)
+        returns += file in left
+    return stops, files, returns
+
+
+def main() -> None:
+    target = sys.argv[1] if len(sys.argv) > 1 else "jaxpar/training/trainer.py:train"
+    package = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "jaxpar"
+    start_file, start = target.split(":")
+    stops, files, returns = walk(start_file, start, package)
+    print("\n".join(stops))
+    print(f"\n{len(stops)} stops in {len(set(files))} files; {returns} returns to a file "
+          f"already left\nroute: {' -> '.join(Path(f).stem for f in files)}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
