@@ -150,7 +150,7 @@ def test_restore_into_another_layout(devices, tmp_path, pair):
     result = train([*saved_as, *steps], tmp_path)
     cfg, mesh, problem, _ = setup([*restored_as, *steps])
     state = jaxpar.restore(tmp_path / "checkpoints", problem, cfg, mesh)
-    engine = build(problem, cfg.parallel, cfg.train, mesh)
+    engine = build(problem, cfg, mesh)
     assert int(state.step) == 2
     assert_identical(engine.export(state.params), result.params)
     # every leaf lives where the new run's plan puts it, not where it was saved from

@@ -229,7 +229,7 @@ def test_a_step_with_nothing_trained_is_zero_not_nan(chat_folder, devices):
 
     cfg = presets.load("gpt-tiny", [*chat_run(chat_folder), "parallel.data=2"])
     s = setup(cfg, devices[:2])
-    engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+    engine = build(s.problem, cfg, s.mesh)
     state = engine.init(jax.random.key(0))
     batch = {**s.batches(0), "loss_mask": np.zeros((16, 65), np.int32)}
     state, metrics = engine.step(state, jax.device_put(batch, engine.batch_sharding))

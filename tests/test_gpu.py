@@ -46,7 +46,7 @@ def lowered_step(
         positions = np.arange(width) - second * (width // 2)
         batch["positions"] = np.broadcast_to(positions, (rows, width)).astype(np.int32)
     with scope.building_for(platform) if platform else contextlib.nullcontext():
-        engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+        engine = build(s.problem, cfg, s.mesh)
         traced = engine.step.trace(*step_inputs(engine, batch))
         lowered = traced.lower(lowering_platforms=(platform,) if platform else None)
     return lowered.as_text(), engine.compiler_options

@@ -153,7 +153,7 @@ s = recipe.setup(cfg)
 read = hf.initial_params(registry.get("llama").hf, cfg.model, sys.argv[1], s.problem.shapes)
 from jaxpar.training.checkpoint import layout
 from jaxpar.step.build import build
-engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+engine = build(s.problem, cfg, s.mesh)
 params = read(
     layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
 )
@@ -209,7 +209,7 @@ from jaxpar.training.checkpoint import layout
 from jaxpar.step.build import build
 cfg = presets.load("llama-tiny", sys.argv[2:])
 s = recipe.setup(cfg)
-engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+engine = build(s.problem, cfg, s.mesh)
 targets = layout(s.problem, engine, s.mesh, cfg.parallel.zero, cfg.train.precision).target["params"]
 def hwm():
     line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]

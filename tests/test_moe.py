@@ -484,7 +484,7 @@ def test_a_checkpoint_restores_into_another_expert_degree(devices, tmp_path):
     layout = ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2", "parallel.zero=1"]
     cfg, s = _setup("mixtral-tiny", [*layout, *steps])
     state = jaxpar.restore(tmp_path / "checkpoints", s.problem, cfg, s.mesh)
-    engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+    engine = build(s.problem, cfg, s.mesh)
     assert int(state.step) == 2
     assert_identical(engine.export(state.params), saved.params)
     for got, want in zip(

@@ -132,7 +132,7 @@ def test_layer_inputs_are_placed_in_pinned_host_when_lowered_for_gpu(devices):
 def lowered_placements(*overrides: str) -> dict[str, list[str]]:
     cfg = presets.load("gpt-tiny", ["parallel.data=8", *overrides])
     s = setup(cfg)
-    engine = build(s.problem, cfg.parallel, cfg.train, s.mesh)
+    engine = build(s.problem, cfg, s.mesh)
     lowered = engine.step.trace(*step_inputs(engine, s.batches(0))).lower(
         lowering_platforms=("cuda",)
     )

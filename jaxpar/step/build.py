@@ -58,11 +58,12 @@ class Run:
     peak_flops: float | None = None  # per device (None: not known, a CPU; no MFU)
 
 
-def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
+def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     """The engine of parallel.dp_sync: gradients synced every step (jaxpar.step.gradient_sync), or
-    parameters averaged every sync_every steps (jaxpar.step.local_sgd)."""
-    builder = build_averaging if par.dp_sync is DpSync.PARAMS else build_grad_sync
-    return builder(problem, par, train, mesh)
+    parameters averaged every sync_every steps (jaxpar.step.local_sgd). (The whole config:
+    the last release's jaxpar.run.build takes it so.)"""
+    builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
+    return builder(problem, cfg.parallel, cfg.train, mesh)
 
 
 def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = False) -> Run:
@@ -71,16 +72,14 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
     layout_checks.check_train(cfg, mesh_shape)
-    engine = build(problem, cfg.parallel, cfg.train, mesh)
-    preflight.check_state(cfg.parallel, cfg.train, engine, mesh_shape, force)
+    engine = build(problem, cfg, mesh)
+    preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)
 
     def need_of(changed: Config) -> int:  # the step's bytes under another config
         rows = changed.train.batch_size
         smaller = jax.tree.map(lambda x: x[:rows], batch)
-        return preflight.step_bytes(
-            compile_step(build(problem, changed.parallel, changed.train, mesh), smaller).executable
-        )
+        return preflight.step_bytes(compile_step(build(problem, changed, mesh), smaller).executable)
 
     preflight.check_compiled(cfg, step.executable, mesh_shape, force, need_of, step.seconds)
     report = describe_step(cfg, mesh, problem, engine, step, batch)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from jaxpar.config.sections import Config, Offload, Parallel, Remat, Train
+from jaxpar.config.sections import Config, Offload, Remat
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes
 from jaxpar.errors import ConfigError
@@ -54,8 +54,10 @@ def budget() -> Budget | None:
     return Budget(int(limit), f"{device.device_kind} memory", 1) if limit else None
 
 
-def check_state(par: Parallel, train: Train, engine, mesh_shape: dict, force: bool) -> None:
-    """Before compiling: the model state and gradients alone must fit."""
+def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
+    """Before compiling: the model state and gradients alone must fit (the whole config:
+    the last release's jaxpar.preflight.check_state takes it so)."""
+    par, train = cfg.parallel, cfg.train
     have = budget()
     if force or have is None:
         return

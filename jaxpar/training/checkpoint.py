@@ -431,7 +431,7 @@ def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int
     """The TrainState of a checkpoint directory (the latest step, or `step`) under `cfg`
     and `mesh` (default: all devices), whatever layout it was saved from."""
     mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-    engine = build(problem, cfg.parallel, cfg.train, mesh)
+    engine = build(problem, cfg, mesh)
     ckpts = Checkpoints(Path(directory), create=False)
     step = ckpts.latest if step is None else step
     if step is None:
