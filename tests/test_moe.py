@@ -380,9 +380,7 @@ def test_expert_gradients_are_the_same_at_every_expert_degree(devices):
         cfg, mesh, problem, batches = _shipped(
             "mixtral-tiny", (f"parallel.data={8 // x}", f"parallel.expert={x}")
         )
-        engine = build(
-            problem, cfg.parallel, cfg.train, mesh
-        )  # its gradients alone: no step compiled
+        engine = build(problem, cfg, mesh)  # its gradients alone: no step compiled
         grads[x] = jax.device_get(engine.grads(engine.init(jax.random.key(0)), batches(0)))
     for x in (2, 4, 8):
         for key, want in grads[1].items():
