@@ -7,10 +7,10 @@ already left.
 
     .venv/bin/python scripts/config_walk.py [FILE:FUNCTION]   (default the trainer's train)
 
-A call is resolved by its name (an attribute's last part) among jaxpar/'s functions,
-preferring the caller's own file, then a module the caller names (`planner.predict`);
-a static reading: a plug-in's module chosen at run time (`objectives.of(...)`) is not
-followed."""
+A call is resolved through the caller's file: the function its `from jaxpar... import`
+names (`prepare`, or `planner.predict` through `from jaxpar.cost import planner`), else
+one of that file's own. A static reading: a plug-in's module chosen at run time
+(`objectives.of(...)`) is not followed."""
 
 from __future__ import annotations
 
@@ -40,20 +40,16 @@ def index(package: Path):
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpar"):
                 base = node.module.replace(".", "/")
                 for alias in node.names:
-                    module = ROOT / base / alias.name
-                    where = (
-                        f"{base}/{alias.name}.py"
-                        if module.with_suffix(".py").is_file()
-                        else (
-                            f"{base}/{alias.name}/__init__.py"
-                            if module.is_dir()
-                            else f"{base}.py"
-                            if (ROOT / f"{base}.py").is_file()
-                            else f"{base}/__init__.py"
-                        )
-                    )
-                    names[alias.asname or alias.name] = where  # fmt: skip
+                    names[alias.asname or alias.name] = _file_of(base, alias.name)
     return found, imports
+
+
+def _file_of(base: str, name: str) -> str:
+    """The file `from base import name` reads: the module `name`, or `base`'s own."""
+    for candidate in (f"{base}/{name}.py", f"{base}/{name}/__init__.py", f"{base}.py"):
+        if (ROOT / candidate).is_file():
+            return candidate
+    return f"{base}/__init__.py"
 
 
 def _carries(arg: ast.expr, held: set[str]) -> bool:
