@@ -17,11 +17,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import recipe
+from jaxpar.compiled.run import Run, prepare
 from jaxpar.config.sections import Config
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
-from jaxpar.step.build import Run, prepare
 from jaxpar.training import console
 
 PANELS = 3  # largest leaves drawn, besides the batch

@@ -13,6 +13,7 @@ import jax
 import yaml
 
 from jaxpar import objectives, recipe
+from jaxpar.compiled.run import prepare
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Config
 from jaxpar.cost import planner
@@ -21,7 +22,6 @@ from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
 from jaxpar.parallel import layout_checks
-from jaxpar.step.build import prepare
 
 
 def validate(plan, machine, top: int, scale: str) -> str:

@@ -1,9 +1,9 @@
 """The config's walk from an entry point (issue 60's measure): every function that the
 `Config`, or one of its sections, reaches from `jaxpar.train`, followed depth first
-through the calls that hand it on (the config whole, `cfg.parallel`, or a parameter that
-holds either), with the files in the order the walk enters them. A stop is a function
-the config or a section arrives at; a return is an entry into a file the walk had
-already left.
+through the calls that hand it on (the config whole, `cfg.parallel`, or a parameter or
+local that holds either; a section's field, `par.zero`, is a value, not the config),
+with the files in the order the walk enters them. A stop is a function the config or a
+section arrives at; a return is an entry into a file the walk had already left.
 
     .venv/bin/python scripts/config_walk.py [FILE:FUNCTION]   (default the trainer's train)
 
@@ -52,21 +52,52 @@ def _file_of(base: str, name: str) -> str:
     return f"{base}/__init__.py"
 
 
-def _carries(arg: ast.expr, held: set[str]) -> bool:
-    """`arg` is the config or a section of it: a held name, or an attribute of one."""
-    while isinstance(arg, ast.Attribute):
-        arg = arg.value
-    return isinstance(arg, ast.Name) and arg.id in held
+SECTIONS = {"parallel", "model", "adapter", "train", "dpo", "grpo", "data", "checkpoint"}
+SECTIONS |= {"distributed"}  # the Config's fields (jaxpar.config.sections)
 
 
-def _handed_on(fn: ast.FunctionDef, held: set[str]):
-    """(called name, the module named before it or None, the parameters it receives
-    the config or a section as: positions and keywords) for each call of `fn`."""
+def _carries(arg: ast.expr, held: dict[str, str]) -> str | None:
+    """What `arg` is: "config" (a name holding it), "section" (a name holding one, or
+    `cfg.parallel`), or None (anything else: a section's field is a value)."""
+    if isinstance(arg, ast.Name):
+        return held.get(arg.id)
+    if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
+        whole = held.get(arg.value.id) == "config"
+        return "section" if whole and arg.attr in SECTIONS else None
+    return None
+
+
+def _aliases(fn: ast.FunctionDef, held: dict[str, str]) -> dict[str, str]:
+    """`held`, and the locals of `fn` assigned the config or a section (`par = cfg.parallel`,
+    `par, train = cfg.parallel, cfg.train`)."""
+    held = dict(held)
+    for _ in range(2):  # a local assigned from another local
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                pairs = [(target, node.value)]
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs = zip(target.elts, node.value.elts, strict=False)
+                for t, v in pairs:
+                    if isinstance(t, ast.Name) and _carries(v, held):
+                        held[t.id] = _carries(v, held)
+    return held
+
+
+def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
+    """(called name, the module named before it or None, what it is handed: position or
+    keyword -> "config" or "section") for each call of `fn`."""
+    held = _aliases(fn, held)
     for node in ast.walk(fn):
         if not isinstance(node, ast.Call):
             continue
-        positions = [i for i, a in enumerate(node.args) if _carries(a, held)]
-        keywords = [k.arg for k in node.keywords if k.arg and _carries(k.value, held)]
+        positions = {i: _carries(a, held) for i, a in enumerate(node.args) if _carries(a, held)}
+        keywords = {
+            k.arg: _carries(k.value, held)
+            for k in node.keywords
+            if k.arg and _carries(k.value, held)
+        }
         if not positions and not keywords:
             continue
         f = node.func
@@ -88,7 +119,7 @@ def walk(start_file: str, start: str, package: Path = ROOT / "jaxpar"):
     table, imports = index(package)
     stops, seen, files = [], set(), []
 
-    def visit(file: str, node: ast.FunctionDef, held: set[str]) -> None:
+    def visit(file: str, node: ast.FunctionDef, held: dict[str, str]) -> None:
         if (file, node.name) in seen:
             return
         seen.add((file, node.name))
@@ -99,15 +130,21 @@ def walk(start_file: str, start: str, package: Path = ROOT / "jaxpar"):
             for callee_file, callee in _resolve(table, imports, name, module, file):
                 params = _params(callee)
                 skip = 1 if params and params[0].arg in ("self", "cls") else 0
-                names = {params[i + skip].arg for i in positions if i + skip < len(params)}
-                names |= {k for k in keywords if any(p.arg == k for p in params)}
+                names = {
+                    params[i + skip].arg: kind
+                    for i, kind in positions.items()
+                    if i + skip < len(params)
+                }
+                names |= {
+                    k: kind for k, kind in keywords.items() if any(p.arg == k for p in params)
+                }
                 if names:
                     visit(callee_file, callee, names)
                     if files[-1] != file:
                         files.append(file)  # back in this function's file
 
     (first,) = [n for f, n in table[start] if f == start_file]
-    config = {p.arg for p in _params(first) if p.arg == "cfg"}
+    config = {p.arg: "config" for p in _params(first) if p.arg == "cfg"}
     visit(start_file, first, config)
     left, returns = set(), 0
     for previous, file in zip(files, files[1:], strict=False):

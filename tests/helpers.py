@@ -18,11 +18,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxpar.compiled.run import Run, prepare
 from jaxpar.config import presets
 from jaxpar.cost.report import Report
 from jaxpar.parallel.axes import AXES
 from jaxpar.recipe import setup
-from jaxpar.step.build import Run, prepare
 from jaxpar.training.trainer import train
 
 # data=2 x pipeline=2 x tensor=2, ZeRO-1, 1F1B: the 3D layout several tests share

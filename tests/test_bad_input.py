@@ -14,10 +14,10 @@ from helpers import one_line_error
 
 from jaxpar import recipe
 from jaxpar.cli import main as cli
+from jaxpar.compiled import run
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config
 from jaxpar.errors import ConfigError
-from jaxpar.step import build as run
 
 BIG = "9" * 5000  # past Python's 4300-digit limit for int()
 

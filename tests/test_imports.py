@@ -31,6 +31,7 @@ LAYERS = (
     "adapters",  # low-rank adapters on a registered model, its base frozen or quantized
     "cost",
     "step",
+    "compiled",  # a step compiled and described: its report read from the compiled program
     "training",
     "generation",
     "evaluation",  # benchmark scores: lm-eval's backend on the decoding layout

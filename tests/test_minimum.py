@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.step.build import prepare
+from jaxpar.compiled.run import prepare
 
 WIDTH, FEATURES, CLASSES = 64, 32, 16
 init = nnx.initializers.normal(0.1)

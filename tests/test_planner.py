@@ -222,7 +222,7 @@ def test_a_model_given_in_python_is_planned_from_its_shapes(devices):
 
     import jaxpar
     from jaxpar import EMBED, MLP, VOCAB
-    from jaxpar.step.build import prepare
+    from jaxpar.compiled.run import prepare
 
     init = nnx.initializers.normal(0.1)
 

@@ -5,8 +5,8 @@ import pytest
 from helpers import _shipped, prepared
 
 from jaxpar.cli import main as cli
+from jaxpar.compiled import run
 from jaxpar.errors import ConfigError
-from jaxpar.step import build as run
 from jaxpar.step import preflight
 
 LAYOUT = ("parallel.data=8", "parallel.zero=1")

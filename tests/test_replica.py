@@ -7,6 +7,7 @@ from helpers import assert_same_training, compile_only, run
 from helpers import reference as shared_reference
 
 from jaxpar.cost import formulas as cost
+from jaxpar.parallel.leaf_layout import leaf_layout
 from jaxpar.parallel.sharding import LeafSpecs, PartitionSpec
 
 HSDP = ("parallel.replica=2", "parallel.data=4")
@@ -68,11 +69,11 @@ def test_minimum_formula_by_axis():
     """replica: 1/data of each split leaf's gradient; the whole of a leaf ZeRO leaves."""
     split = LeafSpecs(*[PartitionSpec()] * 4, dim=0, over=("data",))
     whole = split._replace(dim=None, over=())
-    shapes = [jax.ShapeDtypeStruct((8, 4), "float32")] * 2
+    shape = jax.ShapeDtypeStruct((8, 4), "float32")
     mesh = {"replica": 4, "data": 2, "pipeline": 1, "tensor": 1}
+    layout = leaf_layout([split, whole], [shape] * 2, [("embed", "mlp")] * 2, mesh)
     got = cost.minimum_bytes(
-        [split, whole],
-        shapes,
+        layout,
         zero=1,
         mesh_shape=mesh,
         compute_bytes=4,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 
 from jaxpar.bench import measure
+from jaxpar.compiled.run import prepare
 from jaxpar.config import presets
 from jaxpar.cost import hlo
 from jaxpar.cost.report import table
 from jaxpar.recipe import setup
-from jaxpar.step.build import prepare
 
 # Compile time against depth: each layout at these layer counts (the layer stack is
 # scanned, so compiling should not grow with it).

@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 
 from jaxpar.bench import measure
+from jaxpar.compiled.run import prepare
 from jaxpar.config import presets
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.nn.problem import registered
 from jaxpar.recipe import setup
-from jaxpar.step.build import prepare
 
 LONGEST_BUDGET = 256 * 2**20  # per-device temporaries, llama-tiny on the CPU
 # 256, 384, 512, 768, ... 12288: steps of 1.5 and 4/3

@@ -13,13 +13,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxpar.compiled.describe import read_ledger
+from jaxpar.compiled.run import prepare
 from jaxpar.config import presets, registry
 from jaxpar.config import sections as config
 from jaxpar.cost import ledger
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.parallel.mesh import describe
 from jaxpar.recipe import setup
-from jaxpar.step.build import prepare, read_ledger
 from jaxpar.training import checkpoint, metrics
 from jaxpar.training.trainer import LoopOptions, run_loop
 

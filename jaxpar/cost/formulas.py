@@ -1,15 +1,16 @@
-"""The cost model's formulas, in one place: dtype bytes, how often ZeRO-3 gathers a
-leaf, the pipeline bubble, the ZeRO model-state bytes and the textbook minimum of
-communication. The ledger (what a compiled step did, against the minimum), the planner
-(what a layout would do) and the memory preflight all call these, so they cannot drift.
+"""The cost model's formulas, in one place: dtype bytes, the pipeline bubble, the ZeRO
+model-state bytes and the textbook minimum of communication. The ledger (what a compiled
+step did, against the minimum), the planner (what a layout would do) and the memory
+preflight all call these, so they cannot drift.
+
+They read a layout as data: its leaves, each counted once by jaxpar.parallel.leaf_layout
+(elements per device under each spec, the axes ZeRO splits it over), never a spec.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 
 from jaxpar.config.registry import AttentionDims, ExpertDims
@@ -26,8 +27,7 @@ from jaxpar.config.sections import (
 )
 from jaxpar.parallel import context
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR, data_parallel
-from jaxpar.parallel.sharding import LeafSpecs, axes_of, zero_axes, zero_degree
-from jaxpar.parallel.zero import stack_dims
+from jaxpar.parallel.leaf_layout import leaves
 
 DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}  # train.precision's
 
@@ -48,17 +48,6 @@ def reduce_bytes(train: Train) -> int:
     return dtype_bytes(reduce_precision(train))
 
 
-def gathers(names, scans_layers: bool = True):
-    """Per leaf (a tree like `names`), how often ZeRO-3 gathers it per micro-batch: a
-    scanned layer stack's leaves twice (forward, and again for backward, one layer at a
-    time), any other leaf once (kept whole until its backward)."""
-    return jax.tree.map(
-        lambda n: 2 if scans_layers and stack_dims(n) else 1,
-        names,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
 def bubble(p: int, m: int, v: int = 1) -> float:
     """The pipeline bubble, (p - 1) / (v m + p - 1): idle share of p stages running m
     micro-batches through v chunks each."""
@@ -72,14 +61,8 @@ def paper_state(zero: int, psi: float, n: int) -> float:
     )
 
 
-def local_elems(shape, spec, mesh_shape) -> float:
-    split = math.prod(mesh_shape[a] for a in axes_of(spec))
-    return math.prod(shape) / split
-
-
 def minimum_bytes(
-    specs,
-    shapes,
+    layout,
     *,
     zero: int,
     mesh_shape: dict,
@@ -87,17 +70,17 @@ def minimum_bytes(
     accum: int,
     tensor_elements: int | None,
     reduce_bytes: int = 4,
-    gathers=None,
     sync_every: int | None = None,
 ) -> dict[str, float | None]:
     """Textbook wire bytes per device per step, by axis (what `assumes` says in words).
 
-    The data-parallel axes, leaf by leaf. A leaf ZeRO splits (sharding.zero_axes: over
+    The data-parallel axes, leaf by leaf (`layout`: a tree of leaf_layout.Leaf). A leaf
+    ZeRO splits (Leaf.over: over
     `data`, and `expert` but for the experts' own weights), over each of its axes in
     turn, a (n-1)/n share of what the axes before it leave (the whole leaf, then its
     1/data slice): ZeRO-1/2 a reduce-scatter of the gradient (ZeRO-2: every
     micro-batch) and an all-gather of the updated fp32 parameters; ZeRO-3 per
-    micro-batch, the leaf gathered `gathers` times in the compute dtype (a layer
+    micro-batch, the leaf gathered Leaf.gathers times in the compute dtype (a layer
     stack's leaves twice, for forward and again for backward, one layer whole at a
     time; a leaf outside the stack once, kept whole until its backward) and its
     gradient reduce-scattered. A leaf ZeRO leaves whole (ZeRO-0, or no dim to split)
@@ -112,26 +95,25 @@ def minimum_bytes(
     """
     t, r = mesh_shape.get(TENSOR, 1), mesh_shape.get(REPLICA, 1)
     out = dict.fromkeys((REPLICA, DATA, EXPERT), 0.0)
-    counts = [2] * len(leaf_pairs(specs, shapes)) if gathers is None else jax.tree.leaves(gathers)
-    for (s, shape), times in zip(leaf_pairs(specs, shapes), counts, strict=True):
-        local = part = local_elems(shape, s.compute, mesh_shape)
-        if zero == 0 or s.dim is None:
-            for axis in zero_axes(s.compute, mesh_shape):
+    for leaf in leaves(layout):
+        local = part = leaf.compute
+        if zero == 0 or not leaf.over:
+            for axis in leaf.synced:
                 n = mesh_shape[axis]
                 out[axis] += 2 * (n - 1) / n * reduce_bytes * local
         else:
             if zero in (1, 2):
                 per_elem = reduce_bytes * (accum if zero == 2 else 1) + 4
             else:
-                per_elem = (times * compute_bytes + reduce_bytes) * accum
-            for axis in s.over:
+                per_elem = (leaf.gathers * compute_bytes + reduce_bytes) * accum
+            for axis in leaf.over:
                 n = mesh_shape[axis]
                 out[axis] += (n - 1) / n * part * per_elem
                 part /= n
         out[REPLICA] += 2 * (r - 1) / r * reduce_bytes * part
     if sync_every:
         n = mesh_shape.get(DATA, 1)
-        out[DATA] = 2 * (n - 1) / n * 4 * params_per_device(specs, shapes, mesh_shape) / sync_every
+        out[DATA] = 2 * (n - 1) / n * 4 * params_per_device(layout) / sync_every
     tensor = (
         None
         if tensor_elements is None
@@ -140,27 +122,14 @@ def minimum_bytes(
     return {**out, TENSOR: tensor}
 
 
-def leaf_pairs(specs, shapes) -> list[tuple[LeafSpecs, tuple[int, ...]]]:
-    out = []
-    jax.tree.map(
-        lambda s, x: out.append((s, tuple(x.shape))),
-        specs,
-        shapes,
-        is_leaf=lambda x: isinstance(x, LeafSpecs),
-    )
-    return out
-
-
-def params_per_device(specs, shapes, mesh_shape: dict) -> float:
+def params_per_device(layout) -> float:
     """Parameters one device computes with (split by the rules, not by ZeRO): ZeRO's Psi."""
-    return sum(local_elems(shape, s.compute, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    return sum(leaf.compute for leaf in leaves(layout))
 
 
-def grad_bytes(specs, shapes, mesh_shape: dict) -> int:
+def grad_bytes(layout) -> int:
     """Per-device bytes of the fp32 gradient accumulator, as its gradient spec splits it."""
-    return int(
-        sum(4 * local_elems(shape, s.grad, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
-    )
+    return int(sum(4 * leaf.grad for leaf in leaves(layout)))
 
 
 def optimizer_bytes(train: Train) -> int:
@@ -183,11 +152,11 @@ def state_formula(
 
 
 def expert_bytes(
-    par: Parallel, train: Train, specs, trained, mesh_shape: dict, experts: ExpertDims | None
+    par: Parallel, train: Train, layout, trained, mesh_shape: dict, experts: ExpertDims | None
 ) -> float:
     """Textbook wire bytes per device per step on `expert`: the other leaves' gradient
     sync over it (minimum_bytes) and the mixture's all-to-alls (dispatch_bytes)."""
-    synced = _minimum(par, train, specs, trained, mesh_shape, None)[EXPERT]
+    synced = _minimum(par, train, layout, trained, mesh_shape, None)[EXPERT]
     return synced + dispatch_bytes(par, train, mesh_shape, experts, extra_forwards(trained))
 
 
@@ -238,8 +207,7 @@ def forward_passes(par: Parallel) -> int:
 def context_bytes(
     par: Parallel,
     train: Train,
-    specs,
-    shapes,
+    layout,
     mesh_shape: dict,
     attention: AttentionDims | None,
     documents: bool,
@@ -264,7 +232,7 @@ def context_bytes(
     if c == 1:
         return 0.0
     share = (c - 1) / c
-    grads = sum(local_elems(shape, s.opt, mesh_shape) for s, shape in leaf_pairs(specs, shapes))
+    grads = sum(leaf.opt for leaf in leaves(layout))
     total = 2 * share * grads * reduce_bytes(train)
     if attention is None:
         return total
@@ -302,7 +270,7 @@ def context_bytes(
 def minimum(
     par: Parallel,
     train: Train,
-    specs,
+    layout,
     trained,
     mesh_shape: dict,
     tensor_elements,
@@ -321,7 +289,7 @@ def minimum(
         tensor_elements = tensor_elements / c
         if trained.reference_forward:  # Megatron's forward half once more
             tensor_elements *= 1.5
-    base = _minimum(par, train, specs, trained, mesh_shape, tensor_elements)
+    base = _minimum(par, train, layout, trained, mesh_shape, tensor_elements)
     return {
         **base,
         CONTEXT: None
@@ -329,8 +297,7 @@ def minimum(
         else context_bytes(
             par,
             train,
-            trained.trainable(specs),
-            trained.trainable(trained.shapes),
+            trained.trainable(layout),
             mesh_shape,
             attention,
             documents,
@@ -345,7 +312,7 @@ def minimum(
 
 
 def _minimum(
-    par: Parallel, train: Train, specs, trained, mesh_shape: dict, tensor_elements
+    par: Parallel, train: Train, layout, trained, mesh_shape: dict, tensor_elements
 ) -> dict:
     """minimum_bytes of the trained leaves, and ZeRO-3's gathers of the frozen ones (an
     adapter run's base: gathered as the trained are, never reduced; once more for a
@@ -353,52 +320,42 @@ def _minimum(
     its forward pass alone)."""
     own = trained.trainable
     out = minimum_bytes(
-        own(specs),
-        own(trained.shapes),
+        own(layout),
         zero=par.zero,
         mesh_shape=mesh_shape,
         compute_bytes=dtype_bytes(train.precision),
         accum=train.grad_accum,
         tensor_elements=tensor_elements,
         reduce_bytes=reduce_bytes(train),
-        gathers=own(gathers(trained.names, trained.scans_layers)),
         sync_every=par.sync_every if par.dp_sync is DpSync.PARAMS else None,
     )
     if par.zero == 3:
-        times = gathers(trained.names, trained.scans_layers)
         for k in trained.frozen:
-            s, x = specs[k], trained.shapes[k]
-            if s.dim is None:
-                continue
+            leaf = layout[k]
+            times = leaf.gathers
             if k in trained.reference:
-                times[k] = 1
-            elif trained.reference_forward and times[k] == 2:  # a stack's, not kept whole
-                times[k] = 3
-            moved = dtype_bytes(train.precision) if jnp.issubdtype(x.dtype, jnp.floating) else 1
-            part = local_elems(x.shape, s.compute, mesh_shape)
-            for axis in s.over:
+                times = 1
+            elif trained.reference_forward and times == 2:  # a stack's, not kept whole
+                times = 3
+            moved = dtype_bytes(train.precision) if leaf.floating else 1
+            part = leaf.compute
+            for axis in leaf.over:
                 n = mesh_shape[axis]
-                out[axis] += (n - 1) / n * part * times[k] * moved * train.grad_accum
+                out[axis] += (n - 1) / n * part * times * moved * train.grad_accum
                 part /= n
     return out
 
 
-def frozen_bytes(specs, trained, mesh_shape: dict) -> float:
+def frozen_bytes(layout, trained) -> float:
     """Per-device bytes of the frozen leaves (an adapter run's base) as stored: no
     gradient, no optimizer state."""
-    return sum(
-        trained.shapes[k].dtype.itemsize
-        * local_elems(trained.shapes[k].shape, specs[k].storage, mesh_shape)
-        for k in trained.frozen
-    )
+    return sum(layout[k].dtype.itemsize * layout[k].storage for k in trained.frozen)
 
 
-def problem_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) -> float:
+def problem_state(par: Parallel, train: Train, layout, trained, mesh_shape: dict) -> float:
     """model_state of the trained leaves, plus the frozen ones as stored."""
-    own = trained.trainable
-    return model_state(par, train, own(specs), own(trained.shapes), mesh_shape) + frozen_bytes(
-        specs, trained, mesh_shape
-    )
+    own = trained.trainable(layout)
+    return model_state(par, train, own, mesh_shape) + frozen_bytes(layout, trained)
 
 
 @dataclass(frozen=True)
@@ -414,21 +371,17 @@ class PlacedState:
     opt: float = 0.0  # of `device`: the optimizer state
 
 
-def placed_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) -> PlacedState:
+def placed_state(par: Parallel, train: Train, layout, trained, mesh_shape: dict) -> PlacedState:
     """The planner's state bytes for the layout of `trained` (a Problem; what the ledger
     measures as `state_bytes.actual` once compiled): its frozen leaves as stored."""
-    frozen = frozen_bytes(specs, trained, mesh_shape)
-    specs, shapes = trained.trainable(specs), trained.trainable(trained.shapes)
+    frozen = frozen_bytes(layout, trained)
+    own = trained.trainable(layout)
     k = optimizer_bytes(train)
-    pairs = leaf_pairs(specs, shapes)
-    local = {
-        f: sum(local_elems(shape, getattr(s, f), mesh_shape) for s, shape in pairs)
-        for f in ("storage", "grad", "opt")
-    }
+    local = {f: sum(getattr(leaf, f) for leaf in leaves(own)) for f in ("storage", "grad", "opt")}
     master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
     model = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
     if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
-        model = model_state(par, train, specs, shapes, mesh_shape)
+        model = model_state(par, train, own, mesh_shape)
         master = model - adam
     host = 0.0
     if par.offload is not Offload.NONE:  # fp32 master weights and Adam state on the host
@@ -441,24 +394,24 @@ def placed_state(par: Parallel, train: Train, specs, trained, mesh_shape: dict) 
     )
 
 
-def model_state(par: Parallel, train: Train, specs, shapes, mesh_shape: dict) -> float:
+def model_state(par: Parallel, train: Train, layout, mesh_shape: dict) -> float:
     """The ZeRO formula's model-state bytes per device for the layout."""
     k = optimizer_bytes(train)
     if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
-        psi = params_per_device(specs, shapes, mesh_shape)
+        psi = params_per_device(layout)
         return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi
     offload = par.offload is not Offload.NONE
     return sum(
         state_formula(par.zero, psi, n, offload, k)
-        for n, psi in params_by_zero_degree(specs, shapes, mesh_shape).items()
+        for n, psi in params_by_zero_degree(layout, mesh_shape).items()
     )
 
 
-def params_by_zero_degree(specs, shapes, mesh_shape: dict) -> dict[int, float]:
+def params_by_zero_degree(layout, mesh_shape: dict) -> dict[int, float]:
     """Psi, per device, by the number of ways ZeRO splits it (the experts' own weights:
     `data`; the rest: `data` x `expert`)."""
     out: dict[int, float] = {}
-    for s, shape in leaf_pairs(specs, shapes):
-        n = zero_degree(s.compute, mesh_shape)
-        out[n] = out.get(n, 0.0) + local_elems(shape, s.compute, mesh_shape)
+    for leaf in leaves(layout):
+        n = leaf.degree(mesh_shape)
+        out[n] = out.get(n, 0.0) + leaf.compute
     return out

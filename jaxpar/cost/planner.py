@@ -28,13 +28,12 @@ from jaxpar.errors import ConfigError
 from jaxpar.names import LAYERS
 from jaxpar.nn import attention, staging
 from jaxpar.nn.problem import loss_elements, registered
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import leaf_layout, pipeline
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.layout_checks import check_train
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 from jaxpar.parallel.sharding import plan as placement
-from jaxpar.parallel.zero import stack_dims
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -296,15 +295,15 @@ def _inside_host(per_host: int, attention: bool):
 
 
 def predict(
-    cfg: Config, mesh: dict, machine: Machine, trained, work: Workload, specs=None
+    cfg: Config, mesh: dict, machine: Machine, trained, work: Workload, leaves=None
 ) -> Candidate:
     """One layout's memory, traffic and step time, per device; `trained` is the problem
-    in the layout of its pipeline (pipeline.in_stages), `specs` its placement on `mesh`
+    in the layout of its pipeline (pipeline.in_stages), `leaves` its placement on `mesh`
     at the config's ZeRO stage where already made (placed_on)."""
     par, train = cfg.parallel, cfg.train
-    specs = specs or placed_on(trained, mesh, par.zero)
-    placed = cost.placed_state(par, train, specs, trained, mesh)
-    acts, gather = _activations_and_gathers(par, train, mesh, trained, work, specs)
+    leaves = leaves or placed_on(trained, mesh, par.zero)
+    placed = cost.placed_state(par, train, leaves, trained, mesh)
+    acts, gather = _activations_and_gathers(par, train, mesh, work, leaves)
     state = placed.device
     # the model's own count of Megatron all-reduces, per micro-batch (a stage's share)
     t, p = mesh[TENSOR], mesh[PIPE]
@@ -313,13 +312,13 @@ def predict(
     minimum = cost.minimum(
         par,
         train,
-        specs,
+        leaves,
         trained,
         mesh,
         tensor_elements if t > 1 else 0,
         experts=work.experts,
     )
-    comm = _traffic(par, train, mesh, trained, work, specs, minimum)
+    comm = _traffic(par, train, mesh, trained, work, leaves, minimum)
     comm_s = _comm_seconds(comm, mesh, machine)
     if par.offload is not Offload.NONE:  # fp32 gradients to the host, compute-dtype parameters back
         compute_bytes = cost.dtype_bytes(train.precision)
@@ -333,10 +332,10 @@ def predict(
         mesh=mesh,
         state=state,
         model_state=placed.model,
-        formula_state=cost.problem_state(par, train, specs, trained, mesh),
+        formula_state=cost.problem_state(par, train, leaves, trained, mesh),
         paper_state=sum(
             cost.paper_state(par.zero, psi, n)
-            for n, psi in cost.params_by_zero_degree(specs, trained.shapes, mesh).items()
+            for n, psi in cost.params_by_zero_degree(leaves, mesh).items()
         ),
         minimum=minimum,
         activations=acts,
@@ -353,9 +352,7 @@ def predict(
     )
 
 
-def _activations_and_gathers(
-    par: Parallel, train: Train, mesh: dict, trained, work: Workload, specs
-):
+def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Workload, leaves):
     """(the activations a device keeps for its backward pass, the bytes of ZeRO-3's
     gathered layers in flight), per device."""
     d, p, t, c = mesh[DATA], mesh[PIPE], mesh[TENSOR], mesh.get(CONTEXT, 1)
@@ -372,19 +369,13 @@ def _activations_and_gathers(
     acts = alive * layers * split.micro * kept * compute_bytes
     if par.zero != 3 or d * mesh.get(EXPERT, 1) == 1:
         return acts, 0.0
-    pairs = cost.leaf_pairs(specs, trained.shapes)
-    names = jax.tree.leaves(trained.names, is_leaf=lambda x: isinstance(x, tuple))
-    one_layer = sum(
-        cost.local_elems(shape[stack_dims(n) :], s.compute[stack_dims(n) :], mesh)
-        for (s, shape), n in zip(pairs, names, strict=True)
-        if stack_dims(n)
-    )
+    one_layer = sum(leaf.layer for leaf in leaf_layout.leaves(leaves))
     # ZeRO-3 gathers a layer whole before it runs: this one and the next in flight
     return acts, 2 * one_layer * compute_bytes
 
 
 def _traffic(
-    par: Parallel, train: Train, mesh: dict, trained, work: Workload, specs, minimum: dict
+    par: Parallel, train: Train, mesh: dict, trained, work: Workload, leaves, minimum: dict
 ) -> dict:
     """Bytes per device per step over each axis: the minimum's, the experts' exchange,
     context's, and the pipeline's hand-overs."""
@@ -395,12 +386,11 @@ def _traffic(
     return {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
-        EXPERT: cost.expert_bytes(par, train, specs, trained, mesh, work.experts),
+        EXPERT: cost.expert_bytes(par, train, leaves, trained, mesh, work.experts),
         CONTEXT: cost.context_bytes(
             par,
             train,
-            specs,
-            trained.shapes,
+            leaves,
             mesh,
             work.attention,
             False,
@@ -585,9 +575,11 @@ def plan(problem, batch, *, devices: int, device_memory: str, cfg: Config | None
 
 
 def placed_on(trained, mesh: dict, zero: int) -> dict:
-    """`trained`'s placement plan on `mesh` at ZeRO stage `zero` (jaxpar.parallel.sharding)."""
+    """`trained`'s leaves as its placement plan on `mesh` at ZeRO stage `zero` lays them out
+    (jaxpar.parallel.sharding), counted (jaxpar.parallel.leaf_layout)."""
     shapes = jax.tree.map(lambda s: s.shape, trained.shapes)
-    return placement(trained.names, shapes, zero=zero, mesh_shape=mesh)
+    specs = placement(trained.names, shapes, zero=zero, mesh_shape=mesh)
+    return leaf_layout.leaf_layout(specs, trained.shapes, trained.names, mesh, trained.scans_layers)
 
 
 def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:

@@ -28,6 +28,7 @@ from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel import context, pipeline
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, MANUAL_AXES, PIPE
 from jaxpar.parallel.batches import batch_split
+from jaxpar.parallel.leaf_layout import leaf_layout
 from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.parallel.zero import ZeroPolicy
 from jaxpar.step import pipelined, xla_flags
@@ -59,6 +60,9 @@ class Engine:
     grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
     layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
     problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
+    # params pytree of leaf_layout.Leaf: each leaf as `specs` place it on the mesh, counted
+    # once (what jaxpar.cost's formulas read)
+    leaves: Any
     # parallel.dp_sync=params: jitted, parameters -> each device's copy and its fresh
     # optimizer state (jaxpar.step.local_sgd.Local)
     spread: Any = None
@@ -89,10 +93,12 @@ def zero_policy(train: Train, par: Parallel, specs, names, frozen=frozenset()) -
     )
 
 
-def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields) -> Engine:
+def jitted(
+    mesh: Mesh, *, init, step, grads, evaluate, state_shardings, specs, problem, **fields
+) -> Engine:
     """The Engine of these functions, jitted: `init` straight into the state's shardings,
     `step` donating its state, the batch split over the batch axes; on a GPU, compiled
-    with jaxpar.step.xla_flags."""
+    with jaxpar.step.xla_flags. Its leaves counted once, as `specs` place `problem`'s."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     options = xla_flags.for_step(scope.target(mesh), mesh.size)
     return Engine(
@@ -109,6 +115,11 @@ def jitted(mesh: Mesh, *, init, step, grads, evaluate, state_shardings, **fields
         grads=jax.jit(grads, compiler_options=options),
         evaluate=jax.jit(evaluate, compiler_options=options),
         compiler_options=options,
+        specs=specs,
+        problem=problem,
+        leaves=leaf_layout(
+            specs, problem.shapes, problem.names, dict(mesh.shape), problem.scans_layers
+        ),
         **fields,
     )
 

@@ -61,12 +61,11 @@ def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:
     have = budget()
     if force or have is None:
         return
-    specs, problem = engine.specs, engine.problem
-    psi = cost.params_per_device(specs, problem.shapes, mesh_shape)
+    leaves, problem = engine.leaves, engine.problem
+    psi = cost.params_per_device(leaves)
     offloaded = par.offload is not Offload.NONE
-    state = 0 if offloaded else cost.problem_state(par, train, specs, problem, mesh_shape)
-    own = problem.trainable
-    need = state + cost.grad_bytes(own(specs), own(problem.shapes), mesh_shape)
+    state = 0 if offloaded else cost.problem_state(par, train, leaves, problem, mesh_shape)
+    need = state + cost.grad_bytes(problem.trainable(leaves))
     if need > have.bytes_per_device:
         raise ConfigError(
             f"memory: the parameters, gradients and Adam state alone need "

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.adapters.base import source as base_source
+from jaxpar.compiled.run import Run, prepare
 from jaxpar.config.sections import Checkpoint, Config, Model, OnNonfinite, Train, profile_range
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
@@ -33,7 +34,6 @@ from jaxpar.nn.problem import Problem
 from jaxpar.parallel.batches import batch_for, check_first_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import leaf_key
-from jaxpar.step.build import Run, prepare
 from jaxpar.training import checkpoint, console, metrics, rundir
 from jaxpar.training.hooks import Hook
 
