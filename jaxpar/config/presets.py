@@ -204,8 +204,9 @@ def from_dict(tree: dict, overrides: list[str] = ()) -> Config:
     return _section(Config, "", _merge(tree, parse_overrides(list(overrides))))
 
 
-def to_dict(cfg: Config) -> dict:
-    """Plain values (a choice as its text), for YAML, JSON and summary.json."""
+def to_dict(cfg) -> dict:
+    """Plain values of a Config, or of one of its sections (a choice as its text), for
+    YAML, JSON and summary.json."""
     return dataclasses.asdict(
         cfg,
         dict_factory=lambda items: {

@@ -180,7 +180,9 @@ def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> 
     held = pairs.load(cfg.data, t, cfg.model.vocab, split)
     reference = None
     if mode(cfg.dpo, cfg.adapter) is Reference.PRECOMPUTE:
-        reference = precompute.reference_logps(cfg, own, split, devices)
+        reference = precompute.reference_logps(
+            cfg.model, cfg.adapter, cfg.train, cfg.data, own, split, devices
+        )
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         return pairs.batch_at(

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar import hf
 from jaxpar.adapters import initial
 from jaxpar.config import presets
-from jaxpar.config.sections import Config, Parallel
+from jaxpar.config.sections import Adapter, Data, Model, Parallel, Train
 from jaxpar.data import pairs
 from jaxpar.data.tokens import META
 from jaxpar.errors import ConfigError
@@ -39,14 +39,17 @@ from jaxpar.parallel.sharding import named, pick, plan
 FOLDER = "reference"  # under data.path
 
 
-def reference_logps(cfg: Config, own: Problem, split: str, devices=None) -> np.ndarray:
+def reference_logps(
+    model: Model, adapter: Adapter, train: Train, data: Data, own: Problem, split: str,
+    devices=None,
+) -> np.ndarray:  # fmt: skip
     """[pairs of `split`, 2] the reference's log-probabilities (the module's docstring)."""
-    folder = Path(cfg.data.path) / FOLDER
-    key = _key(cfg)
+    folder = Path(data.path) / FOLDER
+    key = _key(model, adapter, train, data)
     path = folder / f"{key}.{split}.npy"
     if not path.is_file():
-        _compute(cfg, own, folder, key, devices)
-    count = pairs.meta_of(cfg.data)["pairs"][split]
+        _compute(model, adapter, train, data, own, folder, key, devices)
+    count = pairs.meta_of(data)["pairs"][split]
     try:
         values = np.load(path)
     except (OSError, ValueError) as e:
@@ -60,30 +63,33 @@ def reference_logps(cfg: Config, own: Problem, split: str, devices=None) -> np.n
     return values
 
 
-def _key(cfg: Config) -> str:
-    directory = hf.directory_of(cfg.model.init)
+def _key(model: Model, adapter: Adapter, train: Train, data: Data) -> str:
+    directory = hf.directory_of(model.init)
     files = []
     for d in [
         directory,
-        Path(cfg.adapter.init.removeprefix("peft:")) if cfg.adapter.init else None,
+        Path(adapter.init.removeprefix("peft:")) if adapter.init else None,
     ]:
         for f in sorted(d.iterdir()) if d and d.is_dir() else []:
             files.append([f.name, f.stat().st_size, f.stat().st_mtime_ns])
     what = {
-        "model": presets.to_dict(cfg)["model"],
-        "adapter": presets.to_dict(cfg)["adapter"],
-        "seq_len": cfg.train.seq_len,
-        "seed": cfg.train.seed,
+        "model": presets.to_dict(model),
+        "adapter": presets.to_dict(adapter),
+        "seq_len": train.seq_len,
+        "seed": train.seed,
         "files": files,
-        "data": (Path(cfg.data.path) / META).read_text(),
+        "data": (Path(data.path) / META).read_text(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None:
+def _compute(
+    model: Model, adapter: Adapter, train: Train, data: Data, own: Problem, folder: Path,
+    key: str, devices,
+) -> None:  # fmt: skip
     devices = jax.devices() if devices is None else devices
-    data, tensor = serving_layout(cfg.model, len(devices))
-    mesh = build_mesh(Parallel(data=data, tensor=tensor), devices[: data * tensor])
+    d, tensor = serving_layout(model, len(devices))
+    mesh = build_mesh(Parallel(data=d, tensor=tensor), devices[: d * tensor])
     shapes = {k: s.shape for k, s in own.shapes.items()}
     shardings = named(mesh, pick(plan(own.names, shapes, zero=0, mesh_shape=dict(mesh.shape)),
                                  "storage"))  # fmt: skip
@@ -91,9 +97,9 @@ def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None
         k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k])
         for k, s in own.shapes.items()
     }
-    fill = initial.params(cfg.model, cfg.adapter, cfg.train, own)
+    fill = initial.params(model, adapter, train, own)
     if fill is None:
-        params = jax.jit(own.init, out_shardings=shardings)(jax.random.key(cfg.train.seed))
+        params = jax.jit(own.init, out_shardings=shardings)(jax.random.key(train.seed))
     else:
         params = fill(targets)
     rows = NamedSharding(mesh, PartitionSpec(DATA))
@@ -101,17 +107,17 @@ def _compute(cfg: Config, own: Problem, folder: Path, key: str, devices) -> None
         lambda p, batch: logps(own.loss(p, batch), batch),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
     )
-    chunk = data * max(1, cfg.train.batch_size // data)
+    chunk = d * max(1, train.batch_size // d)
     scored = {}
     for split in ("train", "val"):
-        count = (pairs.meta_of(cfg.data) or {}).get("pairs", {}).get(split, 0)
+        count = (pairs.meta_of(data) or {}).get("pairs", {}).get(split, 0)
         if not count:
             continue
-        held = pairs.load(cfg.data, cfg.train, cfg.model.vocab, split)
+        held = pairs.load(data, train, model.vocab, split)
         out = []
         for first in range(0, count, chunk):
             index = np.arange(first, first + chunk) % count  # the last chunk padded
-            batch = jax.device_put(pairs.rows_of(held, index, cfg.train.seq_len), rows)
+            batch = jax.device_put(pairs.rows_of(held, index, train.seq_len), rows)
             out.append(np.asarray(score(params, batch))[: count - first])
         scored[split] = np.concatenate(out).astype(np.float32)
     if jax.process_index() == 0:
