@@ -7,6 +7,7 @@ import ast
 import importlib
 import json
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -136,6 +137,17 @@ def test_the_import_graph_has_no_cycle():
 def test_every_room_is_in_the_order():
     rooms = {room(m) for m in modules()} - {None}
     assert rooms == set(LAYERS)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml names each package a user's install needs (its list is explicit, so
+    that only `jaxpar` lands on the import path): a room left out imports from a checkout
+    and fails with ModuleNotFoundError from a wheel."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found - listed == set()
 
 
 def test_rooms_import_only_downwards():
