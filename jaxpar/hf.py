@@ -328,11 +328,23 @@ def read_params(
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
-    """One safetensors file, readable as the umask allows (safetensors itself writes
-    0600, whatever the umask)."""
+    """One safetensors file, the same bytes for the same tensors and metadata, readable
+    as the umask allows (safetensors itself writes 0600, whatever the umask).
+    safetensors keeps the metadata in a hash map, so its order in the header changes from
+    one process to the next: the header is written again with it sorted."""
     from safetensors.numpy import save_file
 
     save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        # the same entries, the same escapes: the same length (the rest is padding)
+        assert len(text) <= size, (len(text), size)
+        f.seek(8)
+        f.write(text.ljust(size))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

@@ -22,7 +22,7 @@ from jaxpar.config.sections import Config
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.sharding import SPEC_FIELDS, LeafSpecs, leaf_key
-from jaxpar.training import console
+from jaxpar.training import console, metrics
 
 PANELS = 3  # largest leaves drawn, besides the batch
 
@@ -128,8 +128,7 @@ def draw(run: Run, rows: list[dict], path: Path) -> None:
         ax.set_title(f"{title}\n{len(names)} distinct block(s)", fontsize=8)
     fig.suptitle(f"{run.report.strategy}: same colour = same block", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    metrics.save_figure(fig, path)
 
 
 def _batch_panel(run: Run, shape) -> tuple[str, tuple, PartitionSpec]:

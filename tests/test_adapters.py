@@ -278,10 +278,13 @@ def test_bad_adapter_keys_are_one_line(overrides, needles, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(tmp_path, devices):
+def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(
+    tmp_path, devices, capsys
+):
     """A QLoRA run in 3D with 1F1B saves its adapters, their optimizer state and a
     reference to its base (no base leaf); it resumes bitwise, restores into another
-    layout, refuses another base, exports merged and as PEFT, and decodes."""
+    layout, refuses another base (a restore, a PEFT export), exports merged and as PEFT,
+    and decodes."""
     import shutil
 
     import jaxpar
@@ -330,6 +333,15 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(tm
     assert cli.main(["export", str(out), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
     assert cli.main(["export", str(out), "--to", str(tmp_path / "peft"), "--format", "peft"]) == 0
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+
+    # a base that changed since: PEFT would load the adapters onto it without a word
+    saved_meta = out / "checkpoints" / "3" / "meta" / "metadata"
+    saved_meta.write_text(saved_meta.read_text().replace(meta["base"]["hash"], "0" * 16))
+    capsys.readouterr()
+    to = tmp_path / "peft-changed"
+    assert cli.main(["export", str(out), "--to", str(to), "--format", "peft"]) == 2
+    err = capsys.readouterr().err
+    assert "fingerprint 0000000000000000" in err and "--restart`)" in err and not to.exists()
 
 
 def test_a_finished_adapter_run_names_its_peft_export(tmp_path):

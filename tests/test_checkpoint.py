@@ -409,6 +409,31 @@ def test_corrupt_checkpoint_exits_2(tmp_path, capsys, devices):
     assert run_cli("train.steps=4", "--out", str(run)) == 2
     one_line_error(capsys, "metrics.jsonl:1: not a JSON row of metrics", "move the file away")
     assert rows.read_bytes() == spoilt
+    # cut inside the row of step 2, which checkpoint 2 was saved after: rows a kill
+    # cannot tear are lost, so refused, and left as it was
+    run = tmp_path / "metrics-cut"
+    shutil.copytree(tmp_path / "saved", run)
+    rows = run / "metrics.jsonl"
+    cut = rows.read_bytes()[: rows.read_bytes().index(b'{"step": 2') + 12]
+    rows.write_bytes(cut)
+    assert run_cli("train.steps=4", "--out", str(run)) == 2
+    one_line_error(capsys, "rows end at step 1", "checkpoint of step 2", "row of step 2")
+    assert rows.read_bytes() == cut
+
+
+def test_two_runs_never_share_a_checkpoint_dir(tmp_path, capsys, devices):
+    """checkpoint.dir taken by another run (its lock held here, as a live run holds it):
+    refused in one line naming the process, with nothing made."""
+    from jaxpar.training import rundir
+
+    held = rundir.lock(tmp_path / "ckpt", "checkpoint.dir")
+    try:
+        argv = [f"checkpoint.dir={tmp_path / 'ckpt'}", "--out", str(tmp_path / "b")]
+        assert run_cli(*argv) == 2
+    finally:
+        held.close()
+    one_line_error(capsys, f"checkpoint.dir={tmp_path / 'ckpt'}", f"process {os.getpid()}")
+    assert not (tmp_path / "b").exists()
 
 
 def test_checkpoint_dir_that_is_a_file_exits_2(tmp_path, capsys, devices):

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = (
     "moved",  # the last release's module paths, forwarded (it names the rooms as strings)
     "errors",  # what a user can fix: every room raises them
+    "disk",  # writes a full disk cuts short: one line, nothing half-written left
     "names",  # logical names of dims: what models and the rules table share
     "hf",  # Hugging Face files in and out: what a family record declares
     "config",

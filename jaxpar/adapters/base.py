@@ -81,7 +81,7 @@ def check(reference: dict | None, found: str, where) -> None:
             f"checkpoint {where}: its frozen base ({reference['from']}) had fingerprint "
             f"{reference['hash']}, but the base made now has {found}: the base changed since "
             "(other files, another train.seed or adapter.base); restore the base it was "
-            "trained on, or --restart"
+            "trained on (or, to train afresh on this one, `jaxpar train ... --restart`)"
         )
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar import __version__, evaluation
+from jaxpar import __version__, disk, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
@@ -489,15 +489,25 @@ def _overrides_among(args: argparse.Namespace, words: list[str], flag: str, what
 
 
 def main(argv: list[str] | None = None) -> int:
+    command = None
     try:
         args = _parse(argv)
+        command = args.command
         _check_arguments(args)
-        return HANDLERS[args.command](args)
+        return HANDLERS[command](args)
     except UserError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:
         print(f"jaxpar: stopped: {e}", file=sys.stderr)
+        return 3
+    except Exception as e:  # a full disk met by any write: one line, whatever wrote
+        if not disk.is_full(e):
+            raise
+        then = "free space, then run the same command again"
+        if command == "train":
+            then += ": it resumes from the newest whole checkpoint"
+        print(f"jaxpar: stopped: {disk.from_error(e, then)}", file=sys.stderr)
         return 3
 
 

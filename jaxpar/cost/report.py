@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxpar.disk import human_bytes  # noqa: F401 (the report's figures are printed with it)
+
 
 @dataclass(frozen=True)
 class DeviceMemory:  # device memory
@@ -132,16 +134,6 @@ class Report:
     def to_json(self) -> dict:
         """summary.json: every field, nested dataclasses as objects."""
         return dataclasses.asdict(self)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -24,6 +24,7 @@ time; the output is written as it is encoded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar import disk
 from jaxpar.data import chat, preference, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
@@ -182,20 +184,22 @@ class _Split:
         self.dtype, self.count, self.trained, self.open_document = dtype, 0, 0, False
 
     def write(self, ids: list[int], ends: bool, mask: np.ndarray | None = None) -> None:
-        """Ids of one piece; `ends`: the piece ends its document."""
+        """Ids of one piece; `ends`: the piece ends its document. (Written as bytes
+        through the file: numpy's tofile drops the OS's errno when a disk is full.)"""
         if not self.open_document:
-            np.asarray([self.count], data.INDEX_DTYPE).tofile(self.index)
-        np.asarray(ids, self.dtype).tofile(self.ids)
+            self.index.write(np.asarray([self.count], data.INDEX_DTYPE).tobytes())
+        self.ids.write(np.asarray(ids, self.dtype).tobytes())
         if self.mask is not None:
-            mask.astype(data.MASK_DTYPE).tofile(self.mask)
+            self.mask.write(mask.astype(data.MASK_DTYPE).tobytes())
             self.trained += int(mask.sum())
         self.count += len(ids)
         self.open_document = not ends
 
     def close(self) -> None:
-        for f in (self.ids, self.index, self.mask):
-            if f is not None:
-                f.close()
+        with contextlib.ExitStack() as files:  # each closed, though one fails to flush
+            for f in (self.ids, self.index, self.mask):
+                if f is not None:
+                    files.callback(f.close)
 
 
 def prepare(
@@ -217,8 +221,10 @@ def prepare(
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
+    then = "free space (or give another --out), then run the same command again"
     try:
-        meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt, max_length)
+        with disk.writing(out.parent.absolute(), f"the dataset for --out {out}", then):
+            meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt, max_length)
         os.replace(partial, out)  # over an empty --out, if one was made
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -256,8 +262,9 @@ def _prepare(
             else:
                 counts = _text(inputs, tok, eos, every, splits, bar)
     finally:
-        for split in splits.values():
-            split.close()
+        with contextlib.ExitStack() as each:
+            for split in splits.values():
+                each.callback(split.close)
     meta = {
         "vocab_size": vocab,
         "dtype": dtype.name,

@@ -13,6 +13,7 @@ of text; for conversations its end-of-turn token too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +75,8 @@ def rows(inputs: list[Path], tokenizer: Path):
 def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> dict:
     """Every prompt into out/{split}.prompts.jsonl; meta.json's `prompts` record."""
     counts, longest, chats = {"train": 0, "val": 0}, 0, 0
-    files = {s: (out / FILE.format(split=s)).open("w") for s in counts}
-    try:
+    with contextlib.ExitStack() as opened:  # each closed, though one fails to flush
+        files = {s: opened.enter_context((out / FILE.format(split=s)).open("w")) for s in counts}
         for one, size in rows(inputs, tokenizer):
             bar.update(size)
             if one is None:
@@ -85,9 +86,6 @@ def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> di
             counts[split] += 1
             longest = max(longest, len(one["ids"]))
             chats += not isinstance(one["prompt"], str)
-    finally:
-        for f in files.values():
-            f.close()
     stop = sorted(chat.stop_ids(chat.tokenizer(tokenizer), bool(chats)))
     return {"documents": sum(counts.values()), META: _record(counts, longest, stop)}
 

@@ -18,6 +18,7 @@ a pure function of (seed, step), and the step is in the state.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -36,6 +37,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jaxpar import disk
 from jaxpar.adapters import base as base_lib
 from jaxpar.config.presets import to_dict
 from jaxpar.config.sections import Config, OnNonfinite, Precision
@@ -232,6 +234,7 @@ class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3, *, create: bool = True):
         self.directory = Path(directory).absolute()
         _check_directory(self.directory, create)
+        _orbax_errors_unlogged()
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -257,17 +260,46 @@ class Checkpoints:
 
     def save(self, step: int, saved: dict, meta: dict) -> None:
         """Start saving (returns once the arrays are copied off the device; the writing
-        goes on in the background)."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardSave(saved), META: ocp.args.JsonSave(meta)}
-            ),
-            force=True,
-        )
+        goes on in the background). A full disk, met by this save or by the one before
+        it, is DiskFull's one line."""
+        self.needed = sum(x.nbytes for x in jax.tree.leaves(saved))
+        # orbax first waits for the save before, whose failure is met here
+        with self._writing(f"checkpoint {getattr(self, 'in_flight', step)}"):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{STATE: ocp.args.StandardSave(saved), META: ocp.args.JsonSave(meta)}
+                ),
+                force=True,
+            )
+        self.in_flight = step
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(f"checkpoint {getattr(self, 'in_flight', '')}"):
+            self.manager.wait_until_finished()
+
+    def complete(self) -> list[int]:
+        """The steps whose checkpoints are whole (orbax renames a step's folder to its
+        number once it is), read from the folder."""
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        done = self.complete()
+        then = (
+            f"free space (or lower checkpoint.keep, or give another checkpoint.dir), then run "
+            f"the same command again: it resumes from step {done[-1]}, the newest whole "
+            "checkpoint"
+            if done
+            else "free space, or give another checkpoint.dir, then run the same command again"
+        )
+        try:
+            with disk.writing(self.directory, what, then, getattr(self, "needed", None)):
+                yield
+        except disk.DiskFull:
+            self.failed = True  # reported once: orbax's threads say it again, unheard
+            _quiet_the_reads_in_flight()
+            raise
 
     def meta(self, step: int) -> dict:
         return self._restore(step, **{META: ocp.args.JsonRestore()})[META]
@@ -295,15 +327,25 @@ class Checkpoints:
                 f"checkpoint {self.directory / str(step)}: cannot be read ({_cause(e)}); "
                 "move it away (or use --restart) to start fresh"
             )
-        # the failed read's coroutines that were never awaited, collected here, unsaid
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
-            gc.collect()
+        _collect_orbax_leftovers()
         raise error
 
     def close(self) -> None:
+        if getattr(self, "failed", False):  # its failure is on its way out already
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            _collect_orbax_leftovers()
+            return
         self.wait()
         self.manager.close()
+
+
+def _collect_orbax_leftovers() -> None:
+    """The failed read's or write's coroutines that were never awaited, collected now,
+    unsaid (at the interpreter's exit they would each print a traceback)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+        gc.collect()
 
 
 def _first_line(e: Exception) -> str:
@@ -360,6 +402,17 @@ def _quiet_the_reads_in_flight() -> None:
     logging.getLogger("asyncio").addFilter(
         lambda record: not (record.exc_info and _echo(*record.exc_info[1:]))
     )
+
+
+def _orbax_errors_unlogged() -> None:
+    """Orbax's background threads log a failed write as ERROR lines (its words, its
+    paths, several times over) before the save or wait that meets it raises; the raise
+    is the report, so those lines are dropped."""
+    absl = logging.getLogger("absl")
+    if not any(getattr(f, "orbax_errors", False) for f in absl.filters):
+        drop = lambda r: not (r.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in r.pathname)  # noqa: E731
+        drop.orbax_errors = True
+        absl.addFilter(drop)
 
 
 def _check_directory(directory: Path, create: bool) -> None:
@@ -460,6 +513,8 @@ class Saver:
         self.latest = self.ckpts.latest if self.ckpts else None
         self.newest = self.latest  # the newest step saved (or found)
         self.base = None  # a frozen base's reference (jaxpar.adapters.base), saved in meta
+        self.rows: list[dict] = []  # the run's metrics rows so far (MetricsLog.rows)
+        self.rows_through = None  # the resumed checkpoint's: its last metrics row's step
 
     def _open(self) -> None:
         self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
@@ -482,6 +537,7 @@ class Saver:
         checkpoint's fingerprint of them)."""
         saved_meta = self.ckpts.meta(step)
         check_compatible(saved_meta, self.layout, self.where(step))
+        self.rows_through = saved_meta.get("rows_through")
         if self.layout.frozen:
             base_lib.check(saved_meta.get("base"), base_lib.of(base), self.where(step))
             self.base = saved_meta["base"]
@@ -496,6 +552,8 @@ class Saver:
         if self.ckpts is None:
             self._open()
         saved = meta(self.cfg, self.mesh, self.layout, step, self.base)
+        # the step of the last metrics row written before it: a resume finds it in the file
+        saved["rows_through"] = max((r["step"] for r in self.rows if r["step"] <= step), default=0)
         self.ckpts.save(step, self.layout.to_saved(state), saved)
         self.newest = step
 

@@ -4,6 +4,7 @@ layout, keys = parameter paths joined by '/'), readable by any program with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from jaxpar import hf
+from jaxpar import disk, hf
 from jaxpar.adapters import base, lora, peft
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Adapter, AdapterKind, Model
@@ -52,18 +53,22 @@ def export(run_dir: Path, to: Path) -> tuple[int, int]:
         raise ConfigError(
             f"--to {to}: is a directory; give a file name, e.g. {to}/model.safetensors"
         )
+    saved = {"jaxpar.step": str(meta["step"]), "jaxpar.config": json.dumps(meta["config"])}
     try:
-        hf.save_safetensors(
-            params,
-            to,
-            {
-                "jaxpar.step": str(meta["step"]),
-                "jaxpar.config": json.dumps(meta["config"]),
-            },
-        )
+        with _whole(to, params) as part:
+            hf.save_safetensors(params, part, saved)
     except OSError as e:
         raise ConfigError(f"--to {to}: cannot be written ({e.strerror})") from None
     return meta["step"], len(params)
+
+
+@contextlib.contextmanager
+def _whole(to: Path, params: dict):
+    """A path to write `to` at, renamed to it when whole; a full disk is one line."""
+    needed = sum(np.asarray(x).nbytes for x in params.values())
+    then = "free space (or give another --to), then export again"
+    with disk.writing(to.parent.absolute(), to.name, then, needed), disk.staged(to) as part:
+        yield part
 
 
 def _saved(run_dir: Path, what: str, read=run_params):
@@ -89,23 +94,26 @@ def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
             for k, v in lora.merged(registered(model, seq_len), adapter, model, params).items()
         }
     fmt = registry.hf_format(model.name, "--format hf")
-    tensors = hf.export(fmt, model, seq_len, params, Path(to))
+    with _whole(Path(to), params) as part:
+        tensors = hf.export(fmt, model, seq_len, params, part)
     return meta["step"], tensors
 
 
 def export_peft(run_dir: Path, to: Path) -> tuple[int, int]:
     """Write an adapter run's adapters as a PEFT adapter directory; returns (step,
-    tensors)."""
-    params, meta, model, adapter = _saved(  # the adapters alone: no base needed
-        run_dir, "--format peft", lambda d: checkpoint.saved_params(checkpoint_dir(d))
-    )
+    tensors). The base the adapters name is checked by the fingerprint the run saved, as
+    every reader checks it: adapters trained on other weights would load onto it without
+    a word in PEFT."""
+    params, meta, model, adapter = _saved(run_dir, "--format peft")
     if adapter.kind is not AdapterKind.LORA:
         raise ConfigError(
             f"--format peft: {run_dir} trained every weight (adapter.kind=none), and has no "
             "adapters to write; use --format hf"
         )
     base = model.init.removeprefix(hf.SCHEME)
-    return meta["step"], peft.export(adapter, model, params, Path(to), base)
+    with _whole(Path(to), params) as part:
+        tensors = peft.export(adapter, model, params, part, base)
+    return meta["step"], tensors
 
 
 def load(path: Path, problem: Problem | None = None):

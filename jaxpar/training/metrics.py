@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from jaxpar import disk
 from jaxpar.errors import ConfigError
 
 # What TensorBoard gets of each metrics row (those present in it).
@@ -47,16 +47,22 @@ class MetricsLog:
 
     `resume_at=N` keeps the complete rows of an earlier run up to step N (a torn last
     line, or rows past the checkpoint being resumed, are dropped) and appends after them;
-    TensorBoard drops the earlier events past N likewise (purge_step).
+    TensorBoard drops the earlier events past N likewise (purge_step). `through`: the
+    step of the last row the checkpoint was saved after; a file without it lost rows a
+    kill cannot tear, and is refused, untouched.
     """
 
-    def __init__(self, path: Path | None, resume_at: int = 0, events: Path | None = None):
-        self.rows: list[dict] = _rows(path, resume_at) if path and resume_at else []
-        if path:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-            os.replace(tmp, path)  # atomic: a kill leaves the old or the new file
-        self._file = path.open("a") if path else None
+    def __init__(
+        self,
+        path: Path | None,
+        resume_at: int = 0,
+        events: Path | None = None,
+        through: int | None = None,
+    ):
+        self.rows: list[dict] = _rows(path, resume_at, through) if path and resume_at else []
+        if path:  # whole: a kill or a full disk leaves the old or the new file
+            disk.write_whole(path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.path, self._file = path, path.open("a") if path else None
         self._events = None
         if events:
             self._events = _summary_writer()(
@@ -70,8 +76,9 @@ class MetricsLog:
         }
         self.rows.append(row)
         if self._file:
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+            with disk.named(self.path):
+                self._file.write(json.dumps(row) + "\n")
+                self._file.flush()
         if self._events:
             # and what the model reported (jaxpar.report: "moe/dropped", ...)
             for tag in [*TENSORBOARD_TAGS, *(k for k in row if "/" in k)]:
@@ -86,11 +93,26 @@ class MetricsLog:
             self._events.close()
 
 
-def _rows(path: Path, up_to: int) -> list[dict]:
+def _rows(path: Path, up_to: int, through: int | None = None) -> list[dict]:
     """The rows of steps up to `up_to`; a last line torn by a kill is dropped, but a
-    file whose other lines are not rows is refused, not rewritten without them."""
+    file whose other lines are not rows, or that lacks the row of step `through`, is
+    refused, not rewritten without them."""
     if not path.exists():
         return []
+    rows = _read_rows(path, up_to)
+    if through and through not in {r["step"] for r in rows}:
+        last = max((r["step"] for r in rows), default=0)
+        raise ConfigError(
+            f"{path}: its rows end at step {last}, but the checkpoint of step {up_to} was "
+            f"saved after the row of step {through}: the rows of steps {last + 1}-{through} "
+            "are missing, which a kill cannot do (it tears the last line only). The file is "
+            "left as it is; put its rows back, or move it away to resume with its rows "
+            "started afresh"
+        )
+    return rows
+
+
+def _read_rows(path: Path, up_to: int) -> list[dict]:
     rows = []
     lines = path.read_bytes().splitlines()
     for number, line in enumerate(lines, 1):
@@ -144,8 +166,7 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_strategies(results: dict[str, dict], path: Path, title: str) -> None:
@@ -181,10 +202,17 @@ def plot_strategies(results: dict[str, dict], path: Path, title: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """A figure written whole or not at all, in the format its name ends with; closed."""
+    import matplotlib.pyplot as plt
+
+    with disk.named(path), disk.staged(path) as part:
+        fig.savefig(part, format=path.suffix.lstrip("."))
     plt.close(fig)
 
 
 def write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    disk.write_whole(path, json.dumps(obj, indent=2) + "\n")

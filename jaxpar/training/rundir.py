@@ -57,11 +57,15 @@ def refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:
     """A run directory holding another run's files, from a run that kept no checkpoints,
     is not overwritten (one that did is resumed, from step 0 if none had completed)."""
     found = [name for name in RUN_FILES if out_dir and (out_dir / name).exists()]
-    if found and not (ckpt_dir and ckpt_dir.exists()):
+    if found and not (ckpt_dir and holds_more_than_its_lock(ckpt_dir)):
         raise ConfigError(
             f"--out {out_dir}: holds a run ({', '.join(found)}) with no checkpoint to "
             "resume from; use --restart to set it aside, or another --out"
         )
+
+
+def holds_more_than_its_lock(folder: Path) -> bool:
+    return folder.is_dir() and bool(set(os.listdir(folder)) - {LOCK})
 
 
 def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
@@ -76,18 +80,19 @@ def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
                 aside.mkdir(exist_ok=True)
                 os.replace(out_dir / name, aside / name)
                 moved.append(str(aside / name))
-    if ckpt_dir and ckpt_dir.exists():
+    if ckpt_dir and holds_more_than_its_lock(ckpt_dir):
         aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
         os.replace(ckpt_dir, aside)
         moved.append(str(aside))
     return moved
 
 
-def lock(out_dir: Path) -> IO:
-    """Take the run directory for this process, or ConfigError naming the process that
-    holds it. The lock is the kernel's (flock), so it goes with the process that held
-    it: a run killed by any signal leaves nothing that blocks its resume. Keep the
-    returned file open while the run writes; closing it lets the directory go."""
+def lock(out_dir: Path, flag: str = "--out") -> IO:
+    """Take the run directory (or the checkpoint directory, `flag` checkpoint.dir) for
+    this process, or ConfigError naming the process that holds it. The lock is the
+    kernel's (flock), so it goes with the process that held it: a run killed by any
+    signal leaves nothing that blocks its resume. Keep the returned file open while the
+    run writes; closing it lets the directory go."""
     out_dir.mkdir(parents=True, exist_ok=True)
     held = open(out_dir / LOCK, "a+")  # noqa: SIM115 (held open for the run)
     try:
@@ -96,9 +101,10 @@ def lock(out_dir: Path) -> IO:
         held.seek(0)
         holder = held.read().strip() or "another process"
         held.close()
+        named = f"{flag} {out_dir}" if flag.startswith("--") else f"{flag}={out_dir}"
         raise ConfigError(
-            f"--out {out_dir}: another jaxpar run (process {holder}) is writing there; wait "
-            "for it to end, stop it, or give another --out"
+            f"{named}: another jaxpar run (process {holder}) is writing there; wait for it "
+            f"to end, stop it, or give another {flag}"
         ) from None
     held.seek(0)
     held.truncate()
@@ -108,12 +114,12 @@ def lock(out_dir: Path) -> IO:
 
 
 @contextlib.contextmanager
-def writing(out_dir: Path) -> Iterator[None]:
-    """The run directory held (`lock`) while the run writes; a directory this made for a
-    run that failed before writing anything is removed again (a refused run leaves
-    nothing behind)."""
+def writing(out_dir: Path, flag: str = "--out") -> Iterator[None]:
+    """The run directory (or checkpoint directory) held (`lock`) while the run writes; a
+    directory this made for a run that failed before writing anything is removed again
+    (a refused run leaves nothing behind)."""
     made = not out_dir.exists()
-    held = lock(out_dir)
+    held = lock(out_dir, flag)
     try:
         yield
     except BaseException:

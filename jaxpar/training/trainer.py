@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from jaxpar import disk
 from jaxpar.adapters.base import source as base_source
 from jaxpar.compiled.run import Run, prepare
 from jaxpar.config.sections import Checkpoint, Config, Model, OnNonfinite, Train, profile_range
@@ -111,8 +112,9 @@ def train(
         for hook in hooks:
             if lines := hook.start(run, state, out_dir if lead else None, start):
                 say(lines)
-        log, profile = _run_files(files, run, cfg.train.profile_steps, start, say)
-        with _Stops() as stops:
+        log, profile = _run_files(files, run, cfg.train.profile_steps, saver, start, say)
+        saver.rows = log.rows
+        with _Stops() as stops, contextlib.closing(log):
             options = LoopOptions(
                 progress=progress and not quiet and lead,
                 every=cfg.checkpoint.every if ckpt_dir else 0,
@@ -123,7 +125,6 @@ def train(
                 hooks=tuple(hooks),
             )
             loop = run_loop(run, state, batches, log, start, options)
-        log.close()
         state = saver.finish(loop, start)
     _raise_a_failure(run, state, batches, loop, saver)
     report = _finish(run, loop, log.rows, files, saver, say, hooks)
@@ -148,15 +149,16 @@ def _compiled(cfg: Config, problem: Problem, mesh, batches, force: bool, peak_tf
     return run
 
 
-def _run_files(files: Path | None, run, profile_steps: str, start: int, say):
+def _run_files(files: Path | None, run, profile_steps: str, saver, start: int, say):
     """(the metrics log, the profile's folder or None): into the run directory `files`
     (None: this process writes none), with the compiled step's HLO beside them."""
     if files:
         files.mkdir(parents=True, exist_ok=True)
-        (files / rundir.HLO).write_text(run.step.hlo)
+        disk.write_whole(files / rundir.HLO, run.step.hlo)
     log = metrics.MetricsLog(
         files / rundir.METRICS if files else None,
         resume_at=start,
+        through=saver.rows_through,
         events=files / rundir.TENSORBOARD if files else None,
     )
     if files:
@@ -237,9 +239,14 @@ def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: b
     for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
         if where and lead:
             rundir.check_writable(where, flag)
+    # checkpoints of their own (checkpoint.dir): taken as well, so that two runs with
+    # different run directories never write one checkpoint folder
+    apart = lead and ckpt_dir and not (out_dir and ckpt_dir == out_dir / "checkpoints")
     with contextlib.ExitStack() as held:
         if out_dir and lead:
             held.enter_context(rundir.writing(out_dir))
+        if apart:
+            held.enter_context(rundir.writing(ckpt_dir, "checkpoint.dir"))
         if restart:
             if lead:
                 moved = rundir.set_aside(out_dir, ckpt_dir)
@@ -248,6 +255,8 @@ def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: b
                     if moved
                     else "restart: nothing to set aside"
                 )
+                if apart:  # the folder taken went aside: take the fresh one
+                    held.enter_context(rundir.writing(ckpt_dir, "checkpoint.dir"))
             if jax.process_count() > 1:  # the others must not open what process 0 moves
                 multihost_utils.sync_global_devices("jaxpar restart")
         rundir.refuse_another_run(out_dir, ckpt_dir)
@@ -371,62 +380,64 @@ def run_loop(
     cfg, opts = run.cfg.train, opts or LoopOptions()
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     loop = Loop(state, start)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress)
-    rows = _Rows(run, loop, log, bar)
-    pending = None  # (step, metrics on device) of the step in flight
-    span = profile_range(cfg) if opts.profile else None
-    tracing = False
+    # closed however the loop ends (a full disk met by a save, too), before its error prints
+    with tqdm(
+        total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress
+    ) as bar:
+        rows = _Rows(run, loop, log, bar)
+        pending = None  # (step, metrics on device) of the step in flight
+        span = profile_range(cfg) if opts.profile else None
+        tracing = False
 
-    for step in range(start, cfg.steps):
-        # a hook may hold stops to its boundaries (rollouts': where a resume rolls out)
-        boundary = all(hook.boundary(step) for hook in opts.hooks)
-        asked = opts.stops and opts.stops.asked and boundary
-        if loop.nonfinite is not None or loop.diverged or asked:
-            break
-        if working := [hook for hook in opts.hooks if hook.before_due(step)]:
-            if pending is not None:  # its step time without the hooks' work
-                rows.settle(*pending)
-                pending = None
-            try:
-                rows.extra = _before(working, loop.state, step)
-            except Stopped as e:
-                loop.failed = e
+        for step in range(start, cfg.steps):
+            # a hook may hold stops to its boundaries (rollouts': where a resume rolls out)
+            boundary = all(hook.boundary(step) for hook in opts.hooks)
+            asked = opts.stops and opts.stops.asked and boundary
+            if loop.nonfinite is not None or loop.diverged or asked:
                 break
-            rows.last = time.perf_counter()
-        if span and step + 1 == span[0]:
-            jax.profiler.start_trace(str(opts.profile))
-            tracing = True
-        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
-            batch = batch_for(batches, step, sharding, run.step.batch_shapes)
-            loop.state, step_metrics = compiled(loop.state, batch)
-        jax.monitoring.record_event(STEP_EVENT)  # for listeners: the test suite's profile
-        if tracing and step + 1 == span[1]:
-            jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
+            if working := [hook for hook in opts.hooks if hook.before_due(step)]:
+                if pending is not None:  # its step time without the hooks' work
+                    rows.settle(*pending)
+                    pending = None
+                try:
+                    rows.extra = _before(working, loop.state, step)
+                except Stopped as e:
+                    loop.failed = e
+                    break
+                rows.last = time.perf_counter()
+            if span and step + 1 == span[0]:
+                jax.profiler.start_trace(str(opts.profile))
+                tracing = True
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                batch = batch_for(batches, step, sharding, run.step.batch_shapes)
+                loop.state, step_metrics = compiled(loop.state, batch)
+            jax.monitoring.record_event(STEP_EVENT)  # for listeners: the test suite's profile
+            if tracing and step + 1 == span[1]:
+                jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
+                jax.profiler.stop_trace()
+                tracing = False
+            loop.end = step + 1
+            if pending is not None:
+                rows.settle(*pending)
+            pending = (step, step_metrics)
+            if run.check and loop.end % cfg.check_replicas_every == 0:
+                loop.diverged = run.check(loop.state)
+                if loop.diverged:
+                    continue  # (saved by checkpoint.Saver.finish, as the state it is)
+            due = [f for f in _due(opts, loop.end, cfg.eval_every) if f is not None]
+            due_save = opts.every and loop.end % opts.every == 0
+            if due or due_save:
+                # this step's metrics row (and held-out scores) is written before its checkpoint
+                # exists: a resume from it then misses no row
+                rows.settle(*pending, evaluate=_together(due) if due else None)
+                pending = None
+            if due_save:
+                opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
+                loop.saved.add(loop.end)
+        if tracing:  # stopped (a signal, a non-finite step) inside the span
             jax.profiler.stop_trace()
-            tracing = False
-        loop.end = step + 1
         if pending is not None:
             rows.settle(*pending)
-        pending = (step, step_metrics)
-        if run.check and loop.end % cfg.check_replicas_every == 0:
-            loop.diverged = run.check(loop.state)
-            if loop.diverged:
-                continue  # (saved by checkpoint.Saver.finish, as the state it is)
-        due = [f for f in _due(opts, loop.end, cfg.eval_every) if f is not None]
-        due_save = opts.every and loop.end % opts.every == 0
-        if due or due_save:
-            # this step's metrics row (and held-out scores) is written before its checkpoint
-            # exists: a resume from it then misses no row
-            rows.settle(*pending, evaluate=_together(due) if due else None)
-            pending = None
-        if due_save:
-            opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
-            loop.saved.add(loop.end)
-    if tracing:  # stopped (a signal, a non-finite step) inside the span
-        jax.profiler.stop_trace()
-    if pending is not None:
-        rows.settle(*pending)
-    bar.close()
     if loop.nonfinite is not None:  # `stop` froze the state at the last good step
         loop.end = loop.nonfinite - 1
     loop.stopped = opts.stops.asked if opts.stops and loop.end < cfg.steps else None
