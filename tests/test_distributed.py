@@ -221,3 +221,76 @@ def test_a_dead_worker_is_named_with_its_signal_and_the_checkpoint(tmp_path):
     )
     assert "resume from step" in said and str(tmp_path / "checkpoints") in said
     assert _workers(tmp_path) == {}
+
+
+def _launcher(out, steps: int = 500) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2",
+         "--cpu-devices-per-process", "4", "--", "train", "--config", "gpt-tiny",
+         "parallel.data=8", f"train.steps={steps}", "checkpoint.every=2", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie at most: its files closed), or never there."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def _until(done, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("when", ["at 0.5 s", "in compile"])
+def test_a_stop_before_the_first_step_ends_the_workers_at_once(tmp_path, when):
+    """SIGTERM to the launcher before any step (JAX's preemption notifier used to take it,
+    and the workers trained on): they exit at once, with nothing saved, and it says so."""
+    launcher = _launcher(tmp_path)
+    if when == "at 0.5 s":
+        time.sleep(0.5)
+    else:  # the workers have joined: gloo is up, and the step is compiling
+        log = tmp_path / "process-0.log"
+        _until(lambda: log.exists() and "distributed:" in log.read_text(), 120, "no join")
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGTERM, out + err
+    assert "stopped before their first step, with nothing to save; run the same" in out
+    assert "[Gloo]" not in out and "Traceback" not in out + err
+    assert not list((tmp_path / "checkpoints").glob("[0-9]*")) and _workers(tmp_path) == {}
+
+
+def test_workers_die_with_a_killed_launcher_and_a_relaunch_spares_live_logs(tmp_path):
+    """kill -9 of the launcher after its first checkpoint: no worker is left after 10 s
+    (they were reparented, and trained on); a launch onto logs a live worker still holds
+    is refused in one line naming it, the log untouched."""
+    launcher = _launcher(tmp_path)
+    _until(lambda: list((tmp_path / "checkpoints").glob("[0-9]*")), 240, "no checkpoint")
+    pids = list(_workers(tmp_path).values())
+    assert len(pids) == 2
+    launcher.kill()
+    launcher.communicate()
+    _until(lambda: all(map(_gone, pids)), 10, f"workers left: {_workers(tmp_path)}")
+
+    from jaxpar.parallel import distributed
+
+    (held,) = distributed._take_logs([tmp_path / "process-1.log"])  # as a live worker's
+    held.write(f"{distributed.HEADER} 1 of 2, pid 4242\nstep 7\n")
+    held.flush()
+    again = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli.main", "launch", "--processes", "2", "--",
+         "train", "--config", "gpt-tiny", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    held.close()
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert again.stderr.startswith("jaxpar: error: ") and again.stderr.count("\n") == 1
+    assert "process-1.log: a worker of an earlier launch" in again.stderr
+    assert "(process 1 of 2, pid 4242)" in again.stderr
+    assert (tmp_path / "process-1.log").read_text().endswith("step 7\n")

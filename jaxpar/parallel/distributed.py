@@ -10,11 +10,15 @@ process that never arrives gives an error naming how many did and which ids are 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -22,6 +26,7 @@ from pathlib import Path
 from jaxpar.errors import ConfigError, RendezvousError
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+LAUNCHER = "JAXPAR_LAUNCHER_PID"  # set by `jaxpar launch` for its workers
 
 
 def initialize(
@@ -50,12 +55,36 @@ def initialize(
     jax.distributed.initialize(
         coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 30
     )
+    _stoppable()
     if jax.process_index() == 0:
         print(
             f"jaxpar distributed: {jax.process_count()} processes, "
             f"{jax.local_device_count()} local and {jax.device_count()} global devices",
             flush=True,
         )
+
+
+def _stoppable() -> None:
+    """A worker stops as a lone process does. JAX's preemption notifier takes SIGTERM (and
+    only logs it), so a worker told to stop before its first step trained on: SIGTERM
+    kills it again until the training loop takes the signal to stop after a step and
+    save (jaxpar.training.trainer._Stops). And a worker of `jaxpar launch` dies with its
+    launcher, whatever killed it: reparented, it would train on. It dies as the launcher
+    did, at once (workers stopping on their own would each stop at their own step and
+    wait on the others' collectives); the newest whole checkpoint is where to resume."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.environ.get(LAUNCHER):  # no traceback of a forwarded Ctrl-C mid-compile
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if launcher := os.environ.get(LAUNCHER):
+        threading.Thread(target=_watch_launcher, args=(int(launcher),), daemon=True).start()
+
+
+def _watch_launcher(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(0.5)
+    print(f"jaxpar: the launcher (process {launcher}) is gone: exiting with it", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _accelerator() -> bool:
@@ -128,7 +157,7 @@ def free_port() -> int:
             continue
 
 
-GRACE_S = 300  # after a stop is forwarded, how long the workers get to save and exit
+GRACE_S = 60  # after a stop is forwarded, the least time the workers get to save and exit
 
 
 def _how(code: int) -> str:
@@ -143,15 +172,16 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def latest_checkpoint(ckpt_dir: Path | None) -> str:
-    """Where a stopped job resumes from, in words (the newest complete step's folder)."""
+def latest_checkpoint(ckpt_dir: Path | None, none: str = "") -> str:
+    """Where a stopped job resumes from, in words (the newest complete step's folder);
+    `none`: the words where there is no checkpoint."""
     steps = sorted(
         int(p.name)
         for p in (ckpt_dir.iterdir() if ckpt_dir and ckpt_dir.is_dir() else ())
         if p.name.isdigit()
     )
     if not steps:
-        return "no checkpoint to resume from (set checkpoint.every to keep them)"
+        return none or "no checkpoint to resume from (set checkpoint.every to keep them)"
     return f"resume from step {steps[-1]} in {ckpt_dir} by running the same command again"
 
 
@@ -177,8 +207,9 @@ def launch(
         else [sys.executable, "-P", "-m", "jaxpar.cli.main", *argv]
     )
     paths = [log_dir / f"process-{i}.log" for i in range(processes)]
+    logs = _take_logs(paths)
     procs = []
-    for i, path in enumerate(paths):
+    for i, log in enumerate(logs):
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -187,9 +218,10 @@ def launch(
             ENV[0]: coordinator,
             ENV[1]: str(processes),
             ENV[2]: str(i),
+            LAUNCHER: str(os.getpid()),
             **_this_jaxpar(),
         }
-        with path.open("w") as log:
+        with log:  # the worker holds it (and its lock) from here
             # a session of its own: a Ctrl-C at the terminal reaches the launcher alone,
             # which forwards it once (a second would make the workers exit unsaved)
             procs.append(
@@ -197,6 +229,7 @@ def launch(
                     command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
             )
+            log.write(f"{HEADER} {i} of {processes}, pid {procs[-1].pid}\n")
     stopping: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -217,6 +250,32 @@ def launch(
             signal.signal(sig, handler)
 
 
+HEADER = "jaxpar launch: process"  # each log's first line: which worker writes it
+
+
+def _take_logs(paths: list[Path]) -> list:
+    """Each worker's log, opened for it and locked (flock, which the worker inherits and
+    holds while it lives), then emptied: never a log that a live worker of an earlier
+    launch still writes (its launcher killed), which is refused naming that worker."""
+    taken = []
+    for path in paths:
+        log = path.open("a+")  # noqa: SIM115 (handed to the worker)
+        try:
+            fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.seek(0)
+            holder = log.readline().strip().removeprefix(HEADER).strip() or "a process"
+            for f in [*taken, log]:
+                f.close()
+            raise ConfigError(
+                f"{path}: a worker of an earlier launch still writes it (process {holder}); "
+                "stop it (or wait for it to end), then launch again"
+            ) from None
+        log.truncate(0)
+        taken.append(log)
+    return taken
+
+
 def _this_jaxpar() -> dict:
     """The environment that makes a worker import the `jaxpar` this launcher runs: its
     folder first on PYTHONPATH, unless it is where the interpreter finds packages anyway
@@ -232,55 +291,111 @@ def _this_jaxpar() -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
+class _Echo:
+    """Process 0's log, streamed to this console as it grows: whole lines, without the
+    log's first line (which worker writes it) nor gloo's connection chatter."""
+
+    NOISE = (HEADER, "[Gloo]")
+
+    def __init__(self, path: Path):
+        self.file, self.partial = path.open(), ""
+
+    def pump(self) -> None:
+        *lines, self.partial = (self.partial + self.file.read()).split("\n")
+        kept = [line + "\n" for line in lines if not line.startswith(self.NOISE)]
+        sys.stdout.write("".join(kept))
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.pump()
+        sys.stdout.write(self.partial)
+        self.file.close()
+
+
 def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None) -> int:
-    with paths[0].open() as first:
+    echo = _Echo(paths[0])
+    try:
         while True:
-            sys.stdout.write(first.read())
-            sys.stdout.flush()
+            echo.pump()
             codes = [p.poll() for p in procs]
             if stopping:
-                return _wait_stopped(procs, first, signal.Signals(stopping[0]).name, ckpt_dir)
+                grace = grace_s(ckpt_dir, paths[0].parent / "metrics.jsonl")
+                return _wait_stopped(procs, echo, signal.Signals(stopping[0]), ckpt_dir, grace)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # the cause, not a casualty: a worker whose peer died aborts in gloo
-                # (SIGABRT), and may be seen dead in the same poll as the one that died
-                i = min(failed, key=lambda i: codes[i] == -signal.SIGABRT)
-                running = [p for p in procs if p.poll() is None]
-                for p in running:
-                    p.kill()
-                for p in running:
-                    p.wait()
-                tail = deque(paths[i].read_text().splitlines(), 12)
-                print(
-                    f"jaxpar launch: process {i} of {len(procs)} {_how(codes[i])}; stopped the "
-                    f"other {len(running)}; {latest_checkpoint(ckpt_dir)}. Its log is "
-                    f"{paths[i]}; its last lines:",
-                    *tail,
-                    sep="\n",
-                    file=sys.stderr,
-                )
-                return _status(codes[i])
+                return _failed(procs, paths, codes, failed, ckpt_dir)
             if all(c == 0 for c in codes):
-                sys.stdout.write(first.read())
                 return 0
             time.sleep(0.1)
+    finally:
+        echo.close()
 
 
-def _wait_stopped(procs, first, name: str, ckpt_dir: Path | None) -> int:
-    """After a forwarded stop: the workers' exit, within GRACE_S (then they are killed)."""
-    print(f"\njaxpar launch: {name} sent to {len(procs)} processes; waiting for them to save")
-    deadline = time.monotonic() + GRACE_S
+def _failed(procs, paths: list[Path], codes: list, failed: list[int], ckpt_dir) -> int:
+    """The first worker to fail named, the others stopped; its exit status."""
+    # the cause, not a casualty: a worker whose peer died aborts in gloo (SIGABRT), and may
+    # be seen dead in the same poll as the one that died
+    i = min(failed, key=lambda i: codes[i] == -signal.SIGABRT)
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.kill()
+    for p in running:
+        p.wait()
+    lines = paths[i].read_text().splitlines()
+    tail = deque((line for line in lines if not line.startswith(_Echo.NOISE)), 12)
+    print(
+        f"jaxpar launch: process {i} of {len(procs)} {_how(codes[i])}; stopped the "
+        f"other {len(running)}; {latest_checkpoint(ckpt_dir)}. Its log is "
+        f"{paths[i]}; its last lines:",
+        *tail,
+        sep="\n",
+        file=sys.stderr,
+    )
+    return _status(codes[i])
+
+
+def grace_s(ckpt_dir: Path | None, metrics: Path) -> float:
+    """How long workers get, after a forwarded stop, to finish the step in flight, save
+    and exit: GRACE_S more than three times the longest step (metrics.jsonl) and the
+    longest save (orbax's timestamps in each checkpoint) measured so far."""
+    saves = [0.0]
+    for found in ckpt_dir.glob("*/_CHECKPOINT_METADATA") if ckpt_dir else ():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            told = json.loads(found.read_text())
+            saves.append((told["commit_timestamp_nsecs"] - told["init_timestamp_nsecs"]) / 1e9)
+    steps = [0.0]
+    with contextlib.suppress(OSError):
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                steps.append(float(json.loads(line).get("step_time_s") or 0))
+    return GRACE_S + 3 * (max(steps) + max(saves))
+
+
+def _wait_stopped(procs, echo: _Echo, sig: signal.Signals, ckpt_dir, grace: float) -> int:
+    """After a forwarded stop: the workers' exit, within `grace` s (then they are killed).
+    Workers that had not begun training die of the signal itself, saving nothing."""
+    print(
+        f"\njaxpar launch: {sig.name} sent to {len(procs)} processes; waiting up to "
+        f"{grace:.0f} s for them to save"
+    )
+    deadline = time.monotonic() + grace
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        sys.stdout.write(first.read())
+        echo.pump()
         time.sleep(0.1)
-    sys.stdout.write(first.read())
     codes = [p.poll() for p in procs]
+    if all(c == -sig for c in codes):
+        print(
+            f"jaxpar launch: the {len(procs)} processes stopped before their first step, "
+            f"with nothing to save; "
+            + latest_checkpoint(ckpt_dir, "run the same command again to start the run")
+        )
+        return _status(-sig)
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     if not bad:
         print(f"jaxpar launch: all {len(procs)} processes saved and exited; "
               f"{latest_checkpoint(ckpt_dir)}")  # fmt: skip
         return 0
     i, code = bad[0]
-    how = f"did not exit within {GRACE_S} s" if code is None else _how(code)
-    print(f"jaxpar launch: after {name}, process {i} {how}", file=sys.stderr)
+    how = f"did not exit within {grace:.0f} s" if code is None else _how(code)
+    print(f"jaxpar launch: after {sig.name}, process {i} {how}", file=sys.stderr)
     return 1 if code is None else _status(code)
