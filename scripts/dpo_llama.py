@@ -72,6 +72,7 @@ def main() -> None:
     from jaxpar.config.sections import AdapterKind
     from jaxpar.data.prepare import prepare
     from jaxpar.models import LlamaConfig
+    from jaxpar.training import metrics
 
     tokens = args.pairs / "tokens"
     if not (tokens / "meta.json").is_file():
@@ -97,8 +98,9 @@ def main() -> None:
         data=jaxpar.Data(source="tokens", path=str(tokens)),
         adapter=adapter,
     )
-    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)
-    accuracy = [row["rewards/accuracies"] for row in result.rows]
+    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)  # None: done
+    rows = result.rows if result else metrics.saved_rows(args.out / "metrics.jsonl")
+    accuracy = [row["rewards/accuracies"] for row in rows]
     fifth = max(1, len(accuracy) // 5)
     print(
         "rewards/accuracies, the mean of each fifth of the run: "
@@ -106,7 +108,7 @@ def main() -> None:
             f"{sum(accuracy[i : i + fifth]) / fifth:.2f}" for i in range(0, len(accuracy), fifth)
         )
     )
-    last = result.rows[-1]
+    last = rows[-1]
     print(f"held-out: loss {last['eval_loss']:.3f}, accuracy {last['eval_rewards/accuracies']:.2f}")
     question = "What is 12 plus 30?"
     print(f"{question!r} ->", flush=True)

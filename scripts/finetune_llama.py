@@ -100,6 +100,7 @@ def main() -> None:
     from jaxpar.cost import planner
     from jaxpar.models import LlamaConfig
     from jaxpar.nn.problem import registered
+    from jaxpar.training import metrics
     from jaxpar.training.export import export_hf, export_peft
 
     adapter = jaxpar.Adapter()
@@ -132,15 +133,14 @@ def main() -> None:
     best = plan.ranked[0]
     if jax.process_index() == 0:
         print(f"plan: {best.label()} ({plan.rule()})")
-    result = recipe.train_config(best.cfg, out_dir=args.out)
+    result = recipe.train_config(best.cfg, out_dir=args.out)  # None: trained already
     if jax.process_index() == 0:
         steps, tensors = export_hf(args.out, args.out / "hf")
-        held_out = result.report.eval_loss
-        held_out = "" if held_out is None else f", held-out {held_out:.3f}"
-        print(
-            f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{held_out}; "
-            f"step {steps} exported"
-        )
+        rows = result.rows if result else metrics.saved_rows(args.out / "metrics.jsonl")
+        losses = [r["loss"] for r in rows if r.get("loss") is not None]
+        held_out = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+        held_out = f", held-out {held_out[-1]:.3f}" if held_out else ""
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{held_out}; step {steps} exported")
         print(f"transformers: LlamaForCausalLM.from_pretrained('{args.out / 'hf'}')")
         if args.lora:
             export_peft(args.out, args.out / "peft")

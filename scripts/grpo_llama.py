@@ -72,6 +72,7 @@ def main() -> None:
     from jaxpar.config import presets
     from jaxpar.data.prepare import prepare
     from jaxpar.models import LlamaConfig
+    from jaxpar.training import metrics
 
     prepared = args.prompts / "tokens"
     if not (prepared / "meta.json").is_file():
@@ -100,8 +101,9 @@ def main() -> None:
         ),
         data=jaxpar.Data(source="tokens", path=str(prepared)),
     )
-    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)
-    rolled = [row for row in result.rows if "reward" in row]
+    result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)  # None: done
+    rows = result.rows if result else metrics.saved_rows(args.out / "metrics.jsonl")
+    rolled = [row for row in rows if "reward" in row]
     fifth = max(1, len(rolled) // 5)
     for name in ["reward", *(k for k in rolled[0] if k.startswith("rewards/"))]:
         values = [row[name] for row in rolled]

@@ -57,6 +57,9 @@ def main() -> None:
         help="where to write the text the tokenizer was trained on (a file this writes)",
     )
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the random weights: a rerun writes the same base"
+    )
     args = parser.parse_args()
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,6 +81,9 @@ def main() -> None:
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
+    import torch
+
+    torch.manual_seed(args.seed)
     LlamaForCausalLM(config).save_pretrained(args.out)
     save_tokenizer(args.out, text, args.vocab)
     made = "LlamaForCausalLM, a tokenizer with a chat template"

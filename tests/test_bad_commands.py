@@ -180,8 +180,9 @@ def test_a_killed_prepare_data_leaves_no_out_and_an_incomplete_one_is_named(
     tokenizer, tmp_path, capsys
 ):
     """A kill -9 half way leaves the partial folder beside --out, never --out: the next
-    run clears it and prepares. A folder holding ids but no meta.json (as an older
-    jaxpar left one) is named incomplete, not a prepared dataset."""
+    run clears it and prepares; the same command again finds it, and another request is
+    refused. A folder holding ids but no meta.json (as an older jaxpar left one) is named
+    incomplete, not a prepared dataset."""
     (tmp_path / "in.txt").write_text("some text to prepare\n\nand a second paragraph\n")
     out = tmp_path / "out"
     partial = tmp_path / ".out.partial"
@@ -190,7 +191,10 @@ def test_a_killed_prepare_data_leaves_no_out_and_an_incomplete_one_is_named(
     argv = ["prepare-data", str(tmp_path / "in.txt"), "--tokenizer", str(tokenizer)]
     assert cli.main([*argv, "--out", str(out)]) == 0
     assert (out / data.META).is_file() and not partial.exists()
-    refused([*argv, "--out", str(out)], capsys, "holds a prepared dataset already")
+    capsys.readouterr()  # the same request again finds its dataset: said, exit 0
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"prepared already {out}: ")
+    refused([*argv, "--out", str(out), "--val-fraction", "0.5"], capsys, "from other inputs")
     old = tmp_path / "old"
     old.mkdir()
     (old / "train.bin").write_bytes(b"\0\0")

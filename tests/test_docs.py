@@ -85,7 +85,8 @@ def _paste(command: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_walk_through_and_the_tour_run_as_written(tmp_path):
     """The fine-tuning walk-through, then the README's tour, in one fresh folder: every
-    command as a user pastes it (the install lines aside: this is the test's venv)."""
+    command as a user pastes it (the install lines aside: this is the test's venv); then
+    the walk-through's base, data and adapter run again, each finding what it made."""
     pasted = [
         *commands(ROOT / "docs" / "fine-tuning.md"),
         *commands(ROOT / "README.md"),
@@ -108,3 +109,13 @@ def test_the_walk_through_and_the_tour_run_as_written(tmp_path):
     assert (runs / "ft-chat" / "hf" / "model.safetensors").is_file()
     assert (runs / "ft-lora" / "peft" / "adapter_model.safetensors").is_file()
     assert (runs / "tour" / "model.safetensors").is_file()
+    # the walk-through again, as a reader who comes back (or follows a page that repeats
+    # it): the base made again is the same (seeded), so the adapter run's fingerprint
+    # holds; the data is found prepared, and the finished run says what it has
+    again = [c for c in pasted if "make_tiny_llama" in c or "prepare-data" in c or "--lora" in c]
+    for command in again[:3]:
+        done = _paste(command, tmp_path)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        said[command] = done.stdout
+    assert "prepared already runs/tokens: " in said[again[1]]
+    assert "already at step 30" in said[again[2]] and "step 30 exported" in said[again[2]]

@@ -314,6 +314,9 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     ("make", "needle"),
     [
         (lambda t, c: ["generate", str(t), "--prompt", "x"], "no checkpoints there"),
+        (lambda t, c: ["generate", str(t / "nope"), "--prompt", "x"], "nope: no such folder"),
+        (lambda t, c: [f"hf:{c}", "train.seed=1"], "train.seed does not apply to decoding"),
+        (lambda t, c: [f"hf:{c}", "dpo.beta=0.5"], "dpo.beta does not apply to decoding"),
         (lambda t, c: [f"hf:{c}", "parallel.tensor=abc"], "parallel.tensor='abc': expected int"),
         (lambda t, c: [f"hf:{c}", "--temperature", "-1"], "--temperature -1.0: give 0"),
         (lambda t, c: [f"hf:{c}", "--top-p", "1.5"], "--top-p 1.5: give a share"),

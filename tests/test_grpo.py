@@ -324,7 +324,10 @@ def test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise(iterations, fold
     "more, needle",
     [
         (("grpo.reward=/nowhere/r.py:f",), "no such file"),
-        (("grpo.reward=jaxpar.objectives.rewards:nope",), "has no function nope"),
+        (
+            ("grpo.reward=jaxpar.objectives.rewards:nope",),
+            "has no function nope; its reward functions are exact_answer, format_reward",
+        ),
         (("grpo.reward=",), "grpo.reward is empty"),
         (("grpo.reward_weights=1,2,3",), "give 2 finite numbers"),
         (("grpo.group=1",), "grpo.group=1"),

@@ -201,7 +201,7 @@ def test_a_second_prepare_into_the_same_folder_is_refused(prepared, tokenizer, c
         str(prepared),
     ]
     assert cli.main(argv) == 2
-    assert "holds a prepared dataset already" in capsys.readouterr().err
+    assert "holds a dataset prepared from other inputs" in capsys.readouterr().err
 
 
 def _peak_train(

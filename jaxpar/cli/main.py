@@ -511,20 +511,31 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def _decoding_keys(command: str, overrides: list[str]) -> None:
+    """The overrides' keys and values checked, and each one that decoding reads: the
+    layout (parallel.*) and the model (model.*, an hf:DIR's dims); a training key would
+    be taken and ignored."""
+    load(overrides=overrides)
+    for override in overrides:
+        key = override.partition("=")[0]
+        if not key.startswith(("parallel.", "model.")):
+            raise ConfigError(
+                f"{command}: {override}: {key} does not apply to decoding, which takes "
+                "parallel.* (its layout) and model.* (an hf:DIR's dims); drop it"
+            )
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from jaxpar.evaluation import sources
     from jaxpar.generation import prompts
     from jaxpar.generation.decoding import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
-    if not args.source.startswith("hf:") and not (Path(args.source) / "checkpoints").is_dir():
-        raise ConfigError(
-            f"generate: {args.source}: no checkpoints there; give a run directory that "
-            "`jaxpar train` wrote (with checkpoint.final, the default), or hf:DIR"
-        )
+    sources.check(args.source, "generate")
     request = prompts.read(args)
-    load(overrides=args.overrides)  # the overrides' keys and values, checked
+    _decoding_keys("generate", args.overrides)
     # one CPU device unless asked for more: simulated devices share the cores, and a
     # process of 8 decodes 1.4x slower a step on one of them (docs/generation.md)
     _setup_devices(args.cpu_devices, default=1)
@@ -562,7 +573,7 @@ def _eval(args: argparse.Namespace) -> int:
     sources.check(args.source)
     out = args.out or sources.results_folder(args.source)
     rundir.check_writable(out, "--out" if args.out else "eval: results folder")
-    load(overrides=args.overrides)  # the overrides' keys and values, checked
+    _decoding_keys("eval", args.overrides)
     chosen = tasks.resolve(args.tasks)
     _setup_devices(args.cpu_devices, default=1)  # one device unless asked, as generate
     lm = report.model(args.source, args.tokenizer, args.overrides, args.step, args.batch_size)
@@ -641,21 +652,21 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from jaxpar.data.prepare import prepare
+    from jaxpar.data.prepare import prepare, prepared
 
-    meta = prepare(
-        args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
-    )
+    request = (args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
+    wrote = "prepared already" if prepared(*request, args.max_length) else "wrote"
+    meta = prepare(*request, args.max_length)
     trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
     if asked := meta.get("prompts"):
         print(
-            f"wrote {args.out}: {asked['prompts']['train']:,} training and "
+            f"{wrote} {args.out}: {asked['prompts']['train']:,} training and "
             f"{asked['prompts']['val']:,} held-out prompts (the longest "
             f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
         )
         return 0
     print(
-        f"wrote {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
+        f"{wrote} {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
         f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
         f"{meta['documents']:,} documents"
         + ("" if trained is None else f"; {trained:,} training tokens are answers")

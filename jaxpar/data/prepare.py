@@ -56,7 +56,9 @@ def check(
     max_length: int = MAX_LENGTH,
 ) -> None:
     """Every path and number, before anything is read (val_fraction None: the format's
-    VAL_FRACTION)."""
+    VAL_FRACTION); nothing to check where the same request was prepared already."""
+    if prepared(inputs, tokenizer, out, val_fraction, fmt, max_length) is not None:
+        return
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     for path in inputs:
         chat.input_file(path, "prepare-data")
@@ -76,7 +78,10 @@ def check(
     for path in (p for p in inputs if p.suffix == ".parquet"):
         _check_parquet(path)
     if (out / data.META).exists():
-        raise ConfigError(f"--out {out}: holds a prepared dataset already; give another --out")
+        raise ConfigError(
+            f"--out {out}: holds a dataset prepared from other inputs, tokenizer or flags; "
+            "give another --out (the same command again finds its own dataset there)"
+        )
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(
             f"--out {out}: is not empty, and holds no complete dataset (no {data.META}: an "
@@ -170,7 +175,10 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
 
 def _text_of(row, where: str) -> str:
     if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-        raise ConfigError(f"prepare-data: {where}: no string field `text`")
+        kinds = {"messages": "chat", "chosen": "preference", "prompt": "prompts"}
+        held = [k for k in kinds if isinstance(row, dict) and k in row]
+        hint = f"; a row with `{held[0]}` is --format {kinds[held[0]]}" if held else ""
+        raise ConfigError(f"prepare-data: {where}: no string field `text`{hint}")
     return row["text"]
 
 
@@ -213,7 +221,10 @@ def prepare(
     """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
     JSONL `text` or Parquet documents), chat (JSONL conversations, with a loss mask) or
     preference (JSONL pairs, each answer's sequence at most `max_length` ids);
-    `val_fraction` None: the format's VAL_FRACTION."""
+    `val_fraction` None: the format's VAL_FRACTION. The same request again finds its
+    dataset there and returns its meta (a walk-through run twice)."""
+    if (done := prepared(inputs, tokenizer, out, val_fraction, fmt, max_length)) is not None:
+        return done
     check(inputs, tokenizer, out, val_fraction, fmt, max_length)
     # written whole into a folder beside --out, renamed into place once complete: a
     # refused or killed run leaves no --out that blocks its retry (the next one clears
@@ -230,6 +241,29 @@ def prepare(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return meta
+
+
+def _request(inputs, tokenizer: Path, val_fraction, fmt: str, max_length: int) -> dict:
+    """What makes a dataset: meta.json's record of it, compared by `prepared`."""
+    return {
+        "inputs": [str(p) for p in inputs],
+        "input_bytes": [p.stat().st_size if p.is_file() else None for p in inputs],
+        "tokenizer": str(tokenizer.absolute()),
+        "format": fmt,
+        "val_fraction": VAL_FRACTION[fmt] if val_fraction is None else val_fraction,
+        "max_length": max_length,
+    }
+
+
+def prepared(inputs, tokenizer: Path, out: Path, val_fraction, fmt: str, max_length: int):
+    """The meta of the dataset in `out` if it was prepared by this same request (the same
+    inputs, of the same sizes, tokenizer and flags), else None."""
+    try:
+        meta = json.loads((out / data.META).read_text())
+    except (OSError, ValueError):
+        return None
+    asked = _request(inputs, tokenizer, val_fraction, fmt, max_length)
+    return meta if all(meta.get(k) == v for k, v in asked.items()) else None
 
 
 def _prepare(
@@ -272,9 +306,7 @@ def _prepare(
         "val_tokens": splits["val"].count if splits else 0,
         **counts,
         "end_of_text_id": eos,
-        "tokenizer": str(tokenizer.absolute()),
-        "inputs": [str(p) for p in inputs],
-        "format": fmt,
+        **_request(inputs, tokenizer, val_fraction, fmt, max_length),
     }
     if splits:
         meta[data.INDEX_META] = {

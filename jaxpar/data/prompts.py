@@ -139,9 +139,12 @@ def load(data_: Data, vocab: int, split: str = "train") -> Prompts:
     """The prompts of `split`; ConfigError where data.path holds none."""
     meta = meta_of(data_)
     if meta is None:
+        missing = data_.path and not Path(data_.path).is_dir()
         raise ConfigError(
             f"train.objective=grpo: data.path={data_.path or '(none)'} (data.source="
-            f"{data_.source}) holds no prompts; prepare them with `jaxpar prepare-data "
+            f"{data_.source}) "
+            + ("is no folder: no such path" if missing else "holds no prompts")
+            + "; prepare them with `jaxpar prepare-data "
             "FILE.jsonl --format prompts --tokenizer DIR --out DIR`, and give "
             "data.source=tokens data.path=THAT_FOLDER"
         )

@@ -14,5 +14,6 @@ def check_installed(what: str) -> None:
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError(
             f"{what} needs lm-eval (EleutherAI's lm-evaluation-harness), which is not "
-            "installed; pip install 'jaxpar[eval]'"
+            "installed; from a checkout, as the README installs jaxpar: .venv/bin/pip install "
+            "-e '.[eval]' (else pip install 'jaxpar[eval]')"
         )

@@ -12,14 +12,17 @@ from jaxpar.evaluation.text import Text
 from jaxpar.generation import decoding
 
 
-def check(source: str) -> None:
-    """The source's folder, before jax starts."""
+def check(source: str, command: str = "eval") -> None:
+    """The source's folder, before jax starts (for `command`: eval or generate)."""
+    wanted = "give a run directory that `jaxpar train` wrote"
     if source.startswith(hf.SCHEME):
         hf.directory_of(source)
+    elif not Path(source).is_dir():
+        raise ConfigError(f"{command}: {source}: no such folder; {wanted}, or hf:DIR")
     elif not (Path(source) / "checkpoints").is_dir():
         raise ConfigError(
-            f"eval: {source}: no checkpoints there; give a run directory that `jaxpar "
-            "train` wrote (with checkpoint.final, the default), or hf:DIR"
+            f"{command}: {source}: no checkpoints there; {wanted} (with checkpoint.final, the "
+            "default), or hf:DIR"
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -121,12 +122,25 @@ def _function(name: str) -> Callable:
             ) from None
     function = getattr(module, attr, None)
     if not callable(function):
-        found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        found = [k for k, v in vars(module).items() if _rewards_like(v, module)]
         raise ConfigError(
             f"grpo.reward={name}: {where} has no function {attr}"
-            + (f"; it has {', '.join(sorted(found)[:6])}" if found else "")
+            + (
+                f"; its reward functions are {', '.join(sorted(found)[:6])}"
+                if found
+                else " (nor any of TRL's signature, f(prompts, completions, **fields))"
+            )
         )
     return function
+
+
+def _rewards_like(value, module) -> bool:
+    """A function of `module`'s own (not one it imports) with TRL's reward signature."""
+    if not inspect.isfunction(value) or value.__module__ != module.__name__:
+        return False
+    kinds = [p.kind for p in inspect.signature(value).parameters.values()]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(k in positional for k in kinds) >= 2 and inspect.Parameter.VAR_KEYWORD in kinds
 
 
 def _one(e: BaseException) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -144,17 +145,34 @@ def rendezvous(coordinator: str, n: int, me: int, timeout_s: float) -> None:
 
 
 def free_port() -> int:
-    """A port free now on localhost, whose successor (the rendezvous) is free too."""
+    """A port free now on localhost, whose successor (the rendezvous) is free too: drawn
+    below the kernel's range of ephemeral ports, which its outgoing connections (gloo's
+    many, other jobs') take from, so that none takes it before the job binds it."""
+    low, _ = _ephemeral_ports()
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # (a kernel whose ephemeral range starts low leaves no room below it: any port)
+        port = random.randrange(low - 12_000, low - 1) if low > 13_024 else _any_port()
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
             return port
         except OSError:
             continue
+
+
+def _any_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 GRACE_S = 60  # after a stop is forwarded, the least time the workers get to save and exit

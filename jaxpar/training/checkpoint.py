@@ -327,6 +327,12 @@ class Checkpoints:
                 f"checkpoint {self.directory / str(step)}: cannot be read ({_cause(e)}); "
                 "move it away (or use --restart) to start fresh"
             )
+            if not (self.directory / str(step)).exists():  # rotated away as it was read
+                error = CheckpointError(
+                    f"checkpoint {self.directory / str(step)}: was removed while it was read "
+                    "(a run still writing there keeps its newest checkpoint.keep); run the "
+                    "command again to read the newest"
+                )
         _collect_orbax_leftovers()
         raise error
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 from jaxpar.config import registry
@@ -158,16 +160,31 @@ def next_steps(out: Path, model_name: str, adapter: Adapter, data: Data) -> list
     exported (and as a Hugging Face checkpoint, for a model that has the format; an
     adapter run's adapters as PEFT's), and, for a model that decodes, `jaxpar generate`
     and `jaxpar eval` with the tokenizer its data was made by."""
-    spec = registry.get(model_name)
-    steps = [f"jaxpar export {out} --to {out / 'model.safetensors'}"]
+    spec, jaxpar = registry.get(model_name), typed()
+    steps = [f"{jaxpar} export {out} --to {out / 'model.safetensors'}"]
     if spec.hf is not None:
-        steps.append(f"jaxpar export {out} --to {out / 'hf'} --format hf")
+        steps.append(f"{jaxpar} export {out} --to {out / 'hf'} --format hf")
     if adapter.kind is AdapterKind.LORA:
-        steps.append(f"jaxpar export {out} --to {out / 'peft'} --format peft")
+        steps.append(f"{jaxpar} export {out} --to {out / 'peft'} --format peft")
     if spec.cache_dims is not None:
         made_by = tokenizer_of(data)
         tokenizer = made_by or "TOKENIZER_DIR"
-        steps.append(f'jaxpar generate {out} --tokenizer {tokenizer} --prompt "Hello"')
+        steps.append(f'{jaxpar} generate {out} --tokenizer {tokenizer} --prompt "Hello"')
         given = "" if made_by else f" --tokenizer {tokenizer}"
-        steps.append(f"jaxpar eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen")
+        steps.append(
+            f"{jaxpar} eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen"
+        )
     return steps
+
+
+def typed() -> str:
+    """`jaxpar` as this shell runs this one: the bare name where PATH finds it, else its
+    path (the venv's `.venv/bin/jaxpar`, as the README runs it, venv not activated)."""
+    mine = Path(sys.executable).with_name("jaxpar")
+    found = shutil.which("jaxpar")
+    if not mine.exists() or (found and Path(found).absolute() == mine.absolute()):
+        return "jaxpar"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)

@@ -112,6 +112,12 @@ def _rows(path: Path, up_to: int, through: int | None = None) -> list[dict]:
     return rows
 
 
+def saved_rows(path: Path) -> list[dict]:
+    """The rows a run wrote to `path` (its metrics.jsonl): what a finished run reports
+    when it is asked to train again (a torn last line dropped)."""
+    return _read_rows(path, up_to=1 << 62) if path.exists() else []
+
+
 def _read_rows(path: Path, up_to: int) -> list[dict]:
     rows = []
     lines = path.read_bytes().splitlines()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import signal
@@ -161,7 +162,7 @@ def _run_files(files: Path | None, run, profile_steps: str, saver, start: int, s
         through=saver.rows_through,
         events=files / rundir.TENSORBOARD if files else None,
     )
-    if files:
+    if files and importlib.util.find_spec("tensorboard") is not None:  # where it can be run
         say(f"tensorboard --logdir {files}")
     profile = files / rundir.PROFILE if files and profile_steps else None
     if profile:
