@@ -345,13 +345,14 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(
 
 
 def test_a_finished_adapter_run_names_its_peft_export(tmp_path):
-    from jaxpar.training.console import next_steps
+    from jaxpar.training.console import next_steps, typed
 
     def steps(cfg):
         return next_steps(tmp_path, cfg.model.name, cfg.adapter, cfg.data)
 
     lora = steps(presets.load("llama-tiny", ["adapter.kind=lora"]))
-    assert f"jaxpar export {tmp_path} --to {tmp_path / 'peft'} --format peft" in lora
+    jaxpar = typed()  # as the shell runs it here: the venv's path, or `jaxpar` on the PATH
+    assert f"{jaxpar} export {tmp_path} --to {tmp_path / 'peft'} --format peft" in lora
     assert not any("peft" in s for s in steps(presets.load("llama-tiny")))
 
 

@@ -233,12 +233,14 @@ def _launcher(out, steps: int = 500) -> subprocess.Popen:
 
 
 def _gone(pid: int) -> bool:
-    """Exited (a zombie at most: its files closed), or never there."""
+    """Exited, every thread of it (a zombie at most: its files closed), or never there.
+    (A killed process's leader turns zombie while its other threads still exit, holding
+    the files they share.)"""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return True
-    return "\nState:\tZ" in status
+    return "\nState:\tZ" in status and "\nThreads:\t1\n" in status
 
 
 def _until(done, seconds: float, what: str) -> None:

@@ -533,7 +533,8 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
-    sources.check(args.source, "generate")
+    if not args.source.startswith("hf:"):  # (an hf:DIR is read after the prompts' files)
+        sources.check(args.source, "generate")
     request = prompts.read(args)
     _decoding_keys("generate", args.overrides)
     # one CPU device unless asked for more: simulated devices share the cores, and a

@@ -102,12 +102,12 @@ def _rows(path: Path, up_to: int, through: int | None = None) -> list[dict]:
     rows = _read_rows(path, up_to)
     if through and through not in {r["step"] for r in rows}:
         last = max((r["step"] for r in rows), default=0)
+        lost = f"step {through}" if last + 1 == through else f"steps {last + 1}-{through}"
         raise ConfigError(
             f"{path}: its rows end at step {last}, but the checkpoint of step {up_to} was "
-            f"saved after the row of step {through}: the rows of steps {last + 1}-{through} "
-            "are missing, which a kill cannot do (it tears the last line only). The file is "
-            "left as it is; put its rows back, or move it away to resume with its rows "
-            "started afresh"
+            f"saved after the row of step {through}: rows of {lost} are missing, which a "
+            "kill cannot do (it tears the last line only). The file is left as it is; put "
+            "its rows back, or move it away to resume with its rows started afresh"
         )
     return rows
 
