@@ -383,7 +383,7 @@ def test_a_binary_prompt_file_and_a_damaged_prompt_folder_are_named(
     (damaged / "train.prompts.jsonl").write_text('{"ids": [1, 2]}\n')  # no prompt, fields
     argv = ["train", "--config", "llama-tiny", *keys(damaged), "--out", str(tmp_path / "run")]
     assert cli.main(argv) == 2
-    one_line_error(capsys, "train.prompts.jsonl", "prepare the prompts again")
+    one_line_error(capsys, "train.prompts.jsonl:1 is not what", "prepare the prompts again")
 
 
 @pytest.mark.parametrize(

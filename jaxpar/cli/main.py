@@ -17,6 +17,7 @@ from jaxpar import __version__, disk, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
+from jaxpar.cost.columns import COLUMNS
 from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
 from jaxpar.evaluation import BATCH_SIZE
@@ -159,6 +160,8 @@ def _plan_parser(sub) -> None:
         "microbatches, remat, grad_accum) for the model and global batch of --config and "
         "the overrides, predict each one's memory, traffic and step time from shapes alone "
         "(nothing is allocated or compiled), and rank those that fit.",
+        epilog=COLUMNS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _config_arguments(plan, "default", "model.layers=32 train.batch_size=512")
     plan.add_argument("--devices", type=int, required=True, metavar="N")

@@ -286,7 +286,10 @@ def _prepare(
     splits = {name: _Split(out, name, dtype, masked) for name in names}
     total = sum(p.stat().st_size for p in inputs)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False) as bar:
+        # (disable=None: no bar where the output is not a terminal, as in a log or a pipe)
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc="prepare-data", leave=False, disable=None
+        ) as bar:
             if fmt == "prompts":
                 counts = prompts.write(inputs, tokenizer, out, every, bar)
             elif fmt == "preference":

@@ -149,15 +149,26 @@ def load(data_: Data, vocab: int, split: str = "train") -> Prompts:
             "data.source=tokens data.path=THAT_FOLDER"
         )
     path = Path(data_.path) / FILE.format(split=split)
-    try:
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        ids = [[int(i) for i in line["ids"]] for line in lines]
-        asked, fields = [line["prompt"] for line in lines], [line["fields"] for line in lines]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(
-            f"data.path={data_.path}: {path.name} is not what prepare-data --format prompts "
+
+    def refused(where: str, e: Exception) -> ConfigError:
+        return ConfigError(
+            f"data.path={data_.path}: {where} is not what prepare-data --format prompts "
             f"writes ({type(e).__name__}); prepare the prompts again"
-        ) from None
+        )
+
+    def row(number: int, text: str) -> tuple:
+        try:
+            line = json.loads(text)
+            return [int(i) for i in line["ids"]], line["prompt"], line["fields"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise refused(f"{path.name}:{number}", e) from None
+
+    try:
+        texts = path.read_text().splitlines()
+    except (OSError, ValueError) as e:
+        raise refused(path.name, e) from None
+    rows = [row(number, text) for number, text in enumerate(texts, 1) if text.strip()]
+    ids, asked, fields = ([r[k] for r in rows] for k in range(3))
     if not ids:
         raise ConfigError(
             f"data.path={data_.path}: its {split} split holds no prompt; prepare more prompts"
