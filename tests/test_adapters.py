@@ -344,6 +344,22 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_reference_to_its_base(
     assert "fingerprint 0000000000000000" in err and "--restart`)" in err and not to.exists()
 
 
+def test_the_start_up_summary_counts_what_trains_as_peft_does():
+    """Trainable: the adapters' A and B alone (found by their names), of all the model's
+    parameters (the frozen base included); the adapters and the base's storage named."""
+    from jaxpar.training import trainer
+
+    cfg = presets.load("llama-tiny", ["adapter.kind=lora", "adapter.base=bf16"])
+    problem = lora.adapted(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model)
+    total, trainable = trainer._counts(problem)
+    names = {k for p in lora.targets_of(cfg.adapter, cfg.model) for k in (p.a, p.b)}
+    sizes = {k: int(np.prod(s.shape)) for k, s in problem.shapes.items()}
+    assert trainable == sum(sizes[k] for k in names) and total == sum(sizes.values())
+    lines = console._trains(presets.to_dict(cfg), total, trainable)
+    assert "LoRA rank 8 on q_proj,v_proj, its base frozen (bf16)" in lines[0], lines
+    assert f"trainable params: {trainable:,} || all params: {total:,}" in lines[1], lines
+
+
 def test_a_finished_adapter_run_names_its_peft_export(tmp_path):
     from jaxpar.training.console import next_steps, typed
 

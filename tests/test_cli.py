@@ -159,8 +159,9 @@ def test_help_lists_every_config_key_and_version():
 @pytest.mark.slow
 def test_console_counts_and_qualifiers(devices):
     report = compile_only("gpt-tiny", ("parallel.data=1",))
-    header = console.startup(report, 1536, "cpu", "synthetic")
-    assert "1,536 parameters" in header and "(1 cpu device)" in header
+    header = console.startup(report, 1536, "cpu", "synthetic", 1536)
+    assert "gpt, 1,536 parameters" in header and "(1 cpu device)" in header
+    assert "train.objective=lm; trainable params: 1,536 || all params: 1,536 ||" in header
     assert console.count(12_345_678) == "12.3 M" and console.count(999) == "999"
     report = compile_only("gpt-tiny", ("parallel.data=8",))
     speed = throughput.figures(1.5e6 * 1024, 1024, 0.1, 8, None)

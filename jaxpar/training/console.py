@@ -6,6 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from jaxpar.adapters import lora
 from jaxpar.config import registry
 from jaxpar.config.sections import Adapter, AdapterKind, Data
 from jaxpar.cost.report import Report, human_bytes, table
@@ -39,13 +40,38 @@ def _mesh(mesh: dict) -> str:
     return " x ".join(f"{a}={n}" for a, n in mesh.items() if a not in (REPLICA, EXPERT) or n > 1)
 
 
-def startup(report: Report, params: int, platform: str, source: str) -> str:
+LORA_NAMES = {"lora": "LoRA"}
+
+
+def _trains(config: dict, params: int, trainable: int | None) -> list[str]:
+    """The model line (its adapters and how its base is stored, for an adapter run) and
+    what the run trains: its objective, its trainable parameters as PEFT counts them."""
+    model, adapter, objective = config["model"], config["adapter"], config["train"]["objective"]
+    adapted = ""
+    if adapter["kind"] != "none":
+        targets = adapter["targets"] or ",".join(lora.DEFAULT_TARGETS)  # PEFT's default
+        adapted = (
+            f"; {LORA_NAMES.get(adapter['kind'], adapter['kind'])} rank {adapter['rank']} on "
+            f"{targets}, its base frozen ({adapter['base']})"
+        )
+    lines = [f"  model     {model['name']}, {count(params)} parameters{adapted}"]
+    if trainable is not None:
+        lines.append(
+            f"  trains    train.objective={objective}; trainable params: {trainable:,} || all "
+            f"params: {params:,} || trainable%: {100 * trainable / max(params, 1):.4f}"
+        )
+    return lines
+
+
+def startup(
+    report: Report, params: int, platform: str, source: str, trainable: int | None = None
+) -> str:
     mem, comm, host = report.memory_per_device, report.comm, report.host_memory_per_device
     devices = f"{report.devices} {platform} device{'s' if report.devices > 1 else ''}"
     lines = [
         f"jaxpar  {report.strategy}",
         f"  mesh      {_mesh(report.mesh)} ({devices})",
-        f"  model     {count(params)} parameters",
+        *_trains(report.config, params, trainable),
         f"  data      {source}",
         "  memory    per device: "
         + ", ".join(

@@ -107,8 +107,8 @@ def train(
         saver.bind(problem, run.engine, mesh)
         state = _first_state(cfg.model, cfg.train, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
-        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(problem.shapes))
-        say(console.startup(run.report, n_params, jax.devices()[0].platform, source))
+        n_params, trainable = _counts(problem)
+        say(console.startup(run.report, n_params, jax.devices()[0].platform, source, trainable))
         files = out_dir if out_dir and lead else None
         for hook in hooks:
             if lines := hook.start(run, state, out_dir if lead else None, start):
@@ -206,6 +206,16 @@ def _first_state(model: Model, train: Train, problem: Problem, run, saver, param
             "hash": saver.layout.base_hash(state),
         }
     return state
+
+
+def _counts(problem: Problem) -> tuple[int, int]:
+    """(the model's parameters, those trained): a frozen base and a reference copy are
+    counted in the first only, as PEFT's print_trainable_parameters counts them."""
+    paths = jax.tree_util.tree_leaves_with_path(problem.shapes)
+    sizes = {leaf_key(p): math.prod(s.shape) for p, s in paths}
+    held = set(problem.frozen) | set(problem.reference)
+    model = sum(n for k, n in sizes.items() if k not in problem.reference)
+    return model, sum(n for k, n in sizes.items() if k not in held)
 
 
 def _raise_a_failure(run, state, batches, loop, saver) -> None:
