@@ -233,8 +233,11 @@ class Checkpoints:
 
     def __init__(self, directory: Path, keep: int = 3, *, create: bool = True):
         self.directory = Path(directory).absolute()
+        # the last save started, its bytes, and whether a save met a full disk (reported)
+        self.in_flight, self.needed, self.failed = None, None, False
         _check_directory(self.directory, create)
         _orbax_errors_unlogged()
+        _echoes_unraised()
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -264,7 +267,7 @@ class Checkpoints:
         it, is DiskFull's one line."""
         self.needed = sum(x.nbytes for x in jax.tree.leaves(saved))
         # orbax first waits for the save before, whose failure is met here
-        with self._writing(f"checkpoint {getattr(self, 'in_flight', step)}"):
+        with self._writing(f"checkpoint {self.in_flight or step}"):
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -275,7 +278,7 @@ class Checkpoints:
         self.in_flight = step
 
     def wait(self) -> None:
-        with self._writing(f"checkpoint {getattr(self, 'in_flight', '')}"):
+        with self._writing(f"checkpoint {self.in_flight}"):
             self.manager.wait_until_finished()
 
     def complete(self) -> list[int]:
@@ -285,21 +288,23 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _writing(self, what: str):
-        done = self.complete()
-        then = (
-            f"free space (or lower checkpoint.keep, or give another checkpoint.dir), then run "
-            f"the same command again: it resumes from step {done[-1]}, the newest whole "
-            "checkpoint"
-            if done
-            else "free space, or give another checkpoint.dir, then run the same command again"
-        )
+        """A full disk met in the block: DiskFull's line, naming the step to resume from."""
         try:
-            with disk.writing(self.directory, what, then, getattr(self, "needed", None)):
-                yield
-        except disk.DiskFull:
+            yield
+        except Exception as e:
+            if not disk.is_full(e):
+                raise
             self.failed = True  # reported once: orbax's threads say it again, unheard
             _quiet_the_reads_in_flight()
-            raise
+            done = self.complete()
+            then = (
+                f"free space (or lower checkpoint.keep, or give another checkpoint.dir), then "
+                f"run the same command again: it resumes from step {done[-1]}, the newest "
+                "whole checkpoint"
+                if done
+                else "free space, or give another checkpoint.dir, then run the same command again"
+            )
+            raise disk.full(self.directory, what, then, self.needed) from None
 
     def meta(self, step: int) -> dict:
         return self._restore(step, **{META: ocp.args.JsonRestore()})[META]
@@ -337,7 +342,7 @@ class Checkpoints:
         raise error
 
     def close(self) -> None:
-        if getattr(self, "failed", False):  # its failure is on its way out already
+        if self.failed:  # its failure is on its way out already
             with contextlib.suppress(Exception):
                 self.manager.close()
             _collect_orbax_leftovers()
@@ -392,6 +397,26 @@ def _quiet_the_reads_in_flight() -> None:
     failure to the interpreter's exit. The failure is reported once, as a
     CheckpointError: from the first restore on, drop those echoes (tracebacks through
     orbax, or of asyncio's closed loop alone, or an orbax coroutine's "never awaited")."""
+    _echoes_unraised()
+    if getattr(sys.excepthook, "quiets_orbax", False):
+        return
+
+    def excepthook(kind, value, tb, previous=sys.excepthook):
+        if not _echo(value, tb):
+            previous(kind, value, tb)
+
+    excepthook.quiets_orbax = True
+    sys.excepthook = excepthook
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not (record.exc_info and _echo(*record.exc_info[1:]))
+    )
+
+
+def _echoes_unraised() -> None:
+    """Orbax's echoes of a failure, as the interpreter reports what it cannot raise, are
+    dropped: from the moment a checkpoint folder is opened, since a failed write's
+    callbacks (finding orbax's event loop closed) land from TensorStore's threads before
+    the save that meets the failure raises it."""
     if getattr(sys.unraisablehook, "quiets_orbax", False):
         return
 
@@ -399,15 +424,8 @@ def _quiet_the_reads_in_flight() -> None:
         if not (_echo(u.exc_value, u.exc_traceback) or _orbax_coroutine(u.object)):
             previous(u)
 
-    def excepthook(kind, value, tb, previous=sys.excepthook):
-        if not _echo(value, tb):
-            previous(kind, value, tb)
-
     unraisable.quiets_orbax = True
-    sys.unraisablehook, sys.excepthook = unraisable, excepthook
-    logging.getLogger("asyncio").addFilter(
-        lambda record: not (record.exc_info and _echo(*record.exc_info[1:]))
-    )
+    sys.unraisablehook = unraisable
 
 
 def _orbax_errors_unlogged() -> None:
