@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxpar import objectives
 from jaxpar.adapters import initial, lora
-from jaxpar.config import registry
+from jaxpar.config import presets, registry
 from jaxpar.config.sections import Adapter, AdapterKind, Config, Model, Train, computed_model
 from jaxpar.data import tokens as data
 from jaxpar.nn.problem import Problem, registered
@@ -107,7 +107,9 @@ def initial_params(
 def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result | None:
     """Train the registered model as the config says (what `jaxpar train` runs), from
     model.init's checkpoint if it names one (its config.json already read into cfg).
-    None, saying so at once, for a run already done (unless restarted)."""
+    None, saying so at once, for a run already done (unless restarted). Relative paths
+    are recorded absolute (presets.absolute_paths)."""
+    cfg = presets.absolute_paths(cfg)
     if (
         not kwargs.get("restart")
         and (done := finished_at(cfg.checkpoint, cfg.train.steps, out_dir)) is not None

@@ -87,3 +87,21 @@ def test_no_traceback_from_the_installed_command(tmp_path):
         "jaxpar: error: parallel degrees: data(3) * pipeline(1) * tensor(1) = 3 != 8 devices; "
         "make the product 8, or set one degree to -1"
     ]
+
+
+def test_a_run_records_its_paths_absolute(tmp_path, monkeypatch):
+    """Relative paths (from the folder a run starts in) are recorded absolute, so that
+    export, generate and eval read the run from any folder; absolute ones, empty ones and
+    the corpus stay as given."""
+    monkeypatch.chdir(tmp_path)
+    cfg = presets.load(
+        "llama-tiny",
+        ["data.source=tokens", "data.path=runs/tokens", "checkpoint.dir=/abs/ck",
+         "model.init=hf:runs/tiny-llama", "adapter.init=peft:../peft"],
+    )  # fmt: skip
+    got = presets.absolute_paths(cfg)
+    assert got.data.path == str(tmp_path / "runs" / "tokens")
+    assert got.model.init == f"hf:{tmp_path / 'runs' / 'tiny-llama'}"
+    assert got.adapter.init == f"peft:{tmp_path / '..' / 'peft'}"
+    assert got.checkpoint.dir == "/abs/ck" and got.train == cfg.train
+    assert presets.absolute_paths(presets.load("gpt-tiny")) == presets.load("gpt-tiny")

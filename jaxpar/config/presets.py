@@ -230,3 +230,29 @@ def resolve_init(cfg: Config, explicit: set[str] | None = None) -> Config:
     mine = {k: getattr(model, k) for k in explicit - {"name", "init"}}
     keys = hf.resolve(fmt, model, directory, mine)
     return dataclasses.replace(cfg, model=dataclasses.replace(model, **keys))
+
+
+# the keys that name files or folders, each with the scheme its value may carry
+PATH_KEYS = (
+    ("data", "path", ""),
+    ("checkpoint", "dir", ""),
+    ("model", "init", hf.SCHEME),
+    ("adapter", "init", "peft:"),
+)
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """`cfg` with every relative path it names made absolute (from the working folder):
+    what a run records in its checkpoints and summary.json, so that export, generate,
+    eval and `lm_eval --model jaxpar` read them from any folder."""
+    changed = {}
+    for section, key, scheme in PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if not value or not value.startswith(scheme):
+            continue
+        path = Path(value.removeprefix(scheme)).expanduser()
+        if not path.is_absolute():
+            part = changed.get(section, getattr(cfg, section))
+            fixed = f"{scheme}{path.absolute()}"
+            changed[section] = dataclasses.replace(part, **{key: fixed})
+    return dataclasses.replace(cfg, **changed) if changed else cfg
