@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config, DpSync, Model, Parallel, Train
+from jaxpar.config.sections import Config, DpSync, Model, Optimizer, Parallel, Train
 from jaxpar.cost import blocks, ledger, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
@@ -22,6 +22,7 @@ from jaxpar.data.tokens import SEGMENT_IDS
 from jaxpar.nn.problem import Problem
 from jaxpar.parallel.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.parallel.batches import batch_split
+from jaxpar.parallel.matrices import groups
 from jaxpar.parallel.mesh import describe
 from jaxpar.parallel.sharding import optional_unsplit, rules_for, unsplit_leaves
 from jaxpar.step import replica_check as replicas
@@ -87,6 +88,9 @@ def describe_step(
         replica_check=_replica_check(check, train.check_replicas_every, comm.wire_bytes_per_device),
         model_flops_per_token=per_token,
         flops_counted=counted,
+        optimizer_groups=(
+            groups(trained.trainable(trained.names)) if train.optimizer is Optimizer.MUON else {}
+        ),
     )
 
 

@@ -1,12 +1,14 @@
-"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, dpo, grpo,
-data, checkpoint, distributed), each key declared on its field (jaxpar.config.options) and checked
-when the section is built. Presets and KEY=VALUE overrides are read by jaxpar.config.presets;
-checks across sections and against the mesh are jaxpar.parallel.layout_checks'.
+"""The configuration: frozen, keyword-only sections (parallel, model, adapter, train, muon,
+dpo, grpo, data, checkpoint, distributed), each key declared on its field
+(jaxpar.config.options) and checked when the section is built. Presets and KEY=VALUE
+overrides are read by jaxpar.config.presets; checks across sections and against the mesh
+are jaxpar.parallel.layout_checks'.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar, Literal
 
@@ -74,6 +76,7 @@ class TokenDtype(enum.StrEnum):
 class Optimizer(enum.StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
+    MUON = "muon"
 
 
 class Packing(enum.StrEnum):
@@ -338,7 +341,10 @@ class Train(Section):
     seq_len: Annotated[int, Range(1, 2**20, "tokens per sequence")] = key(64, "tokens per sequence")
     optimizer: Optimizer = key(
         Optimizer.ADAMW,
-        "adamw (b1 0.9, b2 0.95) | sgd (plain, no momentum); both decay matrices only",
+        (
+            "adamw (b1 0.9, b2 0.95) | sgd (plain, no momentum); both decay matrices only | muon "
+            "(each hidden matrix's momentum orthogonalized, AdamW for the rest; the muon.* keys)"
+        ),
     )
     lr: Annotated[float, Range(0, 10, "usual AdamW rates are 1e-5 to 1e-2", True)] = key(
         3e-3, "peak learning rate of the warm-up + cosine schedule"
@@ -445,6 +451,60 @@ class Train(Section):
     def __post_init__(self):
         super().__post_init__()
         profile_range(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Muon(Section):
+    """Muon (train.optimizer=muon; jaxpar.step.muon): defaults as optax.contrib.muon's,
+    but for the update's scale (Moonlight's, so that AdamW's learning rate carries over)."""
+
+    SECTION: ClassVar[str] = "muon"
+    momentum: Annotated[float, Range(0, 0.9999, "a decay below 1")] = key(
+        0.95, "the momentum's decay (optax's beta)"
+    )
+    nesterov: bool = key(True, "orthogonalize the Nesterov look-ahead of the momentum")
+    ns_steps: Annotated[int, Range(1, 100, "Newton-Schulz iterations, usually 5")] = key(
+        5, "Newton-Schulz iterations per step"
+    )
+    ns_coeffs: str = key(
+        "3.4445,-4.7750,2.0315",
+        "a, b, c of the quintic Newton-Schulz step aX + b(XX')X + c(XX')^2X",
+    )
+    weight_decay: Annotated[float, Range(0, 10, "a decay per unit of learning rate")] = key(
+        0.0, "decay of the Muon matrices (decoupled, times the learning rate)"
+    )
+    scale: Annotated[float, Range(0, 10, "an RMS; 0.2 matches AdamW's")] = key(
+        0.2,
+        (
+            "the update's RMS: scale x sqrt(max(fan-in, fan-out)) (Moonlight: 0.2 makes it "
+            "AdamW's, so train.lr carries over); 0 = Keller Jordan's sqrt(max(1, fan-out/fan-in))"
+        ),
+    )
+    adam_lr: Annotated[float, Range(0, 10, "a learning rate; 0 = train.lr")] = key(
+        0.0, "peak learning rate of the AdamW group (embeddings, head, norms, biases); 0 = train.lr"
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        ns_coeffs(self.ns_coeffs)
+
+    @property
+    def coeffs(self) -> tuple[float, float, float]:
+        return ns_coeffs(self.ns_coeffs)
+
+
+def ns_coeffs(text: str) -> tuple[float, float, float]:
+    """muon.ns_coeffs's three numbers, or one line saying what it must be."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) for v in values):
+        raise ConfigError(
+            f"muon.ns_coeffs={text!r}: it must be three numbers a,b,c (the Newton-Schulz step "
+            "aX + b(XX')X + c(XX')^2X), e.g. muon.ns_coeffs=3.4445,-4.7750,2.0315 (the default)"
+        )
+    return values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -630,6 +690,7 @@ class Config:
     model: Model = field(default_factory=Model)
     adapter: Adapter = field(default_factory=Adapter)
     train: Train = field(default_factory=Train)
+    muon: Muon = field(default_factory=Muon)
     dpo: Dpo = field(default_factory=Dpo)
     grpo: Grpo = field(default_factory=Grpo)
     data: Data = field(default_factory=Data)

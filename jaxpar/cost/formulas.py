@@ -27,7 +27,7 @@ from jaxpar.config.sections import (
 )
 from jaxpar.parallel import context
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR, data_parallel
-from jaxpar.parallel.leaf_layout import leaves
+from jaxpar.parallel.leaf_layout import Leaf, leaves
 
 DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16}  # train.precision's
 
@@ -132,10 +132,15 @@ def grad_bytes(layout) -> int:
     return int(sum(4 * leaf.grad for leaf in leaves(layout)))
 
 
-def optimizer_bytes(train: Train) -> int:
-    """Optimizer state bytes per parameter (the ZeRO paper's K): AdamW's m and v in fp32,
-    8; plain SGD, none."""
-    return 0 if train.optimizer is Optimizer.SGD else 8
+def optimizer_bytes(train: Train, leaf: Leaf | None = None) -> int:
+    """Optimizer state bytes per parameter of `leaf` (the ZeRO paper's K): AdamW's m and v
+    in fp32, 8; plain SGD, none; Muon, its one momentum (4) on a hidden matrix and AdamW's
+    8 elsewhere (`leaf` None: a hidden matrix's)."""
+    if train.optimizer is Optimizer.SGD:
+        return 0
+    if train.optimizer is Optimizer.MUON and (leaf is None or leaf.matrix):
+        return 4
+    return 8
 
 
 def state_formula(
@@ -376,10 +381,10 @@ def placed_state(par: Parallel, train: Train, layout, trained, mesh_shape: dict)
     measures as `state_bytes.actual` once compiled): its frozen leaves as stored."""
     frozen = frozen_bytes(layout, trained)
     own = trained.trainable(layout)
-    k = optimizer_bytes(train)
     local = {f: sum(getattr(leaf, f) for leaf in leaves(own)) for f in ("storage", "grad", "opt")}
-    master, adam, grads = 4 * local["storage"], k * local["opt"], 4 * local["grad"]
-    model = master + adam if par.offload is Offload.NONE else (4 + k) * local["opt"]
+    adam = sum(optimizer_bytes(train, leaf) * leaf.opt for leaf in leaves(own))
+    master, grads = 4 * local["storage"], 4 * local["grad"]
+    model = master + adam if par.offload is Offload.NONE else 4 * local["opt"] + adam
     if par.dp_sync is DpSync.PARAMS:  # the global parameters, each device's copy, its state
         model = model_state(par, train, own, mesh_shape)
         master = model - adam
@@ -396,14 +401,13 @@ def placed_state(par: Parallel, train: Train, layout, trained, mesh_shape: dict)
 
 def model_state(par: Parallel, train: Train, layout, mesh_shape: dict) -> float:
     """The ZeRO formula's model-state bytes per device for the layout."""
-    k = optimizer_bytes(train)
     if par.dp_sync is DpSync.PARAMS:  # global params, a copy, its optimizer, the momentum
-        psi = params_per_device(layout)
-        return (4 + 4 + k + 4 * (par.outer_momentum > 0)) * psi
+        momentum = 4 * (par.outer_momentum > 0)
+        return sum((8 + optimizer_bytes(train, x) + momentum) * x.compute for x in leaves(layout))
     offload = par.offload is not Offload.NONE
     return sum(
-        state_formula(par.zero, psi, n, offload, k)
-        for n, psi in params_by_zero_degree(layout, mesh_shape).items()
+        state_formula(par.zero, x.compute, x.degree(mesh_shape), offload, optimizer_bytes(train, x))
+        for x in leaves(layout)
     )
 
 

@@ -115,6 +115,8 @@ class Report:
     xla_flags: dict = dataclasses.field(default_factory=dict)
     # model FLOPs per loss element, forward and backward, and how they were counted
     model_flops_per_token: float | None = None
+    # train.optimizer=muon: the trained leaves of each group, {"muon": [...], "adamw": [...]}
+    optimizer_groups: dict = dataclasses.field(default_factory=dict)
     flops_counted: str = ""
     # after training
     checkpoint: str | None = None  # the newest saved state's folder (None: none saved)

@@ -15,10 +15,13 @@ from jaxpar.config.sections import (
     DpCollective,
     DpSync,
     Model,
+    Muon,
     Offload,
+    Optimizer,
     Parallel,
     Remat,
     Schedule,
+    Train,
 )
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import context
@@ -53,6 +56,20 @@ def _check_adapter(adapter: Adapter, par: Parallel) -> None:
         )
 
 
+def _check_muon(train: Train, muon: Muon) -> None:
+    """muon.* keys tune Muon only: set for another optimizer, they are refused."""
+    changed = [
+        f"muon.{f.name}={getattr(muon, f.name)}"
+        for f in dataclasses.fields(muon)
+        if getattr(muon, f.name) != getattr(Muon(), f.name)
+    ]
+    if changed and train.optimizer is not Optimizer.MUON:
+        raise ConfigError(
+            f"{', '.join(changed)} with train.optimizer={train.optimizer}: the muon.* keys "
+            "tune Muon only; set train.optimizer=muon, or drop them"
+        )
+
+
 def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
     parallel = cfg.parallel
@@ -74,6 +91,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
         )
     pipelined = mesh_shape[PIPE] > 1
     _check_adapter(cfg.adapter, cfg.parallel)
+    _check_muon(cfg.train, cfg.muon)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.moved import REMOVED_IN
+from jaxpar.parallel.matrices import matrix
 from jaxpar.parallel.sharding import LeafSpecs, axes_of, zero_axes
 from jaxpar.parallel.zero import stack_dims
 
@@ -36,6 +37,7 @@ class Leaf:
     synced: tuple[str, ...]  # the data-parallel axes its gradient is summed over
     over: tuple[str, ...]  # the axes ZeRO splits it over, outermost first (none: whole)
     gathers: int  # ZeRO-3's gathers of it per micro-batch: a scanned stack's twice, else once
+    matrix: bool = False  # one or more hidden matrices (jaxpar.parallel.matrices: Muon's)
 
     @property
     def floating(self) -> bool:
@@ -63,6 +65,7 @@ def leaf_layout(specs, shapes, names, mesh_shape: dict, scans_layers: bool = Tru
             synced=zero_axes(s.compute, mesh_shape),
             over=s.over,
             gathers=2 if scans_layers and layers else 1,
+            matrix=matrix(tuple(n)) is not None,
         )
 
     return jax.tree.map(one, specs, shapes, names, is_leaf=_is_specs)

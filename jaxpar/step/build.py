@@ -35,7 +35,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     parameters averaged every sync_every steps (jaxpar.step.local_sgd). (The whole config:
     the last release's jaxpar.run.build takes it so.)"""
     builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
-    return builder(problem, cfg.parallel, cfg.train, mesh)
+    return builder(problem, cfg.parallel, cfg.train, mesh, cfg.muon)
 
 
 def step_inputs(engine: Engine, batch):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.config.sections import Offload, Parallel, Train
+from jaxpar.config.sections import Muon, Offload, Parallel, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, trained_count
@@ -45,7 +45,11 @@ from jaxpar.step.engine import (
 from jaxpar.step.state import TrainState
 
 
-def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
+def build(
+    problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None
+) -> Engine:
+    """The step of `problem` on `mesh` as parallel.*, train.* and (train.optimizer=muon)
+    muon.* say."""
     layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages)
     trained = staging.staged(problem, layout) if layout else problem
     specs = plan(
@@ -57,7 +61,7 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh) -> Engine:
     dtype = cost.DTYPES[train.precision]
     policy = zero_policy(train, par, specs, trained.names, trained.frozen)
     trainable = trained.trainable(trained.names)
-    tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem))
+    tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem), muon)
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
     device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable)
     clip = functools.partial(

@@ -26,7 +26,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.config.sections import Parallel, Train
+from jaxpar.config.sections import Muon, Parallel, Train
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.sharding import only_axes, pick, plan
@@ -77,7 +77,7 @@ def _copies(problem: Problem, mesh: Mesh, compute, inner, global_state):
     n = mesh.shape[DATA]
     copies = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), problem.shapes)
     copy_specs = jax.tree.map(_stacked, compute, is_leaf=_is_spec)
-    inner_specs = optax.tree_map_params(
+    inner_specs = state_lib.map_params(
         inner,
         lambda _, spec: spec,
         jax.eval_shape(inner.init, copies),
@@ -106,11 +106,11 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
         loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
         norm_max = jax.lax.pmax(norm, DATA)
         applied, finite = optim.verdict(loss, norm_max, skipped, train.on_nonfinite)
-        opt = optax.tree_map_params(inner, lambda x: x[0], local.opt)
+        opt = state_lib.map_params(inner, lambda x: x[0], local.opt)
         updates, new_opt = inner.update(grads, opt, mine)
         mine = optim.keep_if(applied, optax.apply_updates(mine, updates), mine)
         opt = optim.keep_if(applied, new_opt, opt)
-        opt = optax.tree_map_params(inner, lambda x: x[None], opt)
+        opt = state_lib.map_params(inner, lambda x: x[None], opt)
         sync = ((step + 1) % every == 0) | (step + 1 == total)
 
         def average(mine, params, outer_opt):
@@ -150,15 +150,16 @@ def _mean_grads(problem: Problem, mesh: Mesh, local_specs, compute, value_and_gr
     return mean_grads
 
 
-def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh):
+def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None):
     """The engine of parallel.dp_sync=params: each device's copy trained on its rows by the
-    inner optimizer, averaged every parallel.sync_every steps into the outer one."""
+    inner optimizer (Muon's keys `muon`), averaged every parallel.sync_every steps into the
+    outer one."""
     n = mesh.shape[DATA]
     every = par.sync_every
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=0, mesh_shape=dict(mesh.shape))
     policy = zero_policy(train, par, specs, problem.names)
-    inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem))
+    inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem), muon)
     outer = outer_optimizer(par)
     compute = pick(specs, "compute")
     global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)

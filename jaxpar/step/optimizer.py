@@ -1,4 +1,5 @@
-"""AdamW (or plain SGD) with warm-up and cosine decay, and global-norm clipping."""
+"""AdamW, plain SGD or Muon (jaxpar.step.muon) with warm-up and cosine decay, and
+global-norm clipping."""
 
 from __future__ import annotations
 
@@ -8,39 +9,60 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config.sections import OnNonfinite, Optimizer, Train
+from jaxpar.config.sections import Muon, OnNonfinite, Optimizer, Train
 from jaxpar.names import BALANCE, LAYERS, STAGE
+from jaxpar.step import muon
+
+
+def schedule_of(train: Train, peak: float):
+    """Warm-up (train.warmup steps from 0) to `peak`, then cosine decay to a tenth of it."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0,
+        peak,
+        warmup_steps=train.warmup,
+        decay_steps=max(train.steps, train.warmup + 1),
+        end_value=peak * 0.1,
+    )
 
 
 def optimizer(
-    train: Train, names, balance_step: float = 0.0
+    train: Train, names, balance_step: float = 0.0, muon_keys: Muon | None = None
 ) -> tuple[optax.GradientTransformation, Any]:
-    """(AdamW or SGD (train.optimizer), its learning-rate schedule); weight decay on
-    matrices only. A router's balancing biases (named BALANCE) are moved by
-    `balance_step` against the sign of their gradient (models/moe.py's `balanced`:
-    DeepSeek's auxiliary-loss-free rule), outside the schedule, the decay and the clip."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        train.lr,
-        warmup_steps=train.warmup,
-        decay_steps=max(train.steps, train.warmup + 1),
-        end_value=train.lr * 0.1,
-    )
-    # Decay matrices only; the stacking dims (layers, stage) do not make a matrix.
-    is_matrix = jax.tree.map(
-        lambda n: sum(d not in (LAYERS, STAGE) for d in n) >= 2,
-        names,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    """(AdamW, SGD or Muon (train.optimizer; Muon's keys `muon_keys`), its learning-rate
+    schedule); weight decay on matrices only. A router's balancing biases (named BALANCE)
+    are moved by `balance_step` against the sign of their gradient (models/moe.py's
+    `balanced`: DeepSeek's auxiliary-loss-free rule), outside the schedule, the decay and
+    the clip."""
+    schedule = schedule_of(train, train.lr)
+    is_matrix = decayed(names)
     if train.optimizer is Optimizer.SGD:
         decay = optax.add_decayed_weights(train.weight_decay, mask=is_matrix)
         tx = optax.chain(decay, optax.sgd(schedule))
+    elif train.optimizer is Optimizer.MUON:
+        keys = muon_keys or Muon()
+        rest = schedule_of(train, keys.adam_lr or train.lr)
+        tx = muon.muon(keys, names, schedule, adamw(rest, train.weight_decay, is_matrix))
     else:
-        tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=train.weight_decay, mask=is_matrix)
+        tx = adamw(schedule, train.weight_decay, is_matrix)
     balance = balancing(names)
     if not any(jax.tree.leaves(balance)):
         return tx, schedule
     return balanced(tx, balance, balance_step), schedule
+
+
+def decayed(names):
+    """The leaves weight decay applies to: matrices (the stacking dims, layers and stage,
+    do not make one)."""
+    return jax.tree.map(
+        lambda n: sum(d not in (LAYERS, STAGE) for d in n) >= 2,
+        names,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def adamw(schedule, weight_decay: float, is_matrix) -> optax.GradientTransformation:
+    """AdamW (b1 0.9, b2 0.95) at `schedule`, decaying the leaves `is_matrix` marks."""
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=is_matrix)
 
 
 def balanced(tx: optax.GradientTransformation, balance, step: float):

@@ -41,6 +41,24 @@ class TrainState:
         )
 
 
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def map_params(tx: optax.GradientTransformation, f, state, *rest, is_leaf=None, **kwargs):
+    """optax.tree_map_params, leaving the leaves a partitioned optimizer masks out of a
+    group (optax.partition's MaskedNode: Muon's AdamW leaves in its Muon state) as they
+    are."""
+    return optax.tree_map_params(
+        tx,
+        lambda x, *r: x if _masked(x) else f(x, *r),
+        state,
+        *rest,
+        is_leaf=lambda x: _masked(x) or (is_leaf is not None and is_leaf(x)),
+        **kwargs,
+    )
+
+
 def shardings(
     mesh: Mesh, specs, tx: optax.GradientTransformation, shapes, trainable=lambda tree: tree
 ) -> TrainState:
@@ -51,7 +69,7 @@ def shardings(
     return TrainState(
         step=replicated,
         params=named(mesh, pick(specs, "storage")),
-        opt=optax.tree_map_params(
+        opt=map_params(
             tx,
             lambda _, sh: sh,
             jax.eval_shape(tx.init, trainable(shapes)),

@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
@@ -135,7 +134,7 @@ def _converters(problem: Problem, engine: Engine, precision: Precision):
 
     def params_map(fn, tree_of_params_like):
         """Apply fn(key, leaf) to the params and every params-like part of the opt state."""
-        return optax.tree_map_params(
+        return state_lib.map_params(
             engine.tx, lambda x, k: fn(k, x), tree_of_params_like, problem.trainable(keys)
         )
 

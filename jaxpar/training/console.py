@@ -72,6 +72,10 @@ def startup(
         f"jaxpar  {report.strategy}",
         f"  mesh      {_mesh(report.mesh)} ({devices})",
         *_trains(report.config, params, trainable),
+        *(
+            f"  {group:<9} {len(keys)} leaves: {', '.join(keys)}"
+            for group, keys in report.optimizer_groups.items()
+        ),
         f"  data      {source}",
         "  memory    per device: "
         + ", ".join(
