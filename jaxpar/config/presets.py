@@ -17,7 +17,7 @@ import yaml
 from jaxpar import hf
 from jaxpar.config import registry
 from jaxpar.config.options import Key, declaration, default_of, near, shown
-from jaxpar.config.sections import Config, Model
+from jaxpar.config.sections import Config, Model, Source
 from jaxpar.errors import ConfigError
 
 
@@ -248,7 +248,8 @@ def absolute_paths(cfg: Config) -> Config:
     changed = {}
     for section, key, scheme in PATH_KEYS:
         value = getattr(getattr(cfg, section), key)
-        if not value or not value.startswith(scheme):
+        unread = section == "data" and cfg.data.source not in (Source.FILE, Source.TOKENS)
+        if not value or not value.startswith(scheme) or unread:  # (refused as typed)
             continue
         path = Path(value.removeprefix(scheme)).expanduser()
         if not path.is_absolute():
