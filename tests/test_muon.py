@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import _shipped, assert_same_training, reference, trained
+from helpers import _shipped, assert_same_training, compile_only, reference, trained
 from optax.contrib import MuonDimensionNumbers
 
 from jaxpar.config import presets
+from jaxpar.config.sections import Muon
+from jaxpar.errors import ConfigError
 from jaxpar.parallel.matrices import groups, is_spec, matrices
-from jaxpar.recipe import trained_model
+from jaxpar.recipe import setup, trained_model
+from jaxpar.step import muon
 from jaxpar.step import optimizer as optim
 
 MUON = ("train.optimizer=muon",)
@@ -78,7 +81,11 @@ def _reference_tx(cfg, names, schedule, adam):
     "preset, keys",
     [
         ("gpt-tiny", ("muon.weight_decay=0.1",)),  # fused q/k/v, biases, learned positions
-        ("deepseek-tiny", ("muon.nesterov=false", "muon.scale=0", "muon.ns_steps=4")),
+        pytest.param(
+            "deepseek-tiny",  # experts, latent attention, balancing biases
+            ("muon.nesterov=false", "muon.scale=0", "muon.ns_steps=4"),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_muon_equals_optax_contrib_muon(preset, keys):
@@ -107,6 +114,9 @@ def test_muon_equals_optax_contrib_muon(preset, keys):
         np.testing.assert_allclose(got, ref_params[key], atol=1e-5, rtol=0, err_msg=key)
 
 
+# eight layers: each of the eight ZeRO shards owns a layer's whole matrices (muon.owners)
+OWNED = ("model.layers=8", *MUON)
+
 LAYOUTS = {
     "dp8-zero1": ("gpt-tiny", ("parallel.data=8", "parallel.zero=1")),
     "dp8-zero2": ("gpt-tiny", ("parallel.data=8", "parallel.zero=2")),
@@ -120,8 +130,51 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_layout_equals_one_device(name):
+    """On the shards (gpt-tiny's four layers do not divide over eight devices: XLA's
+    Gram products), and offloaded to the host."""
     preset, layout = LAYOUTS[name]
     got = trained(preset, (*layout, *MUON))
     assert_same_training(got, reference(preset, MUON), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.data=8", "parallel.zero=1"),
+        ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+    ],
+)
+def test_owned_matrices_equal_one_device_at_the_minimum_bytes(layout):
+    """Each layer's matrices orthogonalized whole on the device that owns the layer: equal
+    to one device, and the step's all-to-alls (its only ones) move each Muon leaf's
+    shard there and back: 2 (n-1)/n of its bytes over the ZeRO axes, no more."""
+    got = trained("llama-tiny", (*layout, *OWNED))
+    assert_same_training(got, reference("llama-tiny", OWNED), rtol=1e-5)
+    report = compile_only("llama-tiny", (*layout, *OWNED))
+    cfg = presets.load("llama-tiny", [*layout, *OWNED])
+    n, tensor = cfg.parallel.data, cfg.parallel.tensor
+    names = trained_model(cfg.model, cfg.adapter, cfg.train).names
+    shapes = trained_model(cfg.model, cfg.adapter, cfg.train).shapes
+    muon_bytes = sum(
+        4 * np.prod(shapes[k].shape) for k, s in matrices(names).items() if s is not None
+    )
+    minimum = 2 * (n - 1) / n * muon_bytes / (n * tensor)
+    moved = report.collectives["all-to-all"]
+    assert moved.count == 2 * len(groups(names)["muon"])
+    assert minimum <= moved.wire_bytes <= 1.02 * minimum
+
+
+def test_muon_keys_without_muon_and_muon_without_a_matrix_are_one_line(devices):
+    """muon.* set for AdamW is refused, not ignored; Muon on leaves with no hidden matrix
+    (norms and biases only) is refused, not AdamW under another name."""
+    cfg = presets.load("llama-tiny", ["muon.ns_steps=3"])
+    with pytest.raises(ConfigError, match=r"^muon.ns_steps=3 with train.optimizer=adamw: .*"):
+        setup(cfg, devices)
+    names = {"norm/scale": ("embed",), "blocks/bias": ("layers", "mlp")}
+    schedule = optax.constant_schedule(1e-3)
+    with pytest.raises(ConfigError, match="no trained leaf is a hidden matrix.*norm/scale"):
+        muon.muon(Muon(), names, schedule, optax.adamw(schedule))

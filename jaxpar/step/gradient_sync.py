@@ -22,13 +22,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.config.sections import Muon, Offload, Parallel, Train
+from jaxpar.config.sections import Muon, Offload, Optimizer, Parallel, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
 from jaxpar.parallel.sharding import named, pick, plan
 from jaxpar.parallel.zero import ZeroPolicy
+from jaxpar.step import muon as muon_lib
 from jaxpar.step import offload, pipelined
 from jaxpar.step import optimizer as optim
 from jaxpar.step import state as state_lib
@@ -61,7 +62,11 @@ def build(
     dtype = cost.DTYPES[train.precision]
     policy = zero_policy(train, par, specs, trained.names, trained.frozen)
     trainable = trained.trainable(trained.names)
-    tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem), muon)
+    placed = None  # Muon's owners: on the device only (the host's update is not sharded)
+    if train.optimizer is Optimizer.MUON and par.offload is Offload.NONE:
+        own = trained.trainable
+        placed = muon_lib.owners(mesh, own(specs), trainable, own(trained.shapes))
+    tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem), muon, placed)
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
     device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable)
     clip = functools.partial(

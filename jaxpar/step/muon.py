@@ -14,10 +14,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config.sections import Muon
 from jaxpar.errors import ConfigError
-from jaxpar.parallel.matrices import Matrix, groups, is_spec, matrices
+from jaxpar.parallel.matrices import Matrix, groups, is_spec, matrices, matrix
+from jaxpar.parallel.sharding import LeafSpecs, axes_of
 
 EPS = 1e-8  # optax.contrib.muon's, under the Frobenius norm
 
@@ -59,9 +61,53 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # the momentum of the Muon leaves (fp32)
 
 
-def scale_by_muon(specs, cfg: Muon) -> optax.GradientTransformation:
+class Owned(NamedTuple):
+    """Where a sharded leaf's matrices are orthogonalized: `stored` is the optimizer's
+    split (ZeRO's: a slice of every matrix on each device), `owner` splits the stacked
+    dim over the same devices (each device holds whole matrices: its layers' or experts')."""
+
+    stored: NamedSharding
+    owner: NamedSharding
+
+
+def owners(mesh, specs, names, shapes):
+    """Per Muon leaf of the plan `specs` (LeafSpecs), its Owned placement (DistMuon's and
+    Megatron's path: one all-to-all over the ZeRO axes to whole matrices, Newton-Schulz
+    on their owners, one all-to-all back), where ZeRO splits it and a stacked dim divides
+    over the ZeRO axes; None elsewhere (and for AdamW's leaves): Newton-Schulz on the
+    shards, XLA's Gram products over them (a tensor split's, always)."""
+
+    def one(leaf: LeafSpecs, n: tuple, shape) -> Owned | None:
+        if (m := matrix(n)) is None:
+            return None
+        zero = [a for a in axes_of(leaf.opt) if a not in axes_of(leaf.compute)]
+        ways = math.prod(mesh.shape[a] for a in zero)
+        free = [i for i in range(len(n)) if i not in m.inputs + m.outputs]
+        free = [i for i in free if leaf.compute[i] is None and shape.shape[i] % ways == 0]
+        if ways == 1 or not free:
+            return None
+        owner = list(leaf.compute) + [None] * (len(n) - len(leaf.compute))
+        owner[free[0]] = tuple(zero)
+        return Owned(NamedSharding(mesh, leaf.opt), NamedSharding(mesh, PartitionSpec(*owner)))
+
+    return jax.tree.map(one, specs, names, shapes, is_leaf=lambda x: isinstance(x, LeafSpecs))
+
+
+def _on_owner(place: Owned | None, fn, x):
+    """fn(x), run where `place` says: x moved to its owner and the result back (each
+    pinned, so that XLA moves x once each way, not fn's operands)."""
+    if place is None:
+        return fn(x)
+    pin = jax.lax.with_sharding_constraint
+    x = pin(jax.lax.optimization_barrier(pin(x, place.stored)), place.owner)
+    y = jax.lax.optimization_barrier(pin(fn(x), place.owner))
+    return pin(y, place.stored)
+
+
+def scale_by_muon(specs, cfg: Muon, placed=None) -> optax.GradientTransformation:
     """The momentum (Nesterov's if muon.nesterov, bias-corrected as optax's), each of its
-    matrices orthogonalized (`specs`: `matrices`; a None leaf is another group's)."""
+    matrices orthogonalized (`specs`: `matrices`; a None leaf is another group's), where
+    `placed` (`owners`; None: on the shards) says."""
     beta = cfg.momentum
 
     def init(params):
@@ -78,21 +124,24 @@ def scale_by_muon(specs, cfg: Muon) -> optax.GradientTransformation:
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
 
-        def one(spec, m):
+        def one(spec, m, place=None):
             if spec is None:
                 return m
-            ortho = orthogonalize(m, spec, cfg.coeffs, cfg.ns_steps)
+            ortho = _on_owner(place, lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps), m)
             return _scaled(ortho, spec, cfg.scale)
 
-        updates = jax.tree.map(one, specs, mu_hat, is_leaf=is_spec)
+        places = (
+            placed if placed is not None else jax.tree.map(lambda _: None, specs, is_leaf=is_spec)
+        )
+        updates = jax.tree.map(one, specs, mu_hat, places, is_leaf=is_spec)
         return updates, MuonState(count, mu)
 
     return optax.GradientTransformation(init, update)
 
 
-def muon(cfg: Muon, names, schedule, adamw: optax.GradientTransformation):
-    """Muon on the hidden matrices of the leaves `names` at `schedule`'s learning rate;
-    `adamw` on the others."""
+def muon(cfg: Muon, names, schedule, adamw: optax.GradientTransformation, placed=None):
+    """Muon on the hidden matrices of the leaves `names` at `schedule`'s learning rate
+    (orthogonalized where `placed`, `owners`, says); `adamw` on the others."""
     specs = matrices(names)
     if all(s is None for s in jax.tree.leaves(specs, is_leaf=is_spec)):
         trained = groups(names)["adamw"]
@@ -103,7 +152,7 @@ def muon(cfg: Muon, names, schedule, adamw: optax.GradientTransformation):
         )
     labels = jax.tree.map(lambda s: "adamw" if s is None else "muon", specs, is_leaf=is_spec)
     orthogonalized = optax.chain(
-        scale_by_muon(specs, cfg),
+        scale_by_muon(specs, cfg, placed),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )

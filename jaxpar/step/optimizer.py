@@ -26,9 +26,10 @@ def schedule_of(train: Train, peak: float):
 
 
 def optimizer(
-    train: Train, names, balance_step: float = 0.0, muon_keys: Muon | None = None
+    train: Train, names, balance_step: float = 0.0, muon_keys: Muon | None = None, placed=None
 ) -> tuple[optax.GradientTransformation, Any]:
-    """(AdamW, SGD or Muon (train.optimizer; Muon's keys `muon_keys`), its learning-rate
+    """(AdamW, SGD or Muon (train.optimizer; Muon's keys `muon_keys`, its matrices
+    orthogonalized where `placed` says: jaxpar.step.muon.owners), its learning-rate
     schedule); weight decay on matrices only. A router's balancing biases (named BALANCE)
     are moved by `balance_step` against the sign of their gradient (models/moe.py's
     `balanced`: DeepSeek's auxiliary-loss-free rule), outside the schedule, the decay and
@@ -41,7 +42,7 @@ def optimizer(
     elif train.optimizer is Optimizer.MUON:
         keys = muon_keys or Muon()
         rest = schedule_of(train, keys.adam_lr or train.lr)
-        tx = muon.muon(keys, names, schedule, adamw(rest, train.weight_decay, is_matrix))
+        tx = muon.muon(keys, names, schedule, adamw(rest, train.weight_decay, is_matrix), placed)
     else:
         tx = adamw(schedule, train.weight_decay, is_matrix)
     balance = balancing(names)
