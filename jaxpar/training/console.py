@@ -73,7 +73,7 @@ def startup(
         f"  mesh      {_mesh(report.mesh)} ({devices})",
         *_trains(report.config, params, trainable),
         *(
-            f"  {group:<9} {len(keys)} leaves: {', '.join(keys)}"
+            f"  {group:<9} {len(keys)} leaves{': ' * bool(keys)}{', '.join(keys)}"
             for group, keys in report.optimizer_groups.items()
         ),
         f"  data      {source}",
