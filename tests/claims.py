@@ -213,6 +213,23 @@ CLAIMS = (
     # docs/layouts.md
     Claim(
         "docs/layouts.md",
+        "Muon's update equals optax.contrib.muon's with the same per-matrix split; each leaf "
+        "is in the group its kind asks for",
+        (
+            "test_muon.py::test_muon_equals_optax_contrib_muon",
+            "test_muon.py::test_each_leaf_is_in_the_group_its_kind_asks_for",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "Muon in every layout equals one device; the owners' all-to-alls are at their minimum",
+        (
+            "test_muon.py::test_every_layout_equals_one_device",
+            "test_muon.py::test_owned_matrices_equal_one_device_at_the_minimum_bytes",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "The planner's predicted state equals the compiled step's within 2%",
         (
             "test_planner.py::test_prediction_matches_the_compiled_step",

@@ -1,6 +1,6 @@
 """`jaxpar bench` as a library: what the sections share (`measure`), one module per section
 (`strategies`, `schedules`, `dp`, `hosts`, `offload`, `remat`, `context`, `experts`,
-`checkpoint`, `longest`, `compile`, `plan`, `generate`, `grpo`), each with
+`checkpoint`, `longest`, `compile`, `plan`, `generate`, `grpo`, `optimizers`), each with
 run(base, steps, tables, out), and the command's run over them (`run`)."""
 
 from jaxpar import moved

@@ -364,7 +364,7 @@ def _bench_parser(sub) -> None:
         nargs="+",
         metavar="SECTION",
         help="measure only these sections: strategies schedules dp hosts offload remat "
-        "checkpoint compile plan generate grpo (default: all)",
+        "context experts checkpoint longest compile plan generate grpo optimizers (default: all)",
     )
     _force(bench)
     _cpu_devices(bench)
