@@ -225,29 +225,7 @@ def launch(
         else [sys.executable, "-P", "-m", "jaxpar.cli.main", *argv]
     )
     paths = [log_dir / f"process-{i}.log" for i in range(processes)]
-    logs = _take_logs(paths)
-    procs = []
-    for i, log in enumerate(logs):
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "JAX_PLATFORMS": "cpu",
-            "JAX_NUM_CPU_DEVICES": str(cpu_devices),
-            ENV[0]: coordinator,
-            ENV[1]: str(processes),
-            ENV[2]: str(i),
-            LAUNCHER: str(os.getpid()),
-            **_this_jaxpar(),
-        }
-        with log:  # the worker holds it (and its lock) from here
-            # a session of its own: a Ctrl-C at the terminal reaches the launcher alone,
-            # which forwards it once (a second would make the workers exit unsaved)
-            procs.append(
-                subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            )
-            log.write(f"{HEADER} {i} of {processes}, pid {procs[-1].pid}\n")
+    procs: list[subprocess.Popen] = []
     stopping: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -257,8 +235,13 @@ def launch(
                 if p.poll() is None:
                     p.send_signal(signum)
 
+    # (from before the first worker: a stop while they start reaches every one started)
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for i, log in enumerate(_take_logs(paths)):
+            with log:  # the worker holds it (and its lock) from here
+                if not stopping:
+                    procs.append(_spawn(command, log, i, processes, coordinator, cpu_devices))
         return _watch(procs, paths, stopping, ckpt_dir)
     finally:
         for p in procs:
@@ -266,6 +249,28 @@ def launch(
                 p.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _spawn(command, log, i: int, processes: int, coordinator: str, cpu_devices: int):
+    """Worker i, in a session of its own (a Ctrl-C at the terminal reaches the launcher
+    alone, which forwards it once: a second would make the workers exit unsaved), writing
+    `log` after its header line."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(cpu_devices),
+        ENV[0]: coordinator,
+        ENV[1]: str(processes),
+        ENV[2]: str(i),
+        LAUNCHER: str(os.getpid()),
+        **_this_jaxpar(),
+    }
+    proc = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    log.write(f"{HEADER} {i} of {processes}, pid {proc.pid}\n")
+    return proc
 
 
 HEADER = "jaxpar launch: process"  # each log's first line: which worker writes it
