@@ -26,7 +26,7 @@ _EXPORTS = {
     **{
         name: ("jaxpar.config.sections", name)
         for name in ("Adapter", "Checkpoint", "Config", "Data", "Distributed", "Dpo", "Grpo")
-        + ("Model",)
+        + ("Model", "Muon")
         + ("Parallel", "Train")
     },
     "load": ("jaxpar.config.presets", "load"),
