@@ -319,6 +319,19 @@ def test_this_xla_knows_every_gpu_flag():
         ).compile()
 
 
+def test_a_flag_this_xla_retired_is_left_out(monkeypatch):
+    """jaxlib 0.11 retired xla_gpu_enable_pipelined_*: a step built for a GPU then
+    compiles without them (seen on an H200), rather than failing."""
+    retired = {"xla_gpu_retired_flag": True, "xla_gpu_another_retired_flag": 7}
+    monkeypatch.setattr(xla_flags, "gpu_flags", lambda n: expected_flags(n) | retired)
+    xla_flags.unknown.cache_clear()
+    try:
+        assert xla_flags.unknown() == set(retired)
+        assert xla_flags.for_step("cuda", 8, "") == expected_flags(8)
+    finally:
+        xla_flags.unknown.cache_clear()
+
+
 def test_the_cuda12_extra_installs_the_plugin_of_the_jax_it_runs():
     """`pip install '.[cuda12]'` asks for jax[cuda12] in the range jaxpar itself takes,
     and that jax's `cuda12` extra pins its CUDA plugin and jaxlib to its own version."""
@@ -334,3 +347,23 @@ def test_the_cuda12_extra_installs_the_plugin_of_the_jax_it_runs():
     v = version("jax")
     pinned = {r.split(";")[0].replace(" ", "") for r in requires("jax") if 'extra == "cuda12"' in r}
     assert pinned == {f"jaxlib<={v},>={v}", f"jax-cuda12-plugin[with-cuda]<={v},>={v}"}
+
+
+def test_a_gpu_budget_names_the_share_jax_takes(monkeypatch):
+    """On an H200 a step of 115.4 GiB was refused against 104.9 GiB: JAX's 75% of the
+    card. The message names the variable that raises it."""
+    from jaxpar.step import preflight
+
+    class H200:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+        def memory_stats(self):
+            return {"bytes_limit": 112_640_000_000}
+
+    monkeypatch.setattr(preflight.jax, "local_devices", lambda: [H200()])
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    have = preflight.budget()
+    assert (have.bytes_per_device, have.devices) == (112_640_000_000, 1)
+    assert have.what == (
+        "NVIDIA H200 memory JAX takes (XLA_PYTHON_CLIENT_MEM_FRACTION=.75 of it; .95 leaves room)"
+    )

@@ -51,7 +51,11 @@ def budget() -> Budget | None:
         n = jax.local_device_count()
         return Budget(host_available() // n, f"available host memory / {n} CPU devices", n)
     limit = (device.memory_stats() or {}).get("bytes_limit")
-    return Budget(int(limit), f"{device.device_kind} memory", 1) if limit else None
+    what = f"{device.device_kind} memory"
+    if device.platform == "gpu":  # JAX's allocator takes a share of the card, not all
+        share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75")
+        what += f" JAX takes (XLA_PYTHON_CLIENT_MEM_FRACTION={share} of it; .95 leaves room)"
+    return Budget(int(limit), what, 1) if limit else None
 
 
 def check_state(cfg: Config, engine, mesh_shape: dict, force: bool) -> None:

@@ -8,13 +8,18 @@ loop double-buffered, and the collectives of a step combined up to thresholds sc
 the device count as MaxText does (1 GiB all-reduce; 1 GiB / devices all-gather; half of
 that reduce-scatter). They are passed as the step's compiler options, so nothing else
 jax compiles is touched, and only where the step is built for CUDA or ROCm. A flag the
-user names in XLA_FLAGS is left to XLA_FLAGS: theirs wins.
+user names in XLA_FLAGS is left to XLA_FLAGS: theirs wins. A flag the running XLA does
+not know (XLA retires them: jaxlib 0.11 has no `xla_gpu_enable_pipelined_*`) is left out,
+and said in the run header, rather than failing every compile.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+
+import jax
 
 GPU_PLATFORMS = ("cuda", "rocm")
 COMBINE = 2**30  # bytes: MaxText's all-reduce combine threshold
@@ -46,7 +51,27 @@ def for_step(platform: str, devices: int, xla_flags: str | None = None) -> dict:
     if platform not in GPU_PLATFORMS:
         return {}
     theirs = user_named(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
-    return {k: v for k, v in gpu_flags(devices).items() if k not in theirs}
+    known = set(gpu_flags(devices)) - unknown()
+    return {k: v for k, v in gpu_flags(devices).items() if k not in theirs and k in known}
+
+
+@functools.cache
+def unknown() -> frozenset[str]:
+    """The GPU flags this XLA refuses as compile options: a trivial program compiled
+    with them, each one named in 'No such compile option' dropped until it compiles.
+    XLA parses them into its DebugOptions on every backend, so a CPU answers too."""
+    options, dropped = gpu_flags(1), set()
+    probe = jax.jit(lambda x: x + 1).lower(1.0)
+    while True:
+        try:
+            probe.compile(compiler_options=options)
+            return frozenset(dropped)
+        except jax.errors.JaxRuntimeError as e:
+            name = re.search(r"No such compile option: '(\w+)'", str(e))
+            if name is None or name[1] not in options:
+                raise
+            dropped.add(name[1])
+            del options[name[1]]
 
 
 def shown(options: dict) -> str:

@@ -95,7 +95,11 @@ def startup(
         f"  compiled  in {report.compile_s:.1f} s",
     ]
     if report.xla_flags:
-        lines.append(f"  xla       {xla_flags.shown(report.xla_flags)} (XLA_FLAGS overrides)")
+        lacks = ", ".join(sorted(xla_flags.unknown()))
+        lines.append(
+            f"  xla       {xla_flags.shown(report.xla_flags)} (XLA_FLAGS overrides)"
+            + (f"; this XLA has no {lacks}" if lacks else "")
+        )
     if any((host.params, host.opt_state, host.activations, host.temp)):
         lines.append(
             f"  host      per device: params {human_bytes(host.params)}, opt_state "
