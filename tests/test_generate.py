@@ -283,7 +283,7 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
     shown = [
         line.split("generate ", 1)[1] for line in said.splitlines() if "jaxpar generate" in line
     ]
-    assert shown == [f'{run} --tokenizer TOKENIZER_DIR --prompt "Hello"']  # no tokenizer in data
+    assert shown == [f'{run} --prompt "Hello"']  # trained on the corpus's bytes
     gen = ["generate", str(run), "--tokenizer", str(tokenizer), "--max-new-tokens", "5"]
     assert cli.main([*gen, "--prompt", "Hello"]) == 0
     out, err = capsys.readouterr()
@@ -365,3 +365,28 @@ def test_the_python_api_gives_greedy_completions(checkpoint, tmp_path, devices):
     texts = jaxpar.generate(f"hf:{checkpoint}", ["Hello", "The"], tokenizer, **kw)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     assert jaxpar.generate(f"hf:{checkpoint}", ["Hello", "The"], tokenizer, **kw) == texts
+
+
+@pytest.mark.slow
+def test_a_byte_level_run_is_sampled_without_a_tokenizer(tmp_path, capsys):
+    """A run trained on the corpus's bytes: its next steps say generate with no
+    --tokenizer (and no eval, whose requests need one), and generate decodes bytes."""
+    run = tmp_path / "run"
+    argv = ["train", "--config", "llama-tiny", "data.source=corpus", "model.vocab=256",
+            "train.steps=1", "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert f'jaxpar generate {run} --prompt "Hello"' in said and "jaxpar eval" not in said
+    assert cli.main(["generate", str(run), "--max-new-tokens", "4", "--prompt", "Héllo"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Héllo") and "prefill 6 tokens" in err  # é is two bytes
+    assert cli.main(["generate", str(run), "--prompt", "Hi", "--chat"]) == 2
+    one_line_error(capsys, "--chat: a byte-level run has no chat template; drop --chat")
+
+
+def test_bytes_decode_as_utf8_and_unknown_ids_as_the_replacement():
+    from jaxpar.generation.prompts import Bytes
+
+    ids = Bytes().encode("ĳ!").ids
+    assert ids == [196, 179, 33] and Bytes().decode(ids) == "ĳ!"
+    assert Bytes().decode([104, 300, 196]) == "h\ufffd\ufffd"  # past the bytes; a cut char

@@ -179,8 +179,8 @@ def test_bad_tokens_refused(case, prepared, tmp_path, capsys, devices):
         (["nope.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o"], "nope.txt: no such file"),
         (["{tmp}/a.txt", "--tokenizer", "{tmp}", "--out", "{tmp}/o"], "no tokenizer.json there"),
         (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/a.txt"], "is a file"),
-        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--val-fraction", "0"],
-         "--val-fraction 0"),
+        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--val-fraction", "0.6"],
+         "--val-fraction 0.6: give a share from 0 (hold nothing out) to 0.5"),
     ],
 )  # fmt: skip
 def test_bad_prepare_data_refused(argv, needle, tokenizer, tmp_path, capsys):
@@ -189,6 +189,29 @@ def test_bad_prepare_data_refused(argv, needle, tokenizer, tmp_path, capsys):
     assert cli.main(["prepare-data", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_val_fraction_0_holds_nothing_out(tokenizer, tmp_path, capsys, devices):
+    """--val-fraction 0: every paragraph is trained on and val.bin is empty; a run that
+    evaluates is refused naming the fix, one that does not reads the whole set."""
+    from jaxpar.recipe import setup
+
+    (tmp_path / "a.txt").write_text("\n\n".join(_documents()[:60]))
+    out = tmp_path / "o"
+    argv = [str(tmp_path / "a.txt"), "--tokenizer", str(tokenizer), "--out", str(out)]
+    assert cli.main(["prepare-data", *argv, "--val-fraction", "0"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["val_tokens"] == 0 == (out / "val.bin").stat().st_size
+    assert meta["train_tokens"] * 2 == (out / "train.bin").stat().st_size > 0
+    run = ["train", "--config", "gpt-tiny", "data.source=tokens", f"data.path={out}",
+           f"model.vocab={VOCAB}", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert cli.main([*run, "train.eval_every=5"]) == 2
+    one_line_error(capsys, "train.eval_every=5 with data.path=", "its val.bin is empty "
+                   "(prepared with --val-fraction 0", "set train.eval_every=0")  # fmt: skip
+    cfg = presets.load("gpt-tiny", [*run[3:6], "train.eval_every=0"])
+    assert len(data.load_tokens(cfg.data, cfg.train, cfg.model)) == meta["train_tokens"]
+    s = setup(cfg)
+    assert s.eval_batches is None and s.batches(0)["tokens"].shape == (16, 65)
 
 
 def test_a_second_prepare_into_the_same_folder_is_refused(prepared, tokenizer, capsys):

@@ -242,7 +242,7 @@ def _prepare_data_parser(sub) -> None:
         type=float,
         default=None,
         metavar="F",
-        help="the share of documents held out for the validation split (default: "
+        help="the share of documents held out for the validation split, 0 for none (default: "
         + ", ".join(f"{share} with --format {f}" for f, share in VAL_FRACTION.items())
         + ")",
     )
@@ -284,7 +284,13 @@ def _generate_parser(sub) -> None:
         "data. KEY=VALUE overrides (parallel.data, parallel.tensor) may come anywhere.",
     )
     gen.add_argument("source", metavar="RUN_DIR|hf:DIR")
-    gen.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
+    gen.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="default: hf:DIR's own, else the one the run's data was prepared with; a run "
+        "trained on bytes (data.source=corpus or file) decodes bytes",
+    )
     asks = gen.add_mutually_exclusive_group(required=True)
     asks.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts")
     asks.add_argument("--prompts", type=Path, metavar="FILE.jsonl", help="a prompt per line")
@@ -538,7 +544,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
     if not args.source.startswith("hf:"):  # (an hf:DIR is read after the prompts' files)
         sources.check(args.source, "generate")
-    request = prompts.read(args)
+    # the prompts checked before jax starts; through the tokenizer too where it is given
+    request = prompts.read(args, args.tokenizer) if args.tokenizer else prompts.rows_of(args)
     _decoding_keys("generate", args.overrides)
     # one CPU device unless asked for more: simulated devices share the cores, and a
     # process of 8 decodes 1.4x slower a step on one of them (docs/generation.md)
@@ -546,8 +553,11 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxpar.generation import decoding
 
     model = decoding.load(args.source, args.overrides, args.step)
+    tokenizer = sources.tokenizer_of(args.source, args.tokenizer, model, "generate")
+    if not args.tokenizer:
+        request = prompts.read(args, tokenizer)
     sampling.check_vocab(model.cfg.model.vocab)
-    ids = prompts.ids_for(request, model, args.tokenizer)
+    ids = prompts.ids_for(request, model, tokenizer)
     decoding.check_lengths(model, ids, args.max_new_tokens)  # before anything is printed
     stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
     if stream:  # the prompt as given (not the chat template around it), then the answer

@@ -14,7 +14,8 @@ prompts, tokenized, with their other fields (jaxpar.data.prompts): `data.path` o
 The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
 encoder runs on all cores. A text document ends with the tokenizer's end-of-text token
 where it has one (for the model to learn where documents end); where documents start is
-the index's to say. Every `1 / val_fraction`-th unit goes to val.bin, never trained on: a
+the index's to say. Every `1 / val_fraction`-th unit goes to val.bin, never trained on (0:
+none; val.bin is then empty, and a run that evaluates says so): a
 JSONL line, a Parquet row, a conversation, or a paragraph of a text file (a text file is
 one document; its paragraphs are the units, so that one long file still has a held-out
 split, and its paragraphs in each split form one document there). Inputs are streamed: a
@@ -73,8 +74,10 @@ def check(
             f"{MAX_IDS} ids (TRL's default is 1024)"
         )
     chat.tokenizer(tokenizer)  # read whole: a file that is not one is named now
-    if not 0 < val_fraction <= 0.5:
-        raise ConfigError(f"--val-fraction {val_fraction}: give a share > 0 and <= 0.5")
+    if not 0 <= val_fraction <= 0.5:
+        raise ConfigError(
+            f"--val-fraction {val_fraction}: give a share from 0 (hold nothing out) to 0.5"
+        )
     for path in (p for p in inputs if p.suffix == ".parquet"):
         _check_parquet(path)
     if (out / data.META).exists():
@@ -280,7 +283,7 @@ def _prepare(
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     eos = chat.end_of_text(tok, chat.Template(tokenizer))
     eos = None if eos is None else tok.token_to_id(eos)
-    every = max(1, round(1 / val_fraction))
+    every = max(1, round(1 / val_fraction)) if val_fraction else 0
     masked = fmt not in ("text", "prompts")
     names = () if fmt == "prompts" else ("train", "val")
     splits = {name: _Split(out, name, dtype, masked) for name in names}
@@ -342,7 +345,7 @@ def _text(inputs, tok, eos, every: int, splits: dict, bar) -> dict:
 
     for path in inputs:
         for text, ends in _pieces(path):
-            split = "val" if units % every == every - 1 else "train"
+            split = data.split_of(units, every)
             pending.append((text, ends, split))
             documents, units, written = documents + ends, units + 1, written + bool(text.strip())
             if len(pending) >= BATCH:
@@ -370,7 +373,7 @@ def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> d
             if one is None:
                 skipped += 1
                 continue
-            split = "val" if documents % every == every - 1 else "train"
+            split = data.split_of(documents, every)
             splits[split].write(one.ids, True, one.mask)
             documents += 1
     if not documents:
@@ -388,7 +391,7 @@ def _pairs(inputs, tokenizer: Path, every: int, splits: dict, bar, max_length) -
         bar.update(size)
         if one is None:
             continue
-        split = "val" if sum(pairs.values()) % every == every - 1 else "train"
+        split = data.split_of(sum(pairs.values()), every)
         for document in one.documents():
             splits[split].write(document.ids, True, document.mask)
         pairs[split] += 1

@@ -81,7 +81,7 @@ def write(inputs: list[Path], tokenizer: Path, out: Path, every: int, bar) -> di
             bar.update(size)
             if one is None:
                 continue
-            split = "val" if sum(counts.values()) % every == every - 1 else "train"
+            split = data.split_of(sum(counts.values()), every)
             files[split].write(json.dumps(one) + "\n")
             counts[split] += 1
             longest = max(longest, len(one["ids"]))
@@ -172,6 +172,7 @@ def load(data_: Data, vocab: int, split: str = "train") -> Prompts:
     if not ids:
         raise ConfigError(
             f"data.path={data_.path}: its {split} split holds no prompt; prepare more prompts"
+            + (", or a larger --val-fraction, or train.eval_every=0" if split == "val" else "")
         )
     top = max(max(p, default=0) for p in ids)
     if top >= vocab:

@@ -88,6 +88,17 @@ def load_tokens(data: Data, train: Train, model: Model) -> np.ndarray | TokenFil
     return tokens
 
 
+def byte_level(data: Data) -> bool:
+    """Whether data.* reads text as bytes, each byte its id (the corpus, a text file)."""
+    return data.source in (Source.CORPUS, Source.FILE)
+
+
+def split_of(unit: int, every: int) -> str:
+    """prepare-data's split of its `unit`-th unit: every `every`-th is held out ("val"),
+    none where `every` is 0 (--val-fraction 0)."""
+    return "val" if every and unit % every == every - 1 else "train"
+
+
 def held_out_bytes(n: int) -> int:
     return int(n * HELD_OUT)
 
@@ -105,6 +116,12 @@ def load_eval_tokens(data: Data, train: Train, model: Model) -> np.ndarray | Tok
                 "val.bin), or train.eval_every=0"
             )
         tokens = token_file(data, model.vocab, split="val")
+        if not len(tokens):
+            raise ConfigError(
+                f"train.eval_every={train.eval_every} with data.path={data.path}: its val.bin "
+                "is empty (prepared with --val-fraction 0, or from too few documents to hold "
+                "one out); set train.eval_every=0, or prepare it with a larger --val-fraction"
+            )
     else:
         text = np.frombuffer(_text(data, model), dtype=np.uint8)
         tokens = text[len(text) - held_out_bytes(len(text)) :]

@@ -32,17 +32,22 @@ def results_folder(source: str) -> Path:
     return folder / "eval"
 
 
-def tokenizer_of(source: str, given: str | Path | None, loaded: decoding.Loaded) -> Path:
+def tokenizer_of(
+    source: str, given: str | Path | None, loaded: decoding.Loaded, command: str = "eval"
+) -> Path | None:
     """The tokenizer folder: the one given, else hf:DIR's own folder, else the one the
-    run's data.path was prepared with (its meta.json says)."""
+    run's data.path was prepared with (its meta.json says); for generate, None where the
+    run was trained on bytes (data.source=corpus or file)."""
     if given:
         return Path(given)
     if source.startswith(hf.SCHEME):
         return hf.directory_of(source)
     recorded = tokens.tokenizer_of(loaded.cfg.data)
+    if recorded is None and command == "generate" and tokens.byte_level(loaded.cfg.data):
+        return None
     if recorded is None:
         raise ConfigError(
-            f"eval: {source} was not trained on data prepared with a tokenizer "
+            f"{command}: {source} was not trained on data prepared with a tokenizer "
             f"(data.path={loaded.cfg.data.path or 'none'}); give --tokenizer DIR, the "
             "tokenizer of its ids"
         )

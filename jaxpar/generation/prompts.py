@@ -9,12 +9,32 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from jaxpar.data import chat
 from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 
 GREEDY = decoding.Sampling()
+
+
+class Bytes:
+    """A byte-level run's tokenizer (data.source=corpus or file: each byte is its id),
+    with the part of `tokenizers.Tokenizer`'s API that generate uses. An id past the
+    bytes (model.vocab may be larger; none is trained) reads as U+FFFD."""
+
+    def get_vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = False):
+        return SimpleNamespace(ids=list(text.encode()))
+
+    def decode(self, ids) -> str:
+        raw = b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids)
+        return raw.decode(errors="replace")
+
+    def token_to_id(self, token: str) -> None:
+        return None  # no end-of-text: a completion runs to --max-new-tokens
 
 
 @dataclass(frozen=True)
@@ -28,21 +48,31 @@ class Request:
     jsonl: bool  # write JSONL (--prompts), else text
 
 
-def read(args) -> Request:
-    """The command's --tokenizer, --prompt / --prompts and --chat, read and checked."""
-    rows = [{"prompt": p} for p in args.prompt] if args.prompt else _lines(args.prompts)
+def rows_of(args) -> list[dict]:
+    """The command's --prompt / --prompts as rows, read and checked."""
+    return [{"prompt": p} for p in args.prompt] if args.prompt else _lines(args.prompts)
+
+
+def read(args, tokenizer: Path | None) -> Request:
+    """The command's --prompt / --prompts and --chat through `tokenizer` (None: bytes),
+    read and checked."""
 
     def where(n: int) -> str:
         return f"--prompts {args.prompts}:{n}" if args.prompts else f"--prompt {n}"
 
-    return request(args.tokenizer, rows, args.chat, bool(args.prompts), where)
+    return request(tokenizer, rows_of(args), args.chat, bool(args.prompts), where)
 
 
-def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) -> Request:
+def request(tokenizer: Path | None, rows: list[dict], chat_: bool, jsonl: bool, where) -> Request:
     """Rows ({"prompt": text} or {"messages": [...]}) as the model reads them, with the
-    tokenizer of folder `tokenizer` (and its chat template, with `chat_`)."""
-    tok = chat.tokenizer(tokenizer)
-    template = chat.Template(tokenizer)
+    tokenizer of folder `tokenizer` (and its chat template, with `chat_`); None: bytes."""
+    if tokenizer is None and chat_:
+        raise ConfigError(
+            "--chat: a byte-level run has no chat template; drop --chat to continue the "
+            "text as it is"
+        )
+    tok = Bytes() if tokenizer is None else chat.tokenizer(tokenizer)
+    template = None if tokenizer is None else chat.Template(tokenizer)
     if chat_ and template.compiled is None:
         raise ConfigError(
             f"--chat: {tokenizer} has no chat template (tokenizer_config.json's "
@@ -63,12 +93,13 @@ def request(tokenizer: Path, rows: list[dict], chat_: bool, jsonl: bool, where) 
     return Request(texts, rows, tok, chat.stop_ids(tok, chat_), jsonl)
 
 
-def ids_for(request: Request, model, tokenizer: Path) -> list[list[int]]:
+def ids_for(request: Request, model, tokenizer: Path | None) -> list[list[int]]:
     """The prompts' ids, the tokenizer checked against the model's vocab."""
     vocab = request.tokenizer.get_vocab_size()
     if vocab > model.cfg.model.vocab:
+        given = "bytes" if tokenizer is None else f"--tokenizer {tokenizer}"
         raise ConfigError(
-            f"--tokenizer {tokenizer}: {vocab} ids, but the model has model.vocab="
+            f"{given}: {vocab} ids, but the model has model.vocab="
             f"{model.cfg.model.vocab}; give the tokenizer it was trained with"
         )
     return [request.tokenizer.encode(t, add_special_tokens=False).ids for t in request.texts]

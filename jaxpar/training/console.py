@@ -11,7 +11,7 @@ from jaxpar.config import registry
 from jaxpar.config.sections import Adapter, AdapterKind, Data
 from jaxpar.cost.report import Report, human_bytes, table
 from jaxpar.cost.throughput import shown
-from jaxpar.data.tokens import tokenizer_of
+from jaxpar.data.tokens import byte_level, tokenizer_of
 from jaxpar.parallel.axes import EXPERT, REPLICA
 from jaxpar.step import xla_flags
 
@@ -201,13 +201,15 @@ def next_steps(out: Path, model_name: str, adapter: Adapter, data: Data) -> list
     if adapter.kind is AdapterKind.LORA:
         steps.append(f"{jaxpar} export {out} --to {out / 'peft'} --format peft")
     if spec.cache_dims is not None:
-        made_by = tokenizer_of(data)
-        tokenizer = made_by or "TOKENIZER_DIR"
-        steps.append(f'{jaxpar} generate {out} --tokenizer {tokenizer} --prompt "Hello"')
-        given = "" if made_by else f" --tokenizer {tokenizer}"
-        steps.append(
-            f"{jaxpar} eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen"
-        )
+        # generate finds the tokenizer the data was prepared with, or decodes bytes
+        known = tokenizer_of(data) is not None
+        given = "" if known or byte_level(data) else " --tokenizer TOKENIZER_DIR"
+        steps.append(f'{jaxpar} generate {out}{given} --prompt "Hello"')
+        if not byte_level(data):  # lm-eval's requests are text for a tokenizer
+            given = "" if known else " --tokenizer TOKENIZER_DIR"
+            steps.append(
+                f"{jaxpar} eval {out}{given} --tasks jaxpar_arithmetic_mc jaxpar_arithmetic_gen"
+            )
     return steps
 
 
