@@ -167,6 +167,13 @@ def test_console_counts_and_qualifiers(devices):
     speed = throughput.figures(1.5e6 * 1024, 1024, 0.1, 8, None)
     done = report.trained(tokens_per_step=1024, final_loss=1.0, step_time_s=0.1, **speed)
     closing = console.closing(done, [2.0, 1.0])
+    assert "2.0000 -> 1.0000" in closing
+    assert "resumed part" not in closing
+    # resumed at step 11 of 12: the run's first loss, and the resumed part's, labelled
+    earlier = [{"step": 1, "loss": 5.5}, {"step": 10, "loss": 3.0}, {"step": 11, "loss": 2.0}]
+    resumed = console.closing(done, [2.0, 1.0], earlier, first=11)
+    assert "5.5000 (step 1) -> 1.0000 (step 12)" in resumed
+    assert "resumed part" in resumed and "2.0000 -> 1.0000 (steps 11-12)" in resumed
     assert "1.9 GFLOP/s per device" in closing and "(1280 per device)" in closing
     assert "x minimum (data))" in closing  # the axes the minimum is over, as in the header
     assert "x the textbook minimum (data)" in console.startup(report, 1, "cpu", "corpus")

@@ -151,14 +151,30 @@ def _first_to_last(values: list[float]) -> str:
     return f"{values[0]:.3f} -> {values[-1]:.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
-def closing(report: Report, losses: list[float], rows: list[dict] = ()) -> str:
-    """The closing table: the run's figures, and what the model reported (a mixture's
-    drops, ...) from the first logged step to the last; a warning under it when a
-    mixture drops more than TOO_MANY_DROPPED of its tokens' expert choices."""
+def _loss(losses: list[float], rows, first: int) -> list[list[str]]:
+    """The loss from the run's first step to its last; for a run resumed at step
+    `first` (rows logged before it), the resumed part's too, each labelled."""
+    mine = f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+    earlier = [r for r in rows if r["step"] < first and r.get("loss") is not None]
+    if not earlier:
+        return [["loss", mine]]
+    last = first + len(losses) - 1
+    return [
+        ["loss", f"{earlier[0]['loss']:.4f} (step {earlier[0]['step']}) -> {losses[-1]:.4f} "
+         f"(step {last})"],
+        ["resumed part", f"{mine} (steps {first}-{last})"],
+    ]  # fmt: skip
+
+
+def closing(report: Report, losses: list[float], rows: list[dict] = (), first: int = 1) -> str:
+    """The closing table: the run's figures (`losses`: this call's, from step `first`),
+    and what the model reported (a mixture's drops, ...) from the first logged step to
+    the last; a warning under it when a mixture drops more than TOO_MANY_DROPPED of its
+    tokens' expert choices."""
     mem = report.memory_per_device
     reported = list(dict.fromkeys(k for r in rows for k in r if "/" in k and r[k] is not None))
     figures = [
-        ["loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
+        *_loss(losses, rows, first),
         *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
         ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
         [

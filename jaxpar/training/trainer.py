@@ -307,7 +307,8 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say, hooks) -> Rep
             eval_loss=loop.eval_losses[-1][1] if loop.eval_losses else None,
             **_throughput(run, step_time),
         )
-        say(console.closing(report, loop.losses, rows))
+        first = loop.end - len(loop.losses) + 1  # this call's first step
+        say(console.closing(report, loop.losses, rows, first))
     if report.checkpoint and not loop.stopped:
         say(f"weights: {report.checkpoint}")
     if files:
