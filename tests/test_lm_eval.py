@@ -3,6 +3,7 @@ Hugging Face backend answers them, in length buckets, in every decoding layout; 
 command, the shipped local tasks, train.eval_tasks, and bad input."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -183,6 +184,10 @@ def test_eval_command_writes_lm_evals_results_and_prints_its_table(
     assert results["n-samples"]["jaxpar_arithmetic_mc"]["effective"] == 8
     assert "|jaxpar_arithmetic_mc |" in printed and "exact_match" in printed
     assert "tokens/s" in err and "x tensor=2" in err
+    # every bar is named: lm-eval's over the documents, and jaxpar's over the requests
+    bars = [line for line in err.replace("\r", "\n").splitlines() if "|" in line and "%" in line]
+    assert bars and [b for b in bars if not re.match(r"\s*[a-z][a-z_ ]+:", b)] == []
+    assert any(bar.lstrip().startswith("building prompts:") for bar in bars)
 
 
 def test_a_local_task_folder_reads_its_files_beside_it(tmp_path, monkeypatch):

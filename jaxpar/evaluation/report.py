@@ -3,9 +3,13 @@ the run directory's eval/, or --out), its table, and the speeds of scoring."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
+from unittest import mock
+
+from tqdm import tqdm
 
 from jaxpar.evaluation import BATCH_SIZE, sources
 from jaxpar.evaluation.harness import JaxparLM
@@ -30,16 +34,21 @@ def evaluate(
     `chat`, each prompt through the tokenizer's chat template, few-shot examples as
     turns)."""
     import lm_eval
+    import lm_eval.api.task
 
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks.objects),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=tasks.manager,
-        log_samples=False,
-        apply_chat_template=chat,
-    )
+    # lm-eval's bar over a task's documents as it builds their prompts has no label
+    # (lm_eval/api/task.py, Task.build_all_requests): it is named here
+    named = functools.partial(tqdm, desc="building prompts", unit="doc")
+    with mock.patch.object(lm_eval.api.task, "tqdm", named):
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks.objects),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=tasks.manager,
+            log_samples=False,
+            apply_chat_template=chat,
+        )
 
 
 def scores(results: dict) -> dict[str, float]:
