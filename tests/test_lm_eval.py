@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -153,6 +154,21 @@ def test_one_compile_a_length_bucket_however_many_requests(checkpoint, requests)
         assert model.scorer.rows_scored == len(shared) < len(asked) - 5
         model._loglikelihood_tokens([(None, c, x) for c, x in asked[::-1]])
     assert len(compiles) == 3
+
+
+@pytest.mark.slow
+def test_the_docs_offline_lm_eval_command_runs_as_written(checkpoint):
+    """docs/evaluation.md's `lm_eval --model jaxpar` on the shipped arithmetic task, with
+    the hub and datasets offline, from the folder its first line goes to (the venv's
+    programs this interpreter's, the page's model this test's)."""
+    page = (Path(__file__).parents[1] / "docs" / "evaluation.md").read_text()
+    block = page.split("Offline, on the arithmetic tasks", 1)[1].split("```")[1]
+    command = block.replace("\\\n", " ").replace("hf:/tmp/tl/base", f"hf:{checkpoint}")
+    bin_ = Path(sys.executable).parent
+    command = command.replace(".venv/bin/", f"{bin_}/").replace("lm_eval ", f"{bin_}/lm_eval ")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "|jaxpar_arithmetic_mc|" in done.stdout and "limit: 10.0" in done.stdout
 
 
 @pytest.mark.smoke
