@@ -78,6 +78,13 @@ RESUME = {
         "parallel.outer_lr=0.7",
         "parallel.outer_momentum=0.9",
     ],
+    # Muon's momentum on each layer's owner (4 layers over data=4), its AdamW part sliced
+    "muon-zero2-tp": [
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.zero=2",
+        "train.optimizer=muon",
+    ],
 }
 
 
