@@ -19,8 +19,6 @@ import functools
 import os
 import re
 
-import jax
-
 GPU_PLATFORMS = ("cuda", "rocm")
 COMBINE = 2**30  # bytes: MaxText's all-reduce combine threshold
 
@@ -60,6 +58,8 @@ def unknown() -> frozenset[str]:
     """The GPU flags this XLA refuses as compile options: a trivial program compiled
     with them, each one named in 'No such compile option' dropped until it compiles.
     XLA parses them into its DebugOptions on every backend, so a CPU answers too."""
+    import jax  # (this module is read before jax starts: the run header, the CLI)
+
     options, dropped = gpu_flags(1), set()
     probe = jax.jit(lambda x: x + 1).lower(1.0)
     while True:
