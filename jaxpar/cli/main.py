@@ -545,7 +545,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.source.startswith("hf:"):  # (an hf:DIR is read after the prompts' files)
         sources.check(args.source, "generate")
     # the prompts checked before jax starts; through the tokenizer too where it is given
-    request = prompts.read(args, args.tokenizer) if args.tokenizer else prompts.rows_of(args)
+    if args.tokenizer:
+        request = prompts.read(args, args.tokenizer)
+    else:
+        prompts.rows_of(args)
     _decoding_keys("generate", args.overrides)
     # one CPU device unless asked for more: simulated devices share the cores, and a
     # process of 8 decodes 1.4x slower a step on one of them (docs/generation.md)
