@@ -496,6 +496,11 @@ CLAIMS = (
             "test_adapters.py::test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s",
         ),
     ),
+    Claim(
+        "docs/adapters.md",
+        "A QLoRA step over tensor sends at least its minimum: the adapters' partial gradients",
+        ("test_adapters.py::test_a_qlora_step_over_tensor_sends_at_least_its_minimum",),
+    ),
     # docs/preference.md
     Claim(
         "docs/preference.md",

@@ -182,6 +182,22 @@ def test_only_the_adapters_cross_the_data_axis(devices):
     assert lora_.comm.wire_bytes_per_device < full.comm.wire_bytes_per_device / 5
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_qlora_step_over_tensor_sends_at_least_its_minimum(kv_heads, devices):
+    """The tensor minimum of an adapter run counts no gradient of the frozen base and the
+    adapters' partial ones (wq's A; with 1 kv head over tensor=2, wv's A and B too). It
+    held the base's wk and wv gradients and none of the adapters', so the ratio read 0.96.
+    With 1 kv head the wire is above it by what jaxpar's LoRA sends instead of A and B's
+    gradients: the merged [embed, kv x head_dim] weight's, summed over tensor a layer."""
+    overrides = ("adapter.kind=lora", "adapter.base=nf4", "parallel.data=4", "parallel.tensor=2")
+    dims = ("model.embed=128", "model.heads=2", f"model.kv_heads={kv_heads}", "model.mlp=128")
+    comm = compile_only("llama-tiny", (*overrides, *dims)).comm
+    tensor = comm.by_axis["tensor"]
+    merged = 4 * 4 * (128 * 64 - (128 * 8 + 8 * 64)) if kv_heads == 1 else 0  # layers x bytes
+    assert 0 <= tensor.wire - tensor.minimum - merged <= 0.002 * tensor.minimum, comm
+    assert comm.ratio >= 1.0, comm
+
+
 def nf4_base_bytes(cfg, plain) -> float:
     """An NF4 base's bytes: each quantized weight of n elements n/2 bytes of codes and a
     fp32 scale per 64, the rest bf16."""

@@ -53,31 +53,31 @@ def _llama(d: ModelDims, tensor: int, scores: bool, context: int) -> float:
     return 2 * tokens * (per_token + attention)
 
 
-def megatron_elements(d: ModelDims, rows: int, tensor: int) -> float:
+def megatron_elements(d: ModelDims, rows: int, tensor: int, frozen: bool = False) -> float:
     """Elements Megatron all-reduces over `tensor` per micro-batch of `rows` sequences:
     per block its row-split outputs (forward) and its column-split inputs (backward): o
     and down, the fused q/k/v and gate/up for an attention block, one MLP's each way
-    for an MLP block; the vocab-split embedding (forward) and head (backward); and, for
-    key/value heads that `tensor` does not divide, their weights' gradients."""
+    for an MLP block; the vocab-split embedding (forward) and head (backward); and,
+    unless the weights are `frozen` (an adapter run's base), the gradients of the k and
+    v weights of key/value heads that `tensor` does not divide."""
     per_block = 2 if d.block is BlockKind.MLP else 4
     acts = (per_block * d.layers + 2) * rows * d.seq_len * d.embed
-    return acts + d.layers * _kv_grads(d, tensor) if d.block is BlockKind.LLAMA else acts
+    if d.block is not BlockKind.LLAMA or frozen or d.kv_heads % tensor == 0:
+        return acts
+    return acts + d.layers * 2 * kv_summed(d.embed * d.kv_heads * d.head_dim, d.kv_heads, tensor)
 
 
-def _kv_grads(d: ModelDims, t: int) -> float:
-    """Key/value heads that `tensor` does not divide are whole on every device, each
-    using its query heads' share, so the k and v weights' gradients are summed over
-    `tensor`: where t is a multiple of kv_heads, each head's among the t / kv_heads
-    devices that hold its query heads, then gathered; else over all t. In all-reduce
-    elements (2(t-1)/t each on the wire), per block."""
-    if d.kv_heads % t == 0:
-        return 0.0
-    whole = d.embed * d.kv_heads * d.head_dim  # one of wk, wv
-    if t % d.kv_heads:
-        return 2 * whole
-    g = t // d.kv_heads
-    wire = 2 * (g - 1) / g * whole / d.kv_heads + (d.kv_heads - 1) / d.kv_heads * whole
-    return 2 * wire / (2 * (t - 1) / t)
+def kv_summed(whole: float, kv_heads: int, t: int) -> float:
+    """A gradient of `whole` elements over key/value heads that `t` does not divide, in
+    all-reduce elements (2(t-1)/t each on the wire). Such heads are whole on every device,
+    each using its query heads' share, so the gradient is summed over `tensor`: where t
+    is a multiple of kv_heads, each head's among the t / kv_heads devices that hold its
+    query heads, then gathered; else over all t."""
+    if t % kv_heads:
+        return whole
+    g = t // kv_heads
+    wire = 2 * (g - 1) / g * whole / kv_heads + (kv_heads - 1) / kv_heads * whole
+    return wire / (2 * (t - 1) / t)
 
 
 def activation_bytes(

@@ -81,6 +81,16 @@ def rules_for(sequence_parallel: bool):
     return tuple((name, TENSOR if name == SEQ_RESIDUAL else axis) for name, axis in RULES)
 
 
+def over_tensor(names: tuple, shape: tuple, t: int) -> tuple[bool, bool]:
+    """(split, whole): whether RULES split some dim of a leaf (or a part of one) over
+    `tensor` at degree t; whether a dim they would split stays whole because t does not
+    divide it (WHERE_DIVISIBLE: what every tensor device then computes all of)."""
+    table = dict(RULES)
+    wanted = [(n, s) for n, s in zip(names, shape, strict=True) if table.get(n) == TENSOR]
+    split = any(s % t == 0 or n not in WHERE_DIVISIBLE for n, s in wanted)
+    return split, any(s % t for n, s in wanted if n in WHERE_DIVISIBLE)
+
+
 def tensor_dims(names_tree, shapes_tree) -> dict[str, int]:
     """The sizes of the parameters' dims that RULES splits over `tensor` without exception
     (not WHERE_DIVISIBLE), by logical name, in RULES' order: what a tensor degree must
