@@ -151,6 +151,7 @@ def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devic
     monkeypatch.setattr(generate, "LAYOUTS", two)
     cases = (generate.Case(2, 4, sampled=True),)
     monkeypatch.setattr(generate, "PEER_CASES", cases)
+    monkeypatch.setattr(generate, "COMMAND_CASE", generate.Case(2, 4))
     monkeypatch.setattr(generate, "ROUNDS", 1)
     results = run_bench(only=["generate"])
     rows = results["generate"]
@@ -167,7 +168,10 @@ def test_generate_section_reports_speeds_and_the_cache_against_its_formula(devic
         assert r["cache_bytes_per_token"] == r["formula_bytes_per_token"] == want[name]
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
     peer = results["generate-peer"]
-    assert list(peer) == ["2 x 4 sampled"]
+    assert list(peer) == ["2 x 4 sampled", "2 x 4, the command"]
+    # the command as a user runs it: `jaxpar generate` in a fresh process, every token
+    command = peer.pop("2 x 4, the command")
+    assert command["prefill_tokens_per_s"] > 0 and command["call_tokens_per_s"] > 0
     # the weights (8 layers of 512 x (512 + 2 x 256 + 512 + 3 x 1536) and 2 x 2048 x 512
     # for the embedding and head; 2 norms a layer and the last, 512 each) in fp32 and the
     # cache of each row filled to 16 + 4 / 2 ids, 2 x 8 x 4 x 64 x 4 bytes each

@@ -21,10 +21,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +61,12 @@ class Case:
 
 
 PEER_CASES = (Case(1, 32), Case(1, 128), Case(8, 128), Case(8, 128, sampled=True))
+COMMAND_CASE = Case(8, 128)  # the case also run as a user runs it: `jaxpar generate`
+# the speeds in the command's summary line (jaxpar.generation.prompts.summary)
+SUMMARY = re.compile(
+    r"prefill (?P<prefill>\d+) tokens in [\d.]+ s \((?P<prefill_rate>[\d,]+) tokens/s\); "
+    r"decode (?P<decode>\d+) tokens in [\d.]+ s \((?P<decode_rate>[\d,]+) tokens/s\)"
+)
 ROUNDS = 5
 IDLE_S = 1.0  # before each timed run: the other's thread pool stops spinning, idle
 COPY_BYTES = 256 * 2**20
@@ -173,6 +182,105 @@ def _peer_seconds(model, prompts, case: Case) -> float:
     return seconds
 
 
+def _byte_tokenizer(folder: Path) -> None:
+    """A tokenizer of bytes (byte-level, no merges: ids 0-255, no end of text), saved as
+    `transformers` reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _command(folder: Path, case: Case) -> dict:
+    """One `jaxpar generate hf:FOLDER --prompts FILE` in a fresh process: its prefill's
+    and decode's seconds, as its summary line gives them (loading and compiling apart)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli.main",
+            "generate",
+            f"hf:{folder}",
+            "--prompts",
+            str(folder / "prompts.jsonl"),
+            "--max-new-tokens",
+            str(case.new),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    said = SUMMARY.search(done.stderr)
+    if done.returncode or said is None:
+        raise RuntimeError(f"jaxpar generate failed in the benchmark:\n{done.stderr[-4000:]}")
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["new_tokens"] for r in rows] == [case.new] * case.prompts, rows
+    rate = lambda n: int(said[n]) / float(said[f"{n}_rate"].replace(",", ""))  # noqa: E731
+    prefill = int(said["prefill"])
+    return {"prefill_s": rate("prefill"), "decode_s": rate("decode"), "prefill": prefill}
+
+
+def measure_command(peer, case: Case, rounds: int) -> dict:
+    """`case` as a user runs it: the peer's weights and a byte tokenizer saved as a Hugging
+    Face folder, its prompts as text in a JSONL file, and `jaxpar generate` run on them
+    in a fresh process each round, alternated with transformers.generate on the same
+    ids; the best round of each. Whole call against whole call: jaxpar's prefill and
+    decode, the peer's `generate`."""
+    import transformers
+
+    rng = np.random.default_rng(1)
+    letters = list("abcdefghijklmnop ")
+    texts = ["".join(rng.choice(letters, PROMPT_IDS)) for _ in range(case.prompts)]
+    best_call = best_prefill = best_peer = math.inf
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        peer.generation_config.eos_token_id = peer.config.eos_token_id = None  # all case.new
+        peer.save_pretrained(folder)
+        _byte_tokenizer(folder)
+        lines = "".join(json.dumps({"prompt": t}) + "\n" for t in texts)
+        (folder / "prompts.jsonl").write_text(lines)
+        prompts = transformers.AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
+        for _ in range(rounds):
+            time.sleep(IDLE_S)
+            done = _command(folder, case)
+            best_call = min(best_call, done["prefill_s"] + done["decode_s"])
+            best_prefill = min(best_prefill, done["prefill_s"])
+            time.sleep(IDLE_S)
+            best_peer = min(best_peer, _peer_seconds(peer, prompts, case))
+    tokens = case.prompts * case.new
+    return {
+        "prefill_tokens_per_s": done["prefill"] / best_prefill,
+        "call_tokens_per_s": tokens / best_call,
+        "peer_tokens_per_s": tokens / best_peer,
+    }
+
+
+def _peer_row(case: str, r: dict) -> list[str]:
+    """A row of the peer's table; the command's has no decode or step figures."""
+    peer, warm = r["peer_tokens_per_s"], "step_ms" in r
+    over = lambda k: "-" if peer is None or k not in r else f"{r[k] / peer:.2f}"  # noqa: E731
+    step = ["-"] * 4
+    if warm:
+        rates = f"{r['step_gb_per_s']:.1f} / {r['chain_gb_per_s']:.1f} / {r['copy_gb_per_s']:.1f}"
+        step = [f"{r['step_ms']:.2f}", f"{r['step_bytes'] / 2**20:.0f}", rates]
+        step.append(f"{r['over_roofline']:.2f}")
+    return [
+        case,
+        f"{r['prefill_tokens_per_s']:,.0f}",
+        f"{r['decode_tokens_per_s']:,.0f}" if warm else "-",
+        f"{r['call_tokens_per_s']:,.0f}",
+        "-" if peer is None else f"{peer:,.0f}",
+        over("decode_tokens_per_s"),
+        over("call_tokens_per_s"),
+        *step,
+    ]
+
+
 def against_peer(tables: dict) -> dict:
     """PEER_CASES by jaxpar and transformers, alternated, with the roofline columns: in a
     process of its own with one CPU device (simulated devices share the cores, and a
@@ -184,7 +292,13 @@ def against_peer(tables: dict) -> dict:
             sys.executable,
             "-m",
             "jaxpar.bench.generate",
-            json.dumps({"cases": [dataclasses.astuple(c) for c in PEER_CASES], "rounds": ROUNDS}),
+            json.dumps(
+                {
+                    "cases": [dataclasses.astuple(c) for c in PEER_CASES],
+                    "command": dataclasses.astuple(COMMAND_CASE),
+                    "rounds": ROUNDS,
+                }
+            ),
         ],  # fmt: skip
         env=env,
         capture_output=True,
@@ -194,26 +308,15 @@ def against_peer(tables: dict) -> dict:
     if child.returncode:
         raise RuntimeError(f"the decoding benchmark's process failed:\n{child.stderr[-4000:]}")
     results = json.loads(child.stdout.splitlines()[-1])
-    rows = []
-    for case, r in results.items():
-        peer = r["peer_tokens_per_s"]
-        rows.append([
-            case,
-            f"{r['decode_tokens_per_s']:,.0f}",
-            f"{r['call_tokens_per_s']:,.0f}",
-            "-" if peer is None else f"{peer:,.0f}",
-            "-" if peer is None else f"{r['decode_tokens_per_s'] / peer:.2f}",
-            f"{r['step_ms']:.2f}",
-            f"{r['step_bytes'] / 2**20:.0f}",
-            f"{r['step_gb_per_s']:.1f} / {r['chain_gb_per_s']:.1f} / {r['copy_gb_per_s']:.1f}",
-            f"{r['over_roofline']:.2f}",
-        ])  # fmt: skip
+    rows = [_peer_row(case, r) for case, r in results.items()]
     header = [
         "prompts x new",
+        "jaxpar prefill tok/s",
         "jaxpar decode tok/s",
         "jaxpar call tok/s",
         "transformers tok/s",
         "decode / transformers",
+        "call / transformers",
         "step ms",
         "step reads MiB",
         "GB/s: step / products / copy",
@@ -222,14 +325,18 @@ def against_peer(tables: dict) -> dict:
     title = (
         f"jaxpar generate against transformers.generate, a random Llama "
         f"({' '.join(o.split('.', 1)[1] for o in PEER_MODEL[:6])}), one CPU device, "
-        f"prompts of {PROMPT_IDS} ids; best of {ROUNDS} alternated rounds"
+        f"prompts of {PROMPT_IDS} ids; best of {ROUNDS} alternated rounds. The warm rows "
+        f"reuse one decoder; '{COMMAND_CASE}, the command' runs `jaxpar generate` on a "
+        "saved copy, a fresh process a round, whole call (prefill and decode) against "
+        "whole call"
     )
     measure.show(tables, "generate-peer", title, table(rows, header))
     return results
 
 
-def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
-    """The figures of `cases` (in this process: one CPU device)."""
+def measure_peer(cases: tuple[Case, ...], rounds: int, command: Case | None = None) -> dict:
+    """The figures of `cases` (in this process: one CPU device), and of `command` as a
+    user runs it (measure_command) where transformers is installed."""
     from jaxpar.generation import decoding
 
     model = decoding.random("llama-tiny", list(PEER_MODEL), devices=jax.devices()[:1])
@@ -244,12 +351,13 @@ def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
         _jaxpar(decoder, prompts, case)  # compiled once, outside the timed rounds
         if peer is not None:
             _peer_seconds(peer, prompts, Case(case.prompts, 2, case.sampled))
-        best_step = best_call = best_peer = math.inf
+        best_step = best_call = best_prefill = best_peer = math.inf
         for _ in range(rounds):
             time.sleep(IDLE_S)
             done = _jaxpar(decoder, prompts, case)
             best_step = min(best_step, done.decode_s / done.decode_steps)
             best_call = min(best_call, done.prefill_s + done.decode_s)
+            best_prefill = min(best_prefill, done.prefill_s)
             if peer is not None:
                 time.sleep(IDLE_S)
                 best_peer = min(best_peer, _peer_seconds(peer, prompts, case))
@@ -258,6 +366,7 @@ def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
         step_bytes = weights + case.prompts * (PROMPT_IDS + case.new / 2) * per_token
         tokens = case.prompts * case.new
         results[str(case)] = {
+            "prefill_tokens_per_s": case.prompts * PROMPT_IDS / best_prefill,
             "decode_tokens_per_s": case.prompts / best_step,
             "call_tokens_per_s": tokens / best_call,
             "peer_tokens_per_s": tokens / best_peer if peer is not None else None,
@@ -268,6 +377,8 @@ def measure_peer(cases: tuple[Case, ...], rounds: int) -> dict:
             "chain_gb_per_s": chain_bandwidth(case.prompts) / 1e9,
             "over_roofline": best_step / (step_bytes / bandwidth),
         }
+    if command is not None and peer is not None:
+        results[f"{command}, the command"] = measure_command(peer, command, rounds)
     return results
 
 
@@ -316,4 +427,5 @@ def run(base, steps: int, tables: dict, out=None) -> dict:
 
 if __name__ == "__main__":  # against_peer's process
     asked = json.loads(sys.argv[1])
-    print(json.dumps(measure_peer(tuple(Case(*c) for c in asked["cases"]), asked["rounds"])))
+    cases = tuple(Case(*c) for c in asked["cases"])
+    print(json.dumps(measure_peer(cases, asked["rounds"], Case(*asked["command"]))))
