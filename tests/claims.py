@@ -230,6 +230,16 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "A Muon run resumes bit for bit and trains on in another layout; DPO and GRPO take it",
+        (
+            "test_checkpoint.py::test_resume_is_bit_identical[muon-zero2-tp]",
+            "test_checkpoint.py::test_muon_trains_on_in_another_layout",
+            "test_dpo.py::test_dpo_with_muon_over_tensor_and_zero3_equals_one_device",
+            "test_grpo.py::test_the_update_in_every_layout_equals_one_device[muon-tensor4-zero3]",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "The planner's predicted state equals the compiled step's within 2%",
         (
             "test_planner.py::test_prediction_matches_the_compiled_step",

@@ -150,6 +150,23 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+def test_muon_trains_on_in_another_layout(devices, tmp_path):
+    """Muon's momentum, saved from each layer's owner (4 layers over data=4 x tensor=2,
+    ZeRO-2), read into data=2 x pipeline=2 (no owners: each stage's layers whole) and
+    trained on: the straight run's losses and parameters."""
+    muon = ["train.optimizer=muon", "checkpoint.every=2"]
+    saved_as = ["parallel.data=4", "parallel.tensor=2", "parallel.zero=2", *muon]
+    straight = train([*saved_as, "train.steps=3"], tmp_path / "straight")
+    train([*saved_as, "train.steps=2"], tmp_path / "moved")
+    moved_as = ["parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2", *muon]
+    resumed = train([*moved_as, "train.steps=3"], tmp_path / "moved")
+    assert len(resumed.losses) == 1
+    np.testing.assert_allclose(losses(tmp_path / "moved"), straight.losses, rtol=1e-5)
+    same = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # noqa: E731
+    jax.tree.map(same, jax.device_get(resumed.params), jax.device_get(straight.params))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", LAYOUTS)
 def test_restore_into_another_layout(devices, tmp_path, pair):
     saved_as, restored_as = LAYOUTS[pair]

@@ -108,6 +108,22 @@ def test_dpo_in_every_layout_equals_one_device(layout, folder):
 
 
 @pytest.mark.slow
+def test_dpo_with_muon_over_tensor_and_zero3_equals_one_device(folder):
+    """train.optimizer=muon on the policy: its matrices orthogonalized as in any run, the
+    reference's copy frozen (no state, no update: the loss would drift from the formula's
+    otherwise)."""
+    muon = ("train.optimizer=muon", "train.lr=0.02")
+    layout = ("parallel.data=2", "parallel.tensor=4", "parallel.zero=3")
+    got = trained("llama-tiny", keys(folder, *muon, *layout))
+    assert_same_training(got, reference("llama-tiny", keys(folder, *muon)))
+    assert got.losses[-1] < got.losses[0]
+    # the compiled step's groups (the program just run): Muon's, not a fallback to AdamW
+    groups = compile_only("llama-tiny", keys(folder, *muon, *layout)).optimizer_groups
+    assert {"blocks/attn/wq", "blocks/mlp/w_up"} <= set(groups["muon"])
+    assert not any(k.startswith("reference/") for group in groups.values() for k in group)
+
+
+@pytest.mark.slow
 def test_a_precomputed_reference_equals_the_held_copy(folder):
     """dpo.reference=precompute scores every pair once, in a serving layout, into the
     data folder; then context=2 x tensor=2 with ZeRO-3 holds no reference, and trains as

@@ -226,6 +226,11 @@ UPDATE_LAYOUTS = {
     ),
     "context2": (("parallel.data=4", "parallel.context=2"), ()),
     "mixtral-expert2": (("parallel.data=4", "parallel.expert=2"), ("mixtral-tiny",)),
+    # Muon: the policy's matrices orthogonalized, the reference's copy frozen (no state)
+    "muon-tensor4-zero3": (
+        ("parallel.data=2", "parallel.tensor=4", "parallel.zero=3"),
+        ("train.optimizer=muon", "train.lr=0.02"),
+    ),
 }
 
 
