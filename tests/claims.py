@@ -230,6 +230,11 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "Newton-Schulz's FLOPs, as the planner and inspect count them, are XLA's within 1%",
+        ("test_muon.py::test_newton_schulz_flops_are_xlas_and_the_owners_split_them",),
+    ),
+    Claim(
+        "docs/layouts.md",
         "A Muon run resumes bit for bit and trains on in another layout; DPO and GRPO take it",
         (
             "test_checkpoint.py::test_resume_is_bit_identical[muon-zero2-tp]",

@@ -178,3 +178,25 @@ def test_muon_keys_without_muon_and_muon_without_a_matrix_are_one_line(devices):
     schedule = optax.constant_schedule(1e-3)
     with pytest.raises(ConfigError, match="no trained leaf is a hidden matrix.*norm/scale"):
         muon.muon(Muon(), names, schedule, optax.adamw(schedule))
+
+
+def test_newton_schulz_flops_are_xlas_and_the_owners_split_them(devices):
+    """The planner's and inspect's count (jaxpar.cost.newton_schulz) against XLA's own
+    count of each leaf's orthogonalize on one device (within 1%: the formula counts the
+    products and the sums, 0.99 of XLA's), and on the owners' path (8 layers over
+    data=8) an eighth of it each."""
+    one = compile_only("llama-tiny", ("model.layers=8", *MUON, "parallel.data=1"))
+    owned = compile_only(
+        "llama-tiny", ("model.layers=8", *MUON, "parallel.data=8", "parallel.zero=1")
+    )
+    cfg = presets.load("llama-tiny", ["model.layers=8", *MUON])
+    problem = trained_model(cfg.model, cfg.adapter, cfg.train)
+    xla = 0.0
+    for key, spec in matrices(problem.names).items():
+        if spec is None:
+            continue
+        f = lambda x, spec=spec: muon.orthogonalize(x, spec, cfg.muon.coeffs, cfg.muon.ns_steps)  # noqa: E731
+        xla += jax.jit(f).lower(problem.shapes[key]).compile().cost_analysis()["flops"]
+    assert one.newton_schulz["flops"] == pytest.approx(xla, rel=0.01)
+    assert owned.newton_schulz["flops"] == pytest.approx(one.newton_schulz["flops"] / 8)
+    assert owned.newton_schulz["temp_bytes"] < one.newton_schulz["temp_bytes"] / 4

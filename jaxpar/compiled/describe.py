@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Config, DpSync, Model, Optimizer, Parallel, Train
-from jaxpar.cost import blocks, ledger, throughput
+from jaxpar.cost import blocks, ledger, newton_schulz, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
 from jaxpar.data.tokens import SEGMENT_IDS
@@ -91,7 +91,22 @@ def describe_step(
         optimizer_groups=(
             groups(trained.trainable(trained.names)) if train.optimizer is Optimizer.MUON else {}
         ),
+        newton_schulz=_newton_schulz(cfg, trained, leaves, mesh_shape, per_token),
     )
+
+
+def _newton_schulz(
+    cfg: Config, trained: Problem, leaves, mesh_shape: dict, per_token: float | None
+) -> dict:
+    """Muon's Newton-Schulz FLOPs a step and temporaries per device, and the model's
+    FLOPs a step per device beside them; {} without Muon."""
+    if cfg.train.optimizer is not Optimizer.MUON:
+        return {}
+    trainable = trained.trainable(leaves), trained.trainable(trained.names)
+    ns = newton_schulz.cost(*trainable, mesh_shape, cfg.muon.ns_steps)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    model = per_token * tokens / math.prod(mesh_shape.values()) if per_token else None
+    return {"flops": ns.flops, "temp_bytes": ns.temp_bytes, "model_flops": model}
 
 
 def read_ledger(par: Parallel, hlo: str, mesh_shape: dict) -> ledger.Ledger:

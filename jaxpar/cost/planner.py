@@ -20,8 +20,16 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar.config import registry
-from jaxpar.config.sections import Config, ContextStrategy, Offload, Parallel, Remat, Train
-from jaxpar.cost import blocks
+from jaxpar.config.sections import (
+    Config,
+    ContextStrategy,
+    Offload,
+    Optimizer,
+    Parallel,
+    Remat,
+    Train,
+)
+from jaxpar.cost import blocks, newton_schulz
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.errors import ConfigError
@@ -78,6 +86,9 @@ class Candidate:
     minimum: dict  # the textbook minimum by axis (the ledger's `comm.by_axis.*.minimum`)
     activations: float
     gather_temp: float  # ZeRO-3's gathered layer (two in flight)
+    # Muon's Newton-Schulz per step: FLOPs and temporaries (after the backward pass, so
+    # in place of the activations), per device; zero for another optimizer
+    ns: newton_schulz.NewtonSchulz
     device: float  # all of it
     base: float  # of `state`: the frozen leaves (an adapter run's base, DPO's reference copy)
     opt: float  # of `state`: the optimizer state on the device
@@ -326,7 +337,12 @@ def predict(
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
     bubble = cost.bubble(p, par.microbatches)
+    ns = newton_schulz.NewtonSchulz(0.0, 0.0)
+    if train.optimizer is Optimizer.MUON:
+        trainable = trained.trainable(leaves), trained.trainable(trained.names)
+        ns = newton_schulz.cost(*trainable, mesh, cfg.muon.ns_steps)
     compute_s = _compute_seconds(par, train, mesh, machine, trained, work)
+    compute_s += ns.flops / (machine.peak_flops * machine.mfu)
     return Candidate(
         cfg=cfg,
         mesh=mesh,
@@ -340,7 +356,8 @@ def predict(
         minimum=minimum,
         activations=acts,
         gather_temp=gather,
-        device=state + acts + gather,
+        ns=ns,
+        device=state + max(acts + gather, ns.temp_bytes),
         base=placed.frozen,
         opt=placed.opt,
         host=placed.host * machine.per_host,

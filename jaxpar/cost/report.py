@@ -117,6 +117,9 @@ class Report:
     model_flops_per_token: float | None = None
     # train.optimizer=muon: the trained leaves of each group, {"muon": [...], "adamw": [...]}
     optimizer_groups: dict = dataclasses.field(default_factory=dict)
+    # train.optimizer=muon: Newton-Schulz's FLOPs a step and temporaries, per device
+    # (jaxpar.cost.newton_schulz), {"flops": ..., "temp_bytes": ...}
+    newton_schulz: dict = dataclasses.field(default_factory=dict)
     flops_counted: str = ""
     # after training
     checkpoint: str | None = None  # the newest saved state's folder (None: none saved)

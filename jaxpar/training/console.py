@@ -63,6 +63,20 @@ def _trains(config: dict, params: int, trainable: int | None) -> list[str]:
     return lines
 
 
+def _newton_schulz(report) -> list[str]:
+    """Muon's line: Newton-Schulz's FLOPs a step and temporaries, per device, beside the
+    model's FLOPs a step on a device."""
+    ns = report.newton_schulz
+    if not ns:
+        return []
+    model = ns["model_flops"]
+    share = f" ({ns['flops'] / model:.1%} of the model's)" if model else ""
+    return [
+        f"  {'':<9} Newton-Schulz: {ns['flops'] / 1e9:.3g} GFLOP a step per device{share}, "
+        f"{human_bytes(ns['temp_bytes'])} of temporaries"
+    ]
+
+
 def startup(
     report: Report, params: int, platform: str, source: str, trainable: int | None = None
 ) -> str:
@@ -76,6 +90,7 @@ def startup(
             f"  {group:<9} {len(keys)} leaves{': ' * bool(keys)}{', '.join(keys)}"
             for group, keys in report.optimizer_groups.items()
         ),
+        *_newton_schulz(report),
         f"  data      {source}",
         "  memory    per device: "
         + ", ".join(

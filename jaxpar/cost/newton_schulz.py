@@ -1,0 +1,65 @@
+"""What Muon's Newton-Schulz costs a step, per device: its FLOPs and its temporaries, on
+the path the step takes (jaxpar.step.muon.owners).
+
+Each iteration on a matrix of m x n (m the smaller side, where the Gram products are):
+X X' (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n), and their sums. On the owners' path a
+device orthogonalizes whole matrices, its share of the stacked ones (a tensor split
+stays: its Gram products contract the device's columns, and each of the m^3 squares is
+repeated on every tensor device). On the shards' path every device runs every matrix
+of the leaf on its slice, and every m^3 square whole. The temporaries are fp32: the
+normalized momentum and the next iterate (the device's elements, twice) and the two
+m x m products of each matrix it runs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+
+from jaxpar.parallel.matrices import Matrix, is_spec, matrices
+
+
+@dataclass(frozen=True)
+class NewtonSchulz:
+    flops: float  # per device per step
+    temp_bytes: float  # per device, the largest leaf's (leaves run one after another)
+
+
+def cost(leaves, names, mesh_shape: dict, steps: int) -> NewtonSchulz:
+    """Newton-Schulz's cost for the Muon leaves among `leaves` (leaf_layout.Leaf, a tree
+    like `names`), at `steps` iterations a step."""
+    flops, temp = 0.0, 0.0
+    specs = matrices(names)
+    for leaf, spec in zip(
+        jax.tree.leaves(leaves, is_leaf=lambda x: hasattr(x, "opt")),
+        jax.tree.leaves(specs, is_leaf=is_spec),
+        strict=True,
+    ):
+        if spec is None:
+            continue
+        f, t = _leaf(leaf, spec, mesh_shape, steps)
+        flops, temp = flops + f, max(temp, t)
+    return NewtonSchulz(flops, temp)
+
+
+def _leaf(leaf, spec: Matrix, mesh_shape: dict, steps: int) -> tuple[float, float]:
+    shape = leaf.shape
+    sides = [math.prod(shape[i] for i in dims) for dims in spec]
+    m, n = min(sides), max(sides)
+    size = math.prod(shape)
+    stack = size // (m * n)
+    ways = round(leaf.compute / leaf.opt) if leaf.opt else 1  # ZeRO's split of the state
+    owned = ways > 1 and any(
+        shape[i] % ways == 0 for i in range(len(shape)) if i not in spec.inputs + spec.outputs
+    )
+    if owned:  # whole matrices (but for tensor's split), stack / ways of them
+        runs, local = stack / ways, m * n * leaf.compute / size
+    else:  # every matrix, on this device's slice of it
+        runs, local = stack, leaf.opt / stack
+    # X X' and its product with X (2 m local each), the square (2 m^3), b A + c A^2 (3 m^2)
+    # and a X + that X's (2 local); the normalization once (3 local: square, sum, divide)
+    per_run = steps * (4 * m * local + 2 * m**3 + 3 * m * m + 2 * local) + 3 * local
+    flops = runs * per_run
+    temp = 4 * (2 * leaf.opt + 2 * runs * m * m)
+    return flops, temp
