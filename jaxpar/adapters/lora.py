@@ -24,15 +24,12 @@ from flax import struct
 from jaxpar import hf
 from jaxpar.adapters import quant
 from jaxpar.config import registry
-from jaxpar.config.registry import BlockKind
 from jaxpar.config.sections import Adapter, BaseStorage, Train
-from jaxpar.cost import blocks
 from jaxpar.errors import ConfigError
 from jaxpar.hf import Tensor
 from jaxpar.names import LAYERS, LORA_RANK, SCALE_ONE
 from jaxpar.nn.layers import Assembled
 from jaxpar.nn.problem import Parts, Problem, registered
-from jaxpar.parallel.sharding import over_tensor
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for every family jaxpar ships
 
@@ -223,36 +220,6 @@ def _stored(problem: Problem, adapter: Adapter, targets, quantized) -> tuple[dic
     return names, shapes
 
 
-def _tensor_elements(problem: Problem, targets: list[Linear], rank: int):
-    """Problem.tensor_elements of an adapter run: the base's Megatron all-reduces (no
-    weight gradients: it is frozen), and the adapters' gradients that are partial over
-    `tensor`. A of a column-split W (its outputs split, its inputs whole) is whole on
-    every device and used by each device's share, so its gradient is summed; fewest
-    elements: the gradient, or the tokens' [tokens, r] product's, whichever is smaller. A
-    and B of a W that stays whole because `tensor` does not divide its key/value heads
-    are both summed (B as the heads' weights are: blocks.kv_summed). A row-split W's
-    adapters add nothing: x A is partial, summed with W's own output."""
-    dims = problem.dims
-
-    def count(rows: int, t: int) -> float:
-        total = blocks.megatron_elements(dims, rows, t, frozen=True)
-        for p in targets:
-            names, shape = problem.names[p.key], problem.shapes[p.key].shape
-            cut = p.stacked + p.inputs
-            split_in, _ = over_tensor(names[p.stacked : cut], shape[p.stacked : cut], t)
-            split_out, whole = over_tensor(names[cut:], shape[cut:], t)
-            if split_in or not (split_out or whole):
-                continue
-            stacked = math.prod(shape[: p.stacked])
-            total += min(math.prod(shape[:cut]) * rank, stacked * rows * dims.seq_len * rank)
-            if whole and not split_out:
-                b = stacked * rank * math.prod(shape[cut:])
-                total += blocks.kv_summed(b, dims.kv_heads, t)
-        return total
-
-    return None if dims is None or dims.block is not BlockKind.LLAMA else count
-
-
 def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
     """`problem` (a registered model) with adapters on adapter.targets, trained alone;
     its base frozen, stored as adapter.base."""
@@ -318,7 +285,6 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
         parts=parts,
         module=None,
         frozen=frozenset(k for k in names if k not in trained),
-        tensor_elements=problem.tensor_elements or _tensor_elements(problem, targets, adapter.rank),
     )
 
 

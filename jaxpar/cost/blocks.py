@@ -8,8 +8,12 @@ parallelism, are here. A model that declares no dims gives its own figures
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.config.registry import BlockKind, ModelDims, ModelSpec
 from jaxpar.errors import ConfigError
+from jaxpar.names import LORA_RANK
+from jaxpar.parallel.sharding import over_tensor
 
 
 def kept_bytes(d: ModelDims, tensor: int, scores: bool = True, context: int = 1) -> float:
@@ -97,10 +101,45 @@ def activation_bytes(
 
 def tensor_elements(problem, rows: int, tensor: int) -> float | None:
     """What `problem`'s model all-reduces over `tensor` per micro-batch of `rows`
-    sequences: its own count, or megatron_elements of its dims; None where neither is
-    known (a model given in Python)."""
+    sequences: its own count, or megatron_elements of its dims (with LoRA adapters, of
+    its frozen base, and the adapters' own: lora_elements); None where neither is known
+    (a model given in Python)."""
     if problem.tensor_elements is not None:
         return problem.tensor_elements(rows, tensor)
-    if problem.dims is not None:
+    if problem.dims is None:
+        return None
+    adapters = lora_elements(problem, rows, tensor)
+    if adapters is None:
         return megatron_elements(problem.dims, rows, tensor)
-    return None
+    return megatron_elements(problem.dims, rows, tensor, frozen=True) + adapters
+
+
+def lora_elements(problem, rows: int, t: int) -> float | None:
+    """What LoRA adapters (jaxpar.adapters.lora: A [*stacked, *in, r] and B [*stacked, r,
+    *out], named after their W's dims) add to the tensor all-reduces of a micro-batch of
+    `rows` sequences: their gradients that are partial over `tensor`; None without any.
+    A of a column-split W (its outputs split, its inputs whole) is whole on every device
+    and used by each device's share, so its gradient is summed; fewest elements: the
+    gradient, or the tokens' [tokens, r] product's, whichever is smaller. A and B of a W
+    that stays whole because `tensor` does not divide its key/value heads are both summed
+    (B as the heads' weights are: kv_summed). A row-split W's adapters add nothing: x A is
+    partial, summed with W's own output."""
+    names, shapes = problem.names, problem.shapes
+    pairs = [k[: -len("lora_a")] for k in names if k.endswith("/lora_a")]
+    if not pairs:
+        return None
+    total = 0.0
+    for w in pairs:
+        a, b = shapes[f"{w}lora_a"].shape, shapes[f"{w}lora_b"].shape
+        b_names = names[f"{w}lora_b"]
+        stacked = b_names.index(LORA_RANK)
+        cut, rank = len(a) - 1, a[-1]
+        split_in, _ = over_tensor(names[f"{w}lora_a"][stacked:cut], a[stacked:cut], t)
+        split_out, whole = over_tensor(b_names[stacked + 1 :], b[stacked + 1 :], t)
+        if split_in or not (split_out or whole):
+            continue
+        layers = math.prod(a[:stacked])
+        total += min(math.prod(a), layers * rows * problem.dims.seq_len * rank)
+        if whole and not split_out:
+            total += kv_summed(math.prod(b), problem.dims.kv_heads, t)
+    return total
