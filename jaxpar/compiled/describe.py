@@ -103,7 +103,7 @@ def _newton_schulz(
     if cfg.train.optimizer is not Optimizer.MUON:
         return {}
     trainable = trained.trainable(leaves), trained.trainable(trained.names)
-    ns = newton_schulz.cost(*trainable, mesh_shape, cfg.muon.ns_steps)
+    ns = newton_schulz.cost(*trainable, cfg.muon.ns_steps)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     model = per_token * tokens / math.prod(mesh_shape.values()) if per_token else None
     return {"flops": ns.flops, "temp_bytes": ns.temp_bytes, "model_flops": model}

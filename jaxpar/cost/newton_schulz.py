@@ -2,8 +2,8 @@
 the path the step takes (jaxpar.step.muon.owners).
 
 Each iteration on a matrix of m x n (m the smaller side, where the Gram products are):
-X X' (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n), and their sums. On the owners' path a
-device orthogonalizes whole matrices, its share of the stacked ones (a tensor split
+X X' (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n), and their sums. On the
+owners' path a device orthogonalizes whole matrices, its share of the stacked ones (a tensor split
 stays: its Gram products contract the device's columns, and each of the m^3 squares is
 repeated on every tensor device). On the shards' path every device runs every matrix
 of the leaf on its slice, and every m^3 square whole. The temporaries are fp32: the
@@ -26,7 +26,7 @@ class NewtonSchulz:
     temp_bytes: float  # per device, the largest leaf's (leaves run one after another)
 
 
-def cost(leaves, names, mesh_shape: dict, steps: int) -> NewtonSchulz:
+def cost(leaves, names, steps: int) -> NewtonSchulz:
     """Newton-Schulz's cost for the Muon leaves among `leaves` (leaf_layout.Leaf, a tree
     like `names`), at `steps` iterations a step."""
     flops, temp = 0.0, 0.0
@@ -38,12 +38,12 @@ def cost(leaves, names, mesh_shape: dict, steps: int) -> NewtonSchulz:
     ):
         if spec is None:
             continue
-        f, t = _leaf(leaf, spec, mesh_shape, steps)
+        f, t = _leaf(leaf, spec, steps)
         flops, temp = flops + f, max(temp, t)
     return NewtonSchulz(flops, temp)
 
 
-def _leaf(leaf, spec: Matrix, mesh_shape: dict, steps: int) -> tuple[float, float]:
+def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float]:
     shape = leaf.shape
     sides = [math.prod(shape[i] for i in dims) for dims in spec]
     m, n = min(sides), max(sides)

@@ -340,7 +340,7 @@ def predict(
     ns = newton_schulz.NewtonSchulz(0.0, 0.0)
     if train.optimizer is Optimizer.MUON:
         trainable = trained.trainable(leaves), trained.trainable(trained.names)
-        ns = newton_schulz.cost(*trainable, mesh, cfg.muon.ns_steps)
+        ns = newton_schulz.cost(*trainable, cfg.muon.ns_steps)
     compute_s = _compute_seconds(par, train, mesh, machine, trained, work)
     compute_s += ns.flops / (machine.peak_flops * machine.mfu)
     return Candidate(
