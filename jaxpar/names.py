@@ -23,5 +23,7 @@ LATENT = "latent"  # a compressed projection's latent dims (latent attention; ne
 VOCAB = "vocab"
 LAYERS = "layers"
 LORA_RANK = "lora_rank"  # a low-rank adapter's rank (jaxpar.adapters; never split)
+# the leaves of a target W's adapter: W's key, then "/" and one of these
+LORA_A, LORA_B = "lora_a", "lora_b"
 SCALE_ONE = "scale_one"  # a quantized weight's scale's size-1 dims (never split)
 STAGE = "stage"

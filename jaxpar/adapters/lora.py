@@ -27,7 +27,7 @@ from jaxpar.config import registry
 from jaxpar.config.sections import Adapter, BaseStorage, Train
 from jaxpar.errors import ConfigError
 from jaxpar.hf import Tensor
-from jaxpar.names import LAYERS, LORA_RANK, SCALE_ONE
+from jaxpar.names import LAYERS, LORA_A, LORA_B, LORA_RANK, SCALE_ONE
 from jaxpar.nn.layers import Assembled
 from jaxpar.nn.problem import Parts, Problem, registered
 
@@ -54,11 +54,11 @@ class Linear:
 
     @property
     def a(self) -> str:
-        return f"{self.key}/lora_a"
+        return f"{self.key}/{LORA_A}"
 
     @property
     def b(self) -> str:
-        return f"{self.key}/lora_b"
+        return f"{self.key}/{LORA_B}"
 
     @property
     def codes(self) -> str:

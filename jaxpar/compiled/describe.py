@@ -19,7 +19,7 @@ from jaxpar.cost import blocks, ledger, newton_schulz, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
 from jaxpar.data.tokens import SEGMENT_IDS
-from jaxpar.nn.problem import Problem
+from jaxpar.nn.problem import Problem, loss_elements
 from jaxpar.parallel.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.matrices import groups
@@ -62,6 +62,7 @@ def describe_step(
     )
     unsplit = unsplit_leaves(engine.specs, shapes, mesh_shape) if par.zero else []
     per_token, counted = throughput.flops_per_token(problem)
+    model_flops = per_token * loss_elements(problem, batch) if per_token else None
     processes = [d.process_index for d in mesh.devices.flat]
     averaging = par.sync_every if par.dp_sync is DpSync.PARAMS else None
     assumed = ledger.assumes(par.zero, train.precision, cost.reduce_precision(train), averaging)
@@ -91,21 +92,20 @@ def describe_step(
         optimizer_groups=(
             groups(trained.trainable(trained.names)) if train.optimizer is Optimizer.MUON else {}
         ),
-        newton_schulz=_newton_schulz(cfg, trained, leaves, mesh_shape, per_token),
+        newton_schulz=_newton_schulz(cfg, trained, leaves, mesh_shape, model_flops),
     )
 
 
 def _newton_schulz(
-    cfg: Config, trained: Problem, leaves, mesh_shape: dict, per_token: float | None
+    cfg: Config, trained: Problem, leaves, mesh_shape: dict, model_flops: float | None
 ) -> dict:
     """Muon's Newton-Schulz FLOPs a step and temporaries per device, and the model's
-    FLOPs a step per device beside them; {} without Muon."""
+    FLOPs a step (`model_flops`, all devices') per device beside them; {} without Muon."""
     if cfg.train.optimizer is not Optimizer.MUON:
         return {}
     trainable = trained.trainable(leaves), trained.trainable(trained.names)
     ns = newton_schulz.cost(*trainable, cfg.muon.ns_steps)
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    model = per_token * tokens / math.prod(mesh_shape.values()) if per_token else None
+    model = model_flops / math.prod(mesh_shape.values()) if model_flops else None
     return {"flops": ns.flops, "temp_bytes": ns.temp_bytes, "model_flops": model}
 
 

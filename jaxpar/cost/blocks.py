@@ -12,7 +12,7 @@ import math
 
 from jaxpar.config.registry import BlockKind, ModelDims, ModelSpec
 from jaxpar.errors import ConfigError
-from jaxpar.names import LORA_RANK
+from jaxpar.names import LORA_A, LORA_B, LORA_RANK
 from jaxpar.parallel.sharding import over_tensor
 
 
@@ -125,16 +125,16 @@ def lora_elements(problem, rows: int, t: int) -> float | None:
     (B as the heads' weights are: kv_summed). A row-split W's adapters add nothing: x A is
     partial, summed with W's own output."""
     names, shapes = problem.names, problem.shapes
-    pairs = [k[: -len("lora_a")] for k in names if k.endswith("/lora_a")]
+    pairs = [k[: -len(LORA_A)] for k in names if k.endswith(f"/{LORA_A}")]
     if not pairs:
         return None
     total = 0.0
     for w in pairs:
-        a, b = shapes[f"{w}lora_a"].shape, shapes[f"{w}lora_b"].shape
-        b_names = names[f"{w}lora_b"]
+        a, b = shapes[w + LORA_A].shape, shapes[w + LORA_B].shape
+        b_names = names[w + LORA_B]
         stacked = b_names.index(LORA_RANK)
         cut, rank = len(a) - 1, a[-1]
-        split_in, _ = over_tensor(names[f"{w}lora_a"][stacked:cut], a[stacked:cut], t)
+        split_in, _ = over_tensor(names[w + LORA_A][stacked:cut], a[stacked:cut], t)
         split_out, whole = over_tensor(b_names[stacked + 1 :], b[stacked + 1 :], t)
         if split_in or not (split_out or whole):
             continue
