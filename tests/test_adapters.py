@@ -207,6 +207,7 @@ def nf4_base_bytes(cfg, plain) -> float:
     )
 
 
+@pytest.mark.slow  # 5 s: out of the fast tier
 def test_a_device_s_base_bytes_are_the_formula_s_and_the_planner_s(devices):
     """QLoRA's base on one device is nf4_base_bytes. Split (tensor=2, ZeRO-3 over
     data=4), the compiled base is the planner's; `jaxpar inspect`'s start-up says it."""

@@ -5,9 +5,11 @@ and exporting; greedy continuations through the latent cache, token for token. T
 DeepSeek's balancing bias: it moves by DeepSeek's rule, takes no gradient of the loss,
 is the same on every device and is saved as it is."""
 
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -225,21 +227,31 @@ def _bias_run(devices, *overrides, steps=1, out_dir=None):
 
 def _counts(cfg, params, batch) -> np.ndarray:
     """[layers, experts] each sparse layer's choices of the batch's trained tokens, by a
-    plain forward pass on one device."""
-    from jaxpar.nn import documents
+    plain forward pass on one device (compiled once for the model, not run op by op)."""
+    params = jax.device_get(params)
+    return np.asarray(_counting(cfg.model)(params, jax.device_get(batch)))
 
-    spec = registry.get(cfg.model.name)
-    tokens = documents.inputs(batch)
-    model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
-    docs, trained = documents.of_inputs(batch), documents.target_weights(batch)
-    layers = model.blocks.attn_norm.scale.shape[0]
-    _, loads = unrolled(
-        model.blocks,
-        model.embed(tokens, docs),
-        [None] * layers,
-        lambda block, x, _: block.routed(x, docs, trained),
-    )
-    return np.stack([np.asarray(load.trained).sum(0) for load in loads])
+
+@functools.cache
+def _counting(model_cfg):
+    from jaxpar.nn import documents
+    from jaxpar.nn.problem import registered
+
+    @jax.jit
+    def counts(params, batch):
+        tokens = documents.inputs(batch)
+        model = registered(model_cfg, tokens.shape[1]).module(params)
+        docs, trained = documents.of_inputs(batch), documents.target_weights(batch)
+        layers = model.blocks.attn_norm.scale.shape[0]
+        _, loads = unrolled(
+            model.blocks,
+            model.embed(tokens, docs),
+            [None] * layers,
+            lambda block, x, _: block.routed(x, docs, trained),
+        )
+        return jnp.stack([load.trained.sum(0) for load in loads])
+
+    return counts
 
 
 def test_the_balancing_bias_moves_by_deepseeks_rule_on_every_device_alike(devices, tmp_path):

@@ -262,6 +262,7 @@ def test_capped_scores_are_the_same_in_every_form(monkeypatch):
     assert attention.form("cuda", jnp.bfloat16, 64, softcap=50.0) is attention.Form.BLOCKED
 
 
+@pytest.mark.slow  # 3 s: out of the fast tier
 def test_a_ring_cache_of_the_window_equals_the_direct_form():
     """A windowed layer's cache holds the window's 5 slots, a ring: a prompt of 9 tokens
     (longer than the ring), a chunk of 3, then 8 tokens one at a time, each sees what

@@ -351,7 +351,7 @@ def test_training_scores_tasks_beside_the_loss_and_eval_scores_the_run(
         "llama-tiny",
         "mistral-tiny",
         pytest.param("gemma3-tiny", marks=pytest.mark.slow),
-        "mixtral-tiny",
+        pytest.param("mixtral-tiny", marks=pytest.mark.slow),  # 3.5 s: out of the fast tier
         pytest.param("qwen3_moe-tiny", marks=pytest.mark.slow),
         pytest.param("deepseek-tiny", marks=pytest.mark.slow),
     ],

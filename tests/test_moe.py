@@ -126,6 +126,7 @@ def test_routing_fills_each_expert_first_choices_first_in_sequence_order():
     np.testing.assert_allclose(np.asarray(r.weights).sum(-1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow  # 3 s: out of the fast tier (the dropless loop test stays in it)
 def test_without_drops_output_and_gradients_equal_the_loop():
     m = layer(capacity_factor=E / K)  # dropless
     params = params_of(m)

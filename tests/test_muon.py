@@ -181,6 +181,7 @@ def test_muon_keys_without_muon_and_muon_without_a_matrix_are_one_line(devices):
         muon.muon(Muon(), names, schedule, optax.adamw(schedule))
 
 
+@pytest.mark.slow  # 4 s, several programs compiled: out of the fast tier
 def test_newton_schulz_flops_are_xlas_and_the_owners_split_them(devices):
     """The planner's and inspect's count (jaxpar.cost.newton_schulz) against XLA's own
     count of each leaf's orthogonalize on one device, and on the owners' path (8 layers
