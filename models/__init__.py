@@ -24,6 +24,7 @@ class RopeScaling(enum.StrEnum):
     NONE = "none"
     LLAMA3 = "llama3"
     LINEAR = "linear"
+    YARN = "yarn"
 
 
 class Activation(enum.StrEnum):
@@ -51,11 +52,13 @@ class LlamaConfig(Model):
         RopeScaling.NONE,
         (
             "rotary frequency scaling: none | llama3 (Llama 3.1+'s long-context scaling) | "
-            "linear (every frequency over model.rope_factor; Gemma 3's global blocks)"
+            "linear (every frequency over model.rope_factor; Gemma 3's global blocks) | yarn "
+            "(YaRN: DeepSeek-V3, Kimi K2, Qwen3's long context, GPT-OSS)"
         ),
     )
     rope_factor: Annotated[float, Range(1, 1024, "a scaling factor")] = key(
-        8.0, "rope_scaling=llama3 or linear: how much the (long) wavelengths are stretched"
+        8.0,
+        "rope_scaling=llama3, linear or yarn: how much the (long) wavelengths are stretched",
     )
     rope_low_freq_factor: Annotated[float, Range(0, 1024, "a factor", True)] = key(
         1.0, "rope_scaling=llama3: wavelengths beyond original_positions / this are scaled"
@@ -64,7 +67,41 @@ class LlamaConfig(Model):
         4.0, "rope_scaling=llama3: wavelengths below original_positions / this are kept"
     )
     rope_original_positions: Annotated[int, Range(1, 2**24, "positions")] = key(
-        8192, "rope_scaling=llama3: the context length the model was first trained at"
+        8192, "rope_scaling=llama3 or yarn: the context length the model was first trained at"
+    )
+    rope_beta_fast: Annotated[float, Range(0, 1024, "rotations", True)] = key(
+        32.0,
+        (
+            "rope_scaling=yarn: dims turning more than this many times over the original "
+            "length keep their frequency"
+        ),
+    )
+    rope_beta_slow: Annotated[float, Range(0, 1024, "rotations", True)] = key(
+        1.0, "rope_scaling=yarn: dims turning less than this often are divided by model.rope_factor"
+    )
+    rope_mscale: Annotated[float, Range(0, 1024, "a factor; 0 = unset")] = key(
+        0.0,
+        (
+            "rope_scaling=yarn: DeepSeek's mscale (with rope_mscale_all_dim: the attention "
+            "factor's numerator)"
+        ),
+    )
+    rope_mscale_all_dim: Annotated[float, Range(0, 1024, "a factor; 0 = unset")] = key(
+        0.0,
+        (
+            "rope_scaling=yarn: DeepSeek's mscale_all_dim (the attention factor's denominator; "
+            "latent attention's softmax scale times its square)"
+        ),
+    )
+    rope_attention_factor: Annotated[float, Range(0, 1024, "a factor; 0 = derived")] = key(
+        0.0,
+        (
+            "rope_scaling=yarn: what the rotated q and k are multiplied by; 0 = YaRN's "
+            "0.1 ln(rope_factor) + 1 (or DeepSeek's mscale ratio)"
+        ),
+    )
+    rope_truncate: bool = key(
+        True, "rope_scaling=yarn: the ramp's ends rounded to whole dims (GPT-OSS: false)"
     )
     norm_eps: Annotated[float, Range(0, 1, "a small positive number", True)] = key(
         1e-5, "RMSNorm's epsilon"

@@ -114,22 +114,29 @@ def language_model_stages(model: Model, block_flops: float) -> Stages:
     )
 
 
-def rotate(x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None) -> jax.Array:
+def rotate(
+    x_BxSxNxD: jax.Array, inv_freq: np.ndarray, positions_BxS=None, scale: float = 1.0
+) -> jax.Array:
     """Rotary embedding of `positions` (default 0..S-1, as constants), rotate-half layout:
     the first half of each head's dims pairs with the second (Meta's original
-    checkpoints pair neighbours). The angles in fp32, as transformers computes them."""
+    checkpoints pair neighbours). The angles in fp32, as transformers computes them; cos
+    and sin times `scale` (YaRN's attention factor) before they meet x."""
     if positions_BxS is None:
         seq = x_BxSxNxD.shape[1]
         angles = np.concatenate([np.outer(np.arange(seq, dtype=np.float32), inv_freq)] * 2, -1)
         cos, sin = (
-            jnp.asarray(f(angles), x_BxSxNxD.dtype)[None, :, None] for f in (np.cos, np.sin)
+            jnp.asarray(f(angles) * np.float32(scale), x_BxSxNxD.dtype)[None, :, None]
+            for f in (np.cos, np.sin)
         )
     else:
         half_BxSxD = (
             positions_BxS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
         )
         angles_BxSxD = jnp.concatenate([half_BxSxD, half_BxSxD], -1)
-        cos, sin = (f(angles_BxSxD).astype(x_BxSxNxD.dtype)[:, :, None] for f in (jnp.cos, jnp.sin))
+        cos, sin = (
+            (f(angles_BxSxD) * np.float32(scale)).astype(x_BxSxNxD.dtype)[:, :, None]
+            for f in (jnp.cos, jnp.sin)
+        )
     half = x_BxSxNxD.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxSxNxD[..., half:], x_BxSxNxD[..., :half]], -1)
     return x_BxSxNxD * cos + rotated * sin

@@ -47,7 +47,17 @@ def interleaved(d: int) -> np.ndarray:
 
 
 class LatentAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, norm, frequencies: np.ndarray):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        rngs: nnx.Rngs,
+        norm,
+        frequencies: np.ndarray,
+        rope_scale: float = 1.0,
+        softmax_factor: float = 1.0,
+    ):
+        """`rope_scale`, `softmax_factor`: YaRN's attention factor on the rotated q and k,
+        and DeepSeek's factor on the softmax scale (models/llama.py)."""
         e, h, r, dr = cfg.embed, cfg.heads, cfg.kv_rank, cfg.rope_dim
         dn, dv, qr = cfg.head_dim, cfg.v_dim or cfg.head_dim, cfg.q_rank
         if qr:
@@ -62,6 +72,8 @@ class LatentAttention(nnx.Module):
         out_std = 0.02 / (2 * cfg.layers) ** 0.5
         self.wo = param(rngs, normal(out_std), (h, dv, e), (HEADS, HEAD_DIM, EMBED))
         self.inv_freq = tuple(float(f) for f in frequencies)
+        self.rope_scale = rope_scale
+        self.scale = (dn + dr) ** -0.5 * softmax_factor
         self.dims = (r, dn, dr, dv)
 
     def _queries(self, x_BxSxE):
@@ -84,7 +96,8 @@ class LatentAttention(nnx.Module):
 
     def _rotated(self, x_BxSxNxR, positions_BxS):
         order = interleaved(x_BxSxNxR.shape[-1])
-        return rotate(x_BxSxNxR[..., order], np.asarray(self.inv_freq, np.float32), positions_BxS)
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        return rotate(x_BxSxNxR[..., order], inv_freq, positions_BxS, self.rope_scale)
 
     def __call__(self, x_BxSxE, docs: Documents | None = None):
         dt = x_BxSxE.dtype
@@ -119,6 +132,7 @@ class LatentAttention(nnx.Module):
             segments_BxS,
             positions_BxS=positions_BxS,
             gathered=whole[0] is not None,
+            scale=self.scale,
         )
         out_BxSxHxV = constrain(out_BxSxHxD[..., :dv], names)
         y_BxSxE = dense(
@@ -139,7 +153,7 @@ class LatentAttention(nnx.Module):
         q_lat_BxTxHxL = jnp.einsum("bthd,lhd->bthl", q_BxTxHxD[..., :dn], w_LxHxD[..., :dn])
         out_BxTxHxL, cache = cached_latent_attention(
             q_lat_BxTxHxL, q_rope_BxTxHxR, c_BxTxL, k_rope_BxTx1xR[:, :, 0], cache, slot, pad_B,
-            scale=(dn + dr) ** -0.5,
+            scale=self.scale,
         )  # fmt: skip
         out_BxTxHxV = jnp.einsum("bthl,lhv->bthv", out_BxTxHxL, w_LxHxD[..., dn:])
         b, t, h, _ = out_BxTxHxV.shape

@@ -74,10 +74,55 @@ def head_size(m: LlamaConfig) -> int:
     return m.head_dim or m.embed // m.heads
 
 
+def _yarn_frequencies(cfg: LlamaConfig, inv: np.ndarray, d: int) -> np.ndarray:
+    """YaRN (arXiv 2309.00071): each frequency blended from itself (dims that turn more
+    than beta_fast times over the original length) to itself / rope_factor (less than
+    beta_slow times), on a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
+        turns = cfg.rope_original_positions / (rotations * 2 * math.pi)
+        return d * math.log(turns) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_of(cfg.rope_beta_fast), dim_of(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
+    kept = (1 - ramp).astype(np.float32)  # 1: the frequency as it is
+    interpolated = (inv / np.float32(cfg.rope_factor)).astype(np.float32)
+    return (interpolated * (1 - kept) + inv * kept).astype(np.float32)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """What the rotated q and k are multiplied by (transformers' cos and sin): YaRN's
+    attention factor (model.rope_attention_factor, or 0.1 ln(factor) + 1, or DeepSeek's
+    mscale over mscale_all_dim); 1 otherwise."""
+    if cfg.rope_scaling is not RopeScaling.YARN:
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    f, m, m_all = cfg.rope_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim
+    if m and m_all:
+        return _yarn_mscale(f, m) / _yarn_mscale(f, m_all)
+    return _yarn_mscale(f)
+
+
+def latent_softmax_factor(cfg: LlamaConfig) -> float:
+    """DeepSeek's latent attention under YaRN: its softmax scale times
+    mscale(factor, mscale_all_dim) squared (1 without YaRN, or without mscale_all_dim)."""
+    if cfg.rope_scaling is not RopeScaling.YARN or not cfg.rope_mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+
+
 def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     """RoPE's [rotated dims / 2] frequencies (float32, as transformers computes them),
-    with Llama 3's scaling of the long wavelengths when rope_scaling=llama3. The rotated
-    dims: a head's (latent attention: model.rope_dim)."""
+    with Llama 3's scaling of the long wavelengths when rope_scaling=llama3, or YaRN's
+    (yarn). The rotated dims: a head's (latent attention: model.rope_dim)."""
     d = cfg.rope_dim if cfg.kv_rank else head_size(cfg)
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)
     inv = inv.astype(np.float32)
@@ -85,6 +130,8 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
         return inv
     if cfg.rope_scaling is RopeScaling.LINEAR:
         return (inv / np.float32(cfg.rope_factor)).astype(np.float32)
+    if cfg.rope_scaling is RopeScaling.YARN:
+        return _yarn_frequencies(cfg, inv, d)
     old, low, high = (
         cfg.rope_original_positions,
         cfg.rope_low_freq_factor,
@@ -139,6 +186,7 @@ class Attention(nnx.Module):
             self.q_norm = norm(cfg, rngs, d, (HEAD_DIM,))
             self.k_norm = norm(cfg, rngs, d, (HEAD_DIM,))
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))
+        self.rope_scale = rope_attention_factor(cfg)
         self.window = cfg.sliding_window  # Mistral, Gemma's local blocks; 0: none
         self.scores = Scores((cfg.query_scale or d) ** -0.5, cfg.attn_softcap)
 
@@ -190,9 +238,9 @@ class Attention(nnx.Module):
         """q and k normed per head (qk_norm) and rotated to their positions."""
         if hasattr(self, "q_norm"):
             q_BxSxHxD, k_BxSxNxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxNxD)
-        inv_freq = np.asarray(self.inv_freq, np.float32)
-        return rotate(q_BxSxHxD, inv_freq, positions_BxS), rotate(
-            k_BxSxNxD, inv_freq, positions_BxS
+        inv_freq, scale = np.asarray(self.inv_freq, np.float32), self.rope_scale
+        return rotate(q_BxSxHxD, inv_freq, positions_BxS, scale), rotate(
+            k_BxSxNxD, inv_freq, positions_BxS, scale
         )
 
     def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):
@@ -258,7 +306,12 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = norm(cfg, rngs)
         if cfg.kv_rank:
-            self.attn = LatentAttention(cfg, rngs, RMSNorm, inverse_frequencies(cfg))
+            rope = (
+                inverse_frequencies(cfg),
+                rope_attention_factor(cfg),
+                latent_softmax_factor(cfg),
+            )
+            self.attn = LatentAttention(cfg, rngs, RMSNorm, *rope)
         else:
             self.attn = Attention(cfg, rngs)
         self.mlp_norm = norm(cfg, rngs)
@@ -484,6 +537,8 @@ MIXTURE_KEYS = ("moe_every", "router_aux_loss", "expert_mlp", "shared_mlp", "sha
                 "router", "router_bias_update", "router_groups", "router_top_groups",
                 "routed_scaling", "dense_first")  # fmt: skip
 LATENT_KEYS = ("q_rank", "rope_dim", "v_dim")
+YARN_KEYS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
+             "rope_attention_factor", "rope_truncate")  # fmt: skip
 
 
 def _unset(m: LlamaConfig, keys: tuple[str, ...], what: str, needs: str) -> None:
@@ -512,6 +567,14 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
         check_experts(m)
     else:
         _unset(m, MIXTURE_KEYS, "a mixture of experts", "model.experts")
+    if m.rope_scaling is not RopeScaling.YARN:
+        for key in YARN_KEYS:
+            if getattr(m, key) != DEFAULTS[key]:
+                raise ConfigError(
+                    f"model.{key}={str(getattr(m, key)).lower()} tunes YaRN only, and "
+                    f"model.rope_scaling={m.rope_scaling}: set model.rope_scaling=yarn, or "
+                    f"drop model.{key}"
+                )
     if m.global_every:
         check_local(m)
     else:

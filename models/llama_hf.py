@@ -34,7 +34,7 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         "hidden_act": act not in ACTIVATIONS,
         "attention_bias": bool(hf.get("attention_bias")),  # Llama's and Qwen3's: o too
         "mlp_bias": bool(hf.get("mlp_bias")),
-        "rope_type": kind not in ("default", "llama3", "linear"),
+        "rope_type": kind not in ("default", "llama3", "linear", "yarn"),
         # Qwen2/3 window only the layers from max_window_layers on
         "use_sliding_window": bool(hf.get("use_sliding_window")),
         # noise on the router's input while training: not deterministic, not reproduced
@@ -45,7 +45,7 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         raise CheckpointError(
             f"config.json: {key}={hf.get(key, rope.get('rope_type'))!r} is not supported "
             "(jaxpar's Llama family: silu or gelu_pytorch_tanh, no biases but Qwen2's on "
-            "q/k/v, default, llama3 or linear rope, a sliding window on every layer or none, "
+            "q/k/v, default, llama3, linear or yarn rope, a sliding window on every layer or none, "
             "or Gemma's local and global layers)"
         )
     head_dim = hf.get("head_dim") or embed // heads
@@ -77,7 +77,56 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
         }
     if kind == "linear":
         keys["rope_factor"] = float(rope["factor"])
+    if kind == "yarn":
+        keys |= _yarn_from_hf(hf, rope)
     return keys
+
+
+def _yarn_from_hf(hf: dict, rope: dict) -> dict:
+    """YaRN's rope parameters -> model.rope_* (unset ones at transformers' defaults; no
+    factor: max_position_embeddings over the original, as transformers reads it)."""
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings"
+    )
+    if not original:
+        raise CheckpointError(
+            "config.json: rope_type='yarn' without original_max_position_embeddings: YaRN "
+            "scales from the length the model was first trained at; add it to the rope "
+            "parameters"
+        )
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    return {
+        "rope_factor": float(factor),
+        "rope_original_positions": int(original),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_mscale": float(rope.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+        "rope_attention_factor": float(rope.get("attention_factor") or 0.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+    }
+
+
+def _yarn_to_hf(m: LlamaConfig) -> dict:
+    """model.rope_* -> YaRN's rope parameters (the unset ones left out)."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": m.rope_factor,
+        "original_max_position_embeddings": m.rope_original_positions,
+        "beta_fast": m.rope_beta_fast,
+        "beta_slow": m.rope_beta_slow,
+        "truncate": m.rope_truncate,
+    }
+    optional = {"mscale": m.rope_mscale, "mscale_all_dim": m.rope_mscale_all_dim,
+                "attention_factor": m.rope_attention_factor}  # fmt: skip
+    return rope | {k: v for k, v in optional.items() if v}
+
+
+def _extended(m: LlamaConfig) -> int:
+    """The positions the model takes: YaRN's original length times its factor."""
+    if m.rope_scaling is RopeScaling.YARN:
+        return int(m.rope_original_positions * m.rope_factor)
+    return m.rope_original_positions
 
 
 def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]) -> dict:
@@ -92,6 +141,8 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         }
     if m.rope_scaling is RopeScaling.LINEAR:
         rope |= {"rope_type": "linear", "factor": m.rope_factor}
+    if m.rope_scaling is RopeScaling.YARN:
+        rope |= _yarn_to_hf(m)
     if family.owns("rope_local_theta"):  # Gemma 3: the local layers' own, unscaled
         local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
         rope = {"full_attention": rope, "sliding_attention": local}
@@ -108,7 +159,7 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         "rms_norm_eps": m.norm_eps,
         "vocab_size": m.vocab,
         "tie_word_embeddings": m.tie_embeddings,
-        "max_position_embeddings": max(seq_len, m.rope_original_positions),
+        "max_position_embeddings": max(seq_len, _extended(m)),
         "rope_parameters": rope,
         "dtype": "float32",
         **family.to_hf(m),  # its own keys, over Llama's where they differ (DeepSeek's head_dim)

@@ -464,6 +464,19 @@ CLAIMS = (
     ),
     Claim(
         "docs/hugging-face.md",
+        "YaRN rotary scaling (Qwen3's long context, DeepSeek-V3, GPT-OSS) is transformers': "
+        "its frequencies and attention factors, a checkpoint's first-step loss in three "
+        "layouts, export and generate",
+        (
+            "test_rope.py::test_yarn_is_transformers_frequencies_and_factors",
+            "test_hf.py::test_a_yarn_checkpoint_trains_from_transformers_loss",
+            "test_hf.py::test_train_export_and_load_in_transformers",
+            "test_deepseek.py::test_first_step_loss_is_transformers_loss",
+            "test_deepseek.py::test_greedy_continuations_are_transformers_generate",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
         "Mistral, Qwen2, Qwen3: first-step loss and greedy generate equal transformers'",
         (
             "test_families.py::test_first_step_loss_is_transformers_loss",

@@ -33,10 +33,17 @@ BALANCE = 0.02  # Qwen2-MoE's router_aux_loss_coef, on in both
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=8,
               rms_norm_eps=1e-5, max_position_embeddings=512,
               tie_word_embeddings=False)  # fmt: skip
+# YaRN as DeepSeek-V3's release sets it (there: factor 40 from 4096 positions, mscale =
+# mscale_all_dim = 1); here mscale_all_dim 0.8, so that the rotated q and k are scaled
+# (1.025) as well as the softmax (1.234)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 16}  # fmt: skip
 FAMILIES = {
     # latent attention with a query latent, values narrower than the keys; the first
     # block dense; 8 experts in 4 groups, 2 a token from the 2 best groups, scaled; two
-    # shared experts; a balancing bias drawn away from 0 (it must choose)
+    # shared experts; a balancing bias drawn away from 0 (it must choose); YaRN, as the
+    # releases have it, its attention factor and softmax factor both off 1
     "deepseek_v3": (
         transformers.DeepseekV3ForCausalLM,
         transformers.DeepseekV3Config(
@@ -56,6 +63,7 @@ FAMILIES = {
             qk_nope_head_dim=12,
             v_head_dim=10,
             routed_scaling_factor=2.5,
+            rope_parameters=YARN,
         ),  # fmt: skip
         "deepseek-tiny",
     ),
@@ -99,6 +107,9 @@ def test_the_checkpoint_reads_as_its_traits(checkpoint):
                   m.router_groups, m.router_top_groups, m.routed_scaling, m.dense_first,
                   m.expert_mlp, m.shared_mlp, m.kv_heads)  # fmt: skip
         assert traits == (16, 24, 8, 12, 10, "sigmoid", 8, 4, 2, 2.5, 1, 32, 64, 8)
+        rope = (m.rope_scaling, m.rope_factor, m.rope_original_positions, m.rope_mscale,
+                m.rope_mscale_all_dim, m.rope_beta_fast, m.rope_truncate)  # fmt: skip
+        assert rope == ("yarn", 4.0, 16, 1.0, 0.8, 32.0, True)
     else:
         traits = (m.experts, m.moe_every, m.mlp, m.expert_mlp, m.shared_mlp, m.shared_gate)
         assert traits == (4, 2, 96, 32, 48, True)
@@ -163,6 +174,8 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
             "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
             "v_head_dim", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"]  # fmt: skip
     assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
+    rope = exported["rope_parameters"]
+    assert {k: rope.get(k) for k in read["rope_parameters"]} == read["rope_parameters"]
     params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
     cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
@@ -189,9 +202,13 @@ REFUSED = {
         {"rope_interleave": False},
         ["rope_interleave=false is not supported"],
     ),
-    "YaRN rotary scaling": (
+    "YaRN without its original length": (
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
-        ["rope_type='yarn' is not supported"],
+        ["rope_type='yarn' without original_max_position_embeddings", "add it"],
+    ),
+    "LongRoPE": (
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}},
+        ["rope_type='longrope' is not supported", "yarn"],
     ),
 }
 

@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
+from helpers import changed_config  # noqa: E402
+
 import jaxpar  # noqa: E402
 from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
@@ -20,11 +22,16 @@ from jaxpar.config import presets, registry  # noqa: E402
 pytestmark = pytest.mark.slow  # trains, and runs transformers
 
 
-def save_tiny_llama(directory: Path, tie: bool = False) -> Path:
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+# YaRN from 16 positions (the batches run past them): dims blended on the ramp, q and k
+# times 0.1 ln 4 + 1
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}  # fmt: skip
+
+
+def save_tiny_llama(directory: Path, tie: bool = False, rope: dict = LLAMA3) -> Path:
     torch.manual_seed(0)
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}  # fmt: skip
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=256,
@@ -89,20 +96,36 @@ def test_loaded_weights_give_transformers_logits_in_every_layout(name, checkpoin
     """Loaded into the layout's shards (each device reading its own slices), its first
     step's loss is transformers' cross-entropy, and the parameters it holds give
     transformers' logits."""
-    cfg = loaded_config(checkpoint_dir, *LAYOUTS[name], "train.steps=1", "train.lr=1e-12")
-    assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.rope_scaling) == (2, 2, "llama3")
+    _first_step_is_transformers(checkpoint_dir, LAYOUTS[name], devices, "llama3")
+
+
+@pytest.fixture(scope="module")
+def yarn_dir(checkpoint_dir, tmp_path_factory):
+    """checkpoint_dir's weights under YaRN's rope parameters."""
+    to = tmp_path_factory.mktemp("hf") / "tiny-llama-yarn"
+    return changed_config(checkpoint_dir, {"rope_parameters": YARN}, to)
+
+
+@pytest.mark.parametrize("name", ["one-device", "data4-tensor2", "context4"])
+def test_a_yarn_checkpoint_trains_from_transformers_loss(name, yarn_dir, devices):
+    """YaRN's frequencies and attention factor (Qwen3's long context, DeepSeek-V3 and
+    GPT-OSS set it), with the positions split over context in one layout."""
+    _first_step_is_transformers(yarn_dir, LAYOUTS[name], devices, "yarn")
+
+
+def _first_step_is_transformers(directory: Path, layout, devices, rope: str) -> None:
+    cfg = loaded_config(directory, *layout, "train.steps=1", "train.lr=1e-12")
+    assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.rope_scaling) == (2, 2, rope)
     s = recipe.setup(
         cfg,
         devices[
             : math.prod(getattr(cfg.parallel, a) for a in ("data", "pipeline", "context", "tensor"))
         ],
     )
-    params = hf.initial_params(
-        registry.get("llama").hf, cfg.model, checkpoint_dir, s.problem.shapes
-    )
+    params = hf.initial_params(registry.get("llama").hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
     tokens = s.batches(0)["tokens"]
-    want = torch_logits(checkpoint_dir, tokens[:, :-1])
+    want = torch_logits(directory, tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(
         torch.tensor(want).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
     ).item()
@@ -110,11 +133,13 @@ def test_loaded_weights_give_transformers_logits_in_every_layout(name, checkpoin
     assert_close(jaxpar_logits(cfg, result.params, tokens[:, :-1]), want)
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_train_export_and_load_in_transformers(tie, tmp_path, devices):
+@pytest.mark.parametrize(
+    "tie, rope", [(False, LLAMA3), (True, LLAMA3), (False, YARN)], ids=["untied", "tied", "yarn"]
+)
+def test_train_export_and_load_in_transformers(tie, rope, tmp_path, devices):
     """HF -> jaxpar (trained 3 steps, data=4 x tensor=2) -> `jaxpar export --format hf`
-    -> transformers' from_pretrained: the same logits."""
-    source = save_tiny_llama(tmp_path / "source", tie=tie)
+    -> transformers' from_pretrained: the same logits, and the rope parameters as read."""
+    source = save_tiny_llama(tmp_path / "source", tie=tie, rope=rope)
     run = tmp_path / "run"
     # fmt: off
     argv = ["train", "--config", "llama-tiny", f"model.init=hf:{source}", "parallel.data=4",
@@ -126,6 +151,7 @@ def test_train_export_and_load_in_transformers(tie, tmp_path, devices):
     assert (
         written["architectures"] == ["LlamaForCausalLM"] and written["tie_word_embeddings"] == tie
     )
+    assert {k: written["rope_parameters"].get(k) for k in rope} == rope
     cfg = loaded_config(source)
     params = {
         k: np.asarray(v) for k, v in jaxpar.load_exported(_safetensors(run, tmp_path)).items()
