@@ -470,6 +470,7 @@ CLAIMS = (
         (
             "test_rope.py::test_yarn_is_transformers_frequencies_and_factors",
             "test_hf.py::test_a_yarn_checkpoint_trains_from_transformers_loss",
+            "test_hf.py::test_a_yarn_checkpoint_decodes_as_transformers_generate",
             "test_hf.py::test_train_export_and_load_in_transformers",
             "test_deepseek.py::test_first_step_loss_is_transformers_loss",
             "test_deepseek.py::test_greedy_continuations_are_transformers_generate",

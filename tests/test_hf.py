@@ -113,6 +113,17 @@ def test_a_yarn_checkpoint_trains_from_transformers_loss(name, yarn_dir, devices
     _first_step_is_transformers(yarn_dir, LAYOUTS[name], devices, "yarn")
 
 
+def test_a_yarn_checkpoint_decodes_as_transformers_generate(yarn_dir, devices):
+    """Greedy through the KV cache, tensor=2, past the original 16 positions."""
+    from test_generate import PROMPTS, transformers_greedy
+
+    from jaxpar.generation import decoding
+
+    model = decoding.load(f"hf:{yarn_dir}", ["parallel.tensor=2"], devices=devices[:2])
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    assert done.completions == transformers_greedy(yarn_dir, PROMPTS, 32)
+
+
 def _first_step_is_transformers(directory: Path, layout, devices, rope: str) -> None:
     cfg = loaded_config(directory, *layout, "train.steps=1", "train.lr=1e-12")
     assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.rope_scaling) == (2, 2, rope)
