@@ -349,7 +349,7 @@ def test_training_scores_tasks_beside_the_loss_and_eval_scores_the_run(
     "preset",
     [
         "llama-tiny",
-        "mistral-tiny",
+        pytest.param("mistral-tiny", marks=pytest.mark.slow),  # 2 s: out of the fast tier
         pytest.param("gemma3-tiny", marks=pytest.mark.slow),
         pytest.param("mixtral-tiny", marks=pytest.mark.slow),  # 3.5 s: out of the fast tier
         pytest.param("qwen3_moe-tiny", marks=pytest.mark.slow),
