@@ -32,6 +32,13 @@ RELEASES = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 4096})),
+    # Kimi K2 (DeepseekV3ForCausalLM): beta_fast = beta_slow, an empty ramp
+    "Kimi K2": ("deepseek-tiny", "DeepseekV3Config", dict(
+        hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
+        max_position_embeddings=131072, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "beta_fast": 1.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096})),
     "a set attention factor": ("llama-tiny", "LlamaConfig", dict(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=64, rope_parameters={
