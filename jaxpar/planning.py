@@ -22,6 +22,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
 from jaxpar.parallel import layout_checks
+from jaxpar.training.console import count
 
 
 def validate(plan, machine, top: int, scale: str) -> str:
@@ -106,11 +107,14 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
         c = plan.closest
         raise ConfigError(
             f"no layout of {plan.considered} fits in --device-memory "
-            f"{human_bytes(machine.device_memory)}: the smallest, {c.label()}, needs "
-            f"{human_bytes(c.device)} per device; give more devices or memory, a smaller "
-            "train.batch_size, or a smaller model"
+            f"{human_bytes(machine.device_memory)} and --host-memory "
+            f"{human_bytes(machine.host_memory)}: the nearest, {c.label()}, needs "
+            f"{human_bytes(c.device)} per device and {human_bytes(c.host)} per host; give "
+            "more devices or memory, a smaller train.batch_size, or a smaller model"
         )
-    text = planner.report(plan, top)
+    size = sum(math.prod(s.shape) for s in registered(cfg.model, cfg.train.seq_len).shapes.values())
+    line = f"model.name={cfg.model.name}: {size:,} parameters ({count(size)})\n\n"
+    text = line + planner.report(plan, top)
     if check:
         scale = registry.tiny_preset(cfg.model.name)
         if scale is None:

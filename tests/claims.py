@@ -478,6 +478,12 @@ CLAIMS = (
     ),
     Claim(
         "docs/hugging-face.md",
+        "jaxpar plan reads the released configs of DeepSeek-V3, Kimi K2, Qwen3-8B (YaRN) and "
+        "Llama 3.1 8B and 70B, and counts their published parameters within 0.5%",
+        ("test_released.py::test_plan_reads_the_release_and_counts_its_parameters",),
+    ),
+    Claim(
+        "docs/hugging-face.md",
         "Mistral, Qwen2, Qwen3: first-step loss and greedy generate equal transformers'",
         (
             "test_families.py::test_first_step_loss_is_transformers_loss",

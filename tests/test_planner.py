@@ -108,7 +108,10 @@ def test_a_70b_gpt_on_64_devices_is_planned_without_allocating(tmp_path):
 @pytest.mark.parametrize(
     "argv, needles",
     [
-        (["--devices", "8", "--device-memory", "1KB"], ["no layout of", "fits in", "the smallest"]),
+        (
+            ["--devices", "8", "--device-memory", "1KB"],
+            ["no layout of", "fits in", "the nearest", "per host"],
+        ),
         (["--devices", "8", "--hosts", "3", "--device-memory", "80GB"], ["--hosts 3", "multiple"]),
         (
             ["--devices", "7", "--device-memory", "80GB"],

@@ -74,6 +74,11 @@ class Machine:
     def per_host(self) -> int:
         return self.devices // self.hosts
 
+    def overshoot(self, c: Candidate) -> float:
+        """How far `c` is from fitting: its device or host bytes over the memory there,
+        whichever is the larger share."""
+        return max(c.device / self.device_memory, c.host / self.host_memory)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -527,7 +532,7 @@ class Plan:
     ranked: list[Candidate]  # those that fit, fastest first
     considered: int
     dropped: int  # did not fit
-    closest: Candidate | None  # the smallest of those that did not fit
+    closest: Candidate | None  # of those that did not fit, the nearest (Machine.overshoot)
     machine: Machine
 
     def rule(self) -> str:
@@ -616,7 +621,7 @@ def make_plan(base: Config, problem, machine: Machine, work: Workload) -> Plan:
             fit.append(c)
         else:
             dropped += 1
-            if closest is None or c.device < closest.device:
+            if closest is None or machine.overshoot(c) < machine.overshoot(closest):
                 closest = c
     # equal times: the simpler layout first (no offload, lower ZeRO, no recompute)
     fit.sort(

@@ -1,0 +1,36 @@
+"""The releases people download, read as they are released (tests/golden/released/: a
+config.json each, no weights): `jaxpar plan` reads each as model.init=hf:DIR and counts
+the parameters it is published with, within 0.5%."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jaxpar.cli import main as cli
+
+pytestmark = pytest.mark.slow  # 18 s: the planner ranks 4,000-12,000 layouts a release
+
+RELEASED = Path(__file__).parent / "golden" / "released"
+
+# folder -> (the preset whose run keys plan it, published parameters): the README there
+# says where each config and figure is from
+RELEASES = {
+    "deepseek-v3": ("deepseek-v3", 671e9),
+    "kimi-k2": ("deepseek-v3", 1.03e12),
+    "qwen3-8b-yarn": ("qwen3-tiny", 8.2e9),
+    "llama-3.1-8b": ("llama-tiny", 8.03e9),
+    "llama-3.1-70b": ("llama-tiny", 70.6e9),
+}
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_plan_reads_the_release_and_counts_its_parameters(release, capsys):
+    preset, published = RELEASES[release]
+    argv = ["plan", "--config", preset, f"model.init=hf:{RELEASED / release}",
+            "train.batch_size=64", "train.seq_len=4096", "--devices", "256", "--hosts", "32",
+            "--device-memory", "80GB", "--top", "1"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    counted = int(re.search(r"model\.name=\w+: ([\d,]+) parameters", out)[1].replace(",", ""))
+    assert counted == pytest.approx(published, rel=0.005), (release, counted)
