@@ -237,7 +237,8 @@ def test_qlora_plans_llama3_8b_on_one_24gb_device(capsys):
             "train.seq_len=4096", "--devices", "1", "--device-memory", "24GB"]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    header, _, best = out.split("\n\n")[1].splitlines()[:3]
+    ranked = next(p for p in out.split("\n\n") if "device GiB" in p)  # the table
+    header, _, best = ranked.splitlines()[:3]
 
     def cell(name: str) -> str:  # the table's columns are right-aligned under their names
         return best[: header.index(name) + len(name)].split()[-1]
