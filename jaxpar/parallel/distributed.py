@@ -53,10 +53,20 @@ def initialize(
         rendezvous(coordinator, num_processes, process_id, timeout_s)
     elif not (coordinator or _in_cluster()):
         return
-    jax.distributed.initialize(
-        coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 30
-    )
-    _stoppable()
+    # A stop that arrives while JAX joins would reach JAX's preemption notifier, which
+    # installs itself there and only logs it: the worker would train on. Held back until
+    # the default action is back (_stoppable), it then ends the worker at once.
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        jax.distributed.initialize(
+            coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 30
+        )
+        _stoppable()
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if jax.process_index() == 0:
         print(
             f"jaxpar distributed: {jax.process_count()} processes, "
