@@ -237,13 +237,18 @@ def launch(
     paths = [log_dir / f"process-{i}.log" for i in range(processes)]
     procs: list[subprocess.Popen] = []
     stopping: list[int] = []
+    told: set[int] = set()  # the workers the stop was sent to
+
+    def tell() -> None:
+        for p in procs:
+            if p.pid not in told and p.poll() is None:
+                told.add(p.pid)
+                p.send_signal(stopping[0])
 
     def forward(signum, frame) -> None:
         if not stopping:
             stopping.append(signum)
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signum)
+            tell()
 
     # (from before the first worker: a stop while they start reaches every one started)
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -252,6 +257,8 @@ def launch(
             with log:  # the worker holds it (and its lock) from here
                 if not stopping:
                     procs.append(_spawn(command, log, i, processes, coordinator, cpu_devices))
+        if stopping:  # a stop that came while a worker was spawned, before it was listed
+            tell()
         return _watch(procs, paths, stopping, ckpt_dir)
     finally:
         for p in procs:
