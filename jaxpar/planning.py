@@ -82,7 +82,8 @@ def validate(plan, machine, top: int, scale: str) -> str:
 def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = False) -> str:
     """`jaxpar plan` for a registered model: every layout ranked, from shapes alone; the
     winner's config written to `out`; with `check`, the top ones validated."""
-    problem = recipe.with_adapters(registered(cfg.model, cfg.train.seq_len), cfg.adapter, cfg.model)
+    model = registered(cfg.model, cfg.train.seq_len)
+    problem = recipe.with_adapters(model, cfg.adapter, cfg.model)
     problem = objectives.of(cfg.train.objective).problem(problem, cfg)  # a reference held, or not
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
@@ -112,7 +113,7 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
             f"{human_bytes(c.device)} per device and {human_bytes(c.host)} per host; give "
             "more devices or memory, a smaller train.batch_size, or a smaller model"
         )
-    size = sum(math.prod(s.shape) for s in registered(cfg.model, cfg.train.seq_len).shapes.values())
+    size = sum(math.prod(s.shape) for s in model.shapes.values())
     line = f"model.name={cfg.model.name}: {size:,} parameters ({count(size)})\n\n"
     text = line + planner.report(plan, top)
     if check:
