@@ -17,6 +17,7 @@ dims, slicing only the first dim of each group (the others are read whole).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -62,6 +63,20 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class Wrapper:
+    """A release that holds the model inside a larger one, e.g. Gemma 3's multimodal
+    checkpoints, whose text model is read and whose vision tower is skipped."""
+
+    architecture: str  # its config.json's `architectures`
+    config: str  # the key of its config.json holding the model's, e.g. "text_config"
+    prefix: str  # the model's tensors' prefix in its files, e.g. "language_model."
+    others: str  # a pattern of its other tensors: skipped on reading, carried on export
+    what: str  # what they are, in words
+    # keys of its inner config that its transformers class never applies: read as unset
+    ignores: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class HFFormat:
     architecture: str  # config.json's `architectures`, e.g. "LlamaForCausalLM"
     config_from_hf: Callable[[dict], dict]  # config.json -> {model key: value}
@@ -71,6 +86,30 @@ class HFFormat:
     # model keys config.json suggests for training (not the architecture): a value the
     # user sets is taken instead, not refused
     training: tuple[str, ...] = ()
+    wrappers: tuple[Wrapper, ...] = ()  # the releases holding the model inside a larger one
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """Every config.json `architectures` it reads: its own, then its wrappers'."""
+        return (self.architecture, *(w.architecture for w in self.wrappers))
+
+    def wrapper(self, hf: dict) -> Wrapper | None:
+        """The wrapper whose release this config.json is (None: the model's own)."""
+        archs = hf.get("architectures") or ()
+        return next((w for w in self.wrappers if w.architecture in archs), None)
+
+
+def model_config(fmt: HFFormat, hf: dict) -> dict:
+    """The model's own keys of a config.json: a wrapper's inner config, or all of it."""
+    w = fmt.wrapper(hf)
+    return hf if w is None else hf[w.config] | dict.fromkeys(w.ignores)
+
+
+def wrapped(tensors: list[Tensor], w: Wrapper | None) -> list[Tensor]:
+    """`tensors` as a wrapper's files name them (under its prefix)."""
+    if w is None:
+        return tensors
+    return [dataclasses.replace(t, name=w.prefix + t.name) for t in tensors]
 
 
 def dims_of(dims: str) -> list[list[str]]:
@@ -147,6 +186,12 @@ class _File:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
+    def whole(self, name: str) -> np.ndarray:
+        """The tensor `name`, of any rank, as stored."""
+        start, stop = self.tensors[name]["data_offsets"]
+        raw = os.pread(self.fd, stop - start, self.base + start)
+        return np.frombuffer(raw, self.dtypes[name]).reshape(self.shape(name))
+
     def read(self, name: str, index: tuple[slice, ...]) -> tuple[np.ndarray, int]:
         """(the slice `index` of a 1-d or 2-d tensor, bytes read)."""
         shape, dtype = self.shape(name), self.dtypes[name]
@@ -203,6 +248,9 @@ class _Reader:
         self.bytes_read += read
         return block
 
+    def whole(self, name: str) -> np.ndarray:
+        return self.files[self.where[name]].whole(name)
+
 
 def directory_of(init: str) -> Path | None:
     """model.init -> the checkpoint directory (None: random parameters)."""
@@ -244,12 +292,12 @@ def resolve(fmt: HFFormat, model, directory: Path, explicit: dict) -> dict:
     key, and is taken)."""
     hf = read_config(directory)
     arch = hf.get("architectures") or [hf.get("model_type", "?")]
-    if fmt.architecture not in arch:
+    if not set(fmt.architectures) & set(arch):
         raise CheckpointError(
             f"model.init=hf:{directory}: config.json says {arch[0]}; model.name="
-            f"{model.name} reads {fmt.architecture}"
+            f"{model.name} reads {' or '.join(fmt.architectures)}"
         )
-    keys = fmt.config_from_hf(hf)
+    keys = fmt.config_from_hf(model_config(fmt, hf))
     for key, value in explicit.items():
         if key in fmt.training:
             keys[key] = value
@@ -267,9 +315,25 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     compiled; then, given each leaf's target with its sharding, the leaves built from
     `directory`, each device's shard read from its own slices."""
     where = f"model.init=hf:{directory}"
-    return read_params(
-        fmt.tensors(model), Path(directory), shapes, where, f"model.name={model.name}", fmt.ignore
-    )
+    w = fmt.wrapper(read_config(Path(directory)))
+    ignore = fmt.ignore if w is None else f"{fmt.ignore}|{w.others}"
+    tensors = wrapped(fmt.tensors(model), w)
+    return read_params(tensors, Path(directory), shapes, where, f"model.name={model.name}", ignore)
+
+
+def init_notes(fmt: HFFormat, model) -> list[str]:
+    """What the start-up summary says of model.init's release: a wrapper's tensors that
+    are not the model's, skipped."""
+    directory = directory_of(model.init)
+    w = directory and fmt.wrapper(read_config(directory))
+    if not w:
+        return []
+    others = [n for n in _Reader(directory, model.init).where if re.search(w.others, n)]
+    return [
+        f"model.init is a {w.architecture}: its {w.prefix.rstrip('.')} read as "
+        f"model.name={model.name}, its {len(others)} other tensors ({w.what}) skipped; "
+        "export --format hf carries them through"
+    ]
 
 
 def read_params(
@@ -350,15 +414,27 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def export(fmt: HFFormat, model, seq_len: int, params: dict, to: Path) -> int:
+def export(
+    fmt: HFFormat, model, seq_len: int, params: dict, to: Path, release: Path | None = None
+) -> int:
     """Write `params` (host arrays in our own layout, by key) and the model's config as a
-    Hugging Face checkpoint directory; returns the number of tensors."""
+    Hugging Face checkpoint directory; returns the number of tensors. `release`: a
+    wrapper's checkpoint to write the model into, its other tensors and its config's
+    other keys carried through as they are (None: the model's own layout)."""
+    config = fmt.config_to_hf(model, seq_len)
+    w = fmt.wrapper(read_config(release)) if release else None
     tensors = {}
-    for t in fmt.tensors(model):
+    for t in wrapped(fmt.tensors(model), w):
         ours = np.asarray(params[t.key])
         stacked = ours.shape[: len(t.stacked)]
         tensors |= {t.file_name(i): to_file(t, ours[i]) for i in np.ndindex(stacked)}
+    if w:
+        reader = _Reader(release, f"model.init=hf:{release}")
+        tensors |= {n: reader.whole(n) for n in reader.where if re.search(w.others, n)}
+        source = read_config(release)
+        inner = source[w.config] | {k: v for k, v in config.items() if k != "architectures"}
+        config = source | {w.config: inner, "dtype": config["dtype"]}
     to.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, to / "model.safetensors", {"format": "pt"})
-    (to / "config.json").write_text(json.dumps(fmt.config_to_hf(model, seq_len), indent=2) + "\n")
+    (to / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return len(tensors)

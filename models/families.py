@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.hf import Wrapper
 
 LLAMA_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MLP's, and Qwen's experts'
 
@@ -46,6 +47,11 @@ class Family:
     # (model config) -> None, or a ConfigError: what its checkpoints cannot express
     check: Callable = _nothing
     preset: str = ""  # its tiny preset's name; "" = NAME-tiny
+    # config.json keys at the family's transformers defaults, where a release leaves
+    # them out (Gemma 3's multimodal releases give a few text keys only)
+    defaults: dict = field(default_factory=dict)
+    # the releases that hold the family's model inside a larger one
+    wrappers: tuple[Wrapper, ...] = ()
 
     @property
     def tiny(self) -> str:
@@ -242,8 +248,9 @@ def _local_global(hf: dict, default_every: int) -> int:
     `default_every`-th layer global): every n-th layer global, the others sliding; 0
     where all are alike."""
     layers = hf["num_hidden_layers"]
+    every = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default_every
     kinds = hf.get("layer_types") or [
-        FULL if (i + 1) % default_every == 0 else SLIDING for i in range(layers)
+        FULL if (i + 1) % every == 0 else SLIDING for i in range(layers)
     ]
     if len(set(kinds)) == 1:
         return 0
@@ -310,6 +317,24 @@ def _gemma_to_hf(m) -> dict:
 
 GEMMA = {"norm_offset": True, "post_norms": True, "embed_scale": True, "activation": "gelu_tanh"}
 GEMMA_KEYS = ("sliding_window", "global_every", "logit_softcap", "query_scale")
+# transformers' Gemma3TextConfig() (its rope as the keys of the releases' day)
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "max_position_embeddings": 131072,
+}  # fmt: skip
+# Gemma 3 4B, 12B and 27B: the text model under language_model., beside SigLIP; their
+# transformers class never caps the logits (every release leaves the cap unset)
+GEMMA3_MULTIMODAL = Wrapper(
+    "Gemma3ForConditionalGeneration",
+    "text_config",
+    "language_model.",
+    r"^(vision_tower|multi_modal_projector)\.",
+    "the vision tower and its projector",
+    ignores=("final_logit_softcapping",),
+)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -424,6 +449,8 @@ FAMILIES: tuple[Family, ...] = (
         free=(*GEMMA_KEYS, "rope_local_theta"),
         from_hf=_gemma3_from_hf,
         to_hf=_gemma_to_hf,
+        defaults=GEMMA3_DEFAULTS,
+        wrappers=(GEMMA3_MULTIMODAL,),
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -21,7 +21,8 @@ ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TAN
 
 def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
     """config.json of a LlamaForCausalLM (or of `family`'s) -> model.* (what jaxpar cannot
-    express refused)."""
+    express refused; keys it leaves out at the family's defaults)."""
+    hf = family.defaults | hf
     heads, embed = hf["num_attention_heads"], hf["hidden_size"]
     rope = hf.get("rope_parameters") or {
         **(hf.get("rope_scaling") or {}),
@@ -282,6 +283,7 @@ FORMATS = {
         functools.partial(config_to_hf, family=family),
         functools.partial(hf_tensors, family=family),
         training=("router_aux_loss",),
+        wrappers=family.wrappers,
     )
     for family in FAMILIES
 }

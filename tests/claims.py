@@ -444,6 +444,17 @@ CLAIMS = (
         "LoRA on Gemma's projections loads into PEFT with jaxpar's logits",
         ("test_gemma.py::test_lora_on_gemmas_projections_loads_into_peft",),
     ),
+    Claim(
+        "docs/gemma.md",
+        "Gemma 3's multimodal releases train as their text model from transformers' loss, "
+        "export back as released (the vision tower bitwise) or as text alone, and read "
+        "their sparse text configs at transformers' defaults",
+        (
+            "test_gemma.py::test_a_multimodal_release_trains_from_transformers_loss",
+            "test_gemma.py::test_a_multimodal_release_exports_as_released_or_as_text_alone",
+            "test_released.py::test_a_text_config_left_out_reads_as_transformers_defaults",
+        ),
+    ),
     # docs/hugging-face.md
     Claim(
         "docs/hugging-face.md",

@@ -5,8 +5,10 @@ sequences and every trait switched on: the first step's loss on one device, unde
 tensor=2 x context=2 and in a pipeline; logits after training and exporting; greedy
 continuations past the window through the local layers' ring caches."""
 
+import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from jaxpar import hf, recipe  # noqa: E402
 from jaxpar.cli import main as cli  # noqa: E402
 from jaxpar.config import presets, registry  # noqa: E402
 from jaxpar.generation import decoding  # noqa: E402
+from jaxpar.nn.problem import registered  # noqa: E402
 from jaxpar.parallel.axes import AXES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, and runs transformers
@@ -96,6 +99,14 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     family, directory = checkpoint
+    assert first_step_loss(family, directory, layout, devices) == pytest.approx(
+        transformers_loss(directory, first_step_loss.tokens), rel=1e-5
+    )
+
+
+def first_step_loss(family: str, directory, layout: str, devices) -> float:
+    """jaxpar's first-step loss of `directory` in `layout`; its batch's tokens kept as
+    first_step_loss.tokens."""
     cfg = presets.load(
         f"{family}-tiny",
         [f"model.init=hf:{directory}", *LAYOUTS[layout], "train.steps=1", "train.lr=1e-12"],
@@ -105,18 +116,21 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     s = recipe.setup(cfg, devices[:n])
     params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
-    tokens = s.batches(0)["tokens"]
+    first_step_loss.tokens = s.batches(0)["tokens"]
+    return result.losses[0]
+
+
+def transformers_loss(directory, tokens: np.ndarray) -> float:
     logits = theirs(directory, tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(
+    return torch.nn.functional.cross_entropy(
         torch.tensor(logits).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
     ).item()
-    assert result.losses[0] == pytest.approx(loss, rel=1e-5)
 
 
-def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path):
+def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_path, capsys):
     """Three steps (data=4 x tensor=2, ZeRO-3), `jaxpar export --format hf`, loaded back
     by transformers: its logits within 1e-4 of their scale of jaxpar's; the config's
-    Gemma keys as read."""
+    Gemma keys as read. A multimodal layout, with no vision tower to carry, is refused."""
     family, directory = checkpoint
     run = tmp_path / "run"
     argv = ["train", "--config", f"{family}-tiny", f"model.init=hf:{directory}",
@@ -124,6 +138,12 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
             "--out", str(run)]  # fmt: skip
     assert cli.main(argv) == 0
     assert cli.main(["export", str(run), "--to", str(tmp_path / "out"), "--format", "hf"]) == 0
+    argv = ["export", str(run), "--to", str(tmp_path / "mm"), "--format", "hf",
+            "--architecture", "Gemma3ForConditionalGeneration"]  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--architecture Gemma3ForConditionalGeneration" in err, err
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
     read = FAMILIES[family][1].to_dict()
     kept = ["architectures", "model_type", "layer_types", "sliding_window", "head_dim",
@@ -274,3 +294,78 @@ def test_gemma3_trains_in_every_layout_as_on_one_device(name):
     assert_same_training(
         trained("gemma3-tiny", GEMMA_LAYOUTS[name]), shared_reference("gemma3-tiny")
     )
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """A random Gemma3ForConditionalGeneration, as Gemma 3 4B-27B are released: gemma3's
+    text config above (its logits' cap set, which this class never applies) under
+    language_model., beside a one-layer SigLIP tower and its projector."""
+    _, text = FAMILIES["gemma3"]
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48,
+        num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        boi_token_index=253, eoi_token_index=254, image_token_index=255,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    return save_drawn(model, tmp_path_factory.mktemp("multimodal") / "hf")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_multimodal_release_trains_from_transformers_loss(multimodal, layout, devices):
+    """Its text model read as model.name=gemma3 (the vision tower skipped): the first
+    step's loss is Gemma3ForConditionalGeneration's on the same ids, in three layouts."""
+    loss = first_step_loss("gemma3", multimodal, layout, devices)
+    assert loss == pytest.approx(transformers_loss(multimodal, first_step_loss.tokens), rel=1e-5)
+
+
+def test_a_multimodal_release_exports_as_released_or_as_text_alone(multimodal, tmp_path, capsys):
+    """Trained 3 steps (data=4 x tensor=2), the summary says what was skipped; `export
+    --format hf` writes it back as released, its vision tensors bitwise those read and its
+    config's other keys kept; `--architecture Gemma3ForCausalLM`, the text model alone;
+    transformers gives both the same logits, which are jaxpar's, and jaxpar reads the
+    release it wrote back to the parameters it trained, bitwise."""
+    from safetensors.numpy import load_file
+
+    run = tmp_path / "run"
+    argv = ["train", "--config", "gemma3-tiny", f"model.init=hf:{multimodal}",
+            "parallel.data=4", "parallel.tensor=2", "train.steps=3", "--out", str(run)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert (
+        "its 34 other tensors (the vision tower and its projector) skipped"
+        in capsys.readouterr().out
+    )
+    released, text = tmp_path / "released", tmp_path / "text"
+    assert cli.main(["export", str(run), "--to", str(released), "--format", "hf"]) == 0
+    argv = ["export", str(run), "--to", str(text), "--format", "hf",
+            "--architecture", "Gemma3ForCausalLM"]  # fmt: skip
+    assert cli.main(argv) == 0
+    read, wrote = (
+        load_file(multimodal / "model.safetensors"),
+        load_file(released / "model.safetensors"),
+    )
+    assert read.keys() == wrote.keys()
+    vision = [k for k in read if not k.startswith("language_model.")]
+    assert len(vision) == 34 and all(np.array_equal(read[k], wrote[k]) for k in vision)
+    before, after = (json.loads((d / "config.json").read_text()) for d in (multimodal, released))
+    assert {k for k in before if before[k] != after[k]} == {"text_config"}
+    assert after["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert json.loads((text / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"])
+    tokens = np.random.default_rng(0).integers(0, 250, (2, 40))
+    want = theirs(released, tokens)
+    assert np.array_equal(theirs(text, tokens), want)
+    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+    again = presets.resolve_init(presets.load("gemma3-tiny", [f"model.init=hf:{released}"]), set())
+    problem = registered(again.model, again.train.seq_len)
+    fill = hf.initial_params(registry.get("gemma3").hf, again.model, released, problem.shapes)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {
+        k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one) for k, s in problem.shapes.items()
+    }
+    back = fill(targets)
+    assert all(np.array_equal(np.asarray(back[k]), np.asarray(params[k])) for k in params)

@@ -1,6 +1,7 @@
 """The releases people download, read as they are released (tests/golden/released/: a
 config.json each, no weights): `jaxpar plan` reads each as model.init=hf:DIR and counts
-the parameters it is published with, within 0.5%."""
+the parameters it is published with, within 0.5%. A release that leaves keys out reads
+them at transformers' defaults."""
 
 import re
 from pathlib import Path
@@ -8,8 +9,6 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cli import main as cli
-
-pytestmark = pytest.mark.slow  # 18 s: the planner ranks 4,000-12,000 layouts a release
 
 RELEASED = Path(__file__).parent / "golden" / "released"
 
@@ -21,9 +20,11 @@ RELEASES = {
     "qwen3-8b-yarn": ("qwen3-tiny", 8.2e9),
     "llama-3.1-8b": ("llama-tiny", 8.03e9),
     "llama-3.1-70b": ("llama-tiny", 70.6e9),
+    "gemma-3-27b": ("gemma3-12b", 27.016e9),
 }
 
 
+@pytest.mark.slow  # 20 s: the planner ranks 1,000-12,000 layouts a release
 @pytest.mark.parametrize("release", RELEASES)
 def test_plan_reads_the_release_and_counts_its_parameters(release, capsys):
     preset, published = RELEASES[release]
@@ -34,3 +35,16 @@ def test_plan_reads_the_release_and_counts_its_parameters(release, capsys):
     out = capsys.readouterr().out
     counted = int(re.search(r"model\.name=\w+: ([\d,]+) parameters", out)[1].replace(",", ""))
     assert counted == pytest.approx(published, rel=0.005), (release, counted)
+
+
+def test_a_text_config_left_out_reads_as_transformers_defaults():
+    """Gemma 3's multimodal releases give a few text keys (gemma-3-27b/config.json): a
+    text config with none reads as transformers' Gemma3TextConfig() does."""
+    transformers = pytest.importorskip("transformers")
+    from jaxpar import hf
+    from jaxpar.config import registry
+
+    fmt = registry.get("gemma3").hf
+    empty = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}}
+    theirs = transformers.Gemma3TextConfig().to_dict()
+    assert fmt.config_from_hf(hf.model_config(fmt, empty)) == fmt.config_from_hf(theirs)

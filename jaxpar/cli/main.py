@@ -219,6 +219,14 @@ def _export_parser(sub) -> None:
         "peft: an adapter run's adapter_model.safetensors and adapter_config.json, as "
         "peft.PeftModel.from_pretrained loads them",
     )
+    export.add_argument(
+        "--architecture",
+        default="",
+        metavar="NAME",
+        help="--format hf: the release layout to write, e.g. Gemma3ForCausalLM, or "
+        "Gemma3ForConditionalGeneration with the vision tower of the run's model.init "
+        "carried through (default: the layout model.init was read as)",
+    )
     _cpu_devices(export)
 
 
@@ -738,8 +746,12 @@ def _export(args: argparse.Namespace) -> int:
     from jaxpar.training.export import export, export_hf, export_peft
 
     _setup_devices(args.cpu_devices)
+    if args.architecture and args.format != "hf":
+        raise ConfigError(
+            f"--architecture {args.architecture}: a Hugging Face layout; add --format hf"
+        )
     if args.format == "hf":
-        step, tensors = export_hf(args.run_dir, args.to)
+        step, tensors = export_hf(args.run_dir, args.to, args.architecture)
         print(f"wrote {tensors} tensors of step {step} to {args.to} (Hugging Face)")
     elif args.format == "peft":
         step, tensors = export_peft(args.run_dir, args.to)

@@ -152,7 +152,7 @@ def load(
         cfg = presets.resolve_init(cfg, given)
         problem = registered(cfg.model, cfg.train.seq_len)
         fill = hf.initial_params(spec.hf, cfg.model, directory, problem.shapes)
-        positions = config.get("max_position_embeddings")
+        positions = hf.model_config(spec.hf, config).get("max_position_embeddings")
     else:
         run = Path(source)
         if not run.is_dir():
@@ -312,7 +312,12 @@ def _decoders() -> list[str]:
 def _spec_of(config: dict, source: str, command: str):
     """The registered model whose Hugging Face format reads this config.json."""
     archs = config.get("architectures") or [config.get("model_type", "?")]
-    formats = {registry.get(n).hf.architecture: n for n in registry.names() if registry.get(n).hf}
+    formats = {
+        a: n
+        for n in registry.names()
+        if registry.get(n).hf
+        for a in registry.get(n).hf.architectures
+    }
     name = next((formats[a] for a in archs if a in formats), None)
     if name is None:
         raise ConfigError(

@@ -82,10 +82,11 @@ def _saved(run_dir: Path, what: str, read=run_params):
     return params, meta, model, adapter
 
 
-def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
+def export_hf(run_dir: Path, to: Path, architecture: str = "") -> tuple[int, int]:
     """Write the latest checkpoint as a Hugging Face checkpoint directory (config.json,
     model.safetensors) for the run's model, an adapter run's adapters merged into its
-    base; returns (step, tensors)."""
+    base, as `architecture` (default: the one model.init was read as); returns (step,
+    tensors)."""
     params, meta, model, adapter = _saved(run_dir, "--format hf")
     seq_len = meta["config"]["train"]["seq_len"]
     if adapter.kind is AdapterKind.LORA:
@@ -94,9 +95,33 @@ def export_hf(run_dir: Path, to: Path) -> tuple[int, int]:
             for k, v in lora.merged(registered(model, seq_len), adapter, model, params).items()
         }
     fmt = registry.hf_format(model.name, "--format hf")
+    release = _release(fmt, model, architecture)
     with _whole(Path(to), params) as part:
-        tensors = hf.export(fmt, model, seq_len, params, part)
+        tensors = hf.export(fmt, model, seq_len, params, part, release)
     return meta["step"], tensors
+
+
+def _release(fmt: hf.HFFormat, model: Model, architecture: str) -> Path | None:
+    """The checkpoint whose wrapper (e.g. Gemma3ForConditionalGeneration) an export as
+    `architecture` writes into: model.init's, if it is one and `architecture` is its or
+    unset; None for the model's own layout."""
+    if architecture and architecture not in fmt.architectures:
+        raise ConfigError(
+            f"--architecture {architecture}: model.name={model.name} is written as "
+            f"{' or '.join(fmt.architectures)}; choose one of them"
+        )
+    init = Path(model.init.removeprefix(hf.SCHEME)) if model.init else None
+    w = fmt.wrapper(hf.read_config(init)) if init and init.is_dir() else None
+    if architecture in ("", getattr(w, "architecture", "")):
+        return init if w else None
+    if architecture == fmt.architecture:
+        return None
+    raise ConfigError(
+        f"--architecture {architecture}: its other tensors are carried from the run's "
+        f"model.init, and {model.init or 'an empty model.init'} is no {architecture} "
+        f"checkpoint (or is gone); export --architecture {fmt.architecture}, or train from "
+        f"a {architecture}"
+    )
 
 
 def export_peft(run_dir: Path, to: Path) -> tuple[int, int]:
