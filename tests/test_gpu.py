@@ -6,6 +6,7 @@ override them), and the `cuda12` extra installing the plugin of the jax it runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import jax
@@ -212,8 +213,10 @@ def test_blocked_attention_equals_the_direct_form(monkeypatch):
     )
 
 
-def _numpy_attention(q, k, v, segments, window, scale, cap):
-    """softmax(cap x tanh(q k^T x scale / cap) + mask) v, in float64."""
+def _numpy_attention(q, k, v, segments, window, scale, cap, sinks=None):
+    """softmax(cap x tanh(q k^T x scale / cap) + mask) v, in float64; `sinks` (one a
+    head): a column of their own in the softmax, dropped after it (as transformers'
+    GPT-OSS writes it)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     s = np.einsum("bshd,bthd->bhst", q, k) * scale
     s = cap * np.tanh(s / cap)
@@ -221,8 +224,14 @@ def _numpy_attention(q, k, v, segments, window, scale, cap):
     seg = np.asarray(segments)
     visible = (back >= 0) & (back < window) & (seg[:, :, None] == seg[:, None, :])
     s = np.where(visible[:, None], s, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(
+            np.asarray(sinks, np.float64)[None, :, None, None], (*s.shape[:3], 1)
+        )
+        s = np.concatenate([s, column], -1)
     p = np.exp(s - s.max(-1, keepdims=True))
-    return np.einsum("bhst,bthd->bshd", p / p.sum(-1, keepdims=True), v)
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bhst,bthd->bshd", p[..., : k.shape[1]], v)
 
 
 def test_capped_scores_are_the_same_in_every_form(monkeypatch):
@@ -262,22 +271,70 @@ def test_capped_scores_are_the_same_in_every_form(monkeypatch):
     assert attention.form("cuda", jnp.bfloat16, 64, softcap=50.0) is attention.Form.BLOCKED
 
 
+def test_sinks_are_the_same_in_every_form(monkeypatch):
+    """GPT-OSS's attention sinks (a logit per head in the softmax's denominator, no value
+    to it), in a window, over documents: causal_attention's direct and blocked forms
+    and the positioned ones (context parallelism's) equal a float64 transcription of
+    transformers' (a column appended, then dropped), values and gradients alike; the
+    sinks' own gradient too. cuDNN's kernel has none: such a step runs the blocked form."""
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    q, k, v = jax.random.normal(jax.random.key(3), (3, 2, 64, 4, 8)) * 2
+    sinks = jnp.asarray([-1.0, 0.5, 2.0, 4.0])
+    segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
+    want = _numpy_attention(q, k, v, segments, 5, 0.3, 1e9, sinks)
+    scores = attention.Scores(0.3, sinks=True)
+    pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
+
+    def forms(form):
+        def run(q, k, v, sinks):
+            q = attention._with_sinks(q, sinks)
+            if form == "direct":
+                return attention._direct(q, k, v, 0, segments, 5, scores)
+            if form == "blocked":
+                return attention._blocked(q, k, v, segments, 5, scores)
+            chosen = (
+                attention.Form.BLOCKED if form == "positioned blocked" else attention.Form.DIRECT
+            )
+            return attention._positioned(chosen, q, k, v, pos, pos, segments, segments, 5, scores)
+
+        return run
+
+    plain = attention.causal_attention(q, k, v, segments, 5, scale=0.3)
+    assert np.abs(np.asarray(plain) - want).max() > 0.1  # the sinks bite
+    got = attention.causal_attention(q, k, v, segments, 5, scale=0.3, sinks_H=sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    out = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+    args = (q, k, v, sinks)
+    base, base_grads = jax.value_and_grad(out(forms("direct")), argnums=(0, 1, 2, 3))(*args)
+    assert np.abs(np.asarray(base_grads[3])).min() > 1e-3  # every sink learns
+    for form in ("blocked", "positioned", "positioned blocked"):
+        np.testing.assert_allclose(forms(form)(*args), want, rtol=1e-5, atol=1e-6)
+        got, grads = jax.value_and_grad(out(forms(form)), argnums=(0, 1, 2, 3))(*args)
+        np.testing.assert_allclose(got, base, rtol=1e-6)
+        for g, w in zip(grads, base_grads, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert attention.form("cuda", jnp.bfloat16, 64, sinks=True) is attention.Form.BLOCKED
+
+
 @pytest.mark.slow  # 3 s: out of the fast tier
 def test_a_ring_cache_of_the_window_equals_the_direct_form():
     """A windowed layer's cache holds the window's 5 slots, a ring: a prompt of 9 tokens
     (longer than the ring), a chunk of 3, then 8 tokens one at a time, each sees what
-    the direct form shows it; capped and scaled scores too, a row left-padded by 2."""
+    the direct form shows it; capped and scaled scores too, and sinks (GPT-OSS's), a row
+    left-padded by 2."""
     q, k, v = jax.random.normal(jax.random.key(2), (3, 2, 20, 4, 8)) * 2
-    scores, window = attention.Scores(0.3, 2.0), 5
+    scores, window, sinks = attention.Scores(0.3, 2.0), 5, jnp.asarray([-1.0, 0.5, 2.0, 4.0])
     pad = jnp.asarray([0, 2])
     segments = jnp.asarray([[1] * 20, [0] * 2 + [1] * 18])  # the padding: its own segment
-    want = np.asarray(attention._direct(q, k, v, 0, segments, window, scores))
+    sunk = dataclasses.replace(scores, sinks=True)
+    want = attention._direct(attention._with_sinks(q, sinks), k, v, 0, segments, window, sunk)
+    want = np.asarray(want)
     cache = (jnp.zeros((2, 4, 8, window)), jnp.zeros((2, 4, window, 8)))
     outs, slot = [], 0
     for t in (9, 3, *[1] * 8):
         part = slice(slot, slot + t)
         out, cache = attention.cached_attention(
-            q[:, part], k[:, part], v[:, part], cache, slot, pad, window, scores
+            q[:, part], k[:, part], v[:, part], cache, slot, pad, window, scores, sinks
         )
         outs.append(np.asarray(out))
         slot += t

@@ -3,16 +3,19 @@
 `causal_attention(q, k, v, segment_ids)` computes softmax(q k^T / sqrt(head_dim) + mask)
 v with the scores in fp32, the mask causal and, given the tokens' segment ids (packed
 documents, jaxpar.nn.documents), closed between segments; optionally another scale of
-the scores and a soft cap on them, cap x tanh(score / cap) (Gemma 2). Which program
+the scores, a soft cap on them, cap x tanh(score / cap) (Gemma 2), and a learned sink
+logit per head in the softmax's denominator, which no key's value answers (GPT-OSS's
+attention sinks: the heads may attend to nothing). Which program
 computes it follows the platform the step is built for (the running
 `jaxpar.nn.scope.Context`; outside a step, the default backend):
 
 - `cudnn`: on CUDA in bf16/fp16 with a head dim cuDNN takes (a multiple of 8, at most
-  128) and no soft cap (the kernel that jax reaches has none; capped scores take the
-  blocked form): `jax.nn.dot_product_attention`'s cuDNN flash-attention kernel, which never stores
-  the [B, H, S, S] scores, forward or backward. Segment ids reach the kernel as its
-  mask (a [B, 1, S, S] additive bias, one per row, shared by the heads: what jax's
-  public cuDNN entry passes on; the kernel's packed-sequence form is private in jax).
+  128), no soft cap and no sinks (the kernel that jax reaches has neither; those scores
+  take the blocked form): `jax.nn.dot_product_attention`'s cuDNN flash-attention
+  kernel, which never stores the [B, H, S, S] scores, forward or backward. Segment ids
+  reach the kernel as its mask (a [B, 1, S, S] additive bias, one per row, shared by
+  the heads: what jax's public cuDNN entry passes on; the kernel's packed-sequence form
+  is private in jax).
 - `blocked`: on any other accelerator, or fp32 on CUDA: the queries in blocks of at
   most `BLOCK` rows (the largest such divisor of S), each block's [B, H, BLOCK, S]
   scores recomputed in the backward pass instead of kept: no [S, S] buffer either.
@@ -25,6 +28,7 @@ scores, for the planner's activation count (Korthikanti's 5 a s^2 b term).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -49,12 +53,12 @@ class Form(enum.Enum):
     DIRECT = "direct"
 
 
-def form(platform: str, dtype, head_dim: int, softcap: float = 0.0) -> Form:
+def form(platform: str, dtype, head_dim: int, softcap: float = 0.0, sinks: bool = False) -> Form:
     """The attention program for this platform ('cpu', 'cuda', 'rocm', 'tpu'), compute
-    dtype, head dim and soft cap."""
+    dtype, head dim, soft cap and sinks."""
     if platform == "cpu":
         return Form.DIRECT
-    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and not softcap
+    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and not softcap and not sinks
     if platform == "cuda" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and cudnn_ready:
         return Form.CUDNN
     return Form.BLOCKED
@@ -76,11 +80,13 @@ def causal_attention(
     gathered: bool = False,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks_H=None,
 ) -> jax.Array:
     """softmax(cap(q k^T x scale) + mask) v, [B, S, H, D] in and out: each query sees the
     keys at or before it, of its own segment where segment ids are given, and (a sliding
     `window`) fewer than `window` positions back. `scale` defaults to head_dim^-0.5;
-    `softcap` > 0 caps the scores at +-softcap by tanh.
+    `softcap` > 0 caps the scores at +-softcap by tanh; `sinks_H`, each head's sink
+    logit, joins the softmax's denominator (Scores.sinks).
 
     In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
     reordered: "before" is then by `positions_BxS` (each token's position in its
@@ -91,8 +97,11 @@ def causal_attention(
     latent attention's latent)."""
     ctx = scope.current()
     platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
-    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap)
-    scores = Scores(q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale, softcap)
+    sinks = sinks_H is not None
+    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap, sinks)
+    scores = Scores(q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale, softcap, sinks)
+    if sinks:
+        q_BxSxHxD = _with_sinks(q_BxSxHxD, sinks_H)
     if sequence.active() is not None:
         if positions_BxS is None:
             rows, part = q_BxSxHxD.shape[:2]
@@ -138,25 +147,53 @@ def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
 
 @dataclass(frozen=True)
 class Scores:
-    """How q . k becomes a score: times `scale`, then capped at +-softcap (0: not)."""
+    """How q . k becomes a score: times `scale`, then capped at +-softcap (0: not); with
+    `sinks`, each query carries its head's sink logit as its last dim (_with_sinks: so
+    that it travels with q through every form, and through context parallelism's
+    gathers and all-to-alls of q's heads)."""
 
     scale: float
     softcap: float = 0.0
+    sinks: bool = False
 
     def capped(self, att):
         return att if not self.softcap else self.softcap * jnp.tanh(att / self.softcap)
+
+    def split(self, q_BxCxHxD):
+        """(q, each query's sink logit [B, C, H] or None)."""
+        if not self.sinks:
+            return q_BxCxHxD, None
+        return q_BxCxHxD[..., :-1], q_BxCxHxD[..., -1].astype(jnp.float32)
+
+    @staticmethod
+    def softmax(att, sink=None):
+        """softmax over the last axis; a `sink` logit (one a row) joins its denominator,
+        as transformers' GPT-OSS appends it as a column and drops its probability."""
+        if sink is None:
+            return jax.nn.softmax(att, axis=-1)
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(att, -1), sink))[..., None]
+        e = jnp.exp(att - top)
+        return e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink[..., None] - top))
+
+
+def _with_sinks(q_BxSxHxD, sinks_H):
+    """q with each head's sink logit as one more dim (Scores.sinks)."""
+    sinks = jnp.broadcast_to(sinks_H.astype(q_BxSxHxD.dtype), q_BxSxHxD.shape[:-1])
+    return jnp.concatenate([q_BxSxHxD, sinks[..., None]], -1)
 
 
 def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS, scores: Scores) -> jax.Array:
     """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S])."""
     dt = q_BxCxHxD.dtype
+    q_BxCxHxD, sink_BxCxH = scores.split(q_BxCxHxD)
     q_BxCxHxD = q_BxCxHxD * jnp.asarray(scores.scale, dt)  # scaled here: S/D times fewer
     att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
     att_BxHxCxS = scores.capped(att_BxHxCxS)
     # an additive mask ([C, S] constant when causal alone: no [B, H, C, S] select to
     # undo in the backward pass), shared by the heads
     mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
-    prob_BxHxCxS = jax.nn.softmax(att_BxHxCxS + mask_Bx1xCxS, axis=-1).astype(dt)
+    sink_BxHxC = None if sink_BxCxH is None else sink_BxCxH.transpose(0, 2, 1)
+    prob_BxHxCxS = scores.softmax(att_BxHxCxS + mask_Bx1xCxS, sink_BxHxC).astype(dt)
     return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
 
 
@@ -197,7 +234,7 @@ def _by_blocks(one, q_BxSxHxD, *per_block):
     block = _block(s)
     q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
     out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
-    return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, d)
+    return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, -1)  # v's dims (q's: its sinks')
 
 
 def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, window: int = 0):
@@ -239,8 +276,9 @@ def _positioned(
 
 
 def cached_attention(
-    q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0, scores=None
-):
+    q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, window: int = 0, scores=None,
+    sinks_H=None,
+):  # fmt: skip
     """Attention of T new queries through one layer's KV cache (CACHE_NAMES: K key/value
     heads, each serving H/K query heads in order) whose slots before `slot` hold the
     earlier tokens: the new keys and values are written at slots slot..slot+T-1 (in
@@ -249,10 +287,13 @@ def cached_attention(
     token (`pad_B`: the left padding of each row) up to its own, within the sliding
     `window` if one is given. A windowed layer's cache may be a ring of fewer slots than
     the sequence (at least the window): slot s lives at s mod its size (`_ring`).
-    `scores`: their scale and cap (default: head_dim^-0.5, none). Returns (out [B, T, H,
-    D], the written cache)."""
+    `scores`: their scale and cap (default: head_dim^-0.5, none); `sinks_H`, as
+    causal_attention's. Returns (out [B, T, H, D], the written cache)."""
     t, d, m = q_BxTxHxD.shape[1], q_BxTxHxD.shape[3], cache[0].shape[3]
     scores = scores or Scores(d**-0.5)
+    if sinks_H is not None:
+        q_BxTxHxD = _with_sinks(q_BxTxHxD, sinks_H)
+        scores = dataclasses.replace(scores, sinks=True)
     k_BxKxDxT = k_BxTxKxD.transpose(0, 2, 3, 1).astype(cache[0].dtype)
     v_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3).astype(cache[1].dtype)
     if window and t > 1:  # a ring: the new tokens' keys beside the cache's, then written
@@ -290,6 +331,7 @@ def _ring(q_BxTxHxD, k_BxKxDxT, v_BxKxTxD, cache, slot, pad_B, window, scores):
 
 def _cache_attend(q_BxTxHxD, k_BxKxDxM, v_BxKxMxD, mask_BxTxM, scores: Scores):
     """softmax(cap(q k x scale) + mask) v of T queries over M cached keys."""
+    q_BxTxHxD, sink_BxTxH = scores.split(q_BxTxHxD)
     b, t, h, d = q_BxTxHxD.shape
     kv, dt = k_BxKxDxM.shape[1], q_BxTxHxD.dtype
     q_BxKxGxTxD = q_BxTxHxD * jnp.asarray(scores.scale, dt)
@@ -307,7 +349,10 @@ def _cache_attend(q_BxTxHxD, k_BxKxDxM, v_BxKxMxD, mask_BxTxM, scores: Scores):
     else:
         att_BxKxGxTxM = jnp.einsum("bkgtd,bkdm->bkgtm", q_BxKxGxTxD, k_BxKxDxM.astype(dt))
     att_BxKxGxTxM = scores.capped(att_BxKxGxTxM.astype(jnp.float32))
-    prob = jax.nn.softmax(att_BxKxGxTxM + mask_BxTxM[:, None, None], axis=-1)
+    sink = None
+    if sink_BxTxH is not None:
+        sink = sink_BxTxH.reshape(b, t, kv, h // kv).transpose(0, 2, 3, 1)
+    prob = scores.softmax(att_BxKxGxTxM + mask_BxTxM[:, None, None], sink)
     if sums:
         out_BxKxGxTxD = jnp.sum(
             prob.astype(dt)[..., None] * v_BxKxMxD.astype(dt)[:, :, None, None], axis=-2
