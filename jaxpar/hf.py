@@ -48,6 +48,9 @@ class Tensor:
     # at our index i is i x every + offset
     every: int = 1
     offset: int = 0
+    # (i, n): our leaf is the i-th of n interleaved in the file's dim "t", e.g. GPT-OSS's
+    # gate and up projections in one tensor, "x e (m t)": gate at even columns, up at odd
+    part: tuple[int, int] | None = None
 
     @property
     def stacked(self) -> list[str]:
@@ -87,6 +90,9 @@ class HFFormat:
     # user sets is taken instead, not refused
     training: tuple[str, ...] = ()
     wrappers: tuple[Wrapper, ...] = ()  # the releases holding the model inside a larger one
+    # (config.json) -> None, or a CheckpointError: weights it cannot read (its config
+    # alone, as plan reads it, is still read)
+    weights_check: Callable[[dict], None] = lambda hf: None
 
     @property
     def architectures(self) -> tuple[str, ...]:
@@ -120,7 +126,8 @@ def dims_of(dims: str) -> list[list[str]]:
 def _sizes(t: Tensor, shape: tuple[int, ...]) -> dict[str, int]:
     """Each dim letter's size, from our leaf's shape (layer stack first, if any)."""
     ours = t.our_dims.split()
-    return dict(zip(ours, shape[len(shape) - len(ours) :], strict=True))
+    sizes = dict(zip(ours, shape[len(shape) - len(ours) :], strict=True))
+    return sizes | ({"t": t.part[1]} if t.part else {})
 
 
 def file_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -139,6 +146,9 @@ def _block(reader: _Reader, name: str, t: Tensor, sizes: dict, region: dict) -> 
         shape += [first.stop - first.start, *(sizes[d] for d in g[1:])]
         order += g
     block = reader.read(name, tuple(index)).reshape(shape)
+    if t.part:  # our part of the interleaved ones
+        block = np.take(block, t.part[0], axis=order.index("t"))
+        order.remove("t")
     block = block.transpose([order.index(d) for d in ours])
     firsts = {g[0] for g in groups}
     return block[tuple(slice(None) if d in firsts else region[d] for d in ours)]
@@ -193,10 +203,16 @@ class _File:
         return np.frombuffer(raw, self.dtypes[name]).reshape(self.shape(name))
 
     def read(self, name: str, index: tuple[slice, ...]) -> tuple[np.ndarray, int]:
-        """(the slice `index` of a 1-d or 2-d tensor, bytes read)."""
+        """(the slice `index` of a tensor, bytes read: of more than two dims, the whole
+        rows of its first dim's slice)."""
         shape, dtype = self.shape(name), self.dtypes[name]
         start = self.base + self.tensors[name]["data_offsets"][0]
         rows = index[0]
+        if len(shape) > 2:
+            row = math.prod(shape[1:]) * dtype.itemsize
+            raw = os.pread(self.fd, (rows.stop - rows.start) * row, start + rows.start * row)
+            block = np.frombuffer(raw, dtype).reshape(-1, *shape[1:])
+            return block[(slice(None), *index[1:])], len(raw)
         if len(shape) == 1:
             item = dtype.itemsize
             raw = os.pread(self.fd, (rows.stop - rows.start) * item, start + rows.start * item)
@@ -315,7 +331,9 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     compiled; then, given each leaf's target with its sharding, the leaves built from
     `directory`, each device's shard read from its own slices."""
     where = f"model.init=hf:{directory}"
-    w = fmt.wrapper(read_config(Path(directory)))
+    config = read_config(Path(directory))
+    fmt.weights_check(config)
+    w = fmt.wrapper(config)
     ignore = fmt.ignore if w is None else f"{fmt.ignore}|{w.others}"
     tensors = wrapped(fmt.tensors(model), w)
     return read_params(tensors, Path(directory), shapes, where, f"model.name={model.name}", ignore)
@@ -423,11 +441,18 @@ def export(
     other keys carried through as they are (None: the model's own layout)."""
     config = fmt.config_to_hf(model, seq_len)
     w = fmt.wrapper(read_config(release)) if release else None
-    tensors = {}
+    tensors, parts = {}, {}  # parts: a tensor's interleaved leaves, (its Tensor, arrays)
     for t in wrapped(fmt.tensors(model), w):
         ours = np.asarray(params[t.key])
-        stacked = ours.shape[: len(t.stacked)]
-        tensors |= {t.file_name(i): to_file(t, ours[i]) for i in np.ndindex(stacked)}
+        for i in np.ndindex(ours.shape[: len(t.stacked)]):
+            if t.part:
+                parts.setdefault(t.file_name(i), (t, {}))[1][t.part[0]] = ours[i]
+            else:
+                tensors[t.file_name(i)] = to_file(t, ours[i])
+    for name, (t, arrays) in parts.items():  # the parts side by side in their dim "t"
+        whole = np.stack([arrays[i] for i in range(t.part[1])], -1)
+        both = dataclasses.replace(t, our_dims=f"{t.our_dims} t", part=None)
+        tensors[name] = to_file(both, whole)
     if w:
         reader = _Reader(release, f"model.init=hf:{release}")
         tensors |= {n: reader.whole(n) for n in reader.where if re.search(w.others, n)}

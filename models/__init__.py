@@ -30,6 +30,7 @@ class RopeScaling(enum.StrEnum):
 class Activation(enum.StrEnum):
     SILU = "silu"  # SwiGLU
     GELU_TANH = "gelu_tanh"  # GeGLU, GeLU's tanh approximation (Gemma)
+    CLAMPED_SWIGLU = "clamped_swiglu"  # GPT-OSS's: clamped, sigmoid(alpha x), up + 1
 
 
 class Router(enum.StrEnum):
@@ -113,6 +114,14 @@ class LlamaConfig(Model):
         0, "dims per attention head; 0 = model.embed / model.heads (Qwen3 sets its own)"
     )
     qkv_bias: bool = key(False, "biases on the q, k and v projections (Qwen2)")
+    o_bias: bool = key(
+        False, "a bias on the attention's output projection (GPT-OSS, with model.qkv_bias)"
+    )
+    attn_sinks: bool = key(
+        False,
+        "a learned sink logit per head in each softmax's denominator, with no value: a "
+        "head may attend to nothing (GPT-OSS)",
+    )
     qk_norm: bool = key(False, "RMSNorm on each head's q and k, before the rotation (Qwen3)")
     sliding_window: Annotated[int, Range(0, 2**24, "tokens; 0 = no window")] = key(
         0,
@@ -244,11 +253,11 @@ class LlamaConfig(Model):
             "groups of n, and the last layers % n blocks are local. 0 = every block alike"
         ),
     )
-    rope_local_theta: Annotated[float, Range(0, 1e9, "a rotary base; 0 = model.rope_theta")] = key(
+    rope_local_theta: Annotated[float, Range(0, 1e9, "a rotary base; 0 = the global's")] = key(
         0.0,
         (
             "model.global_every > 0: the local blocks' rotary base, unscaled (Gemma 3: "
-            "10000); 0 = model.rope_theta"
+            "10000); 0 = the global blocks' rope, base and scaling alike (GPT-OSS)"
         ),
     )
     attn_softcap: Annotated[float, Range(0, 1e6, "a cap; 0 = none")] = key(
@@ -273,7 +282,21 @@ class LlamaConfig(Model):
     activation: Activation = key(
         Activation.SILU,
         "the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU with GeLU's tanh "
-        "approximation: Gemma)",
+        "approximation: Gemma) | clamped_swiglu (GPT-OSS's: min(gate, limit) x "
+        "sigmoid(alpha x gate) x (clip(up, +-limit) + 1))",
+    )
+    swiglu_alpha: Annotated[float, Range(0, 1e3, "a slope > 0")] = key(
+        1.702, "model.activation=clamped_swiglu: the gate is gate x sigmoid(alpha x gate)"
+    )
+    swiglu_limit: Annotated[float, Range(0, 1e6, "a bound > 0")] = key(
+        7.0,
+        "model.activation=clamped_swiglu: the gate clamped to at most this, the up "
+        "projection to +-this",
+    )
+    expert_bias: bool = key(
+        False,
+        "model.experts > 0: biases on the router's logits and on each expert's gate, up "
+        "and down projections (GPT-OSS)",
     )
     router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
         0.0,
@@ -287,8 +310,9 @@ class LlamaConfig(Model):
     @property
     def unit_size(self) -> int:
         """Blocks per unit of the layer stack (models/llama.py's Group): model.moe_every
-        for a mixture, model.global_every for local and global attention, else 1."""
-        return self.moe_every if self.experts else self.global_every or 1
+        for a mixture with dense blocks, model.global_every for local and global
+        attention (a mixture in every block, GPT-OSS's, too), else 1."""
+        return self.moe_every if self.experts and self.moe_every > 1 else self.global_every or 1
 
     @property
     def tail_size(self) -> int:

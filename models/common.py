@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,29 @@ def normal(std: float):
     return nnx.initializers.normal(std)
 
 
+@dataclass(frozen=True)
+class Gated:
+    """A gated MLP's hidden act(gate) x up, by model.activation: silu (SwiGLU),
+    gelu_tanh (GeGLU) or clamped_swiglu (GPT-OSS's: the gate clamped from above at
+    `limit`, up within +-limit, gate x sigmoid(alpha gate) x (up + 1))."""
+
+    activation: str
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @staticmethod
+    def of(cfg) -> Gated:
+        return Gated(str(cfg.activation), cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    def __call__(self, gate, up):
+        if self.activation == "gelu_tanh":
+            return jax.nn.gelu(gate, approximate=True) * up
+        if self.activation == "clamped_swiglu":
+            gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
+            return gate * jax.nn.sigmoid(gate * self.alpha) * (up + 1)
+        return jax.nn.silu(gate) * up
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, embed: int, rngs: nnx.Rngs):
         self.scale = param(rngs, nnx.initializers.ones, (embed,), (EMBED,))
@@ -29,7 +54,7 @@ class LayerNorm(nnx.Module):
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
-        return (y * _last(self.scale, y) + _last(self.bias, y)).astype(x_BxSxE.dtype)
+        return (y * along_last(self.scale, y) + along_last(self.bias, y)).astype(x_BxSxE.dtype)
 
 
 class FeedForward(nnx.Module):
@@ -44,14 +69,14 @@ class FeedForward(nnx.Module):
     def __call__(self, x_BxSxE):
         dt = x_BxSxE.dtype
         h_BxSxM = dense("bse,em->bsm", x_BxSxE, self.w_in[...].astype(dt), (EMBED, MLP))
-        h_BxSxM = jax.nn.gelu(h_BxSxM + _last(self.b_in, h_BxSxM))
+        h_BxSxM = jax.nn.gelu(h_BxSxM + along_last(self.b_in, h_BxSxM))
         h_BxSxM = constrain(h_BxSxM, (BATCH, SEQ, MLP))
         y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_out[...].astype(dt), (MLP, EMBED))
-        y_BxSxE = y_BxSxE + _last(self.b_out, y_BxSxE)
+        y_BxSxE = y_BxSxE + along_last(self.b_out, y_BxSxE)
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
 
-def _last(vector: nnx.Param, like: jax.Array) -> jax.Array:
+def along_last(vector: nnx.Param, like: jax.Array) -> jax.Array:
     """A [dim] parameter shaped to broadcast over `like`'s last dim, in its dtype."""
     return vector[...].astype(like.dtype).reshape((1,) * (like.ndim - 1) + (-1,))
 

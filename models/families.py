@@ -52,6 +52,13 @@ class Family:
     defaults: dict = field(default_factory=dict)
     # the releases that hold the family's model inside a larger one
     wrappers: tuple[Wrapper, ...] = ()
+    # (model config, a layer's prefix) -> a sparse block's router and experts as
+    # (leaf, tensor, file dims, our dims[, (part, parts)]); None: Mixtral's layout, a
+    # tensor per expert and projection
+    experts: Callable | None = None
+    # (config.json) -> None, or a CheckpointError: weights it cannot read (a config
+    # alone, as plan reads it, is still read)
+    weights_check: Callable = _nothing
 
     @property
     def tiny(self) -> str:
@@ -337,6 +344,72 @@ GEMMA3_MULTIMODAL = Wrapper(
 )
 
 
+def _gpt_oss_from_hf(hf: dict) -> dict:
+    """GPT-OSS's keys: a mixture in every block, biased, with the clamped SwiGLU;
+    sliding and full attention in turn, with sinks and biases on every projection."""
+    if not hf.get("attention_bias", True):
+        raise CheckpointError(
+            "config.json: attention_bias=false is not supported (jaxpar's GPT-OSS has "
+            "biases on q, k, v and o, as every release)"
+        )
+    every = _local_global(hf, 2)
+    return _experts(hf) | {
+        "sliding_window": int(hf.get("sliding_window") or 0) if every else 0,
+        "global_every": every,
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+    }
+
+
+def _gpt_oss_to_hf(m) -> dict:
+    return _experts_to_hf(m) | {
+        "hidden_act": "silu",  # as the releases say; GPT-OSS's experts clamp their own
+        "attention_bias": True,
+        "num_local_experts": m.experts,
+        "swiglu_alpha": m.swiglu_alpha,
+        "swiglu_limit": m.swiglu_limit,
+        "sliding_window": m.sliding_window or None,
+        "layer_types": [SLIDING if m.window_of(i) else FULL for i in range(m.layers)],
+    }
+
+
+def _gpt_oss_experts(m, layer: str) -> list[tuple]:
+    """GPT-OSS's router and experts: every expert in one tensor a projection, [in, out]
+    (not nn.Linear's [out, in]), the gate and up projections interleaved in one."""
+    router, experts = layer + "mlp.router.", layer + "mlp.experts."
+    return [
+        ("mlp/router", router + "weight", "x e", "e x"),
+        ("mlp/router_bias", router + "bias", "x", "x"),
+        ("mlp/w_gate", experts + "gate_up_proj", "x e (m t)", "x e m", (0, 2)),
+        ("mlp/w_up", experts + "gate_up_proj", "x e (m t)", "x e m", (1, 2)),
+        ("mlp/b_gate", experts + "gate_up_proj_bias", "x (m t)", "x m", (0, 2)),
+        ("mlp/b_up", experts + "gate_up_proj_bias", "x (m t)", "x m", (1, 2)),
+        ("mlp/w_down", experts + "down_proj", "x m e", "x m e"),
+        ("mlp/b_down", experts + "down_proj_bias", "x e", "x e"),
+    ]
+
+
+def _gpt_oss_weights(hf: dict) -> None:
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method:
+        raise CheckpointError(
+            f"config.json: quantization_config.quant_method={method!r}: GPT-OSS's released "
+            "experts are MXFP4 blocks, which jaxpar does not read; dequantize them to bf16 "
+            "once (transformers: from_pretrained(DIR, quantization_config=Mxfp4Config("
+            "dequantize=True)), then save_pretrained) and give that directory"
+        )
+
+
+def _gpt_oss_check(m) -> None:
+    if m.moe_every != 1 or not m.router_renormalize:
+        raise ConfigError(
+            f"model.moe_every={m.moe_every}, model.router_renormalize="
+            f"{str(m.router_renormalize).lower()}: GPT-OSS has a mixture in every block, "
+            "its weights a softmax over the chosen experts; set model.moe_every=1 and "
+            "model.router_renormalize=true"
+        )
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "llama",
@@ -451,6 +524,32 @@ FAMILIES: tuple[Family, ...] = (
         to_hf=_gemma_to_hf,
         defaults=GEMMA3_DEFAULTS,
         wrappers=(GEMMA3_MULTIMODAL,),
+    ),
+    Family(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "gpt_oss",
+        fixed={
+            "qkv_bias": True,
+            "o_bias": True,
+            "attn_sinks": True,
+            "expert_bias": True,
+            "activation": "clamped_swiglu",
+        },  # fmt: skip
+        free=(
+            "sliding_window",
+            "global_every",
+            "experts",
+            "router_aux_loss",
+            "swiglu_alpha",
+            "swiglu_limit",
+        ),  # fmt: skip
+        mixture="GPT-OSS 20B: 32, with 4 a token",
+        from_hf=_gpt_oss_from_hf,
+        to_hf=_gpt_oss_to_hf,
+        check=_gpt_oss_check,
+        experts=_gpt_oss_experts,
+        weights_check=_gpt_oss_weights,
     ),
 )
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -54,6 +54,8 @@ from jaxpar.nn.problem import Stages
 
 from . import Activation, LlamaConfig, RopeScaling, Router
 from .common import (
+    Gated,
+    along_last,
     embed_inputs,
     embed_tokens,
     flops_per_token,
@@ -182,6 +184,10 @@ class Attention(nnx.Module):
             self.bq = param(rngs, zeros, (h, d), (HEADS, HEAD_DIM))
             self.bk = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
             self.bv = param(rngs, zeros, (kv, d), (KV_HEADS, HEAD_DIM))
+        if cfg.o_bias:  # GPT-OSS
+            self.bo = param(rngs, nnx.initializers.zeros, (e,), (EMBED,))
+        if cfg.attn_sinks:  # GPT-OSS: each head's logit of attending to nothing
+            self.sinks = param(rngs, nnx.initializers.zeros, (h,), (HEADS,))
         if cfg.qk_norm:  # Qwen3, Gemma 3: over each head's dims
             self.q_norm = norm(cfg, rngs, d, (HEAD_DIM,))
             self.k_norm = norm(cfg, rngs, d, (HEAD_DIM,))
@@ -227,12 +233,21 @@ class Attention(nnx.Module):
             kv_group=group,
             scale=self.scores.scale,
             softcap=self.scores.softcap,
+            sinks_H=self._sinks(),
         )
         out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
         y_BxSxE = dense(
             "bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
         )
-        return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
+        return constrain(self._out_bias(y_BxSxE), (BATCH, SEQ_RESIDUAL, EMBED))
+
+    def _sinks(self):
+        return self.sinks[...] if hasattr(self, "sinks") else None
+
+    def _out_bias(self, y_BxSxE):
+        if not hasattr(self, "bo"):
+            return y_BxSxE
+        return y_BxSxE + along_last(self.bo, y_BxSxE)
 
     def _positioned(self, q_BxSxHxD, k_BxSxNxD, positions_BxS):
         """q and k normed per head (qk_norm) and rotated to their positions."""
@@ -257,12 +272,13 @@ class Attention(nnx.Module):
             v_BxTxKxD += self.bv[...].astype(dt)[None, None]
         q_BxTxHxD, k_BxTxKxD = self._positioned(q_BxTxHxD, k_BxTxKxD, positions_BxT)
         out_BxTxHxD, cache = cached_attention(
-            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, self.window, self.scores
-        )
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, cache, slot, pad_B, self.window, self.scores,
+            self._sinks(),
+        )  # fmt: skip
         # heads and head dim as one contracted dim: the weight read as it lies
         b, t, h, d = out_BxTxHxD.shape
         wo_HDxE = self.wo[...].astype(dt).reshape(h * d, -1)
-        return out_BxTxHxD.reshape(b, t, h * d) @ wo_HDxE, cache
+        return self._out_bias(out_BxTxHxD.reshape(b, t, h * d) @ wo_HDxE), cache
 
 
 class SwiGLU(nnx.Module):
@@ -271,7 +287,7 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, hidden: int = 0):
         e, m = cfg.embed, hidden or cfg.mlp
-        self.gelu = cfg.activation is Activation.GELU_TANH
+        self.gated = Gated.of(cfg)
         self.w_gate = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_up = param(rngs, normal(0.02), (e, m), (EMBED, MLP))
         self.w_down = param(rngs, normal(0.02 / (2 * cfg.layers) ** 0.5), (m, e), (MLP, EMBED))
@@ -293,8 +309,7 @@ class SwiGLU(nnx.Module):
                 dense("bse,em->bsm", x_BxSxE, w[...].astype(dt), (EMBED, MLP))
                 for w in (self.w_gate, self.w_up)
             )
-        act = jax.nn.gelu(gate_BxSxM, approximate=True) if self.gelu else jax.nn.silu(gate_BxSxM)
-        h_BxSxM = constrain(act * up_BxSxM, (BATCH, SEQ, MLP))
+        h_BxSxM = constrain(self.gated(gate_BxSxM, up_BxSxM), (BATCH, SEQ, MLP))
         y_BxSxE = dense("bsm,me->bse", h_BxSxM, self.w_down[...].astype(dt), (MLP, EMBED))
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
 
@@ -365,7 +380,7 @@ class Group(nnx.Module):
     """n blocks the layer stack scans as one unit (and a pipeline stage holds whole):
     `head`, the first n - 1, and `last`. model.moe_every = n: the head's MLPs dense, the
     last's the mixture; model.global_every = n: the head's attention local (windowed),
-    the last's global."""
+    the last's global (each a mixture, with model.experts: GPT-OSS)."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         *head, last = unit(cfg)
@@ -376,9 +391,12 @@ class Group(nnx.Module):
         return self.routed(x_BxSxE, docs)[0]
 
     def routed(self, x_BxSxE, docs: Documents | None = None, trained_BxS=None):
-        for block in self.head:
-            x_BxSxE = block(x_BxSxE, docs)
-        return self.last.routed(x_BxSxE, docs, trained_BxS)
+        """(the group's output, its sparse blocks' Load summed; None: none sparse)."""
+        loads = []
+        for block in [*self.head, self.last]:
+            x_BxSxE, load = block.routed(x_BxSxE, docs, trained_BxS)
+            loads += [load] if load is not None else []
+        return x_BxSxE, sum(loads[1:], loads[0]) if loads else None
 
     def decode(self, x_BxTxE, caches, positions_BxT, slot, pad_B):
         """As Block.decode, `caches` the group's blocks' caches, in order."""
@@ -389,9 +407,11 @@ class Group(nnx.Module):
 
 
 def local(m: LlamaConfig) -> LlamaConfig:
-    """A local block's config under model.global_every: windowed, its own rotary base."""
-    theta = m.rope_local_theta or m.rope_theta
-    return dataclasses.replace(m, rope_theta=theta, rope_scaling=RopeScaling.NONE)
+    """A local block's config under model.global_every: windowed, with its own rotary
+    base unscaled (model.rope_local_theta: Gemma 3) or the global blocks' rope."""
+    if not m.rope_local_theta:
+        return m
+    return dataclasses.replace(m, rope_theta=m.rope_local_theta, rope_scaling=RopeScaling.NONE)
 
 
 def unit(m: LlamaConfig) -> list[LlamaConfig]:
@@ -399,7 +419,7 @@ def unit(m: LlamaConfig) -> list[LlamaConfig]:
     n = m.unit_size
     if n == 1:
         return [m]
-    if m.experts:
+    if m.experts and m.moe_every > 1:
         return [dataclasses.replace(m, experts=0)] * (n - 1) + [m]
     return [local(m)] * (n - 1) + [dataclasses.replace(m, sliding_window=0)]
 
@@ -424,7 +444,8 @@ class Llama(nnx.Module):
         self.logit_softcap = cfg.logit_softcap  # Gemma 2
         self.experts, self.experts_per_token = cfg.experts, cfg.experts_per_token
         self.router_aux_loss = cfg.router_aux_loss
-        self.sparse_layers = units  # the balance loss's layers
+        # the balance loss's layers: every block of a unit with a mixture in each
+        self.sparse_layers = units * (n if cfg.experts and cfg.moe_every == 1 else 1)
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
@@ -535,7 +556,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
 # keys of a mixture of experts, and of latent attention: set without one, refused
 MIXTURE_KEYS = ("moe_every", "router_aux_loss", "expert_mlp", "shared_mlp", "shared_gate",
                 "router", "router_bias_update", "router_groups", "router_top_groups",
-                "routed_scaling", "dense_first")  # fmt: skip
+                "routed_scaling", "dense_first", "expert_bias")  # fmt: skip
 LATENT_KEYS = ("q_rank", "rope_dim", "v_dim")
 YARN_KEYS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
              "rope_attention_factor", "rope_truncate")  # fmt: skip
@@ -579,6 +600,14 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
         check_local(m)
     else:
         _unset(m, ("rope_local_theta",), "local and global attention", "model.global_every")
+    if m.activation is not Activation.CLAMPED_SWIGLU:
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            if getattr(m, key) != DEFAULTS[key]:
+                raise ConfigError(
+                    f"model.{key}={getattr(m, key):g} tunes the clamped SwiGLU only, and "
+                    f"model.activation={m.activation}: set model.activation=clamped_swiglu, "
+                    f"or drop model.{key}"
+                )
 
 
 def check_local(m: LlamaConfig) -> None:
@@ -589,12 +618,14 @@ def check_local(m: LlamaConfig) -> None:
             "n-th block global, the others within the window; set model.sliding_window "
             "and n >= 2 (Gemma 2: 2, Gemma 3: 6)"
         )
+    mixed = m.experts and (m.moe_every > 1 or m.dense_first or m.tail_size)
     for key in ("experts", "kv_rank"):
-        if getattr(m, key):
+        if getattr(m, key) and (key == "kv_rank" or mixed):
             raise ConfigError(
                 f"model.global_every={n} with model.{key}={getattr(m, key)}: local and "
-                f"global attention is built for grouped-query blocks with a dense MLP; drop "
-                f"one of them"
+                f"global attention is built for grouped-query blocks, each with a dense MLP "
+                f"or each with the mixture (GPT-OSS: model.moe_every=1, no model.dense_first, "
+                f"model.layers a multiple of {n}); drop one of them"
             )
 
 
@@ -625,7 +656,7 @@ def check_latent(m: LlamaConfig) -> None:
             f"expands keys and values for every head; set model.kv_heads={m.heads} "
             "(model.heads)"
         )
-    for key in ("qkv_bias", "qk_norm", "sliding_window"):
+    for key in ("qkv_bias", "qk_norm", "sliding_window", "o_bias", "attn_sinks"):
         if getattr(m, key):
             raise ConfigError(
                 f"model.{key}={str(getattr(m, key)).lower()} is grouped-query attention's; "

@@ -33,7 +33,8 @@ def config_from_hf(hf: dict, family: Family = BY_NAME["llama"]) -> dict:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     unsupported = {
         "hidden_act": act not in ACTIVATIONS,
-        "attention_bias": bool(hf.get("attention_bias")),  # Llama's and Qwen3's: o too
+        # Llama's and Qwen3's: o too (GPT-OSS reads its own)
+        "attention_bias": bool(hf.get("attention_bias")) and not family.owns("o_bias"),
         "mlp_bias": bool(hf.get("mlp_bias")),
         "rope_type": kind not in ("default", "llama3", "linear", "yarn"),
         # Qwen2/3 window only the layers from max_window_layers on
@@ -145,8 +146,8 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
     if m.rope_scaling is RopeScaling.YARN:
         rope |= _yarn_to_hf(m)
     if family.owns("rope_local_theta"):  # Gemma 3: the local layers' own, unscaled
-        local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
-        rope = {"full_attention": rope, "sliding_attention": local}
+        local = {"rope_type": "default", "rope_theta": m.rope_local_theta}
+        rope = {"full_attention": rope, "sliding_attention": local if m.rope_local_theta else rope}
     return {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -156,7 +157,7 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         "num_attention_heads": m.heads,
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_dim or m.embed // m.heads,
-        "hidden_act": next(k for k, v in ACTIVATIONS.items() if v == m.activation),
+        "hidden_act": next((k for k, v in ACTIVATIONS.items() if v == m.activation), None),
         "rms_norm_eps": m.norm_eps,
         "vocab_size": m.vocab,
         "tie_word_embeddings": m.tie_embeddings,
@@ -179,8 +180,9 @@ def hf_tensors(m: LlamaConfig, family: Family = BY_NAME["llama"]) -> list[Tensor
     if n == 1:
         out += _block("blocks/", m, family, bool(m.experts), offset=k)
     else:
+        every_block = bool(m.experts) and m.moe_every == 1  # a mixture in each (GPT-OSS)
         for i in range(n - 1):
-            out += _block(f"blocks/head/{i}/", m, family, False, every=n, offset=k + i)
+            out += _block(f"blocks/head/{i}/", m, family, every_block, every=n, offset=k + i)
         out += _block("blocks/last/", m, family, bool(m.experts), every=n, offset=k + n - 1)
     if m.tail_size:  # the last local blocks, beyond whole groups
         out += _block("tail/", m, family, False, offset=m.layers - m.tail_size)
@@ -206,7 +208,9 @@ def _block(
         ]
     else:
         names.append(("mlp_norm/scale", layer + "post_attention_layernorm.weight", "e", "e"))
-    if sparse:  # the router, then each expert's gate, up and down
+    if sparse and family.experts:
+        names += family.experts(m, layer)
+    elif sparse:  # the router, then each expert's gate, up and down
         moe = layer + family.moe_prefix
         expert = moe + "experts.{expert}."
         gate, up, down = family.expert_projections
@@ -231,12 +235,19 @@ def _block(
             ("attn/bk", attn + "k_proj.bias", "(k d)", "k d"),
             ("attn/bv", attn + "v_proj.bias", "(k d)", "k d"),
         ]
+    if m.o_bias:
+        names.append(("attn/bo", attn + "o_proj.bias", "e", "e"))
+    if m.attn_sinks:
+        names.append(("attn/sinks", attn + "sinks", "h", "h"))
     if m.qk_norm:
         names += [
             ("attn/q_norm/scale", attn + "q_norm.weight", "d", "d"),
             ("attn/k_norm/scale", attn + "k_norm.weight", "d", "d"),
         ]
-    return [Tensor(ours + key, *rest, every=every, offset=offset) for key, *rest in names]
+    return [
+        Tensor(ours + key, name, file, mine, every, offset, part[0] if part else None)
+        for key, name, file, mine, *part in names
+    ]
 
 
 def _attention(attn: str) -> list[tuple]:
@@ -284,6 +295,7 @@ FORMATS = {
         functools.partial(hf_tensors, family=family),
         training=("router_aux_loss",),
         wrappers=family.wrappers,
+        weights_check=family.weights_check,
     )
     for family in FAMILIES
 }

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxpar.names import BALANCE, BATCH, EMBED, EXPERTS, MLP, ROUTES, SEQ, SEQ_RESIDUAL
 from jaxpar.nn import sequence
 from jaxpar.nn.experts import (
+    all_experts,
     first_expert,
     from_experts,
     gather_tokens,
@@ -50,7 +51,7 @@ from jaxpar.nn.scope import report
 from jaxpar.nn.tensor_parallel import tensor_parallel
 
 from . import LlamaConfig, Router
-from .common import normal
+from .common import Gated, along_last, normal
 
 
 class Routing(NamedTuple):
@@ -169,6 +170,13 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, normal(0.02), (n, e, m), (EXPERTS, EMBED, MLP))
         out_std = 0.02 / (2 * cfg.layers) ** 0.5
         self.w_down = param(rngs, normal(out_std), (n, m, e), (EXPERTS, MLP, EMBED))
+        if cfg.expert_bias:  # GPT-OSS: on the router's logits and each expert's products
+            zeros = nnx.initializers.zeros
+            self.router_bias = param(rngs, zeros, (n,), (ROUTES,))
+            self.b_gate = param(rngs, zeros, (n, m), (EXPERTS, MLP))
+            self.b_up = param(rngs, zeros, (n, m), (EXPERTS, MLP))
+            self.b_down = param(rngs, zeros, (n, e), (EXPERTS, EMBED))
+        self.gated = Gated.of(cfg)
         self.rule = Rule.of(cfg)
         self.capacity_factor = cfg.capacity_factor
 
@@ -186,19 +194,18 @@ class MoE(nnx.Module):
         whole_BxSxE = sequence.whole(x_BxSxE)
         seq = whole_BxSxE.shape[1]
         slots = seq if dropless else capacity(seq, n, self.rule.k, self.capacity_factor)
-        logits_BxSxX = jnp.einsum("bse,ex->bsx", whole_BxSxE, self.router[...].astype(dt))
-        logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
-        r = route(logits_BxSxX, self.rule, slots, self._bias())
+        r = route(self._logits(whole_BxSxE), self.rule, slots, self._bias())
         first, held = sequence.share(slots)
         slot_BxSxK = r.slot - first
         mine_BxSxK = r.keep & (slot_BxSxK >= 0) & (slot_BxSxK < held)
-        experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
+        experts, names = self._experts(dt)
         # each expert's hidden dims split over `tensor`: one sum of the combined output
         routed = Routing(r.experts, r.weights, slot_BxSxK, mine_BxSxK, None)
-        mixed = functools.partial(mix, held, n)
+        mixed = functools.partial(mix, held, n, self.gated)
         part_BxSxE = tensor_parallel(mixed, whole_BxSxE, routed, experts, names)
         y_BxSxE = sequence.scatter_sum(part_BxSxE)  # each token's outputs, summed
+        kept_weights = sequence.local(jnp.where(r.keep, r.weights, 0.0))
+        y_BxSxE = y_BxSxE + self._down_bias(sequence.local(r.experts), kept_weights, dt)
         # this device's tokens' routing
         probs_BxSxX = sequence.local(r.probs)
         chosen_BxSxX = jax.nn.one_hot(sequence.local(r.experts), n, dtype=jnp.float32).sum(2)
@@ -211,17 +218,42 @@ class MoE(nnx.Module):
         tokens; the module's docstring)."""
         dt = x_BxSxE.dtype
         n = self.router.shape[-1]
-        logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
-        logits_BxSxX = constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
+        logits_BxSxX = self._logits(x_BxSxE)
         probs_BxSxX, experts_BxSxK, weights_BxSxK = choose(logits_BxSxX, self.rule, self._bias())
-        experts = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        names = ((EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED))
+        experts, names = self._experts(dt)
         routed = (experts_BxSxK, weights_BxSxK)
-        y_BxSxE = tensor_parallel(grouped, x_BxSxE, routed, experts, names)
+        applied = functools.partial(grouped, self.gated)
+        y_BxSxE = tensor_parallel(applied, x_BxSxE, routed, experts, names)
+        y_BxSxE = y_BxSxE + self._down_bias(experts_BxSxK, weights_BxSxK, dt)
         chosen_BxSxX = jax.nn.one_hot(experts_BxSxK, n, dtype=jnp.float32).sum(2)
         kept_B = jnp.full(x_BxSxE.shape[:1], self.rule.k * x_BxSxE.shape[1], jnp.float32)
         load = _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS)
         return self._balanced(y_BxSxE, load), load
+
+    def _logits(self, x_BxSxE: jax.Array) -> jax.Array:
+        dt = x_BxSxE.dtype
+        logits_BxSxX = jnp.einsum("bse,ex->bsx", x_BxSxE, self.router[...].astype(dt))
+        if hasattr(self, "router_bias"):
+            logits_BxSxX = logits_BxSxX + along_last(self.router_bias, logits_BxSxX)
+        return constrain(logits_BxSxX, (BATCH, SEQ, ROUTES))
+
+    def _experts(self, dt) -> tuple[tuple, tuple]:
+        """(the experts' gate, up and down weights, and their gate and up biases if
+        any, in `dt`; their logical names)."""
+        weights = [self.w_gate, self.w_up, self.w_down]
+        names = [(EXPERTS, EMBED, MLP), (EXPERTS, EMBED, MLP), (EXPERTS, MLP, EMBED)]
+        if hasattr(self, "b_gate"):
+            weights += [self.b_gate, self.b_up]
+            names += [(EXPERTS, MLP), (EXPERTS, MLP)]
+        return tuple(w[...].astype(dt) for w in weights), tuple(names)
+
+    def _down_bias(self, experts_BxSxK, weights_BxSxK, dt) -> jax.Array | float:
+        """The experts' down biases, weighted by each token's routing: added once, after
+        the partial sums over `tensor` (each expert device holds every expert's)."""
+        if not hasattr(self, "b_down"):
+            return 0.0
+        b_XxE = all_experts(self.b_down[...].astype(dt))
+        return jnp.einsum("bske,bsk->bse", b_XxE[experts_BxSxK], weights_BxSxK.astype(dt))
 
     def _bias(self) -> jax.Array | None:
         """The balancing bias, which chooses experts and takes no gradient of the loss."""
@@ -272,12 +304,13 @@ def _load(probs_BxSxX, chosen_BxSxX, kept_B, trained_BxS) -> Load:
     )
 
 
-def grouped(x_BxSxE, routed, gate_LxExM, up_LxExM, down_LxMxE):
+def grouped(gated, x_BxSxE, routed, gate_LxExM, up_LxExM, down_LxMxE, *biases):
     """Each token's k experts' outputs, weighted and summed, none dropped: every (token,
     choice) of the expert devices' tokens (gather_tokens) sorted by expert, this
     device's L experts applied to their rows by lax.ragged_dot (the others' rows sorted
     last, outside every group: zeros), the outputs weighted, added to their tokens, and
-    summed back to the tokens' devices (scatter_outputs)."""
+    summed back to the tokens' devices (scatter_outputs). `gated`: the hidden of gate and
+    up; `biases`: the gate's and up's ([L, M] each), if any."""
     experts_BxSxK, weights_BxSxK = routed
     x_TxE = gather_tokens(x_BxSxE)
     rows, seq, embed = x_TxE.shape
@@ -294,18 +327,22 @@ def grouped(x_BxSxE, routed, gate_LxExM, up_LxExM, down_LxMxE):
     in_AxE = x_TxE[token_A]
     gate_AxM = jax.lax.ragged_dot(in_AxE, gate_LxExM, sizes_L)
     up_AxM = jax.lax.ragged_dot(in_AxE, up_LxExM, sizes_L)
-    out_AxE = jax.lax.ragged_dot(jax.nn.silu(gate_AxM) * up_AxM, down_LxMxE, sizes_L)
+    if biases:  # each row's expert's (the others' rows: any, their products are zeros)
+        expert_A = jnp.minimum(group_A[order_A], local - 1)
+        gate_AxM, up_AxM = gate_AxM + biases[0][expert_A], up_AxM + biases[1][expert_A]
+    out_AxE = jax.lax.ragged_dot(gated(gate_AxM, up_AxM), down_LxMxE, sizes_L)
     out_AxE = out_AxE * weights_A[order_A][:, None].astype(out_AxE.dtype)
     y_TxE = jnp.zeros_like(x_TxE).at[token_A].add(out_AxE)
     return scatter_outputs(y_TxE.reshape(rows, seq, embed))
 
 
-def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMxE):
+def mix(slots: int, n: int, gated, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMxE,
+        *biases):  # fmt: skip
     """Each token's k experts' outputs, weighted and summed: the tokens gathered into
     their n experts' `slots` slots (a choice not `r.keep`, or out of them: skipped),
     sent to the devices of their experts (the L here: n, or n / X under expert
-    parallelism), the experts applied as one batched product, the outputs sent back and
-    gathered to their tokens."""
+    parallelism), the experts applied as one batched product (`gated`, with the gate's and
+    up's `biases` if any), the outputs sent back and gathered to their tokens."""
     rows, seq, _ = x_BxSxE.shape
     # each expert's slots: the token in it (seq: none, a row of zeros); out of capacity,
     # the write is dropped
@@ -319,7 +356,10 @@ def mix(slots: int, n: int, x_BxSxE, r: Routing, gate_LxExM, up_LxExM, down_LxMx
     in_GxLxCxE = to_experts(in_BxXxCxE)  # G: the rows of every device sending here
     gate_GxLxCxM = jnp.einsum("glce,lem->glcm", in_GxLxCxE, gate_LxExM)
     up_GxLxCxM = jnp.einsum("glce,lem->glcm", in_GxLxCxE, up_LxExM)
-    h_GxLxCxM = jax.nn.silu(gate_GxLxCxM) * up_GxLxCxM
+    if biases:
+        gate_GxLxCxM = gate_GxLxCxM + biases[0][None, :, None]
+        up_GxLxCxM = up_GxLxCxM + biases[1][None, :, None]
+    h_GxLxCxM = gated(gate_GxLxCxM, up_GxLxCxM)
     out_BxXxCxE = from_experts(jnp.einsum("glcm,lme->glce", h_GxLxCxM, down_LxMxE))
     # each token's k outputs, weighted (a dropped one: weight 0)
     flat_BxXCxE = out_BxXxCxE.reshape(rows, n * slots, -1)

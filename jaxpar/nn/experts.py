@@ -55,6 +55,14 @@ def scatter_outputs(y: jax.Array) -> jax.Array:
     return jax.lax.psum_scatter(y, EXPERT, scatter_dimension=0, tiled=True)
 
 
+def all_experts(w: jax.Array) -> jax.Array:
+    """[L, ...] this device's experts' -> [experts, ...] every expert's (an all-gather
+    over `expert`, whose gradient is the reduce-scatter back); else unchanged."""
+    if _degree() == 1:
+        return w
+    return jax.lax.all_gather(w, EXPERT, axis=0, tiled=True)
+
+
 def first_expert(local: int) -> jax.Array | int:
     """The index of this device's first expert, of `local` experts a device."""
     if _degree() == 1:
