@@ -285,10 +285,10 @@ class LlamaConfig(Model):
         "approximation: Gemma) | clamped_swiglu (GPT-OSS's: min(gate, limit) x "
         "sigmoid(alpha x gate) x (clip(up, +-limit) + 1))",
     )
-    swiglu_alpha: Annotated[float, Range(0, 1e3, "a slope > 0")] = key(
+    swiglu_alpha: Annotated[float, Range(0, 1e3, "a slope > 0", True)] = key(
         1.702, "model.activation=clamped_swiglu: the gate is gate x sigmoid(alpha x gate)"
     )
-    swiglu_limit: Annotated[float, Range(0, 1e6, "a bound > 0")] = key(
+    swiglu_limit: Annotated[float, Range(0, 1e6, "a bound > 0", True)] = key(
         7.0,
         "model.activation=clamped_swiglu: the gate clamped to at most this, the up "
         "projection to +-this",

@@ -458,6 +458,27 @@ CLAIMS = (
     # docs/hugging-face.md
     Claim(
         "docs/hugging-face.md",
+        "GPT-OSS (sinks, sliding and full attention, biased experts with the clamped SwiGLU, "
+        "YaRN): first-step loss in three layouts, export and greedy decoding equal "
+        "transformers'; the released MXFP4 experts refused in one line",
+        (
+            "test_gpt_oss.py::test_the_checkpoint_reads_as_its_traits",
+            "test_gpt_oss.py::test_first_step_loss_is_transformers_loss",
+            "test_gpt_oss.py::test_trained_and_exported_logits_are_transformers_logits",
+            "test_gpt_oss.py::test_greedy_continuations_past_the_window_are_transformers_generate",
+            "test_gpt_oss.py::test_the_released_mxfp4_experts_are_refused_in_one_line",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
+        "Attention sinks are the same in every attention form and through a ring cache",
+        (
+            "test_gpu.py::test_sinks_are_the_same_in_every_form",
+            "test_gpu.py::test_a_ring_cache_of_the_window_equals_the_direct_form",
+        ),
+    ),
+    Claim(
+        "docs/hugging-face.md",
         "Llama trains equal to one device in every layout, tied embeddings too",
         (
             "test_llama.py::test_llama_layout_equals_one_device",

@@ -325,7 +325,8 @@ def test_generate_command_from_a_run_streams_and_writes_jsonl(tmp_path, capsys):
         (lambda t, c: [f"hf:{c}", "--tokenizer", str(t / "big")], "ids, but the model has"),
         (lambda t, c: [f"hf:{t / 'gpt2'}"], "config.json says GPT2LMHeadModel, which jaxpar "
          "does not read; supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
-         "Gemma3ForCausalLM, LlamaForCausalLM"),
+         "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GptOssForCausalLM, "
+         "LlamaForCausalLM"),
     ],
 )  # fmt: skip
 def test_bad_generate_input_is_refused(make, needle, checkpoint, tmp_path, capsys, devices):

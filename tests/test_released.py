@@ -21,6 +21,8 @@ RELEASES = {
     "llama-3.1-8b": ("llama-tiny", 8.03e9),
     "llama-3.1-70b": ("llama-tiny", 70.6e9),
     "gemma-3-27b": ("gemma3-12b", 27.016e9),
+    "gpt-oss-20b": ("gpt_oss-tiny", 20.91e9),
+    "gpt-oss-120b": ("gpt_oss-tiny", 116.83e9),
 }
 
 
