@@ -93,6 +93,11 @@ class HFFormat:
     # (config.json) -> None, or a CheckpointError: weights it cannot read (its config
     # alone, as plan reads it, is still read)
     weights_check: Callable[[dict], None] = lambda hf: None
+    # (model config) -> a pattern of the tensors a checkpoint may hold that the model
+    # does not read (layers past its own)
+    unread: Callable[..., str] = lambda model: r"$^"
+    # (model config) -> {tensor: the tensor it repeats}: written on export as copies
+    copies: Callable[..., dict] = lambda model: {}
 
     @property
     def architectures(self) -> tuple[str, ...]:
@@ -334,7 +339,7 @@ def initial_params(fmt: HFFormat, model, directory: Path, shapes: dict):
     config = read_config(Path(directory))
     fmt.weights_check(config)
     w = fmt.wrapper(config)
-    ignore = fmt.ignore if w is None else f"{fmt.ignore}|{w.others}"
+    ignore = f"{fmt.ignore}|{fmt.unread(model)}" + ("" if w is None else f"|{w.others}")
     tensors = wrapped(fmt.tensors(model), w)
     return read_params(tensors, Path(directory), shapes, where, f"model.name={model.name}", ignore)
 
@@ -453,6 +458,8 @@ def export(
         whole = np.stack([arrays[i] for i in range(t.part[1])], -1)
         both = dataclasses.replace(t, our_dims=f"{t.our_dims} t", part=None)
         tensors[name] = to_file(both, whole)
+    prefix = w.prefix if w else ""
+    tensors |= {prefix + n: tensors[prefix + of] for n, of in fmt.copies(model).items()}
     if w:
         reader = _Reader(release, f"model.init=hf:{release}")
         tensors |= {n: reader.whole(n) for n in reader.where if re.search(w.others, n)}

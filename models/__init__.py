@@ -298,6 +298,20 @@ class LlamaConfig(Model):
         "model.experts > 0: biases on the router's logits and on each expert's gate, up "
         "and down projections (GPT-OSS)",
     )
+    mtp_depth: Annotated[int, Range(0, 64, "modules; 0 = none")] = key(
+        0,
+        (
+            "multi-token prediction (DeepSeek-V3's): this many modules after the stack, the "
+            "k-th predicting the token k + 1 ahead from the previous one's hidden state and "
+            "the next tokens' embeddings, each a projection and a block of its own, with the "
+            "model's embedding and head; read from and written to a checkpoint's layers "
+            "from num_hidden_layers on. 0 = none"
+        ),
+    )
+    mtp_weight: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
+        0.3,
+        "model.mtp_depth > 0: the weight of the modules' mean loss (DeepSeek-V3: 0.3, then 0.1)",
+    )
     router_aux_loss: Annotated[float, Range(0, 1e3, "a weight >= 0")] = key(
         0.0,
         (

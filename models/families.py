@@ -227,6 +227,7 @@ def _deepseek_to_hf(m) -> dict:
         "head_dim": m.rope_dim,  # transformers' name for the rotated dims
         "num_key_value_heads": m.heads,
         "rope_interleave": True,
+        "num_nextn_predict_layers": m.mtp_depth,
     }
 
 

@@ -56,11 +56,11 @@ from . import Activation, LlamaConfig, RopeScaling, Router
 from .common import (
     Gated,
     along_last,
+    apply_layer,
     embed_inputs,
     embed_tokens,
     flops_per_token,
     language_model_stages,
-    next_token_loss,
     normal,
     rotate,
     token_losses,
@@ -69,6 +69,7 @@ from .families import FAMILIES, Family
 from .latent import LatentAttention
 from .llama_hf import FORMATS
 from .moe import Load, MoE, balance_loss, capacity, report_load
+from .mtp import Predictor, mtp_losses
 
 
 def head_size(m: LlamaConfig) -> int:
@@ -446,6 +447,9 @@ class Llama(nnx.Module):
         self.router_aux_loss = cfg.router_aux_loss
         # the balance loss's layers: every block of a unit with a mixture in each
         self.sparse_layers = units * (n if cfg.experts and cfg.moe_every == 1 else 1)
+        if cfg.mtp_depth:  # DeepSeek-V3's multi-token prediction, after the stack
+            self.mtp = stack(lambda r: Predictor(cfg, r, Block, norm), cfg.mtp_depth, rngs)
+            self.mtp_weight = cfg.mtp_weight
         if not self.tied:
             self.head = param(rngs, normal(0.02), (cfg.embed, cfg.vocab), (EMBED, VOCAB))
 
@@ -489,7 +493,10 @@ class Llama(nnx.Module):
         return self._logits(x_BxSxE)
 
     def _logits(self, x_BxSxE):
-        x_BxSxE = self.norm(x_BxSxE)
+        return self.head_of(self.norm(x_BxSxE))
+
+    def head_of(self, x_BxSxE):
+        """The output head's logits of a normed hidden state (capped, for Gemma 2)."""
         head_ExV = self.tokens[...].T if self.tied else self.head[...]
         logits_BxSxV = dense("bse,ev->bsv", x_BxSxE, head_ExV.astype(x_BxSxE.dtype), (EMBED, VOCAB))
         if self.logit_softcap:
@@ -506,10 +513,19 @@ def loss(model: Llama, batch: dict) -> jax.Array:
     carried through the layer scan beside the residual stream, and the step's metrics of
     it reported."""
     if not model.experts:
-        return next_token_loss(model, batch)
+        x_BxSxE = scan_layers(
+            model.blocks, embed_inputs(model, batch), lambda block, x: apply_layer(block, x, batch)
+        )
+        return dense_losses(model, x_BxSxE, batch)
     carry = mixture_embed(model, batch)
     carry = scan_layers(model.blocks, carry, lambda block, c: mixture_layer(block, c, batch))
     return mixture_losses(model, carry, batch)
+
+
+def dense_losses(model: Llama, x_BxSxE, batch: dict) -> jax.Array:
+    """token_losses, and the multi-token prediction's where the model has it."""
+    losses_BxS = token_losses(model, x_BxSxE, batch)
+    return losses_BxS + mtp_losses(model, x_BxSxE, batch) if hasattr(model, "mtp") else losses_BxS
 
 
 # A mixture's pipeline pieces (and its loss's): the activation is (residual, Load).
@@ -529,7 +545,7 @@ def mixture_layer(block: Block, carry: tuple, batch: dict) -> tuple[jax.Array, L
 
 def mixture_losses(model: Llama, carry: tuple, batch: dict) -> jax.Array:
     x_BxSxE, load = carry
-    losses_BxS = token_losses(model, x_BxSxE, batch)
+    losses_BxS = dense_losses(model, x_BxSxE, batch)
     k = model.experts_per_token
     balance_B = balance_loss(load, k, model.sparse_layers)
     report_load(load, balance_B, k, model.sparse_layers)
@@ -547,6 +563,7 @@ def mixture_losses(model: Llama, carry: tuple, batch: dict) -> jax.Array:
 def stages(m: LlamaConfig, seq_len: int) -> Stages:
     """The pipeline's pieces: a mixture hands its Load on from stage to stage."""
     plain = language_model_stages(m, m.unit_size * block_flops(m, seq_len))
+    plain = dataclasses.replace(plain, post=dense_losses)
     if not m.experts:
         return plain
     return dataclasses.replace(plain, pre=mixture_embed, layer=mixture_layer, post=mixture_losses)
@@ -596,6 +613,14 @@ def check(m: LlamaConfig, mesh_shape: dict) -> None:
                     f"model.rope_scaling={m.rope_scaling}: set model.rope_scaling=yarn, or "
                     f"drop model.{key}"
                 )
+    if not m.mtp_depth:
+        _unset(m, ("mtp_weight",), "multi-token prediction", "model.mtp_depth")
+    elif m.global_every:
+        raise ConfigError(
+            f"model.mtp_depth={m.mtp_depth} with model.global_every={m.global_every}: "
+            "multi-token prediction is built for a stack of like blocks (DeepSeek-V3's); "
+            "drop one of them"
+        )
     if m.global_every:
         check_local(m)
     else:

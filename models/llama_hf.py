@@ -15,6 +15,7 @@ from jaxpar.hf import HFFormat, Tensor
 from . import Activation, LlamaConfig, RopeScaling, Router
 from .families import BY_NAME, FAMILIES, LLAMA_PROJECTIONS, Family
 
+MTP_MOST = 64  # model.mtp_depth's bound: prediction layers past it are not looked for
 # config.json's hidden_act (Gemma's hidden_activation) -> model.activation
 ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
 
@@ -164,6 +165,7 @@ def config_to_hf(m: LlamaConfig, seq_len: int, family: Family = BY_NAME["llama"]
         "max_position_embeddings": max(seq_len, _extended(m)),
         "rope_parameters": rope,
         "dtype": "float32",
+        **({"num_nextn_predict_layers": m.mtp_depth} if m.mtp_depth else {}),
         **family.to_hf(m),  # its own keys, over Llama's where they differ (DeepSeek's head_dim)
     }
 
@@ -186,6 +188,8 @@ def hf_tensors(m: LlamaConfig, family: Family = BY_NAME["llama"]) -> list[Tensor
         out += _block("blocks/last/", m, family, bool(m.experts), every=n, offset=k + n - 1)
     if m.tail_size:  # the last local blocks, beyond whole groups
         out += _block("tail/", m, family, False, offset=m.layers - m.tail_size)
+    if m.mtp_depth:  # DeepSeek's layers num_hidden_layers.. (models/mtp.py)
+        out += _predictors(m, family)
     out.append(Tensor("norm/scale", "model.norm.weight", "e", "e"))
     return out if m.tie_embeddings else [*out, Tensor("head", "lm_head.weight", "v e", "e v")]
 
@@ -250,6 +254,40 @@ def _block(
     ]
 
 
+def _predictors(m: LlamaConfig, family: Family) -> list[Tensor]:
+    """The multi-token prediction modules' leaves, as DeepSeek lays them out: module k in
+    layer num_hidden_layers + k (eh_proj's input: the embedding's dims, then the hidden
+    state's), its block as a layer's."""
+    layer = "model.layers.{layer}."
+    names = [
+        ("mtp/enorm/scale", layer + "enorm.weight", "e", "e"),
+        ("mtp/hnorm/scale", layer + "hnorm.weight", "e", "e"),
+        ("mtp/eh_proj", layer + "eh_proj.weight", "f (t e)", "t e f"),
+        ("mtp/norm/scale", layer + "shared_head.norm.weight", "e", "e"),
+    ]
+    out = [Tensor(key, *rest, offset=m.layers) for key, *rest in names]
+    return out + _block("mtp/block/", m, family, bool(m.experts), offset=m.layers)
+
+
+def unread(m: LlamaConfig) -> str:
+    """The tensors of a checkpoint the model does not read: layers past its own and its
+    prediction modules' (DeepSeek's, when model.mtp_depth is less; transformers drops
+    them all), and the copies each module's layer holds of the embedding and head."""
+    past = "|".join(map(str, range(m.layers + m.mtp_depth, m.layers + MTP_MOST + 1)))
+    return rf"^model\.layers\.(({past})\.|\d+\.(embed_tokens|shared_head\.head)\.weight$)"
+
+
+def copies(m: LlamaConfig) -> dict:
+    """Each prediction module's layer's copies of the embedding and the head, as
+    DeepSeek's checkpoints hold them (its readers look there)."""
+    head = "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"
+    out = {}
+    for layer in range(m.layers, m.layers + m.mtp_depth):
+        out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{layer}.shared_head.head.weight"] = head
+    return out
+
+
 def _attention(attn: str) -> list[tuple]:
     return [
         ("attn/wq", attn + "q_proj.weight", "(h d) e", "e h d"),
@@ -296,6 +334,8 @@ FORMATS = {
         training=("router_aux_loss",),
         wrappers=family.wrappers,
         weights_check=family.weights_check,
+        unread=unread,
+        copies=copies,
     )
     for family in FAMILIES
 }

@@ -23,6 +23,14 @@ TENSORBOARD_TAGS = (
     "flops_per_s_per_device",
     "mfu",
 )
+# What the model reports (jaxpar.report), beside its "group/name" metrics ("moe/dropped"):
+# multi-token prediction's loss, apart from the loss it is weighted into
+MODEL_METRICS = ("mtp_loss",)
+
+
+def model_reported(row: dict) -> list[str]:
+    """The keys of `row` that the model reported."""
+    return [k for k in row if "/" in k or k in MODEL_METRICS]
 
 
 def _summary_writer():
@@ -81,7 +89,7 @@ class MetricsLog:
                 self._file.flush()
         if self._events:
             # and what the model reported (jaxpar.report: "moe/dropped", ...)
-            for tag in [*TENSORBOARD_TAGS, *(k for k in row if "/" in k)]:
+            for tag in [*TENSORBOARD_TAGS, *model_reported(row)]:
                 if row.get(tag) is not None:
                     self._events.add_scalar(tag, row[tag], row["step"])
             self._events.flush()
