@@ -391,6 +391,16 @@ CLAIMS = (
     # docs/deepseek.md
     Claim(
         "docs/deepseek.md",
+        "Multi-token prediction: the loss at depths 1 and 2 is DeepSeek's formula, its layers "
+        "read and write back bitwise, and it trains equal to one device in every layout",
+        (
+            "test_mtp.py::test_the_loss_is_deepseeks_formula",
+            "test_mtp.py::test_the_modules_layers_read_and_write_back_bitwise",
+            "test_mtp.py::test_the_modules_train_in_every_layout_as_on_one_device",
+        ),
+    ),
+    Claim(
+        "docs/deepseek.md",
         "DeepSeek-V3 and Qwen2-MoE: first-step loss and greedy generate equal transformers'",
         (
             "test_deepseek.py::test_first_step_loss_is_transformers_loss",
