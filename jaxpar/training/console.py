@@ -188,9 +188,7 @@ def closing(report: Report, losses: list[float], rows: list[dict] = (), first: i
     the last; a warning under it when a mixture drops more than TOO_MANY_DROPPED of its
     tokens' expert choices."""
     mem = report.memory_per_device
-    reported = list(
-        dict.fromkeys(k for r in rows for k in model_reported(r) if r[k] is not None)
-    )
+    reported = list(dict.fromkeys(k for r in rows for k in model_reported(r) if r[k] is not None))
     figures = [
         *_loss(losses, rows, first),
         *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
