@@ -471,6 +471,24 @@ class Llama(nnx.Module):
         """(logits [B, T, V] of T new tokens at cache slots slot.., the caches with their
         keys and values): `caches`, one (k, v) per layer as jaxpar.nn.attention.CACHE_NAMES
         lays them out."""
+        x_BxTxE, caches = self.decode_states(tokens_BxT, positions_BxT, caches, slot, pad_B)
+        return self._logits(x_BxTxE), caches
+
+    def draft(self, h_BxTxE, tokens_BxT, positions_BxT, cache, slot, pad_B):
+        """The first prediction module through its own cache (one layer's): (its hidden
+        state, its logits of the token after `tokens`, the cache); `h` is the previous
+        depth's hidden state (the model's normed output), `tokens` the tokens one ahead."""
+
+        def one(module, _, cache):
+            e_BxTxE = self._embedded(tokens_BxT)
+            out_BxTxE, cache = module.decode(h_BxTxE, e_BxTxE, cache, positions_BxT, slot, pad_B)
+            return (out_BxTxE, self.head_of(module.norm(out_BxTxE))), cache
+
+        (out_BxTxE, logits_BxTxV), (cache,) = unrolled(self.mtp, None, [cache], one)
+        return out_BxTxE, logits_BxTxV, cache
+
+    def decode_states(self, tokens_BxT, positions_BxT, caches, slot, pad_B):
+        """decode's stack output, before the final norm, and the caches."""
         n = self.every  # a Group's blocks: their caches side by side
         decode = lambda block, x, c: block.decode(x, c, positions_BxT, slot, pad_B)  # noqa: E731
         x_BxTxE = self._embedded(tokens_BxT)
@@ -483,7 +501,7 @@ class Llama(nnx.Module):
         units = [c for u in grouped for c in u] if n > 1 else grouped
         if hasattr(self, "tail"):
             x_BxTxE, last = unrolled(self.tail, x_BxTxE, last, decode)
-        return self._logits(x_BxTxE), [*first, *units, *last]
+        return x_BxTxE, [*first, *units, *last]
 
     def logits(self, x_BxSxE, docs: Documents | None = None):
         """The output of the stack, through the last local blocks (model.global_every's

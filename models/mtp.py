@@ -40,10 +40,16 @@ class Predictor(nnx.Module):
 
     def __call__(self, h_BxSxE, e_BxSxE, docs):
         """The module's hidden state from the previous one's and the embeddings ahead."""
+        return self.block.routed(self._joined(h_BxSxE, e_BxSxE), docs)[0]
+
+    def decode(self, h_BxTxE, e_BxTxE, cache, positions_BxT, slot, pad_B):
+        """As __call__, of T new positions through the block's KV cache: (out, cache)."""
+        return self.block.decode(self._joined(h_BxTxE, e_BxTxE), cache, positions_BxT, slot, pad_B)
+
+    def _joined(self, h_BxSxE, e_BxSxE):
         dt = h_BxSxE.dtype
         both_Bx2xSxE = jnp.stack([self.enorm(e_BxSxE), self.hnorm(h_BxSxE)], 1)
-        x_BxSxE = jnp.einsum("btse,tef->bsf", both_Bx2xSxE, self.eh_proj[...].astype(dt))
-        return self.block.routed(x_BxSxE, docs)[0]
+        return jnp.einsum("btse,tef->bsf", both_Bx2xSxE, self.eh_proj[...].astype(dt))
 
 
 def _ahead(x_BxN, k: int, fill) -> jax.Array:

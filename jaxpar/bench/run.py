@@ -13,7 +13,7 @@ from jaxpar.training import metrics
 # in the order they run; each is jaxpar.bench.<name>, with run(base, steps, tables, out)
 SECTIONS = ("strategies", "schedules", "dp", "hosts", "offload", "remat", "context")
 SECTIONS += ("experts", "checkpoint", "longest", "compile", "plan", "generate", "grpo")
-SECTIONS += ("optimizers",)
+SECTIONS += ("optimizers", "speculative")
 
 
 def run_bench(

@@ -308,6 +308,15 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
     gen.add_argument("--seed", type=int, default=0, metavar="S")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument(
+        "--speculate",
+        choices=("mtp",),
+        help="greedy decoding drafted by the model's multi-token prediction module "
+        "(model.mtp_depth) and verified by the model in one forward: the same tokens",
+    )
+    gen.add_argument(
+        "--draft-tokens", type=int, default=1, metavar="K", help="--speculate: drafts a step"
+    )
     gen.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. parallel.tensor=2")
     _step(gen)
     _cpu_devices(gen, default=1)
@@ -550,6 +559,8 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if not 1 <= args.max_new_tokens <= 1 << 20:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 to {1 << 20}")
+    if not 1 <= args.draft_tokens <= 16:
+        raise ConfigError(f"--draft-tokens {args.draft_tokens}: give 1 to 16 drafts a step")
     if not args.source.startswith("hf:"):  # (an hf:DIR is read after the prompts' files)
         sources.check(args.source, "generate")
     # the prompts checked before jax starts; through the tokenizer too where it is given
@@ -573,9 +584,16 @@ def _generate(args: argparse.Namespace) -> int:
     stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
     if stream:  # the prompt as given (not the chat template around it), then the answer
         print(request.rows[0]["prompt"] + ("\n" if args.chat else ""), end="", flush=True)
-    done = decoding.generate(
-        decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
-    )
+    if args.speculate:
+        from jaxpar.generation import speculative
+
+        speculative.check(model, sampling)
+        drafter = speculative.Speculator(decoding.Decoder(model), args.draft_tokens)
+        done = speculative.generate(drafter, ids, args.max_new_tokens, request.stop, stream)
+    else:
+        done = decoding.generate(
+            decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
+        )
     prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
     layout = dict(model.mesh.shape)
     bytes_ = decoding.cache_bytes_per_token(model, done.cache_slots)

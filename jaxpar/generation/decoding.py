@@ -341,6 +341,8 @@ class Generated:
     rows: int  # the batch, padded
     prompt_slots: int  # P
     cache_slots: int  # M
+    drafted: int = 0  # speculative decoding's drafts (jaxpar.generation.speculative)
+    accepted: int = 0  # ... and those the model accepted
 
 
 def bucket(n: int) -> int:

@@ -173,9 +173,14 @@ def write(request: Request, completions: list[list[int]], streamed: bool, chat: 
 def summary(g, layout: dict, cache_bytes: int, dims) -> str:
     """Speeds and the layout, one line for stderr (`dims`: the CacheDims)."""
     per = lambda n, s: f"{n} tokens in {s:.2f} s ({n / max(s, 1e-9):,.0f} tokens/s)"  # noqa: E731
+    drafts = (
+        f"; drafts accepted {g.accepted}/{g.drafted} ({g.accepted / g.drafted:.0%})"
+        if g.drafted
+        else ""
+    )
     return (
         f"prefill {per(g.prefill_tokens, g.prefill_s)}; decode {per(g.decode_tokens, g.decode_s)}; "
         f"compiled in {g.compile_s:.1f} s; data={layout['data']} x tensor={layout['tensor']}, "
         f"{g.rows} rows x {g.cache_slots} cache slots; cache {cache_bytes:,} bytes a token "
-        f"({dims.formula()} x 4 bytes)"
+        f"({dims.formula()} x 4 bytes){drafts}"
     )
