@@ -465,6 +465,13 @@ CLAIMS = (
             "test_released.py::test_a_text_config_left_out_reads_as_transformers_defaults",
         ),
     ),
+    # docs/generation.md (speculative decoding)
+    Claim(
+        "docs/generation.md",
+        "Speculative decoding with the multi-token prediction module gives plain greedy "
+        "decoding's tokens, Llama and DeepSeek-tiny, 1 and 8 prompts, one device and tensor=2",
+        ("test_speculative.py::test_speculation_is_plain_greedy_decoding",),
+    ),
     # docs/hugging-face.md
     Claim(
         "docs/hugging-face.md",
