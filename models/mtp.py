@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.data.tokens import LOSS_MASK, SEGMENT_IDS
 from jaxpar.names import EMBED, QKV
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum, param, scan_layers
@@ -52,26 +51,6 @@ class Predictor(nnx.Module):
         return jnp.einsum("btse,tef->bsf", both_Bx2xSxE, self.eh_proj[...].astype(dt))
 
 
-def _ahead(x_BxN, k: int, fill) -> jax.Array:
-    """[B, N - 1]: x[:, i + k] at each i, `fill` past the row's end."""
-    width = x_BxN.shape[1] - 1
-    part = x_BxN[:, k : k + width]
-    return jnp.pad(part, ((0, 0), (0, width - part.shape[1])), constant_values=fill)
-
-
-def _trained_ahead(batch: dict, k: int) -> jax.Array:
-    """[B, S] whether input i's target k further on (token i + 1 + k) is trained: in the
-    row, marked by the loss mask, in input i's document."""
-    tokens = batch["tokens"]
-    trained = _ahead(jnp.ones(tokens.shape, bool), 1 + k, False)
-    if LOSS_MASK in batch:
-        trained = trained & (_ahead(batch[LOSS_MASK], 1 + k, 0) != 0)
-    if SEGMENT_IDS in batch:
-        segments = batch[SEGMENT_IDS]
-        trained = trained & (segments[:, :-1] == _ahead(segments, 1 + k, -1))
-    return sequence.local(trained)
-
-
 def mtp_losses(model, x_BxSxE, batch: dict) -> jax.Array:
     """[B, S] model.mtp_weight / D x the D modules' cross-entropies at each input
     position (zero where untrained), reported apart as MTP_LOSS; `x` is the stack's
@@ -79,10 +58,10 @@ def mtp_losses(model, x_BxSxE, batch: dict) -> jax.Array:
     depth = model.mtp.eh_proj.shape[0]
     tokens = batch["tokens"]
     depths = range(1, depth + 1)
-    ahead = lambda k: sequence.local(_ahead(tokens, k, 0))  # noqa: E731
+    ahead = lambda k: sequence.local(documents.ahead(tokens, k, 0))  # noqa: E731
     embedded_DxBxSxE = jnp.stack([model._embedded(ahead(k)) for k in depths])
     targets_DxBxS = jnp.stack([ahead(1 + k) for k in depths])
-    trained_DxBxS = jnp.stack([_trained_ahead(batch, k) for k in depths])
+    trained_DxBxS = jnp.stack([documents.trained_ahead(batch, k) for k in depths])
     docs = documents.of_inputs(batch)
 
     def module(predictor: Predictor, carry):

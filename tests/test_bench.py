@@ -68,7 +68,7 @@ def test_unknown_section_exits_2():
         "jaxpar: error: jaxpar bench --only warp: no such section; "
         "choose from strategies schedules dp hosts offload remat context experts checkpoint "
         "longest "
-        "compile plan generate grpo optimizers"
+        "compile plan generate grpo optimizers speculative"
     )
 
 

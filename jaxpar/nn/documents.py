@@ -70,6 +70,27 @@ def target_weights(batch: dict) -> jax.Array | None:
     return None if weights is None else sequence.local(weights)
 
 
+def ahead(x_BxN: jax.Array, k: int, fill) -> jax.Array:
+    """[B, N - 1]: x[:, i + k] at each i, `fill` past the row's end (whole rows)."""
+    width = x_BxN.shape[1] - 1
+    part = x_BxN[:, k : k + width]
+    return jnp.pad(part, ((0, 0), (0, width - part.shape[1])), constant_values=fill)
+
+
+def trained_ahead(batch: dict, k: int) -> jax.Array:
+    """[B, S] whether input i's target k further on (token i + 1 + k) is trained: in the
+    row, marked by the loss mask, in input i's document (multi-token prediction's
+    targets; k = 0 is target_weights'), in the step's token order."""
+    tokens = batch["tokens"]
+    trained = ahead(jnp.ones(tokens.shape, bool), 1 + k, False)
+    if LOSS_MASK in batch:
+        trained = trained & (ahead(batch[LOSS_MASK], 1 + k, 0) != 0)
+    if SEGMENT_IDS in batch:
+        segments = batch[SEGMENT_IDS]
+        trained = trained & (segments[:, :-1] == ahead(segments, 1 + k, -1))
+    return sequence.local(trained)
+
+
 def trained_targets(batch: dict) -> jax.Array:
     """The number of trained targets in `batch` (float32; in a step, the global batch's)."""
     weights = target_weights(batch)
