@@ -9,8 +9,8 @@ rewritten from it. Never retype a measured number: run this.
 It also writes docs/proofs.md, the ledger of claims, from tests/claims.py (no bench needed).
 
 NAME is a section of the bench (strategies, schedules, dp, hosts, offload, remat, context,
-experts, checkpoint, longest, compile, plan, generate, generate-peer, optimizers, speculative), shown as its
-printed table, or
+experts, checkpoint, longest, compile, plan, generate, generate-peer, optimizers,
+speculative), shown as its printed table, or
 `proven`: the README's table of what is proven, with each strategy's measured figure.
 """
 

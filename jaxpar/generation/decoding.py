@@ -453,6 +453,41 @@ def check_lengths(m: Loaded, prompts: list[list[int]], max_new: int) -> None:
         )
 
 
+def left_padded(prompts: list[list[int]], rows: int):
+    """(the prompts' ids left-padded to a bucket of P slots [rows, P], each row's padding
+    [rows], each id's position from its row's first real one [rows, P]); the rows past
+    the prompts hold one id, never read."""
+    p_slots = bucket(max(len(p) for p in prompts))
+    tokens = np.zeros((rows, p_slots), np.int32)
+    pad = np.full(rows, p_slots - 1, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, p_slots - len(p) :], pad[i] = p, p_slots - len(p)
+    positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
+    return tokens, pad, positions
+
+
+class Completions:
+    """Each prompt's new ids, kept as they come until its stop id, --max-new-tokens, or
+    `finished(row, its ids)`; `on_token(row, id)` called for each id kept."""
+
+    def __init__(self, prompts: int, max_new: int, stop: set[int], on_token=None, finished=None):
+        self.ids: list[list[int]] = [[] for _ in range(prompts)]
+        self.done = np.zeros(prompts, bool)
+        self.max_new, self.stop, self.on_token, self.finished = max_new, stop, on_token, finished
+
+    def take(self, ids: np.ndarray) -> bool:
+        """Each row's ids [rows, T] in order, up to its end; whether every row has ended."""
+        for step in range(ids.shape[1]):
+            for i in np.flatnonzero(~self.done):
+                self.ids[i].append(int(ids[i, step]))
+                if self.on_token:
+                    self.on_token(int(i), int(ids[i, step]))
+                end = ids[i, step] in self.stop or len(self.ids[i]) == self.max_new
+                end |= self.finished is not None and self.finished(int(i), self.ids[i])
+                self.done[i] = end
+        return bool(self.done.all())
+
+
 def generate(
     decoder: Decoder,
     prompts: list[list[int]],
@@ -474,13 +509,9 @@ def generate(
     check_lengths(m, prompts, max_new)
     data = m.mesh.shape[DATA]
     rows = math.ceil(max(len(prompts), rows) / data) * data
-    p_slots = bucket(max(len(p) for p in prompts))
+    tokens, pad, positions = left_padded(prompts, rows)
+    p_slots = tokens.shape[1]
     m_slots = p_slots + math.ceil(max_new / NEW_BUCKET) * NEW_BUCKET
-    tokens = np.zeros((rows, p_slots), np.int32)
-    pad = np.full(rows, p_slots - 1, np.int32)  # padding rows: one id, never read
-    for i, p in enumerate(prompts):
-        tokens[i, p_slots - len(p) :], pad[i] = p, p_slots - len(p)
-    positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
     put = lambda x: jax.device_put(x, decoder.rows)  # noqa: E731
     every = row_keys(sampling.seed, rows)
     if keys is not None:  # the padding rows keep their own
@@ -495,28 +526,18 @@ def generate(
     nxt, cache = prefill(m.params, put(tokens), put(positions), cache, pad_d, key)
     ids = np.asarray(nxt)[:, None]
     prefill_s = time.perf_counter() - start
-    completions: list[list[int]] = [[] for _ in prompts]
-    done = np.zeros(len(prompts), bool)
+    kept = Completions(len(prompts), max_new, stop, on_token, finished)
     start, t = time.perf_counter(), 0
-    while True:
-        for step in range(ids.shape[1]):  # each row's ids in order, up to its stop
-            for i in np.flatnonzero(~done):
-                completions[i].append(int(ids[i, step]))
-                if on_token:
-                    on_token(int(i), int(ids[i, step]))
-                done[i] = ids[i, step] in stop or len(completions[i]) == max_new
-                done[i] |= finished is not None and finished(int(i), completions[i])
-        if done.all():
-            break
+    while not kept.take(ids):
         out, cache = loop(m.params, nxt, cache, p_slots + t, pad_d, key, t)
         nxt, ids = out[:, -1], np.asarray(out)
         t += CHUNK
     decode_s = time.perf_counter() - start
     return Generated(
-        completions=completions,
+        completions=kept.ids,
         prefill_tokens=sum(len(p) for p in prompts),
         prefill_s=prefill_s,
-        decode_tokens=sum(max(len(c) - 1, 0) for c in completions),
+        decode_tokens=sum(max(len(c) - 1, 0) for c in kept.ids),
         decode_s=decode_s,
         decode_steps=t,
         compile_s=compile_s,

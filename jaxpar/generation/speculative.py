@@ -32,11 +32,12 @@ from jaxpar.errors import ConfigError
 from jaxpar.generation.decoding import (
     CPU_DECODE_OPTIONS,
     NEW_BUCKET,
+    Completions,
     Decoder,
     Generated,
     Sampling,
-    bucket,
     check_lengths,
+    left_padded,
 )
 
 ITERATIONS = 8  # draft-and-verify iterations a dispatch (a device-side loop)
@@ -162,14 +163,10 @@ def generate(
     check_lengths(m, prompts, max_new)
     data = m.mesh.shape["data"]
     rows = math.ceil(len(prompts) / data) * data
-    p_slots = bucket(max(len(p) for p in prompts))
+    tokens, pad, positions = left_padded(prompts, rows)
+    p_slots = tokens.shape[1]
     overshoot = ITERATIONS * (k + 1) + k + 1  # a dispatch's slots past the last kept token
     m_slots = p_slots + math.ceil((max_new + overshoot) / NEW_BUCKET) * NEW_BUCKET
-    tokens = np.zeros((rows, p_slots), np.int32)
-    pad = np.full(rows, p_slots - 1, np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, p_slots - len(p) :], pad[i] = p, p_slots - len(p)
-    positions = np.maximum(np.arange(p_slots)[None] - pad[:, None], 0).astype(np.int32)
     put = lambda x: jax.device_put(x, d.rows)  # noqa: E731
     start = time.perf_counter()
     cache, mcache = d.empty(rows, m_slots), d.empty(rows, m_slots)[0]
@@ -180,37 +177,26 @@ def generate(
     nxt, drafts, cache, mcache = prefill(
         m.params, put(tokens), put(positions), cache, mcache, pad_d
     )
-    first = np.asarray(nxt)
+    ids = np.asarray(nxt)[:, None]
     prefill_s = time.perf_counter() - start
-    completions: list[list[int]] = [[] for _ in prompts]
-    done = np.zeros(len(prompts), bool)
     live = put(np.arange(rows) < len(prompts))
-    new = [first[:, None]]
+    got = Completions(len(prompts), max_new, stop, on_token)
     start, slot, iterations, accepted_total = time.perf_counter(), p_slots, 0, 0
-    while True:
-        for ids in new:  # each row's ids in order, up to its stop
-            for step in range(ids.shape[1]):
-                for i in np.flatnonzero(~done):
-                    completions[i].append(int(ids[i, step]))
-                    if on_token:
-                        on_token(int(i), int(ids[i, step]))
-                    done[i] = ids[i, step] in stop or len(completions[i]) == max_new
-        if done.all():
-            break
+    while not got.take(ids):
         kept, accepted, nxt, drafts, cache, mcache = loop(
             m.params, nxt, drafts, cache, mcache, slot, pad_d, live
         )
         kept, accepted = np.asarray(kept), np.asarray(accepted)
-        new = [kept[j][:, : a + 1] for j, a in enumerate(accepted)]
+        ids = np.concatenate([kept[j][:, : a + 1] for j, a in enumerate(accepted)], 1)
         slot += int(accepted.sum()) + ITERATIONS
         iterations += ITERATIONS
         accepted_total += int(accepted.sum())
     decode_s = time.perf_counter() - start
     return Generated(
-        completions=completions,
+        completions=got.ids,
         prefill_tokens=sum(len(p) for p in prompts),
         prefill_s=prefill_s,
-        decode_tokens=sum(max(len(c) - 1, 0) for c in completions),
+        decode_tokens=sum(max(len(c) - 1, 0) for c in got.ids),
         decode_s=decode_s,
         decode_steps=iterations,
         compile_s=compile_s,
