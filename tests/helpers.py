@@ -235,3 +235,14 @@ def family_logits(cfg, params, tokens: np.ndarray) -> np.ndarray:
     model = jaxpar.to_nnx(lambda rngs: spec.build(cfg.model, tokens.shape[1], rngs), params)
     x = jaxpar.scan_layers(model.blocks, model.embed(tokens), lambda block, h: block(h))
     return np.asarray(model.logits(x))
+
+
+def run_logits_error(run: Path, want: np.ndarray, tokens: np.ndarray) -> float:
+    """The largest gap between the logits of `tokens` by a run's saved parameters (a
+    registered Llama-family model) and `want`, over want's scale."""
+    import jaxpar
+    from jaxpar.config import presets
+
+    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
+    cfg = presets.from_dict(meta["config"])
+    return float(np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max())

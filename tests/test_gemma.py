@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
-from helpers import changed_config, family_logits, save_drawn  # noqa: E402
+from helpers import changed_config, family_logits, run_logits_error, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar import hf, recipe  # noqa: E402
@@ -151,11 +151,9 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
             "hidden_activation", "rope_parameters", "tie_word_embeddings"]  # fmt: skip
     read["architectures"] = [FAMILIES[family][0].__name__]
     assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
-    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
-    cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want = theirs(tmp_path / "out", tokens)
-    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    err = run_logits_error(run, want, tokens)
     assert err < 1e-4, err
 
 

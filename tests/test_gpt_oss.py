@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 
-from helpers import changed_config, family_logits, save_drawn  # noqa: E402
+from helpers import changed_config, run_logits_error, save_drawn  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar import hf, recipe  # noqa: E402
@@ -116,11 +116,9 @@ def test_trained_and_exported_logits_are_transformers_logits(checkpoint, tmp_pat
             "head_dim", "intermediate_size", "rope_parameters"]  # fmt: skip
     read["architectures"] = ["GptOssForCausalLM"]
     assert {k: exported.get(k) for k in kept} == {k: read.get(k) for k in kept}
-    params, meta = jaxpar.training.checkpoint.saved_params(run / "checkpoints")
-    cfg = presets.from_dict(meta["config"])
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
     want = theirs(tmp_path / "out", tokens)
-    err = np.abs(family_logits(cfg, params, tokens) - want).max() / np.abs(want).max()
+    err = run_logits_error(run, want, tokens)
     assert err < 1e-4, err
     assert np.abs(want - theirs(checkpoint, tokens)).max() / np.abs(want).max() > 1e-3
 
