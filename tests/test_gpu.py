@@ -271,6 +271,7 @@ def test_capped_scores_are_the_same_in_every_form(monkeypatch):
     assert attention.form("cuda", jnp.bfloat16, 64, softcap=50.0) is attention.Form.BLOCKED
 
 
+@pytest.mark.slow  # 1.5 s: the capped scores' case keeps the forms in the fast tier
 def test_sinks_are_the_same_in_every_form(monkeypatch):
     """GPT-OSS's attention sinks (a logit per head in the softmax's denominator, no value
     to it), in a window, over documents: causal_attention's direct and blocked forms

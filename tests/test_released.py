@@ -39,6 +39,7 @@ def test_plan_reads_the_release_and_counts_its_parameters(release, capsys):
     assert counted == pytest.approx(published, rel=0.005), (release, counted)
 
 
+@pytest.mark.slow  # 2 s, transformers' import: the fast tier keeps its budget
 def test_a_text_config_left_out_reads_as_transformers_defaults():
     """Gemma 3's multimodal releases give a few text keys (gemma-3-27b/config.json): a
     text config with none reads as transformers' Gemma3TextConfig() does."""
