@@ -33,6 +33,7 @@ from jaxpar.config.registry import (
     ModelSpec,
 )
 from jaxpar.errors import ConfigError
+from jaxpar.hf import init_notes
 from jaxpar.names import (
     BATCH,
     EMBED,
@@ -878,12 +879,16 @@ def family_check(family: Family):
 
 
 def notes(m: LlamaConfig, seq_len: int) -> list[str]:
+    """What the start-up summary notes of the model: a window that masks nothing, and
+    what model.init's release holds that the model does not read."""
+    release = init_notes(FORMATS[m.name], m)
     if m.sliding_window and m.sliding_window >= seq_len:
         return [
             f"model.sliding_window={m.sliding_window} masks nothing at train.seq_len={seq_len}: "
-            "every token sees all before it, as without a window"
+            "every token sees all before it, as without a window",
+            *release,
         ]
-    return []
+    return release
 
 
 # model.name -> its spec: the Llama model as each family reads and writes it

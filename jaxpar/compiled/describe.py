@@ -13,7 +13,6 @@ import math
 import jax
 from jax.sharding import Mesh
 
-from jaxpar import hf
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Config, DpSync, Model, Optimizer, Parallel, Train
 from jaxpar.cost import blocks, ledger, newton_schulz, throughput
@@ -79,7 +78,7 @@ def describe_step(
         tensor_replicated=optional_unsplit(
             trained.names, shapes, rules_for(par.sequence_parallel), mesh_shape
         ),
-        model_notes=_model_notes(cfg),
+        model_notes=registry.get(cfg.model.name).notes(cfg.model, train.seq_len),
         pipeline=_pipeline(par, train, problem, engine, step.hlo, led, batch, split.micro),
         memory_per_device=device,
         host_memory_per_device=host,
@@ -95,13 +94,6 @@ def describe_step(
         ),
         newton_schulz=_newton_schulz(cfg, trained, leaves, mesh_shape, model_flops),
     )
-
-
-def _model_notes(cfg: Config) -> list[str]:
-    """The model's notes on its keys, and on the release model.init names."""
-    spec = registry.get(cfg.model.name)
-    release = hf.init_notes(spec.hf, cfg.model) if spec.hf else []
-    return spec.notes(cfg.model, cfg.train.seq_len) + release
 
 
 def _newton_schulz(
