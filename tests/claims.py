@@ -457,11 +457,12 @@ CLAIMS = (
     Claim(
         "docs/gemma.md",
         "Gemma 3's multimodal releases train as their text model from transformers' loss, "
-        "export back as released (the vision tower bitwise) or as text alone, and read "
-        "their sparse text configs at transformers' defaults",
+        "decode as its generate does, export back as released (the vision tower bitwise) or "
+        "as text alone, and read their sparse text configs at transformers' defaults",
         (
             "test_gemma.py::test_a_multimodal_release_trains_from_transformers_loss",
             "test_gemma.py::test_a_multimodal_release_exports_as_released_or_as_text_alone",
+            "test_gemma.py::test_a_multimodal_release_decodes_as_transformers_generate",
             "test_released.py::test_a_text_config_left_out_reads_as_transformers_defaults",
         ),
     ),

@@ -367,3 +367,13 @@ def test_a_multimodal_release_exports_as_released_or_as_text_alone(multimodal, t
     }
     back = fill(targets)
     assert all(np.array_equal(np.asarray(back[k]), np.asarray(params[k])) for k in params)
+
+
+def test_a_multimodal_release_decodes_as_transformers_generate(multimodal, devices):
+    """Greedy continuations of its text model (one device, 32 new tokens past the
+    window) equal Gemma3ForConditionalGeneration.generate's on text alone."""
+    from test_generate import PROMPTS, transformers_greedy
+
+    model = decoding.load(f"hf:{multimodal}", ["parallel.data=1"], devices=devices[:1])
+    done = decoding.generate(decoding.Decoder(model), PROMPTS, 32, decoding.Sampling(), set())
+    assert done.completions == transformers_greedy(multimodal, PROMPTS, 32)
