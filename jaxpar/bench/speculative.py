@@ -1,7 +1,8 @@
 """`jaxpar bench --only speculative`: greedy decoding drafted by a trained multi-token
 prediction module (jaxpar.generation.speculative) against plain greedy decoding, side by
-side on one CPU device: deepseek-tiny with one module, trained TRAIN_STEPS steps on the
-synthetic counting sequences, decoding counting prompts of its kind. The tokens are
+side on one device (the CPU's, or the first accelerator's): deepseek-tiny with one
+module, trained TRAIN_STEPS steps on the synthetic counting sequences, decoding counting
+prompts of its kind. The tokens are
 checked equal; the speed-up is the decode loops' tokens/s over plain's, each the best of
 ROUNDS alternated rounds, with the share of drafts the model accepted."""
 
@@ -68,9 +69,11 @@ def run(base, steps: int, tables: dict, out=None) -> dict:
         }
         rows.append([name, f"{plain_rate:,.0f}", f"{spec_rate:,.0f}", f"{r['speedup']:.2f}x",
                      f"{r['accepted']:.0%}"])  # fmt: skip
+    device = jax.devices()[0]
+    where = "CPU" if device.platform == "cpu" else device.device_kind
     title = (
         f"jaxpar generate --speculate mtp, {PRESET} with one module trained {TRAIN_STEPS} "
-        f"steps on counting sequences (mtp_loss {result.rows[-1]['mtp_loss']:.2f}), one CPU "
+        f"steps on counting sequences (mtp_loss {result.rows[-1]['mtp_loss']:.2f}), one {where} "
         f"device, counting prompts, greedy; best of {ROUNDS} alternated rounds, the tokens "
         "checked equal"
     )
