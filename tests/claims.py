@@ -470,7 +470,9 @@ CLAIMS = (
     Claim(
         "docs/generation.md",
         "Speculative decoding with the multi-token prediction module gives plain greedy "
-        "decoding's tokens, Llama and DeepSeek-tiny, 1 and 8 prompts, one device and tensor=2",
+        "decoding's tokens, Llama and DeepSeek-tiny, 1 and 8 prompts, one device and "
+        "tensor=2, and accepts exactly the drafts the module's guesses over the whole "
+        "sequence predict",
         ("test_speculative.py::test_speculation_is_plain_greedy_decoding",),
     ),
     # docs/hugging-face.md

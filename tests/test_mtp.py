@@ -148,13 +148,15 @@ def test_the_modules_layers_read_and_write_back_bitwise(checkpoint, tmp_path):
 
 
 # deepseek-tiny with two modules (each a sparse block with its balancing bias), dropless:
-# data x tensor x ZeRO-3, a pipeline (the modules on its last stage), experts over 4
+# data x tensor x ZeRO-3, and a pipeline (the modules on its last stage) with experts
+# over 4 on each stage
 MTP = ("model.mtp_depth=2", "model.mtp_weight=0.3", "model.capacity_factor=0")
 MTP_LAYOUTS = {
     "dp2-tp2-zero3": ("parallel.data=2", "parallel.tensor=2", "parallel.zero=3"),
-    "pp2-m2": ("parallel.data=1", "parallel.pipeline=2", "parallel.microbatches=2"),
-    "expert4-tp2": ("parallel.data=1", "parallel.expert=4", "parallel.tensor=2"),
-}
+    "pp2-expert4-m2": (
+        "parallel.data=1", "parallel.pipeline=2", "parallel.expert=4", "parallel.microbatches=2",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MTP_LAYOUTS)
