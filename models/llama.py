@@ -582,7 +582,9 @@ def mixture_losses(model: Llama, carry: tuple, batch: dict) -> jax.Array:
 def stages(m: LlamaConfig, seq_len: int) -> Stages:
     """The pipeline's pieces: a mixture hands its Load on from stage to stage."""
     plain = language_model_stages(m, m.unit_size * block_flops(m, seq_len))
-    plain = dataclasses.replace(plain, post=dense_losses)
+    pre, block, head = plain.costs  # the modules run on the last stage, with the head
+    costs = (pre, block, head + mtp_flops(m, seq_len))
+    plain = dataclasses.replace(plain, post=dense_losses, costs=costs)
     if not m.experts:
         return plain
     return dataclasses.replace(plain, pre=mixture_embed, layer=mixture_layer, post=mixture_losses)
@@ -768,6 +770,18 @@ def block_flops(m: LlamaConfig, seq_len: int) -> float:
             * _block_flops(m, seq_len, bool(m.experts))) / m.layers  # fmt: skip
 
 
+def mtp_flops(m: LlamaConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of the model.mtp_depth prediction modules: each its block
+    (a mixture's, where the model has experts), its projection of the embedding and the
+    hidden state to one (2 x 2 E^2) and the shared head (2 V E)."""
+    block = _block_flops(dataclasses.replace(m, moe_every=1), seq_len, bool(m.experts))
+    return m.mtp_depth * (block + 4 * m.embed**2 + 2 * m.vocab * m.embed)
+
+
+def _flops_per_token(m: LlamaConfig, seq_len: int) -> float:
+    return flops_per_token(m, block_flops(m, seq_len)) + 3 * mtp_flops(m, seq_len)
+
+
 def _block_flops(m: LlamaConfig, seq_len: int, mixture: bool) -> float:
     """block_flops of the stack's blocks (`mixture`: a mixture in every moe_every-th)."""
     h, e, d = m.heads, m.embed, head_size(m)
@@ -840,7 +854,7 @@ SPEC = ModelSpec(
     build=lambda model, seq_len, rngs: Llama(model, seq_len, rngs),
     loss=loss,
     stages=stages,
-    flops_per_token=lambda m, seq_len: flops_per_token(m, block_flops(m, seq_len)),
+    flops_per_token=_flops_per_token,
     dims=dims,
     check=check,
     config=LlamaConfig,

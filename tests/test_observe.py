@@ -34,6 +34,10 @@ def test_flops_per_token_is_the_hand_count(preset):
     hand = 6 * (layers * per_layer + 2 * m.vocab * e) + 12 * layers * seq * e
     assert registered(cfg.model, cfg.train.seq_len).flops_per_token == hand
     assert hand == {"gpt-tiny": 1_572_864, "llama-tiny": 1_228_800}[preset]
+    if preset == "llama-tiny":  # a prediction module: a block, eh_proj (2E x E), the head
+        with_mtp = presets.load(preset, ["model.mtp_depth=2"]).model
+        module = 6 * (per_layer + 2 * e * e + m.vocab * e) + 12 * seq * e
+        assert registered(with_mtp, seq).flops_per_token == hand + 2 * module
 
 
 def test_peak_table_by_device_kind():

@@ -148,8 +148,10 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
     scores = attention.stores_scores(platform, cost.DTYPES[cfg.train.precision], m.embed // m.heads)
     shapes = registered(m, s)
     dims = tensor_dims(shapes.names, shapes.shapes)
-    # the units a pipeline cuts: the layer stack's (a group of blocks is one)
+    # the units a pipeline cuts: the layer stack's (a group of blocks is one); DeepSeek's
+    # prediction modules (model.mtp_depth) keep a block's activations each, spread here
     units = _stacked(shapes)
+    blocks_kept = m.layers + getattr(m, "mtp_depth", 0)
 
     def check(mesh: dict) -> None:
         registry.check_model(m, mesh)
@@ -159,7 +161,7 @@ def of_config(cfg: Config, platform: str = "cuda") -> Workload:
         layers=units,
         flops_per_row=spec.flops_per_token(m, s) * s,
         layer_elements=lambda t, c: (
-            blocks.activation_bytes(spec, m, s, t, scores, c) / 2 * m.layers / units
+            blocks.activation_bytes(spec, m, s, t, scores, c) / 2 * blocks_kept / units
         ),
         boundary_elements=s * m.embed,
         check=check,
