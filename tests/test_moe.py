@@ -145,8 +145,11 @@ def test_with_drops_equal_the_loop_given_the_same_drop_mask():
     got = output_and_grads(lambda p, x: apply(m, p, x), params, x)
     want = output_and_grads(lambda p, x: loop(p, x, keep), params, x)
     assert_close(got, want)
-    # while decoding nothing is dropped
+    # while decoding nothing is dropped; a step of a few tokens (no more (token, choice)
+    # pairs than experts) applies each pair's expert by its gathered weights
     assert_close(apply(m, params, x, dropless=True), loop(params, x))
+    few = x[:1, : E // K]
+    assert_close(apply(m, params, few, dropless=True), loop(params, few))
 
 
 def skewed(params: dict) -> tuple[dict, jax.Array]:
