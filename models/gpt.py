@@ -11,6 +11,7 @@ from jaxpar.config.registry import AttentionDims, BlockKind, ModelDims, ModelSpe
 from jaxpar.config.sections import Model
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, POSITION, QKV, SEQ, SEQ_RESIDUAL, VOCAB
+from jaxpar.nn import logits
 from jaxpar.nn.attention import causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack
@@ -51,13 +52,18 @@ class Attention(nnx.Module):
             (BATCH, SEQ, QKV, HEADS, HEAD_DIM),
         )
         q_BxSxHxD, k_BxSxHxD, v_BxSxHxD = (qkv_BxSx3xHxD[:, :, i] for i in range(3))
-        out_BxSxHxD = causal_attention(
+        watched = logits.wanted()
+        out = causal_attention(
             q_BxSxHxD,
             k_BxSxHxD,
             v_BxSxHxD,
             None if docs is None else docs.segment_ids,
             positions_BxS=None if docs is None else docs.positions,
+            logit_max=watched,
         )
+        out_BxSxHxD = out[0] if watched else out
+        if watched:  # QK-clip: q and k, parts 0 and 1 of the fused weight, alike
+            logits.seen(out[1], (self.wqkv, 0.5, 0), (self.wqkv, 0.5, 1))
         out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
         y_BxSxE = dense(
             "bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)

@@ -47,7 +47,7 @@ from jaxpar.names import (
     SEQ_RESIDUAL,
     VOCAB,
 )
-from jaxpar.nn import documents
+from jaxpar.nn import documents, logits
 from jaxpar.nn.attention import Scores, cached_attention, causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param, scan_layers, stack, unrolled
@@ -225,7 +225,9 @@ class Attention(nnx.Module):
         positions_BxS = None if docs is None else docs.positions
         segments_BxS = None if docs is None else docs.segment_ids
         q_BxSxHxD, k_BxSxHxD = self._positioned(q_BxSxHxD, k_BxSxHxD, positions_BxS)
-        out_BxSxHxD = causal_attention(
+        # QK-clip's largest logits: not with qk_norm, whose weights do not scale them
+        watched = logits.wanted() and not hasattr(self, "q_norm")
+        out = causal_attention(
             q_BxSxHxD,
             k_BxSxHxD,
             v_BxSxHxD,
@@ -236,7 +238,11 @@ class Attention(nnx.Module):
             scale=self.scores.scale,
             softcap=self.scores.softcap,
             sinks_H=self._sinks(),
+            logit_max=watched,
         )
+        out_BxSxHxD = out[0] if watched else out
+        if watched:
+            logits.seen(out[1], *self._scaling(group))
         out_BxSxHxD = constrain(out_BxSxHxD, (BATCH, SEQ, HEADS, HEAD_DIM))
         y_BxSxE = dense(
             "bshd,hde->bse", out_BxSxHxD, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
@@ -245,6 +251,14 @@ class Attention(nnx.Module):
 
     def _sinks(self):
         return self.sinks[...] if hasattr(self, "sinks") else None
+
+    def _scaling(self, group: int) -> list[tuple]:
+        """The weights that scale a head's logits, each with its power (Kimi K2's QK-clip):
+        q and k alike with a key head per query head, q alone where heads share keys."""
+        sides = ("q",) if group > 1 else ("q", "k")
+        power = 1.0 / len(sides)
+        names = [f"{kind}{side}" for side in sides for kind in ("w", "b")]
+        return [(getattr(self, n), power) for n in names if hasattr(self, n)]
 
     def _out_bias(self, y_BxSxE):
         if not hasattr(self, "bo"):

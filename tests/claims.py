@@ -230,6 +230,17 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "QK-clip scales each head whose largest logit passed tau back by tau / max, no other "
+        "weight; over data x tensor x ZeRO-3 it equals one device",
+        (
+            "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
+            "test_muon.py::test_qk_clip_over_data_tensor_and_zero3_equals_one_device",
+            "test_muon.py::test_qk_clip_where_no_logit_comes_out_is_one_line",
+            "test_muon.py::test_the_attention_forms_hand_on_each_heads_largest_logit",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "Newton-Schulz's FLOPs, as the planner and inspect count them, are XLA's within 1%",
         ("test_muon.py::test_newton_schulz_flops_are_xlas_and_the_owners_split_them",),
     ),

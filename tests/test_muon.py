@@ -16,10 +16,15 @@ from jaxpar.config import presets
 from jaxpar.config.sections import Muon
 from jaxpar.cost import newton_schulz
 from jaxpar.errors import ConfigError
+from jaxpar.models import gpt as gpt_model
+from jaxpar.models import llama as llama_model
+from jaxpar.names import HEADS, QKV
+from jaxpar.nn import attention
 from jaxpar.parallel.matrices import groups, is_spec, matrices
 from jaxpar.recipe import setup, trained_model
 from jaxpar.step import muon
 from jaxpar.step import optimizer as optim
+from jaxpar.step.build import build
 
 MUON = ("train.optimizer=muon",)
 LAYERS = "blocks/attn/wk blocks/attn/wo blocks/attn/wq blocks/attn/wv".split()
@@ -209,3 +214,131 @@ def test_newton_schulz_flops_are_xlas_and_the_owners_split_them(devices):
     assert total == pytest.approx(xla, rel=0.01)
     assert owned.newton_schulz["flops"] == pytest.approx(total / 8)
     assert owned.newton_schulz["temp_bytes"] < one.report.newton_schulz["temp_bytes"] / 4
+
+
+# QK-clip (muon.qk_clip, jaxpar.step.qk_clip). The tiny models' first logits are 0.09-0.16:
+# at 0.12 about half their heads pass it.
+TAU = 0.12
+# the weights each model's clip scales: (leaf, its qkv part or None, power of tau / max)
+CLIPPED = {
+    "llama-tiny": [("blocks/attn/wq", None, 1.0)],  # heads share keys (GQA): q alone
+    "gpt-tiny": [("blocks/attn/wqkv", 0, 0.5), ("blocks/attn/wqkv", 1, 0.5)],  # q and k alike
+}
+
+
+def _largest(q, k, segments, scale: float, window: int = 0) -> np.ndarray:
+    """[heads] the largest visible q . k x scale, in float64."""
+    q, k, s = np.asarray(q, np.float64), np.asarray(k, np.float64), q.shape[1]
+    scores = np.einsum("bshd,bthd->bhst", q, k) * scale
+    back = np.arange(s)[:, None] - np.arange(s)[None, :]
+    visible = ((back >= 0) & ((back < window) if window else True))[None]
+    if segments is not None:
+        segments = np.asarray(segments)
+        visible = visible & (segments[:, :, None] == segments[:, None, :])
+    return np.where(visible[:, None], scores, -np.inf).max(axis=(0, 2, 3))
+
+
+def test_the_attention_forms_hand_on_each_heads_largest_logit():
+    """The direct form and the blocked one (query blocks of 16), with documents and a
+    sliding window: each head's largest visible score, before the soft cap."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8)) * 3
+    segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
+    for window in (0, 5):
+        want = _largest(q, k, segments, 8**-0.5, window)
+        scores = attention.Scores(8**-0.5, softcap=2.0, maxima=True)
+        _, direct = attention._direct(q, k, v, 0, segments, window, scores)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention, "BLOCK", 16)
+            _, blocked = attention._blocked(q, k, v, segments, window, scores)
+        np.testing.assert_allclose(direct, want, rtol=1e-6)
+        np.testing.assert_allclose(blocked, want, rtol=1e-6)
+
+
+def _head_maxima(problem, params_list, batch) -> list[np.ndarray]:
+    """[layers, heads] each head's largest logit for each params, computed here in float64
+    from the q and k the model hands its attention (a second pass; not the step's)."""
+    seen = []
+
+    def spy(q, k, v, segments=None, window=0, *, scale=None, **kw):
+        at = q.shape[-1] ** -0.5 if scale is None else scale
+        host = lambda q, k, s: seen.append(_largest(q, k, s, at, window))  # noqa: E731
+        jax.debug.callback(host, q, k, segments, ordered=True)
+        return attention.causal_attention(q, k, v, segments, window, scale=scale, **kw)
+
+    loss, out = jax.jit(problem.loss), []
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (llama_model, gpt_model):
+            patch.setattr(module, "causal_attention", spy)
+        for params in params_list:
+            seen.clear()
+            jax.block_until_ready(loss(params, batch))
+            jax.effects_barrier()
+            out.append(np.stack(seen))
+    return out
+
+
+def _one_step(preset: str, extra: tuple[str, ...]):
+    """(problem, the parameters before and after one Muon step at the full learning rate,
+    its metrics, the batch) on one device."""
+    cfg = presets.load(preset, ["parallel.data=1", *MUON, "train.warmup=0", *extra])
+    s = setup(cfg, jax.devices()[:1])
+    engine = build(s.problem, cfg, s.mesh)
+    state, batch = engine.init(jax.random.key(0)), s.batches(0)
+    before = jax.device_get(state.params)
+    state, metrics = engine.step(state, jax.device_put(batch, engine.batch_sharding))
+    return s.problem, before, jax.device_get(state.params), jax.device_get(metrics), batch
+
+
+@pytest.mark.slow  # 10 s a model: two programs compiled
+@pytest.mark.parametrize("preset", CLIPPED)
+def test_qk_clip_scales_each_head_over_tau_back_and_no_other(preset):
+    """One step with and without muon.qk_clip from the same weights and batch. Each head
+    whose largest logit (computed here) passed tau has its weights the plain step's times
+    (tau / max)^power; every other weight is the plain step's (within 1e-5, the layouts'
+    tolerance: each step is its own program, and AdamW's near-zero gradients amplify a
+    rounding of the update; a head clipped wrongly is 1e-2 off). So the first layer's
+    logits (its inputs the same) are the plain step's times tau / max for those heads: a
+    head's logit ends at tau but for what the update itself moved it (Kimi K2's rule: the
+    maximum is the forward pass's, before the update). The step reports the largest logit."""
+    problem, before, plain, _, batch = _one_step(preset, ())
+    _, _, clipped, metrics, _ = _one_step(preset, (f"muon.qk_clip={TAU}",))
+    top, after_plain, after = _head_maxima(problem, [before, plain, clipped], batch)
+    eta_LxH = np.where(top > TAU, TAU / top, 1.0)
+    assert 0 < np.mean(eta_LxH < 1) < 1  # some heads clipped, some not
+    np.testing.assert_allclose(metrics.reports["attn/max_logit"], top.max(), rtol=1e-6)
+    expected = {k: np.asarray(v) for k, v in plain.items()}
+    for key, part, power in CLIPPED[preset]:
+        names = problem.names[key]
+        head = names.index(HEADS)
+        shape = [len(eta_LxH) if n == "layers" else 1 for n in names]
+        shape[head] = eta_LxH.shape[1]
+        factor = (eta_LxH**power).reshape(shape)
+        if part is not None:
+            on = np.arange(expected[key].shape[names.index(QKV)]) == part
+            factor = np.where(on.reshape([-1 if n == QKV else 1 for n in names]), factor, 1.0)
+        expected[key] = expected[key] * factor
+    for key, want in expected.items():  # two programs: the update's rounding may differ
+        err = np.linalg.norm(clipped[key] - want) / np.linalg.norm(want)
+        assert err <= 1e-5, f"{key}: relative error {err:.1e}"
+    np.testing.assert_allclose(after[0], eta_LxH[0] * after_plain[0], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_qk_clip_over_data_tensor_and_zero3_equals_one_device():
+    """The maxima are the whole batch's (each device's rows' maximum over `data`, the heads
+    split over `tensor`) and the clip scales ZeRO-3's shards: equal to one device."""
+    layout = ("parallel.data=2", "parallel.tensor=2", "parallel.zero=3")
+    clip = (*MUON, f"muon.qk_clip={TAU}")
+    got = trained("gpt-tiny", (*layout, *clip), steps=2)
+    assert_same_training(got, reference("gpt-tiny", clip, steps=2), rtol=1e-5)
+
+
+def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
+    """Through a pipeline's stages the logits do not come out: refused, not ignored; a
+    model whose weights do not scale its logits (qk_norm) is refused when the step is
+    built."""
+    cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "parallel.pipeline=2"])
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with parallel.pipeline=2: .*"):
+        setup(cfg, devices[:2])
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100: the model hands on no attention"):
+        _one_step("qwen3-tiny", ("muon.qk_clip=100",))

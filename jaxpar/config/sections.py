@@ -483,6 +483,13 @@ class Muon(Section):
     adam_lr: Annotated[float, Range(0, 10, "a learning rate; 0 = train.lr")] = key(
         0.0, "peak learning rate of the AdamW group (embeddings, head, norms, biases); 0 = train.lr"
     )
+    qk_clip: Annotated[float, Range(0, 1e6, "a logit, e.g. 100 (Kimi K2's); 0 = off")] = key(
+        0.0,
+        (
+            "MuonClip: after each step, scale the query/key weights of every attention head "
+            "whose largest logit passed this back to it (Kimi K2's QK-clip); 0 = off"
+        ),
+    )
 
     def __post_init__(self):
         super().__post_init__()

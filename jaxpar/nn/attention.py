@@ -53,12 +53,17 @@ class Form(enum.Enum):
     DIRECT = "direct"
 
 
-def form(platform: str, dtype, head_dim: int, softcap: float = 0.0, sinks: bool = False) -> Form:
+def form(
+    platform: str, dtype, head_dim: int, softcap: float = 0.0, sinks: bool = False,
+    maxima: bool = False,
+) -> Form:  # fmt: skip
     """The attention program for this platform ('cpu', 'cuda', 'rocm', 'tpu'), compute
-    dtype, head dim, soft cap and sinks."""
+    dtype, head dim, soft cap, sinks, and whether each head's largest logit is wanted
+    (cuDNN's kernel returns none)."""
     if platform == "cpu":
         return Form.DIRECT
-    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and not softcap and not sinks
+    plain = not softcap and not sinks and not maxima
+    cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and plain
     if platform == "cuda" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and cudnn_ready:
         return Form.CUDNN
     return Form.BLOCKED
@@ -81,12 +86,15 @@ def causal_attention(
     scale: float | None = None,
     softcap: float = 0.0,
     sinks_H=None,
-) -> jax.Array:
+    logit_max: bool = False,
+):
     """softmax(cap(q k^T x scale) + mask) v, [B, S, H, D] in and out: each query sees the
     keys at or before it, of its own segment where segment ids are given, and (a sliding
     `window`) fewer than `window` positions back. `scale` defaults to head_dim^-0.5;
     `softcap` > 0 caps the scores at +-softcap by tanh; `sinks_H`, each head's sink
-    logit, joins the softmax's denominator (Scores.sinks).
+    logit, joins the softmax's denominator (Scores.sinks). `logit_max`: (the output,
+    each head's largest visible q k^T x scale [H], before the cap), from the scores the
+    form computes anyway (direct and blocked; not under context parallelism).
 
     In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
     reordered: "before" is then by `positions_BxS` (each token's position in its
@@ -98,11 +106,14 @@ def causal_attention(
     ctx = scope.current()
     platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
     sinks = sinks_H is not None
-    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap, sinks)
-    scores = Scores(q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale, softcap, sinks)
+    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap, sinks, logit_max)
+    scale = q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale
+    scores = Scores(scale, softcap, sinks, logit_max)
     if sinks:
         q_BxSxHxD = _with_sinks(q_BxSxHxD, sinks_H)
     if sequence.active() is not None:
+        if logit_max:
+            raise NotImplementedError("the largest logits under context parallelism")
         if positions_BxS is None:
             rows, part = q_BxSxHxD.shape[:2]
             positions_BxS = sequence.positions(rows, part * sequence.active().degree)
@@ -155,6 +166,13 @@ class Scores:
     scale: float
     softcap: float = 0.0
     sinks: bool = False
+    maxima: bool = False  # _scored also returns each head's largest visible score
+
+    def largest(self, att_BxHxCxS, visible_BxCxS):
+        """[H] the largest visible score of each head (before the cap)."""
+        hidden = jnp.finfo(jnp.float32).min
+        att_BxHxCxS = jnp.where(visible_BxCxS[:, None], att_BxHxCxS, hidden)
+        return jax.lax.stop_gradient(jnp.max(att_BxHxCxS, axis=(0, 2, 3)))
 
     def capped(self, att):
         return att if not self.softcap else self.softcap * jnp.tanh(att / self.softcap)
@@ -182,19 +200,22 @@ def _with_sinks(q_BxSxHxD, sinks_H):
     return jnp.concatenate([q_BxSxHxD, sinks[..., None]], -1)
 
 
-def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS, scores: Scores) -> jax.Array:
-    """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S])."""
+def _scored(q_BxCxHxD, k_BxSxHxD, v_BxSxHxD, visible_BxCxS, scores: Scores):
+    """softmax over the visible keys, the scores kept (`visible` [B or 1, C, S]); with
+    scores.maxima, (that, each head's largest visible score [H])."""
     dt = q_BxCxHxD.dtype
     q_BxCxHxD, sink_BxCxH = scores.split(q_BxCxHxD)
     q_BxCxHxD = q_BxCxHxD * jnp.asarray(scores.scale, dt)  # scaled here: S/D times fewer
     att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxSxHxD).astype(jnp.float32)
+    top_H = scores.largest(att_BxHxCxS, visible_BxCxS) if scores.maxima else None
     att_BxHxCxS = scores.capped(att_BxHxCxS)
     # an additive mask ([C, S] constant when causal alone: no [B, H, C, S] select to
     # undo in the backward pass), shared by the heads
     mask_Bx1xCxS = jnp.where(visible_BxCxS, 0.0, -1e30)[:, None]
     sink_BxHxC = None if sink_BxCxH is None else sink_BxCxH.transpose(0, 2, 1)
     prob_BxHxCxS = scores.softmax(att_BxHxCxS + mask_Bx1xCxS, sink_BxHxC).astype(dt)
-    return jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
+    out_BxCxHxD = jnp.einsum("bhst,bthd->bshd", prob_BxHxCxS, v_BxSxHxD)
+    return out_BxCxHxD if top_H is None else (out_BxCxHxD, top_H)
 
 
 def _direct(
@@ -221,7 +242,11 @@ def _blocked(
     )
     s = q_BxSxHxD.shape[1]
     block = _block(s)
-    return _by_blocks(lambda q, first: one(q, first), q_BxSxHxD, jnp.arange(s // block) * block)
+    firsts = jnp.arange(s // block) * block
+    if scores is None or not scores.maxima:
+        return _by_blocks(lambda q, first: one(q, first), q_BxSxHxD, firsts)
+    out_BxSxHxD, top_NxH = _by_blocks(lambda q, first: one(q, first), q_BxSxHxD, firsts)
+    return out_BxSxHxD, jnp.max(top_NxH, 0)
 
 
 def _block(s: int) -> int:
@@ -233,8 +258,10 @@ def _by_blocks(one, q_BxSxHxD, *per_block):
     b, s, h, d = q_BxSxHxD.shape
     block = _block(s)
     q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
-    out_NxBxCxHxD = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
-    return out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, -1)  # v's dims (q's: its sinks')
+    out = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
+    out_NxBxCxHxD, *top = out if isinstance(out, tuple) else (out,)  # [N, H]: each block's
+    out_BxSxHxD = out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, -1)  # v's dims (not sinks')
+    return (out_BxSxHxD, *top) if top else out_BxSxHxD
 
 
 def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, window: int = 0):

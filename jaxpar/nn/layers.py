@@ -30,13 +30,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from jaxpar.names import LAYERS
-from jaxpar.nn import scope
-from jaxpar.nn.scope import HOST, LAYER_INPUT
+from jaxpar.nn import logits, scope
+from jaxpar.nn.scope import HOST, KEY, LAYER_INPUT
 from jaxpar.parallel.axes import MANUAL_AXES, TENSOR
 from jaxpar.parallel.sharding import compute_spec
 from jaxpar.parallel.zero import Keep
-
-KEY = "jaxpar_key"  # Variable metadata set by from_nnx: the leaf's key in the parameters
 
 
 class Assembled:
@@ -148,7 +146,9 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     e.g. from jaxpar.stack).
 
     Every parameter of `stack` must have `layers` as its first logical name. `active`
-    ([layers] bool) skips the layers it marks False (a pipeline stage's padding).
+    ([layers] bool) skips the layers it marks False (a pipeline stage's padding). Where
+    the step watches attention's largest logits (jaxpar.nn.logits), each layer's come
+    out of the scan stacked and are handed on.
     """
     graphdef, state = nnx.split(stack)
     for path, var in nnx.to_flat_state(state):
@@ -166,6 +166,9 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
             return var.replace(value.ready(ctx.layer if ctx else lambda _, x: x))
         return var if ctx is None or key is None else var.replace(ctx.layer(key, value))
 
+    watched = logits.wanted()
+    seen_in_layer: list = []  # what one layer's trace handed on (the same for each)
+
     def body(carry, layer_state):
         if ctx and ctx.keep is Keep.INPUT_ON_HOST:
             # the only value kept for the backward pass, sent to host memory there
@@ -173,21 +176,30 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
         layer_state = jax.tree.map(
             ready, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
-        return fn(nnx.merge(graphdef, layer_state), carry)
+        if not watched:
+            return fn(nnx.merge(graphdef, layer_state), carry), ()
+        with logits.watching() as seen:
+            carry = fn(nnx.merge(graphdef, layer_state), carry)
+        seen_in_layer[:] = seen
+        return carry, [s.max_H for s in seen]
 
     unroll = 1
     if ctx:
         body, unroll = _checkpointed(body, ctx.keep), ctx.unroll
     if active is None:
-        carry, _ = jax.lax.scan(lambda c, s: (body(c, s), None), carry, state, unroll=unroll)
-    else:
-        skip = lambda c, s: c  # noqa: E731
-        carry, _ = jax.lax.scan(
-            lambda c, xs: (jax.lax.cond(xs[0], body, skip, c, xs[1]), None),
-            carry,
-            (active, state),
-            unroll=unroll,
-        )
+        carry, maxima = jax.lax.scan(body, carry, state, unroll=unroll)
+        if watched:
+            logits.stacked(seen_in_layer, maxima)
+        return carry
+    if watched:
+        raise NotImplementedError("attention's largest logits from a pipeline's stages")
+    skip = lambda c, s: (c, ())  # noqa: E731
+    carry, _ = jax.lax.scan(
+        lambda c, xs: jax.lax.cond(xs[0], body, skip, c, xs[1]),
+        carry,
+        (active, state),
+        unroll=unroll,
+    )
     return carry
 
 

@@ -4,23 +4,28 @@ While a step traces the model it installs a `Context`; the helpers that models c
 (`jaxpar.constrain`, `jaxpar.scan_layers`) read it, and nothing else does. Outside a
 step there is none, and those helpers leave their input as it is. The other way, a
 model's loss may `report` scalars (a mixture's balance, its drops) that the training
-step collects into its metrics.
+step collects into its metrics: their mean over micro-batches and devices, or, for a
+name under MAXIMUM ("max/..."), their maximum.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.parallel.context import Split
 from jaxpar.parallel.zero import Keep
 
 HOST = "pinned_host"  # the memory kind of host memory (offload, remat=offload)
 LAYER_INPUT = "jaxpar_layer_input"  # checkpoint name of a layer's input (remat=offload)
+MAXIMUM = "max/"  # reports combined by their maximum (`combined`)
+KEY = "jaxpar_key"  # Variable metadata set by from_nnx: the leaf's key in the parameters
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,14 @@ def report(name: str, value) -> None:
     reports = _REPORTS.get()
     if reports is not None:
         reports[name] = value
+
+
+def combined(name: str, values: list):
+    """Several micro-batches' reports of `name` as one: their maximum under MAXIMUM, else
+    their sum (the step divides it into their mean)."""
+    if name.startswith(MAXIMUM):
+        return functools.reduce(jnp.maximum, values)
+    return functools.reduce(jnp.add, values)
 
 
 def platform_of(device: jax.Device) -> str:

@@ -70,6 +70,29 @@ def _check_muon(train: Train, muon: Muon) -> None:
         )
 
 
+def _check_qk_clip(cfg: Config, mesh_shape: dict) -> None:
+    """muon.qk_clip where the step's forward pass hands on each head's largest logit:
+    not through a pipeline's stages or context's splits, nor onto the host's update."""
+    tau, par = cfg.muon.qk_clip, cfg.parallel
+    if not tau:
+        return
+    adapter = cfg.adapter.kind
+    refused = [
+        (mesh_shape[PIPE] > 1, f"parallel.pipeline={mesh_shape[PIPE]}", "parallel.pipeline=1"),
+        (mesh_shape[CONTEXT] > 1, f"parallel.context={mesh_shape[CONTEXT]}", "parallel.context=1"),
+        (par.offload is not Offload.NONE, f"parallel.offload={par.offload}", "offload=none"),
+        (par.dp_sync is DpSync.PARAMS, "parallel.dp_sync=params", "parallel.dp_sync=grads"),
+        (adapter is not AdapterKind.NONE, f"adapter.kind={adapter}", "adapter.kind=none"),
+    ]
+    for on, what, instead in refused:
+        if on:
+            raise ConfigError(
+                f"muon.qk_clip={tau:g} with {what}: QK-clip reads each head's largest logit "
+                f"out of the forward pass, which is not built there; use {instead}, or drop "
+                "muon.qk_clip"
+            )
+
+
 def check_train(cfg: Config, mesh_shape: dict) -> None:
     """Batch arithmetic every run needs, whatever the model."""
     parallel = cfg.parallel
@@ -92,6 +115,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     pipelined = mesh_shape[PIPE] > 1
     _check_adapter(cfg.adapter, cfg.parallel)
     _check_muon(cfg.train, cfg.muon)
+    _check_qk_clip(cfg, mesh_shape)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

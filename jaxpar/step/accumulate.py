@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jaxpar.nn import scope
 
 
 def accumulate(value_and_grad: Callable, zeros, each: Callable = lambda grads: grads) -> Callable:
@@ -14,9 +15,10 @@ def accumulate(value_and_grad: Callable, zeros, each: Callable = lambda grads: g
 
     `value_and_grad(params, micro_batch) -> (value, grads)` runs once per micro-batch (the
     leading dim of `micro_batches`) in a scan; the value is a loss, or any pytree of them
-    (a loss and the model's reports); `each` transforms every micro-batch's gradients
-    before they are added into `zeros` (ZeRO-2 reduce-scatters them there, so the
-    accumulator holds only this device's slice).
+    (a loss and the model's reports, each combined as jaxpar.nn.scope.combined says);
+    `each` transforms every micro-batch's gradients before they are added into `zeros`
+    (ZeRO-2 reduce-scatters them there, so the accumulator holds only this device's
+    slice).
     """
 
     def run(params, micro_batches):
@@ -28,7 +30,12 @@ def accumulate(value_and_grad: Callable, zeros, each: Callable = lambda grads: g
         # traced once, not a second time to learn their shapes for a carry
         grads, values = jax.lax.scan(body, zeros, micro_batches)
         # added in micro-batch order, as a carry from zero adds them
-        value = jax.tree.map(lambda v: functools.reduce(jnp.add, list(v)), values)
-        return value, grads
+        return jax.tree_util.tree_map_with_path(_combined, values), grads
 
     return run
+
+
+def _combined(path, v):
+    """A value's micro-batches as one: a report by its name (scope.combined), else summed."""
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return scope.combined(names[-1] if names else "", list(v))

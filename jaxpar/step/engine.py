@@ -31,7 +31,7 @@ from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.leaf_layout import leaf_layout
 from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.parallel.zero import ZeroPolicy
-from jaxpar.step import pipelined, xla_flags
+from jaxpar.step import pipelined, qk_clip, xla_flags
 from jaxpar.step.accumulate import accumulate
 
 
@@ -146,8 +146,21 @@ def _micro_batches(train: Train, par: Parallel, mesh: Mesh, batch):
 
 
 def per_micro_batch(reports: dict, train: Train) -> dict:
-    """The model's reports summed over the micro-batches, as their mean."""
-    return {name: value / train.grad_accum for name, value in reports.items()}
+    """The model's reports summed over the micro-batches, as their mean (a maximum,
+    scope.MAXIMUM's, as it is)."""
+    return {
+        name: value if name.startswith(scope.MAXIMUM) else value / train.grad_accum
+        for name, value in reports.items()
+    }
+
+
+def device_mean(reports: dict) -> dict:
+    """Each device's reports as the batch's: their mean over the devices (a maximum is
+    the batch's already: jaxpar.step.qk_clip.reported)."""
+    return {
+        name: value if name.startswith(scope.MAXIMUM) else jax.lax.pmean(value, MANUAL_AXES)
+        for name, value in reports.items()
+    }
 
 
 def at_least_one(count) -> jax.Array:
@@ -217,12 +230,20 @@ def evaluator(
 
 
 def local_value_and_grad(
-    problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
+    problem: Problem,
+    train: Train,
+    par: Parallel,
+    mesh: Mesh,
+    policy: ZeroPolicy,
+    layout,
+    clip_rules: list | None = None,
 ):
     """((params, this device's rows, the trained loss elements of the batch they are
     part of) -> ((its loss sum / that count, the model's reports summed), its gradients,
     accumulated over train.grad_accum micro-batches), the pipeline or None), with the
-    model's context active; for a shard_map manual over the batch axes."""
+    model's context active; for a shard_map manual over the batch axes. `clip_rules`
+    (QK-clip): attention's largest logits are reported too, and each one's weights
+    kept there (jaxpar.step.qk_clip)."""
     ctx = _context(train, par, mesh, policy)
     pipe = None
     if layout is None:
@@ -230,8 +251,9 @@ def local_value_and_grad(
         def value_and_grad(params, mb, count):
             def loss(trained):  # the frozen leaves are constants: no gradient
                 view = policy.compute_view(problem.joined(params, trained))
-                with scope.reporting() as reports:
+                with scope.reporting() as reports, qk_clip.watched(clip_rules is not None) as seen:
                     losses = sequence.per_token(problem.loss(view, mb))
+                reports |= qk_clip.reported(seen, clip_rules)
                 return jnp.sum(losses.astype(jnp.float32)) / count, reports
 
             return jax.value_and_grad(loss, has_aux=True)(problem.trainable(params))

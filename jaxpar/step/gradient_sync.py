@@ -30,12 +30,13 @@ from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
 from jaxpar.parallel.sharding import named, pick, plan
 from jaxpar.parallel.zero import ZeroPolicy
 from jaxpar.step import muon as muon_lib
-from jaxpar.step import offload, pipelined
+from jaxpar.step import offload, pipelined, qk_clip
 from jaxpar.step import optimizer as optim
 from jaxpar.step import state as state_lib
 from jaxpar.step.engine import (
     Engine,
     StepMetrics,
+    device_mean,
     evaluator,
     jitted,
     local_value_and_grad,
@@ -79,7 +80,9 @@ def build(
     else:
         shardings = offload.layout(par.offload, device, opt_params)
         update = offload.host_update(tx, dtype, clip, verdict, shardings, opt_params, trained)
-    grads_of = _local_grads(trained, train, par, mesh, policy, layout)
+    tau = muon.qk_clip if muon else 0.0
+    clip_rules = [] if tau else None  # QK-clip: each attention's weights, as traced
+    grads_of = _local_grads(trained, train, par, mesh, policy, layout, clip_rules)
     mean_loss = evaluator(trained, train, par, mesh, policy, layout, problem)
 
     def init(key):
@@ -93,6 +96,9 @@ def build(
         count = trained_count(problem, batch)
         (loss, reports), grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
+        if tau:
+            params, reports = qk_clip.clip(new.params, reports, clip_rules, tau, trained.names)
+            new = new.replace(params=params)
         new = new.advanced(applied, finite, train.on_nonfinite)
         metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics)
@@ -138,12 +144,21 @@ def _device_update(tx, clip, verdict, shardings: TrainState, opt_params, problem
 
 
 def _local_grads(
-    problem: Problem, train: Train, par: Parallel, mesh: Mesh, policy: ZeroPolicy, layout
+    problem: Problem,
+    train: Train,
+    par: Parallel,
+    mesh: Mesh,
+    policy: ZeroPolicy,
+    layout,
+    clip_rules: list | None = None,
 ):
     """(compute params, global batch, its trained loss elements) -> ((global mean loss,
     the model's reports), this device's reduced gradients), as a shard_map manual over
-    `replica`, `data`, `pipeline` and `context`."""
-    value_and_grad, pipe = local_value_and_grad(problem, train, par, mesh, policy, layout)
+    `replica`, `data`, `pipeline` and `context`; `clip_rules`: QK-clip's (engine's
+    local_value_and_grad)."""
+    value_and_grad, pipe = local_value_and_grad(
+        problem, train, par, mesh, policy, layout, clip_rules
+    )
 
     def local(params, batch, count):
         (loss, reports), grads = value_and_grad(params, batch, count)
@@ -152,7 +167,7 @@ def _local_grads(
         grads = policy.finish(grads)
         if mesh.shape[CONTEXT] > 1:  # each device's tokens' part, summed once, as data leaves it
             grads = jax.lax.psum(grads, CONTEXT)
-        reports = jax.lax.pmean(per_micro_batch(reports, train), MANUAL_AXES)
+        reports = device_mean(per_micro_batch(reports, train))
         return (jax.lax.psum(loss, MANUAL_AXES), reports), grads
 
     def grads_of(params, batch, count):

@@ -1,0 +1,85 @@
+"""QK-clip (muon.qk_clip=tau; Kimi K2's MuonClip): after each update, every attention
+head whose largest logit in the step's forward pass passed tau has the weights that
+scale its logits multiplied by (tau / that logit)^power, the powers of a head's weights
+summing to one (q and k each by the square root; q alone where heads share their keys),
+so that the same weights on the same batch would give it tau. Heads at or below tau are
+untouched, exactly.
+
+The logits come out of the forward pass that computes the loss (jaxpar.nn.logits), a
+report per attention ("max/logits/i": [layers, heads]) that the step combines by its
+maximum over micro-batches and devices; the step reports their overall maximum as
+"attn/max_logit".
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.errors import ConfigError
+from jaxpar.names import HEADS, KV_HEADS, QKV
+from jaxpar.nn import logits, scope
+from jaxpar.nn.logits import Scaled
+
+PREFIX = f"{scope.MAXIMUM}logits/"
+
+
+def watched(on: bool):
+    """While a loss computes: (with `on`) collect attention's largest logits, the list
+    that `reported` takes (None without)."""
+    return logits.watching() if on else contextlib.nullcontext()
+
+
+def reported(seen: list | None, rules: list) -> dict:
+    """The reports of what attention handed on (`seen`), each head's maximum over the
+    devices sharing the batch; `rules` keeps the weights of each (static: the same for
+    every trace)."""
+    if seen is None:
+        return {}
+    rules[:] = [s.scaled for s in seen]
+    ctx = scope.current()
+    axes = ctx.batch_axes if ctx else ()
+    top = (lambda x: jax.lax.pmax(x, axes)) if axes else (lambda x: x)
+    return {f"{PREFIX}{i}": top(s.max_H) for i, s in enumerate(seen)}
+
+
+def clip(params: dict, reports: dict, rules: list, tau: float, names: dict):
+    """(params with each head over tau scaled back to it, the reports without the
+    per-head maxima but with their overall "attn/max_logit")."""
+    if not rules:
+        raise ConfigError(
+            f"muon.qk_clip={tau:g}: the model hands on no attention logits to clip "
+            "(QK-clip scales the query and key weights of multi-head and grouped-query "
+            "attention; latent attention and model.qk_norm are not built for it); drop "
+            "muon.qk_clip"
+        )
+    maxima = [reports[f"{PREFIX}{i}"] for i in range(len(rules))]
+    rest = {k: v for k, v in reports.items() if not k.startswith(PREFIX)}
+    rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m in maxima]))
+    params = dict(params)
+    for max_LxH, scaled in zip(maxima, rules, strict=True):
+        # NaN (a step that is skipped as not finite) is not over tau: untouched
+        eta_LxH = jnp.where(max_LxH > tau, tau / max_LxH, 1.0)
+        for s in scaled:
+            params[s.key] = _scaled(params[s.key], eta_LxH**s.power, names[s.key], s)
+    return params, rest
+
+
+def _scaled(w, f_LxH, names: tuple[str, ...], s: Scaled):
+    """w times each head's factor: f's leading dims are w's (the layer stack's), its last
+    is w's heads dim; for a fused leaf, on its qkv part `s.part` alone."""
+    head = next(i for i, n in enumerate(names) if n in (HEADS, KV_HEADS))
+    shape = [1] * w.ndim
+    for i in range(f_LxH.ndim - 1):
+        shape[i] = f_LxH.shape[i]
+    shape[head] = f_LxH.shape[-1]
+    factor = f_LxH.reshape(shape)
+    if s.part is not None:
+        at = names.index(QKV)
+        mine = (jnp.arange(w.shape[at]) == s.part).reshape(
+            [-1 if i == at else 1 for i in range(w.ndim)]
+        )
+        factor = jnp.where(mine, factor, 1.0)
+    return (w * factor).astype(w.dtype)
