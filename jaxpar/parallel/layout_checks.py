@@ -70,13 +70,12 @@ def _check_muon(train: Train, muon: Muon) -> None:
         )
 
 
-def _check_qk_clip(cfg: Config, mesh_shape: dict) -> None:
+def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind, mesh_shape: dict) -> None:
     """muon.qk_clip where the step's forward pass hands on each head's largest logit:
     not through a pipeline's stages or context's splits, nor onto the host's update."""
-    tau, par = cfg.muon.qk_clip, cfg.parallel
+    tau = muon.qk_clip
     if not tau:
         return
-    adapter = cfg.adapter.kind
     refused = [
         (mesh_shape[PIPE] > 1, f"parallel.pipeline={mesh_shape[PIPE]}", "parallel.pipeline=1"),
         (mesh_shape[CONTEXT] > 1, f"parallel.context={mesh_shape[CONTEXT]}", "parallel.context=1"),
@@ -115,7 +114,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     pipelined = mesh_shape[PIPE] > 1
     _check_adapter(cfg.adapter, cfg.parallel)
     _check_muon(cfg.train, cfg.muon)
-    _check_qk_clip(cfg, mesh_shape)
+    _check_qk_clip(cfg.muon, parallel, cfg.adapter.kind, mesh_shape)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
