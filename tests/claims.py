@@ -237,6 +237,7 @@ CLAIMS = (
             "test_muon.py::test_qk_clip_over_data_tensor_and_zero3_equals_one_device",
             "test_muon.py::test_qk_clip_where_no_logit_comes_out_is_one_line",
             "test_muon.py::test_the_attention_forms_hand_on_each_heads_largest_logit",
+            "test_muon.py::test_qk_clip_leaves_a_frozen_copys_attention_alone",
         ),
     ),
     Claim(

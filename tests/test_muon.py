@@ -20,9 +20,10 @@ from jaxpar.models import gpt as gpt_model
 from jaxpar.models import llama as llama_model
 from jaxpar.names import HEADS, QKV
 from jaxpar.nn import attention
+from jaxpar.nn.logits import Scaled
 from jaxpar.parallel.matrices import groups, is_spec, matrices
 from jaxpar.recipe import setup, trained_model
-from jaxpar.step import muon
+from jaxpar.step import muon, qk_clip
 from jaxpar.step import optimizer as optim
 from jaxpar.step.build import build
 
@@ -340,5 +341,22 @@ def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
     cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "parallel.pipeline=2"])
     with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with parallel.pipeline=2: .*"):
         setup(cfg, devices[:2])
-    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100: the model hands on no attention"):
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100: the model hands on no trained"):
         _one_step("qwen3-tiny", ("muon.qk_clip=100",))
+
+
+def test_qk_clip_leaves_a_frozen_copys_attention_alone():
+    """DPO's reference (frozen) hands on its logits too: its weights are not scaled, nor
+    its maximum reported; the trained copy's are."""
+    names = {k: ("layers", "embed", "heads", "head_dim") for k in ("a/wq", "reference/a/wq")}
+    params = {k: jnp.ones((1, 2, 2, 3)) for k in names}
+    reports = {
+        f"{qk_clip.PREFIX}0": jnp.array([[2.0, 0.5]]),
+        f"{qk_clip.PREFIX}1": jnp.array([[4.0, 4.0]]),
+    }
+    rules = [(Scaled("a/wq", 1.0),), (Scaled("reference/a/wq", 1.0),)]
+    got, rest = qk_clip.clip(params, reports, rules, 1.0, names, {"a/wq"})
+    np.testing.assert_array_equal(got["a/wq"][0, :, 0], 0.5)  # head 0: 2 -> 1
+    np.testing.assert_array_equal(got["a/wq"][0, :, 1], 1.0)  # head 1: under tau
+    np.testing.assert_array_equal(got["reference/a/wq"], params["reference/a/wq"])
+    assert float(rest["attn/max_logit"]) == 2.0 and set(rest) == {"attn/max_logit"}

@@ -97,7 +97,9 @@ def build(
         (loss, reports), grads = grads_of(state.compute_params, batch, count)
         new, grad_norm, applied, finite = update(state, grads, loss)
         if tau:
-            params, reports = qk_clip.clip(new.params, reports, clip_rules, tau, trained.names)
+            params, reports = qk_clip.clip(
+                new.params, reports, clip_rules, tau, trained.names, set(trainable)
+            )
             new = new.replace(params=params)
         new = new.advanced(applied, finite, train.on_nonfinite)
         metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)

@@ -45,21 +45,23 @@ def reported(seen: list | None, rules: list) -> dict:
     return {f"{PREFIX}{i}": top(s.max_H) for i, s in enumerate(seen)}
 
 
-def clip(params: dict, reports: dict, rules: list, tau: float, names: dict):
+def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trained: set):
     """(params with each head over tau scaled back to it, the reports without the
-    per-head maxima but with their overall "attn/max_logit")."""
-    if not rules:
+    per-head maxima but with their overall "attn/max_logit"). Only attention whose weights
+    are all `trained` is clipped and counted: a frozen copy's (DPO's reference) is not."""
+    maxima = [reports[f"{PREFIX}{i}"] for i in range(len(rules))]
+    rest = {k: v for k, v in reports.items() if not k.startswith(PREFIX)}
+    pairs = [(m, r) for m, r in zip(maxima, rules, strict=True) if {s.key for s in r} <= trained]
+    if not pairs:
         raise ConfigError(
-            f"muon.qk_clip={tau:g}: the model hands on no attention logits to clip "
+            f"muon.qk_clip={tau:g}: the model hands on no trained attention logits to clip "
             "(QK-clip scales the query and key weights of multi-head and grouped-query "
             "attention; latent attention and model.qk_norm are not built for it); drop "
             "muon.qk_clip"
         )
-    maxima = [reports[f"{PREFIX}{i}"] for i in range(len(rules))]
-    rest = {k: v for k, v in reports.items() if not k.startswith(PREFIX)}
-    rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m in maxima]))
+    rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m, _ in pairs]))
     params = dict(params)
-    for max_LxH, scaled in zip(maxima, rules, strict=True):
+    for max_LxH, scaled in pairs:
         # NaN (a step that is skipped as not finite) is not over tau: untouched
         eta_LxH = jnp.where(max_LxH > tau, tau / max_LxH, 1.0)
         for s in scaled:
