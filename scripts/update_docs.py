@@ -11,7 +11,8 @@ It also writes docs/proofs.md, the ledger of claims, from tests/claims.py (no be
 NAME is a section of the bench (strategies, schedules, dp, hosts, offload, remat, context,
 experts, checkpoint, longest, compile, plan, generate, generate-peer, optimizers,
 speculative), shown as its printed table, or
-`proven`: the README's table of what is proven, with each strategy's measured figure.
+`proven`: the README's table of what is proven, with each strategy's measured figure, or
+`ticks-SCHEDULE`: a pipeline schedule's tick table, drawn from the table the executor runs.
 """
 
 import argparse
@@ -70,9 +71,39 @@ def proven(bench: dict) -> str:
     return "\n".join(lines)
 
 
+def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
+    """A schedule's tick table, as the executor runs it, drawn: a row per stage, a column
+    per tick; F forward, B input gradient, W weight gradient, X both (1F1B's backward),
+    each micro-batch in its own colour."""
+    from jaxpar.config.sections import Schedule
+    from jaxpar.parallel import schedules
+
+    table = schedules.tick_table(Schedule(schedule), p, m, 1)
+    letters = {schedules.FWD: "F", schedules.BWD: "X", schedules.INPUT: "B", schedules.WEIGHT: "W"}
+    light = {schedules.FWD: 82, schedules.BWD: 58, schedules.INPUT: 64, schedules.WEIGHT: 74}
+    rows = []
+    for s in range(p):
+        cells = []
+        for kind, i, _ in table[:, s]:
+            if kind == schedules.IDLE:
+                cells.append(" . ")
+                continue
+            colour = f"hsl({int(i) * 360 // m},70%,{light[int(kind)]}%)"
+            cells.append(f'<span style="background:{colour}">{letters[int(kind)]}{i:<2}</span>')
+        rows.append(f"stage {s}  " + "".join(cells))
+    units, idle = schedules.lockstep(table)
+    head = (
+        f"{schedule}, p={p}, m={m}: {len(table)} ticks, {units} units of time "
+        f"(F 1, B 2, W 1, X 3; a tick as long as its longest op), idle {idle:.3f}"
+    )
+    return f"{head}:\n\n<pre>\n" + "\n".join(rows) + "\n</pre>\n"
+
+
 def render(name: str, bench: dict) -> str:
     if name == "proven":
         return proven(bench) + "\n"
+    if name.startswith("ticks-"):
+        return ticks(name.removeprefix("ticks-"))
     table = bench.get("tables", {}).get(name)
     if table is None:
         raise SystemExit(f"the bench JSON has no `{name}` table; measure it (no --from)")

@@ -213,6 +213,25 @@ CLAIMS = (
     # docs/layouts.md
     Claim(
         "docs/layouts.md",
+        "ZB-H1 (each backward split into B and W) equals one device at p=2 and p=4, with "
+        "padded stages, and over data x tensor x ZeRO-3",
+        (
+            f"{P}::test_schedule_equals_one_device[zb-h1-p2-m4]",
+            f"{P}::test_schedule_equals_one_device[zb-h1-p4-m8-6layers]",
+            f"{P}::test_schedule_equals_one_device[3d-zero3-zb-h1-m2]",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "ZB-H1's table runs every F, B and W once after its inputs, holds at most 1F1B's "
+        "peak of p micro-batches, and idles less than 1F1B; a broken table is refused",
+        (
+            f"{P}::test_zb_h1_table_runs_each_f_b_and_w_once_after_its_inputs",
+            f"{P}::test_a_broken_tick_table_is_refused",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "Muon's update equals optax.contrib.muon's with the same per-matrix split; each leaf "
         "is in the group its kind asks for",
         (

@@ -58,6 +58,27 @@ CASES = {  # a covering set: each schedule; p 2 and 4; m below, at and above p; 
         "parallel.schedule=1f1b",
         "train.grad_accum=2",
     ],
+    "zb-h1-p2-m4": [
+        "parallel.data=1",
+        "parallel.pipeline=2",
+        "parallel.microbatches=4",
+        "parallel.schedule=zb-h1",
+    ],
+    "zb-h1-p4-m8-6layers": [  # 6 layers on 4 stages: padded layers skipped in B and W
+        "parallel.data=1",
+        "parallel.pipeline=4",
+        "parallel.microbatches=8",
+        "parallel.schedule=zb-h1",
+        *SIX,
+    ],
+    "3d-zero3-zb-h1-m2": [
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+        "parallel.microbatches=2",
+        "parallel.schedule=zb-h1",
+    ],
     "gpipe-remat": [
         "parallel.data=1",
         "parallel.pipeline=2",
@@ -150,6 +171,35 @@ def test_1f1b_table_is_consistent(p, m):
         assert (kinds == schedules.FWD).sum() == m and (kinds == schedules.BWD).sum() == m
     assert len(table) == 2 * (m + p - 1)
     assert slots == min(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_table_runs_each_f_b_and_w_once_after_its_inputs(p, m):
+    table, inputs, weights = schedules.zb_h1(p, m)
+    schedules.check(table, m)  # every F, B and W once per (stage, micro-batch), in order
+    for s in range(p):
+        kinds = table[:, s, 0]
+        for kind in (schedules.FWD, schedules.INPUT, schedules.WEIGHT):
+            assert (kinds == kind).sum() == m
+    # memory: at most 1F1B's peak of p micro-batches, forward run and W not yet
+    assert inputs <= min(p, m) and weights <= min(p, m)
+    one_f, _ = schedules.one_f_one_b(p, m)
+    # time, with each op weighed by what it computes (F 1, B 2 with its recompute, W 1,
+    # 1F1B's backward 3) and each tick as long as its longest op: ZB-H1 idles less
+    assert schedules.lockstep(table)[1] < schedules.lockstep(one_f)[1]
+
+
+def test_a_broken_tick_table_is_refused():
+    table, _, _ = schedules.zb_h1(4, 8)
+    early = table.copy()
+    t = int(np.argmax(early[:, 1, 0] == schedules.INPUT))  # stage 1's first B ...
+    early[t - 1, 1], early[t, 1] = early[t, 1], early[t - 1, 1].copy()  # ... a tick early
+    with pytest.raises(ValueError, match="before what it reads"):
+        schedules.check(early, 8)
+    dropped = table.copy()
+    dropped[np.argmax(dropped[:, 0, 0] == schedules.WEIGHT), 0] = schedules.IDLE
+    with pytest.raises(ValueError, match="stage 0: micro-batch 0 never runs W"):
+        schedules.check(dropped, 8)
 
 
 SLOW = pytest.mark.slow  # the fast tier keeps one case of a compile-heavy table

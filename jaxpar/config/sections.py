@@ -21,6 +21,7 @@ class Schedule(enum.StrEnum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
 
 
 class Remat(enum.StrEnum):
@@ -195,7 +196,9 @@ class Parallel(Section):
     microbatches: Annotated[int, Range(1, 65536, "micro-batches per data shard")] = key(
         1, "pipeline micro-batches each data shard's batch is split into"
     )
-    schedule: Schedule = key(Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved")
+    schedule: Schedule = key(
+        Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1"
+    )
     virtual_stages: Annotated[int, Range(1, 1024, "layer chunks per pipeline device")] = key(
         1, "chunks of layers per device (schedule=interleaved)"
     )

@@ -141,6 +141,28 @@ def _checkpointed(body, keep: Keep):
     return body
 
 
+def _ready(ctx):
+    """One layer's Variable -> ready to use (the step's per-layer gather, ctx.layer)."""
+
+    def ready(var: nnx.Variable) -> nnx.Variable:
+        key, value = var.get_metadata().get(KEY), var.get_value()
+        if isinstance(value, Assembled):
+            return var.replace(value.ready(ctx.layer if ctx else lambda _, x: x))
+        return var if ctx is None or key is None else var.replace(ctx.layer(key, value))
+
+    return ready
+
+
+def apply_layer(layer: nnx.Module, carry, fn: Callable):
+    """fn(layer, carry) for a stack module that holds one layer's slice of each leaf (no
+    `layers` dim), each leaf made ready as scan_layers makes it: a layer at a time, for
+    an executor that differentiates each layer on its own (the zero-bubble schedules)."""
+    graphdef, state = nnx.split(layer)
+    ready = _ready(scope.current())
+    state = jax.tree.map(ready, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return fn(nnx.merge(graphdef, state), carry)
+
+
 def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None = None):
     """carry = fn(layer, carry) for each layer of `stack` (an nnx.vmap-stacked module,
     e.g. from jaxpar.stack).
@@ -159,12 +181,7 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
                 f"{names}; a stacked layer's first name must be {LAYERS!r}"
             )
     ctx = scope.current()
-
-    def ready(var: nnx.Variable) -> nnx.Variable:
-        key, value = var.get_metadata().get(KEY), var.get_value()
-        if isinstance(value, Assembled):
-            return var.replace(value.ready(ctx.layer if ctx else lambda _, x: x))
-        return var if ctx is None or key is None else var.replace(ctx.layer(key, value))
+    ready = _ready(ctx)
 
     watched = logits.wanted()
     seen_in_layer: list = []  # what one layer's trace handed on (the same for each)

@@ -27,7 +27,7 @@ from jaxpar.config import registry
 from jaxpar.config.registry import ModelDims
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, scope
-from jaxpar.nn.layers import KEY, scan_layers
+from jaxpar.nn.layers import KEY, apply_layer, scan_layers
 from jaxpar.parallel.sharding import leaf_key
 
 
@@ -55,6 +55,9 @@ class Parts:
     chunk: Callable[..., jax.Array]
     post: Callable[..., jax.Array]  # (params, activation, batch) -> per-example losses
     costs: tuple[float, float, float]
+    # (one layer's params {key: leaf without its layers dim}, activation, micro-batch) ->
+    # activation: a layer at a time, for the zero-bubble schedules' split backward
+    layer: Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -211,10 +214,15 @@ def _parts(stages: Stages, abstract_stack, everything, model, variables) -> Part
         stack = nnx.merge(stack_graphdef, variables(params, stack_entries))
         return scan_layers(stack, h, lambda layer, x: run_layer(layer, x, batch), active)
 
+    def layer(params, h, batch):
+        one = nnx.merge(stack_graphdef, variables(params, stack_entries))
+        return apply_layer(one, h, lambda module, x: run_layer(module, x, batch))
+
     return Parts(
         stack_keys=tuple(k for k, _, _ in stack_entries),
         pre=lambda params, batch: stages.pre(model(params), batch),
         chunk=chunk,
+        layer=layer,
         post=lambda params, h, batch: stages.post(model(params), h, batch),
         costs=stages.costs,
     )

@@ -157,8 +157,13 @@ def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Par
         ref = inner.post(held(params), h[1], batch)
         return finish(inner.post(policy(params), h[0], batch), ref, batch)
 
+    def layer(params, h, batch):
+        mine, ref = h
+        ref = jax.lax.stop_gradient(inner.layer(held(params), ref, batch))
+        return inner.layer(policy(params), mine, batch), ref
+
     stack = reference.stack_keys(inner, copied)
-    return Parts(stack_keys=stack, pre=pre, chunk=chunk, post=post, costs=inner.costs)
+    return Parts(stack_keys=stack, pre=pre, chunk=chunk, post=post, costs=inner.costs, layer=layer)
 
 
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------

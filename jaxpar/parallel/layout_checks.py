@@ -129,12 +129,14 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
             "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
         )
-    if pipelined and parallel.schedule is Schedule.ONE_F_ONE_B and parallel.remat is Remat.OFFLOAD:
+    ticked = parallel.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)
+    if pipelined and ticked and parallel.remat is Remat.OFFLOAD:
         raise ConfigError(
-            "parallel.remat=offload with parallel.schedule=1f1b: 1F1B already keeps only "
-            "each stage's input per micro-batch and recomputes the layers in the backward "
-            "pass, so there are no saved layer inputs to send to the host; use "
-            "schedule=gpipe or interleaved with remat=offload, or remat=none with 1f1b"
+            f"parallel.remat=offload with parallel.schedule={parallel.schedule}: it "
+            "already keeps only each stage's input per micro-batch and recomputes the "
+            "layers in the backward pass, so there are no saved layer inputs to send to "
+            "the host; use schedule=gpipe or interleaved with remat=offload, or remat=none "
+            f"with {parallel.schedule}"
         )
     interleaved = parallel.schedule is Schedule.INTERLEAVED
     if (parallel.virtual_stages > 1 or interleaved) and not pipelined:

@@ -29,7 +29,74 @@ import numpy as np
 
 from jaxpar.config.sections import Schedule
 
-IDLE, FWD, BWD = 0, 1, 2
+IDLE, FWD, BWD, INPUT, WEIGHT = 0, 1, 2, 3, 4
+# What each op computes, in forward passes of its chunk: a 1F1B backward recomputes the
+# chunk's forward, then makes both gradients; a zero-bubble B recomputes it and makes
+# the input's, keeping what W reads; W makes the weights' gradient from that.
+WORK = {IDLE: 0, FWD: 1, BWD: 3, INPUT: 2, WEIGHT: 1}
+BACKWARDS = (BWD, INPUT)  # the ops that hand a gradient back to the previous stage
+
+
+def _ready(kind: int, s: int, i: int, p: int, done: dict, t: int) -> bool:
+    """Whether op (kind, stage s, micro-batch i) may run on tick t: what it reads was
+    made on an earlier tick (a hand-over arrives one tick later)."""
+    before = lambda *op: done.get(op, t) < t  # noqa: E731
+    if kind == FWD:
+        return s == 0 or before(FWD, s - 1, i)
+    if kind == WEIGHT:
+        return before(INPUT, s, i)
+    return before(FWD, s, i) and (s == p - 1 or before(BWD, s + 1, i) or before(INPUT, s + 1, i))
+
+
+def _placed(choose, p: int, total: int) -> tuple[list, dict]:
+    """Tick by tick, each stage runs the op `choose(s, done, t)` names (or None: idle)
+    until every stage has run `total` ops; (rows of (kind, micro-batch), done: op ->
+    tick)."""
+    done: dict = {}
+    count, rows, t = [0] * p, [], 0
+    while any(c < total for c in count):
+        row = [(IDLE, 0)] * p
+        for s in range(p):
+            op = choose(s, done, t) if count[s] < total else None
+            if op is not None:
+                row[s] = op
+        for s, (kind, i) in enumerate(row):
+            if kind != IDLE:
+                done[(kind, s, i)] = t
+                count[s] += 1
+        rows.append(row)
+        t += 1
+    return rows, done
+
+
+def _in_order(order: list[list], p: int):
+    """choose: each stage's ops in the fixed `order`, each as soon as it is ready."""
+    ptr = [0] * len(order)
+
+    def choose(s, done, t):
+        kind, i = order[s][ptr[s]]
+        if not _ready(kind, s, i, p, done, t):
+            return None
+        ptr[s] += 1
+        return kind, i
+
+    return choose
+
+
+def _held(done: dict, p: int, m: int, ticks: int, start: int, end: int) -> int:
+    """The most micro-batches a stage holds at once, from op `start`'s tick (FWD: from the
+    input's arrival) to op `end`'s."""
+
+    def since(s, i):
+        if start != FWD:
+            return done[(start, s, i)]
+        return done[(FWD, 0, i)] if s == 0 else done[(FWD, s - 1, i)] + 1
+
+    return max(
+        sum(since(s, i) <= t0 <= done[(end, s, i)] for i in range(m))
+        for s in range(p)
+        for t0 in range(ticks)
+    )
 
 
 def one_f_one_b(p: int, m: int) -> tuple[np.ndarray, int]:
@@ -43,39 +110,72 @@ def one_f_one_b(p: int, m: int) -> tuple[np.ndarray, int]:
             ops += [(FWD, warm + i), (BWD, i)]
         ops += [(BWD, i) for i in range(m - warm, m)]
         order.append(ops)
-    done = {}  # (kind, stage, i) -> tick
-    ptr, rows, t = [0] * p, [], 0
-    while any(ptr[s] < 2 * m for s in range(p)):
-        row = [(IDLE, 0)] * p
+    rows, done = _placed(_in_order(order, p), p, 2 * m)
+    return np.array(rows, dtype=np.int32), _held(done, p, m, len(rows), FWD, BWD)
+
+
+def zb_h1(p: int, m: int) -> tuple[np.ndarray, int, int]:
+    """([ticks, p, 2], input slots, weight slots): ZB-H1 (Qi et al. 2024). Each tick a
+    stage runs, by priority, the next B that is ready (the previous stage waits for it),
+    else the next forward if it holds fewer than p micro-batches (forward run, W not yet:
+    1F1B's peak, on its first stage), else the oldest W waiting: the W's fill what 1F1B
+    left idle."""
+    nxt = {}
+
+    def choose(s, done, t):
+        f, b, w = (nxt.get((k, s), 0) for k in (FWD, INPUT, WEIGHT))
+        if b < f and _ready(INPUT, s, b, p, done, t):
+            op = INPUT, b
+        elif f < m and f - w < p and _ready(FWD, s, f, p, done, t):
+            op = FWD, f
+        elif w < b:
+            op = WEIGHT, w
+        else:
+            return None
+        nxt[(op[0], s)] = op[1] + 1
+        return op
+
+    rows, done = _placed(choose, p, 3 * m)
+    ticks = len(rows)
+    return (
+        np.array(rows, dtype=np.int32),
+        _held(done, p, m, ticks, FWD, INPUT),
+        _held(done, p, m, ticks, INPUT, WEIGHT),
+    )
+
+
+def check(table: np.ndarray, m: int) -> None:
+    """Raise ValueError unless `table` ([ticks, p, >=2]) runs every op of every
+    micro-batch on every stage exactly once (a forward, and a fused backward or its B and
+    W), each after what it reads."""
+    ticks, p = table.shape[:2]
+    done: dict = {}
+    for t in range(ticks):
         for s in range(p):
-            if ptr[s] == 2 * m:
+            kind, i = (int(v) for v in table[t, s, :2])
+            if kind == IDLE:
                 continue
-            kind, i = order[s][ptr[s]]
-            if kind == FWD:
-                ready = s == 0 or done.get((FWD, s - 1, i), t) < t
-            else:
-                ready = done.get((FWD, s, i), t) < t and (
-                    s == p - 1 or done.get((BWD, s + 1, i), t) < t
+            if (kind, s, i) in done or not 0 <= i < m:
+                raise ValueError(f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i} twice")
+            if not _ready(kind, s, i, p, done, t):
+                raise ValueError(
+                    f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i} runs before "
+                    "what it reads is there"
                 )
-            if ready:
-                row[s] = (kind, i)
-        for s, (kind, i) in enumerate(row):
+        for s in range(p):
+            kind, i = (int(v) for v in table[t, s, :2])
             if kind != IDLE:
                 done[(kind, s, i)] = t
-                ptr[s] += 1
-        rows.append(row)
-        t += 1
+    for s in range(p):
+        for i in range(m):
+            split = (INPUT, s, i) in done
+            wanted = (FWD, INPUT, WEIGHT) if split else (FWD, BWD)
+            missing = [_NAMES[k] for k in wanted if (k, s, i) not in done]
+            if missing:
+                raise ValueError(f"stage {s}: micro-batch {i} never runs {', '.join(missing)}")
 
-    # A stage input lives from its arrival (made there, on stage 0) to its backward.
-    def arrival(s: int, i: int) -> int:
-        return done[(FWD, 0, i)] if s == 0 else done[(FWD, s - 1, i)] + 1
 
-    live = max(
-        sum(arrival(s, i) <= t0 <= done[(BWD, s, i)] for i in range(m))
-        for s in range(p)
-        for t0 in range(len(rows))
-    )
-    return np.array(rows, dtype=np.int32), live
+_NAMES = {FWD: "F", BWD: "B+W", INPUT: "B", WEIGHT: "W"}
 
 
 def circular(p: int, m: int, v: int) -> np.ndarray:
@@ -98,10 +198,18 @@ def tick_table(schedule: Schedule, p: int, m: int, v: int) -> np.ndarray:
     """[ticks, p, 3] of (action, micro-batch, chunk k) for each device on each tick:
     the forward loop for gpipe / interleaved (autodiff mirrors it), the whole step for
     1f1b (where a tick holds a forward or a backward)."""
-    if schedule is Schedule.ONE_F_ONE_B:
-        table, _ = one_f_one_b(p, m)
+    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
+        table, _, _ = ticked_table(schedule, p, m)
         return np.concatenate([table, np.zeros_like(table[..., :1])], axis=-1)
     return circular(p, m, v)
+
+
+def ticked_table(schedule: Schedule, p: int, m: int) -> tuple[np.ndarray, int, int]:
+    """([ticks, p, 2] of (action, micro-batch), input slots, weight slots) of a schedule
+    whose table holds its backward ticks (1f1b: no weight slots)."""
+    if schedule is Schedule.ZB_H1:
+        return zb_h1(p, m)
+    return (*one_f_one_b(p, m), 0)
 
 
 def idle_share(table: np.ndarray) -> float:
@@ -109,13 +217,23 @@ def idle_share(table: np.ndarray) -> float:
     return float((table[..., 0] == IDLE).mean())
 
 
+def lockstep(table: np.ndarray) -> tuple[int, float]:
+    """(the step's length, its idle share) with each op weighed by what it computes
+    (WORK) and each tick as long as its longest op: the ticks run in lockstep, each
+    ending with its hand-overs."""
+    work = np.vectorize(WORK.get)(table[..., 0])
+    longest = work.max(axis=1)
+    return int(longest.sum()), float(1 - work.sum() / (longest.sum() * table.shape[1]))
+
+
 def handover_share(schedule: Schedule, p: int, m: int) -> float:
-    """Share of the tick loop's hand-overs that really happen: 1f1b skips the ticks on
+    """Share of the tick loop's hand-overs that really happen: 1f1b and zb-h1 skip the ticks on
     which no stage sends that way (the ledger, reading the HLO, counts every tick)."""
-    if schedule is not Schedule.ONE_F_ONE_B:
+    if schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
         return 1.0
-    table, _ = one_f_one_b(p, m)
-    fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + (table[:, 1:, 0] == BWD).any(axis=1).sum()
+    table, _, _ = ticked_table(schedule, p, m)
+    back = np.isin(table[:, 1:, 0], BACKWARDS)
+    fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + back.any(axis=1).sum()
     return float(fired) / (2 * len(table))
 
 

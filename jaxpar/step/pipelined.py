@@ -23,7 +23,18 @@ from jaxpar.nn.problem import Problem
 from jaxpar.parallel import collectives
 from jaxpar.parallel.axes import PIPE
 from jaxpar.parallel.pipeline import Layout
-from jaxpar.parallel.schedules import BWD, FWD, TICKS_SCOPE, one_f_one_b, tick_table
+from jaxpar.parallel.schedules import (
+    BACKWARDS,
+    BWD,
+    FWD,
+    IDLE,
+    INPUT,
+    TICKS_SCOPE,
+    WEIGHT,
+    tick_table,
+    ticked_table,
+)
+from jaxpar.step import zero_bubble
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,8 @@ def value_and_grad(pipe: Pipe, prepare):
     local gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
     what the forward pass reads (jaxpar.parallel.zero.ZeroPolicy.compute_view)."""
     problem = pipe.problem
-    if pipe.schedule is Schedule.ONE_F_ONE_B:
-        run = lambda params, batch, count: _one_f_one_b(pipe, prepare, params, batch, count)  # noqa: E731
+    if pipe.schedule in TICKED:
+        run = lambda params, batch, count: _ticked(pipe, prepare, params, batch, count)  # noqa: E731
     else:
 
         def run(params, batch, count):  # the frozen leaves are constants: no gradient
@@ -162,6 +173,9 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
     return loss / count, reports
 
 
+TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)  # the tables that hold backward ticks
+
+
 class _Slots(NamedTuple):
     """What a 1F1B device carries from tick to tick."""
 
@@ -169,6 +183,7 @@ class _Slots(NamedTuple):
     gins: object  # [slots, *activation] a leaf: output gradients handed back, not yet used
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
+    held: list  # [weight slots, layers, ...] each: what B kept for W (zero-bubble)
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
 
@@ -186,7 +201,7 @@ class _Ticks(NamedTuple):
 
 def _ticks(table: np.ndarray, slots: int) -> _Ticks:
     sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
-    sends_b = jnp.asarray((table[:, 1:, 0] == BWD).any(axis=1))
+    sends_b = jnp.asarray(np.isin(table[:, 1:, 0], BACKWARDS).any(axis=1))
     stage = jax.lax.axis_index(PIPE)
     return _Ticks(jnp.asarray(table), sends_f, sends_b, slots, stage, table.shape[1])
 
@@ -215,12 +230,12 @@ def _hand_over(ticks: _Ticks, t, state: _Slots, send_f, send_b, zeros_h) -> _Slo
     nxt = jnp.minimum(stage + 1, p - 1)
     next_kind, next_i = table[t, nxt, 0], table[t, nxt, 1]
     slot = next_i % slots
-    got = (stage < p - 1) & (next_kind == BWD)
+    got = (stage < p - 1) & ((next_kind == BWD) | (next_kind == INPUT))
     gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
     return state._replace(acts=acts, gins=gins)
 
 
-def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict) -> _Slots:
+def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, held) -> _Slots:
     """Nothing run yet: empty buffers, fp32 gradients and loss at zero."""
     buffers = _zeros(h_shape, (slots,))
     return _Slots(
@@ -230,16 +245,18 @@ def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict) ->
         g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
         loss=jnp.zeros((), jnp.float32),
         reports=reports,
+        held=held,
     )
 
 
-def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
-    """1f1b: ((this device's summed loss / count, its reports summed), gradients of all
-    local parameters)."""
+def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
+    """1f1b and the zero-bubble schedules: ((this device's summed loss / count, its
+    reports summed), gradients of all local parameters)."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p = layout.stages
-    ticks = _ticks(*one_f_one_b(p, m))
-    table_j, slots_n, stage = ticks.table, ticks.slots, ticks.stage
+    table, slots_n, weight_slots = ticked_table(pipe.schedule, p, m)
+    ticks = _ticks(table, slots_n)
+    table_j, stage = ticks.table, ticks.stage
     every_stack, rest_storage = _split(params, pipe.stack_keys)
     # gradients of the trained leaves alone; the frozen ones are constants
     trained = pipe.problem.trainable
@@ -283,34 +300,63 @@ def _one_f_one_b(pipe: Pipe, prepare, params: dict, batch, count: int):
         state = state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports)
         return state, y, zeros_h
 
+    def into_pre(state: _Slots, d_x, mb) -> dict:
+        def first(g_rest):
+            _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
+            return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
+
+        return jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
+
     def backward(state: _Slots, i):
         mb, slot = _take(mbs, i), i % slots_n
         _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
         d_stack, d_x = vjp(_take(state.gins, slot))
         g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
+        return state._replace(g_stack=g_stack, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
 
-        def first(g_rest):
-            _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
-            return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
-
-        g_rest = jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
-        return state._replace(g_stack=g_stack, g_rest=g_rest), zeros_h, d_x
-
-    def idle(state, i):
-        return state, zeros_h, zeros_h
+    branches = {IDLE: lambda state, i: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
+    held = []
+    if weight_slots:
+        halves = zero_bubble.halves(
+            parts.layer, prepare, stack, frozen_stack, active, h_shape, _take(mbs, 0)
+        )
+        held = halves.kept_shapes((weight_slots,))
+        branches.update(_split_backward(halves, mbs, slots_n, weight_slots, into_pre, zeros_h))
+    kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
+    which = np.zeros(max(kinds) + 1, np.int32)
+    which[kinds] = np.arange(len(kinds))
+    which = jnp.asarray(which)
 
     def tick(state, t):
         kind, i = table_j[t, stage, 0], table_j[t, stage, 1]
-        state, send_f, send_b = jax.lax.switch(kind, [idle, forward, backward], state, i)
+        state, send_f, send_b = jax.lax.switch(which[kind], [branches[k] for k in kinds], state, i)
         return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
 
     reports = _no_reports(parts, whole(rest), h_shape, _take(mbs, 0))
-    state = _empty_slots(h_shape, slots_n, stack, rest, reports)
+    state = _empty_slots(h_shape, slots_n, stack, rest, reports, held)
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
     (g_rest_storage,) = rest_vjp(grads)
     return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}
+
+
+def _split_backward(halves, mbs, slots_n: int, weight_slots: int, into_pre, zeros_h) -> dict:
+    """The zero-bubble ticks: B hands the input's gradient back and files what W reads;
+    W adds the weights' gradients."""
+
+    def input_grad(state: _Slots, i):
+        mb, slot = _take(mbs, i), i % slots_n
+        d_x, kept = halves.input_grad(_take(state.acts, slot), _take(state.gins, slot), mb)
+        held = _put(state.held, i % weight_slots, kept)
+        return state._replace(held=held, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
+
+    def weight_grad(state: _Slots, i):
+        grads = halves.weight_grad(_take(state.held, i % weight_slots), _take(mbs, i))
+        g_stack = {k: g + grads[k][None].astype(g.dtype) for k, g in state.g_stack.items()}
+        return state._replace(g_stack=g_stack), zeros_h, zeros_h
+
+    return {INPUT: input_grad, WEIGHT: weight_grad}
 
 
 def reduce_shared(pipe: Pipe, grads: dict, specs: dict) -> dict:

@@ -1,0 +1,93 @@
+"""The zero-bubble schedules' two backward halves on one pipeline device (the tick
+executor is jaxpar.step.pipelined): B and W, a layer at a time, from one split of the
+layer's backward (jaxpar.step.split_backward).
+
+B recomputes the chunk's forward from its stage input, as 1F1B's backward does, keeping
+each layer's residuals for the length of the tick alone; then it runs the layers' B
+halves top down and hands the input's gradient back. What each layer's W half reads
+(the inputs of its weight products and their output gradients) is kept in a slot until
+the W tick, which makes the weights' gradients from it: W recomputes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.step.split_backward import Split, split
+
+
+@dataclass(frozen=True)
+class Halves:
+    """A stage's chunk as layers, each differentiated on its own."""
+
+    split: Split
+    args: Callable  # (layer index, micro-batch) -> (trained leaves, (micro-batch, frozen))
+    active: jax.Array  # [layers] bool: the stage's real layers (the rest pad)
+    layers: int
+
+    def kept_shapes(self, lead: tuple[int, ...]):
+        shapes = self.split.shapes(self.split.kept)
+        return [jnp.zeros(lead + (self.layers,) + s.shape, s.dtype) for s in shapes]
+
+    def input_grad(self, x, dy, mb):
+        """(dx, kept [layers, ...] each): the chunk's B."""
+        sp = self.split
+        no_res = [jnp.zeros(s.shape, s.dtype) for s in sp.shapes(sp.residuals)]
+        no_kept = [jnp.zeros(s.shape, s.dtype) for s in sp.shapes(sp.kept)]
+
+        def forward(h, n):
+            w, aux = self.args(n, mb)
+            return jax.lax.cond(self.active[n], lambda: sp.forward(w, h, aux), lambda: (h, no_res))
+
+        _, residuals = jax.lax.scan(forward, x, jnp.arange(self.layers))
+
+        def backward(d, n_res):
+            n, res = n_res
+            w, aux = self.args(n, mb)
+            return jax.lax.cond(
+                self.active[n], lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept)
+            )
+
+        return jax.lax.scan(backward, dy, (jnp.arange(self.layers), residuals), reverse=True)
+
+    def weight_grad(self, kept, mb):
+        """The chunk's W: its trained leaves' gradients, [layers, ...] each."""
+        sp = self.split
+
+        def one(_, n_kept):
+            n, k = n_kept
+            w, aux = self.args(n, mb)
+            zeros = jax.tree.map(jnp.zeros_like, w)
+            return None, jax.lax.cond(
+                self.active[n], lambda: sp.weight_grad(k, w, aux), lambda: zeros
+            )
+
+        _, grads = jax.lax.scan(one, None, (jnp.arange(self.layers), kept))
+        return grads
+
+
+def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb) -> Halves:
+    """`layer(params, h, micro-batch)` over this device's `stack` ([1, layers, ...] each;
+    `frozen`: the stack's leaves not trained) as B and W halves, split at the shapes of
+    one layer, activation `h_shape` and micro-batch `mb`."""
+
+    def args(n, mb):
+        def pick(tree):
+            return {
+                k: jax.lax.dynamic_index_in_dim(v[0], n, keepdims=False) for k, v in tree.items()
+            }
+
+        return pick(stack), (mb, pick(frozen))
+
+    def fn(w, h, aux):
+        mb, frozen_n = aux
+        return layer(prepare({**frozen_n, **w}), h, mb)
+
+    shape = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    w, aux = args(0, mb)
+    made = split(fn, shape(w), h_shape, shape(aux))
+    return Halves(split=made, args=args, active=active, layers=active.shape[0])
