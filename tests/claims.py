@@ -213,12 +213,13 @@ CLAIMS = (
     # docs/layouts.md
     Claim(
         "docs/layouts.md",
-        "ZB-H1 (each backward split into B and W) equals one device at p=2 and p=4, with "
-        "padded stages, and over data x tensor x ZeRO-3",
+        "ZB-H1 (each backward split into B and W, W recomputing nothing) equals one device "
+        "at p=2 and p=4, with padded stages, and over data x tensor x ZeRO-3",
         (
             f"{P}::test_schedule_equals_one_device[zb-h1-p2-m4]",
             f"{P}::test_schedule_equals_one_device[zb-h1-p4-m8-6layers]",
             f"{P}::test_schedule_equals_one_device[3d-zero3-zb-h1-m2]",
+            f"{P}::test_the_split_backward_is_autodiffs_and_w_recomputes_nothing",
         ),
     ),
     Claim(

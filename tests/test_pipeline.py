@@ -293,3 +293,32 @@ def test_a_model_without_stages_refuses_a_pipeline(devices):
     mesh = jaxpar.build_mesh(cfg.parallel, devices[:2])
     with pytest.raises(jaxpar.ConfigError, match="parallel.pipeline=2: this model has no pipeline"):
         jaxpar.train(problem, cfg, lambda step: {"x": np.ones((16, 8), np.float32)}, mesh=mesh)
+
+
+def test_the_split_backward_is_autodiffs_and_w_recomputes_nothing():
+    """A layer's forward, B and W (jaxpar.step.split_backward) give jax.vjp's output and
+    gradients; no equation runs in two of them, and W holds the two weight products."""
+    import jax.numpy as jnp
+
+    from jaxpar.step.split_backward import split
+
+    def layer(w, x, scale):
+        h = jax.nn.gelu(jnp.einsum("bd,df->bf", x, w["up"]) * scale)
+        return {"h": x + jnp.einsum("bf,fd->bd", h, w["down"]), "sum": x.sum() + w["up"].sum()}
+
+    k = jax.random.split(jax.random.key(0), 4)
+    w = {"up": jax.random.normal(k[0], (8, 16)), "down": jax.random.normal(k[1], (16, 8))}
+    x, scale = jax.random.normal(k[2], (4, 8)), jnp.full((4, 16), 2.0)
+    dy = {"h": jax.random.normal(k[3], (4, 8)), "sum": jnp.float32(1.5)}
+    halves = split(layer, w, x, scale)
+    y, residuals = halves.forward(w, x, scale)
+    dx, kept = halves.input_grad(residuals, w, scale, dy)
+    dw = halves.weight_grad(kept, w, scale)
+    want_y, vjp = jax.vjp(lambda w, x: layer(w, x, scale), w, x)
+    want_dw, want_dx = vjp(dy)
+    for got, want in zip(jax.tree.leaves((y, dx, dw)), jax.tree.leaves((want_y, want_dx, want_dw))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    parts = [set(halves.forward_ops), set(halves.input_ops), set(halves.weight_ops)]
+    assert all(not (a & b) for n, a in enumerate(parts) for b in parts[n + 1 :])
+    dots = [halves.ops[n].eqn.primitive.name == "dot_general" for n in halves.weight_ops]
+    assert sum(dots) == 2  # x^T d(up) and h^T d(down); B has the two that carry dx
