@@ -316,7 +316,8 @@ def test_the_split_backward_is_autodiffs_and_w_recomputes_nothing():
     dw = halves.weight_grad(kept, w, scale)
     want_y, vjp = jax.vjp(lambda w, x: layer(w, x, scale), w, x)
     want_dw, want_dx = vjp(dy)
-    for got, want in zip(jax.tree.leaves((y, dx, dw)), jax.tree.leaves((want_y, want_dx, want_dw))):
+    got_all, want_all = jax.tree.leaves((y, dx, dw)), jax.tree.leaves((want_y, want_dx, want_dw))
+    for got, want in zip(got_all, want_all, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     parts = [set(halves.forward_ops), set(halves.input_ops), set(halves.weight_ops)]
     assert all(not (a & b) for n, a in enumerate(parts) for b in parts[n + 1 :])
