@@ -13,6 +13,8 @@ bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline
   (PipeDream-flush order: p - s - 1 warm-up forwards, then one forward and one backward
   in turn). A backward recomputes its chunk from the stage input kept since its
   forward, so at most about p inputs are alive, not m.
+- zb-h1: as 1f1b, with each backward split into B (the input's gradient, handed back)
+  and W (the weights', run where 1F1B idles): Qi et al.'s ZB-H1, at 1F1B's peak memory.
 
 What a chunk reads of its micro-batch besides the activation (the documents' segment
 ids and positions, jaxpar.nn.documents) travels with no hand-over: every stage holds the

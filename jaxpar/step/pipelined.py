@@ -6,6 +6,8 @@ and `context`). `value_and_grad` is the one entry for all of them:
   autodiff runs the same loop backwards.
 - 1f1b: each tick a device runs one forward or one backward of a micro-batch; a backward
   recomputes its chunk from the stage input kept since its forward.
+- zb-h1: as 1f1b, with B and W ticks for each backward's two halves
+  (jaxpar.step.zero_bubble).
 """
 
 from __future__ import annotations
