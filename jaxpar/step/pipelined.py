@@ -309,13 +309,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
 
         return jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
 
-    def backward(state: _Slots, i):
-        mb, slot = _take(mbs, i), i % slots_n
-        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
-        d_stack, d_x = vjp(_take(state.gins, slot))
-        g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
-        return state._replace(g_stack=g_stack, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
-
+    backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
     branches = {IDLE: lambda state, i: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
     held = []
     if weight_slots:
@@ -324,14 +318,10 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
         )
         held = halves.kept_shapes((weight_slots,))
         branches.update(_split_backward(halves, mbs, slots_n, weight_slots, into_pre, zeros_h))
-    kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
-    which = np.zeros(max(kinds) + 1, np.int32)
-    which[kinds] = np.arange(len(kinds))
-    which = jnp.asarray(which)
+    run_op = _switch(branches, table)
 
     def tick(state, t):
-        kind, i = table_j[t, stage, 0], table_j[t, stage, 1]
-        state, send_f, send_b = jax.lax.switch(which[kind], [branches[k] for k in kinds], state, i)
+        state, send_f, send_b = run_op(table_j[t, stage, 0], state, table_j[t, stage, 1])
         return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
 
     reports = _no_reports(parts, whole(rest), h_shape, _take(mbs, 0))
@@ -341,6 +331,32 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
     (g_rest_storage,) = rest_vjp(grads)
     return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}
+
+
+def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):
+    """1f1b's backward tick: the chunk recomputed from its stage input, then both
+    gradients at once."""
+
+    def backward(state: _Slots, i):
+        mb, slot = _take(mbs, i), i % slots_n
+        _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
+        d_stack, d_x = vjp(_take(state.gins, slot))
+        g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
+        return state._replace(g_stack=g_stack, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
+
+    return backward
+
+
+def _switch(branches: dict, table: np.ndarray):
+    """(kind, state, micro-batch) -> the branch of that kind, run: a switch over only
+    the kinds the table holds (1f1b's program has no B or W branch)."""
+    kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
+    which = np.zeros(max(kinds) + 1, np.int32)
+    which[kinds] = np.arange(len(kinds))
+    which = jnp.asarray(which)
+    return lambda kind, state, i: jax.lax.switch(
+        which[kind], [branches[k] for k in kinds], state, i
+    )
 
 
 def _split_backward(halves, mbs, slots_n: int, weight_slots: int, into_pre, zeros_h) -> dict:
