@@ -1,12 +1,15 @@
 """Pipeline schedules equal one device; bubble and memory behave as the formulas say."""
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_training, compile_only, reference, trained
+from helpers import _shipped, assert_same_training, compile_only, reference, trained
 
 import jaxpar
 from jaxpar.config.sections import Schedule
+from jaxpar.nn import staging
 from jaxpar.parallel import pipeline, schedules
 
 SIX = ["model.layers=6"]
@@ -293,6 +296,16 @@ def test_a_model_without_stages_refuses_a_pipeline(devices):
     mesh = jaxpar.build_mesh(cfg.parallel, devices[:2])
     with pytest.raises(jaxpar.ConfigError, match="parallel.pipeline=2: this model has no pipeline"):
         jaxpar.train(problem, cfg, lambda step: {"x": np.ones((16, 8), np.float32)}, mesh=mesh)
+
+
+def test_a_hand_built_parts_without_a_layer_refuses_zb_h1_alone(devices):
+    """Parts(layer=None), as hand-built Parts were before zb-h1: 1f1b still stages it;
+    zb-h1 names the missing field and the way out."""
+    _, _, problem, _ = _shipped("gpt-tiny", ["parallel.data=1"])
+    bare = replace(problem, parts=replace(problem.parts, layer=None))
+    assert staging.layout_for(bare, 2, 1, Schedule.ONE_F_ONE_B).stages == 2
+    with pytest.raises(jaxpar.ConfigError, match=r"zb-h1 .* no `layer`.*schedule=1f1b"):
+        staging.layout_for(bare, 2, 1, Schedule.ZB_H1)
 
 
 def test_the_split_backward_is_autodiffs_and_w_recomputes_nothing():

@@ -275,7 +275,7 @@ def adapted(problem: Problem, adapter: Adapter, model) -> Problem:
             chunk=lambda params, h, active, batch: own.chunk(view(params), h, active, batch),
             post=lambda params, h, batch: own.post(view(params), h, batch),
             costs=own.costs,
-            layer=lambda params, h, batch: own.layer(view(params), h, batch),
+            layer=own.layer and (lambda params, h, batch: own.layer(view(params), h, batch)),
         )
     return dataclasses.replace(
         problem,

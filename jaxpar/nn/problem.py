@@ -56,8 +56,9 @@ class Parts:
     post: Callable[..., jax.Array]  # (params, activation, batch) -> per-example losses
     costs: tuple[float, float, float]
     # (one layer's params {key: leaf without its layers dim}, activation, micro-batch) ->
-    # activation: a layer at a time, for the zero-bubble schedules' split backward
-    layer: Callable[..., jax.Array]
+    # activation: a layer at a time, for the zero-bubble schedules' split backward; None:
+    # not given (a Parts built by hand before zb-h1), and zb-h1 is refused
+    layer: Callable[..., jax.Array] | None = None
 
 
 @dataclass(frozen=True)

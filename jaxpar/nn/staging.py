@@ -8,20 +8,31 @@ from dataclasses import replace
 
 import jax
 
+from jaxpar.config.sections import Schedule
 from jaxpar.errors import ConfigError
 from jaxpar.names import LAYERS, STAGE
 from jaxpar.nn.problem import Problem
 from jaxpar.parallel.pipeline import Layout, assign, from_stages, to_stages
 
 
-def layout_for(problem: Problem, stages: int, virtual: int) -> Layout | None:
-    """The stage assignment of `problem`'s layer stack (None without a pipeline)."""
+def layout_for(
+    problem: Problem, stages: int, virtual: int, schedule: Schedule | None = None
+) -> Layout | None:
+    """The stage assignment of `problem`'s layer stack (None without a pipeline), for
+    `schedule` (None: any that needs no more than the stack)."""
     if stages == 1:
         return None
     if problem.parts is None:
         raise ConfigError(
             f"parallel.pipeline={stages}: this model has no pipeline stages; build it with "
             "jaxpar.from_nnx(..., stages=jaxpar.Stages(...)), or use parallel.pipeline=1"
+        )
+    if schedule is Schedule.ZB_H1 and problem.parts.layer is None:
+        raise ConfigError(
+            f"parallel.schedule=zb-h1 with parallel.pipeline={stages}: this model's "
+            "Parts has no `layer` (one layer's function), which the split backward "
+            "differentiates a layer at a time; build it with jaxpar.from_nnx, give "
+            "Parts(layer=...), or use parallel.schedule=1f1b"
         )
     layers = problem.shapes[problem.parts.stack_keys[0]].shape[0]
     return assign(layers, stages, virtual, problem.parts.costs)

@@ -163,7 +163,14 @@ def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Par
         return inner.layer(policy(params), mine, batch), ref
 
     stack = reference.stack_keys(inner, copied)
-    return Parts(stack_keys=stack, pre=pre, chunk=chunk, post=post, costs=inner.costs, layer=layer)
+    return Parts(
+        stack_keys=stack,
+        pre=pre,
+        chunk=chunk,
+        post=post,
+        costs=inner.costs,
+        layer=inner.layer and layer,
+    )
 
 
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------

@@ -52,7 +52,7 @@ def build(
 ) -> Engine:
     """The step of `problem` on `mesh` as parallel.*, train.* and (train.optimizer=muon)
     muon.* say."""
-    layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages)
+    layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages, par.schedule)
     trained = staging.staged(problem, layout) if layout else problem
     specs = plan(
         trained.names,
