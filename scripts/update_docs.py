@@ -79,8 +79,20 @@ def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     from jaxpar.parallel import schedules
 
     table = schedules.tick_table(Schedule(schedule), p, m, 1)
-    letters = {schedules.FWD: "F", schedules.BWD: "X", schedules.INPUT: "B", schedules.WEIGHT: "W"}
-    light = {schedules.FWD: 82, schedules.BWD: 58, schedules.INPUT: 64, schedules.WEIGHT: 74}
+    letters = {
+        schedules.FWD: "F",
+        schedules.BWD: "X",
+        schedules.RECOMPUTE: "R",
+        schedules.INPUT: "B",
+        schedules.WEIGHT: "W",
+    }
+    light = {
+        schedules.FWD: 82,
+        schedules.BWD: 58,
+        schedules.RECOMPUTE: 88,
+        schedules.INPUT: 64,
+        schedules.WEIGHT: 74,
+    }
     rows = []
     for s in range(p):
         cells = []
@@ -94,7 +106,7 @@ def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     units, idle = schedules.lockstep(table)
     head = (
         f"{schedule}, p={p}, m={m}: {len(table)} ticks, {units} units of time "
-        f"(F 1, B 2, W 1, X 3; a tick as long as its longest op), idle {idle:.3f}"
+        f"(F, R, B and W 1, X 3; a tick as long as its longest op), idle {idle:.3f}"
     )
     return f"{head}:\n\n<pre>\n" + "\n".join(rows) + "\n</pre>\n"
 

@@ -279,6 +279,7 @@ def test_an_uneven_pipeline_is_priced_at_its_slowest_stage():
     slowest = max(costs) / sum(costs)
     assert slowest > 1 / 4
     per_device = work.flops_per_row * cfg.train.batch_size * slowest / 2  # data=2
+    per_device *= 4 / 3  # 1f1b recomputes each chunk in its backward
     assert guess.compute_s == pytest.approx(per_device / (MACHINE.peak_flops * MACHINE.mfu))
     assert guess.step_s == pytest.approx(guess.compute_s / (1 - guess.bubble) + guess.comm_s)
 

@@ -18,6 +18,7 @@ SCHEDULES = {
     for name, extra in {
         "gpipe": ("parallel.schedule=gpipe",),
         "1f1b": ("parallel.schedule=1f1b",),
+        "zb-h1": ("parallel.schedule=zb-h1",),
         "interleaved-v2": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
     }.items()
 }

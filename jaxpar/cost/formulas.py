@@ -23,6 +23,7 @@ from jaxpar.config.sections import (
     Precision,
     ReduceDtype,
     Remat,
+    Schedule,
     Train,
 )
 from jaxpar.parallel import context
@@ -48,10 +49,22 @@ def reduce_bytes(train: Train) -> int:
     return dtype_bytes(reduce_precision(train))
 
 
-def bubble(p: int, m: int, v: int = 1) -> float:
-    """The pipeline bubble, (p - 1) / (v m + p - 1): idle share of p stages running m
-    micro-batches through v chunks each."""
-    return (p - 1) / (v * m + p - 1) if p > 1 else 0.0
+def bubble(p: int, m: int, v: int = 1, schedule: Schedule = Schedule.GPIPE) -> float:
+    """The pipeline bubble of p stages running m micro-batches through v chunks each:
+    idle compute over all, each op weighed by its forwards of work, the ticks in
+    lockstep (each as long as its longest op; jaxpar.parallel.schedules.lockstep):
+    - gpipe, interleaved: (p - 1) / (v m + p - 1), every tick one kind of op;
+    - 1f1b: 1 - 4m / (6m + 4(p - 1) - 2), a forward (1) beside a backward that
+      recomputes its chunk (3) on most ticks, 4m of work per stage;
+    - zb-h1: 1 - 4m / (4m + 2(p - 1)), Qi et al.'s (p - 1)(F + B - W) idle with B and its
+      recompute 2 (its table idles at most this)."""
+    if p == 1:
+        return 0.0
+    if schedule is Schedule.ONE_F_ONE_B:
+        return 1 - 4 * m / (6 * m + 4 * (p - 1) - 2)
+    if schedule is Schedule.ZB_H1:
+        return 1 - 4 * m / (4 * m + 2 * (p - 1))
+    return (p - 1) / (v * m + p - 1)
 
 
 def paper_state(zero: int, psi: float, n: int) -> float:

@@ -27,6 +27,7 @@ from jaxpar.config.sections import (
     Optimizer,
     Parallel,
     Remat,
+    Schedule,
     Train,
 )
 from jaxpar.cost import blocks, newton_schulz
@@ -40,6 +41,7 @@ from jaxpar.parallel import leaf_layout, pipeline
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.layout_checks import check_train
+from jaxpar.parallel.schedules import TICKED
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 from jaxpar.parallel.sharding import plan as placement
 
@@ -118,6 +120,8 @@ class Candidate:
             parts.append(f"offload={p.offload}")
         if self.mesh[PIPE] > 1:
             parts.append(f"m{p.microbatches}")
+            if p.schedule is not Schedule.ONE_F_ONE_B:
+                parts.append(str(p.schedule))
         if p.remat is not Remat.NONE:
             parts.append(f"remat={p.remat}")
         if t.grad_accum > 1:
@@ -263,15 +267,18 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
     base.train by grad_accum)."""
     p, r = mesh[PIPE], mesh[REPLICA]
     copies = r * mesh[DATA] * mesh[EXPERT]
-    for zero, offload, micro, remat, accum in itertools.product(
+    for zero, offload, micro, remat, schedule, accum in itertools.product(
         (0, 1, 2, 3) if copies > 1 else (0,),
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
+        (Schedule.ONE_F_ONE_B, Schedule.ZB_H1) if p > 1 else (Schedule.ONE_F_ONE_B,),
         trains,
     ):
         if (
             (offload is Offload.OPTIMIZER and zero == 0)
+            # zb-h1's R is its recompute: remat=full would add nothing
+            or (schedule is Schedule.ZB_H1 and remat is not Remat.NONE)
             # replicas of ZeRO-0 groups split one all-reduce in two: never better
             or (r > 1 and zero == 0)
             # ZeRO-3 in a pipeline gathers a stage's layers every tick, which is not
@@ -293,7 +300,7 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
             offload=offload,
             microbatches=micro,
             remat=remat,
-            schedule="1f1b",
+            schedule=schedule,
             virtual_stages=1,
         )
         yield dataclasses.replace(base, parallel=par, train=trains[accum])
@@ -343,7 +350,7 @@ def predict(
         moved = (4 + compute_bytes) * placed.opt_elements * train.grad_accum ** (par.zero == 3)
         comm["host"] = moved
         comm_s += moved / machine.host_bytes_s
-    bubble = cost.bubble(p, par.microbatches)
+    bubble = cost.bubble(p, par.microbatches, 1, par.schedule)
     ns = newton_schulz.NewtonSchulz(0.0, 0.0)
     if train.optimizer is Optimizer.MUON:
         trainable = trained.trainable(leaves), trained.trainable(trained.names)
@@ -391,6 +398,12 @@ def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Work
     else:
         kept = work.layer_elements(t, c)
     acts = alive * layers * split.micro * kept * compute_bytes
+    if p > 1 and par.schedule is Schedule.ZB_H1:
+        # and one chunk's recomputed residuals (R to B), and what B keeps for W of each
+        # micro-batch in flight: at most what a layer saves for its backward
+        whole = work.layer_elements(t, c) * compute_bytes
+        acts = alive * work.boundary_elements / c * compute_bytes + (1 + alive) * whole
+        acts *= layers * split.micro
     if par.zero != 3 or d * mesh.get(EXPERT, 1) == 1:
         return acts, 0.0
     one_layer = sum(leaf.layer for leaf in leaf_layout.leaves(leaves))
@@ -453,7 +466,9 @@ def _compute_seconds(
     flops = work.flops_per_row
     if work.experts:  # the experts run on every slot they hold, empty ones too
         flops += work.experts.idle_flops(train.seq_len, c)
-    flops *= train.batch_size * (4 / 3 if par.remat is not Remat.NONE else 1)
+    # 1f1b and zb-h1 recompute each chunk in its backward, whatever parallel.remat says
+    recomputes = par.remat is not Remat.NONE or (p > 1 and par.schedule in TICKED)
+    flops *= train.batch_size * (4 / 3 if recomputes else 1)
     # a pipeline runs at its slowest device's pace (the bubble stretches that below)
     share = slowest_stage_share(trained, work.layers, p)
     per_stage = math.prod(mesh.values()) // p  # devices sharing each stage's work

@@ -27,6 +27,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.parallel import context
 from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.batches import batch_split
+from jaxpar.parallel.schedules import TICKED
 
 
 def _check_adapter(adapter: Adapter, par: Parallel) -> None:
@@ -129,7 +130,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             f"parallel.microbatches={parallel.microbatches} needs parallel.pipeline > 1; "
             "to accumulate gradients over micro-batches without a pipeline use train.grad_accum"
         )
-    ticked = parallel.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)
+    ticked = parallel.schedule in TICKED
     if pipelined and ticked and parallel.remat is Remat.OFFLOAD:
         raise ConfigError(
             f"parallel.remat=offload with parallel.schedule={parallel.schedule}: it "

@@ -13,8 +13,12 @@ bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline
   (PipeDream-flush order: p - s - 1 warm-up forwards, then one forward and one backward
   in turn). A backward recomputes its chunk from the stage input kept since its
   forward, so at most about p inputs are alive, not m.
-- zb-h1: as 1f1b, with each backward split into B (the input's gradient, handed back)
-  and W (the weights', run where 1F1B idles): Qi et al.'s ZB-H1, at 1F1B's peak memory.
+- zb-h1: as 1f1b, with each backward split into R (the chunk's forward recomputed from
+  its stage input, its residuals kept), B (the input's gradient, handed back) and W (the
+  weights', run where 1F1B idles): Qi et al.'s ZB-H1, at 1F1B's count of micro-batches
+  in flight. Each op is about one forward's work, so ticks run in lockstep lose
+  nothing to a neighbour's longer op, as they do in 1f1b (a forward beside a backward
+  three times its length).
 
 What a chunk reads of its micro-batch besides the activation (the documents' segment
 ids and positions, jaxpar.nn.documents) travels with no hand-over: every stage holds the
@@ -27,16 +31,29 @@ on beside the residual stream).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jaxpar.config.sections import Schedule
 
-IDLE, FWD, BWD, INPUT, WEIGHT = 0, 1, 2, 3, 4
-# What each op computes, in forward passes of its chunk: a 1F1B backward recomputes the
-# chunk's forward, then makes both gradients; a zero-bubble B recomputes it and makes
-# the input's, keeping what W reads; W makes the weights' gradient from that.
-WORK = {IDLE: 0, FWD: 1, BWD: 3, INPUT: 2, WEIGHT: 1}
+IDLE, FWD, BWD, INPUT, WEIGHT, RECOMPUTE = 0, 1, 2, 3, 4, 5
+# What each op computes, in forward passes of its chunk (the unit of the bubble): a 1F1B
+# backward recomputes the chunk's forward, then makes both gradients; a zero-bubble R
+# recomputes it, keeping each layer's residuals; B makes the input's gradient from
+# them, keeping what W reads; W makes the weights' gradient from that.
+WORK = {IDLE: 0, FWD: 1, BWD: 3, RECOMPUTE: 1, INPUT: 1, WEIGHT: 1}
 BACKWARDS = (BWD, INPUT)  # the ops that hand a gradient back to the previous stage
+TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)  # the tables that hold backward ticks
+
+
+class Ticked(NamedTuple):
+    """A schedule whose table holds its backward ticks, and the slots a device needs."""
+
+    table: np.ndarray  # [ticks, p, 2] of (action, micro-batch)
+    inputs: int  # stage inputs held at once (arrival to backward)
+    residuals: int  # chunks' recomputed residuals held at once (R to B; 1f1b: 0)
+    weights: int  # what B kept for W, held at once (B to W; 1f1b: 0)
 
 
 def _ready(kind: int, s: int, i: int, p: int, done: dict, t: int) -> bool:
@@ -47,7 +64,10 @@ def _ready(kind: int, s: int, i: int, p: int, done: dict, t: int) -> bool:
         return s == 0 or before(FWD, s - 1, i)
     if kind == WEIGHT:
         return before(INPUT, s, i)
-    return before(FWD, s, i) and (s == p - 1 or before(BWD, s + 1, i) or before(INPUT, s + 1, i))
+    if kind == RECOMPUTE:
+        return before(FWD, s, i)
+    mine = before(RECOMPUTE, s, i) if kind == INPUT else before(FWD, s, i)
+    return mine and (s == p - 1 or before(BWD, s + 1, i) or before(INPUT, s + 1, i))
 
 
 def _placed(choose, p: int, total: int) -> tuple[list, dict]:
@@ -116,18 +136,22 @@ def one_f_one_b(p: int, m: int) -> tuple[np.ndarray, int]:
     return np.array(rows, dtype=np.int32), _held(done, p, m, len(rows), FWD, BWD)
 
 
-def zb_h1(p: int, m: int) -> tuple[np.ndarray, int, int]:
-    """([ticks, p, 2], input slots, weight slots): ZB-H1 (Qi et al. 2024). Each tick a
-    stage runs, by priority, the next B that is ready (the previous stage waits for it),
-    else the next forward if it holds fewer than p micro-batches (forward run, W not yet:
-    1F1B's peak, on its first stage), else the oldest W waiting: the W's fill what 1F1B
-    left idle."""
+def zb_h1(p: int, m: int) -> Ticked:
+    """ZB-H1 (Qi et al. 2024). Each tick a stage runs, by priority: the next B that is
+    ready (the previous stage waits for it); else the next R once the next stage has
+    recomputed that micro-batch (its B follows, so this stage's B can run a tick after
+    it); else the next forward if it holds fewer than p micro-batches (forward run, W not
+    yet: 1F1B's count, on its first stage); else the oldest W waiting: the W's fill what
+    1F1B leaves idle."""
     nxt = {}
 
     def choose(s, done, t):
-        f, b, w = (nxt.get((k, s), 0) for k in (FWD, INPUT, WEIGHT))
-        if b < f and _ready(INPUT, s, b, p, done, t):
+        f, r, b, w = (nxt.get((k, s), 0) for k in (FWD, RECOMPUTE, INPUT, WEIGHT))
+        after_next = s == p - 1 or done.get((RECOMPUTE, s + 1, r), t) < t
+        if b < r and _ready(INPUT, s, b, p, done, t):
             op = INPUT, b
+        elif r < f and after_next and _ready(RECOMPUTE, s, r, p, done, t):
+            op = RECOMPUTE, r
         elif f < m and f - w < p and _ready(FWD, s, f, p, done, t):
             op = FWD, f
         elif w < b:
@@ -137,19 +161,20 @@ def zb_h1(p: int, m: int) -> tuple[np.ndarray, int, int]:
         nxt[(op[0], s)] = op[1] + 1
         return op
 
-    rows, done = _placed(choose, p, 3 * m)
+    rows, done = _placed(choose, p, 4 * m)
     ticks = len(rows)
-    return (
+    return Ticked(
         np.array(rows, dtype=np.int32),
-        _held(done, p, m, ticks, FWD, INPUT),
-        _held(done, p, m, ticks, INPUT, WEIGHT),
+        inputs=_held(done, p, m, ticks, FWD, INPUT),
+        residuals=_held(done, p, m, ticks, RECOMPUTE, INPUT),
+        weights=_held(done, p, m, ticks, INPUT, WEIGHT),
     )
 
 
 def check(table: np.ndarray, m: int) -> None:
     """Raise ValueError unless `table` ([ticks, p, >=2]) runs every op of every
-    micro-batch on every stage exactly once (a forward, and a fused backward or its B and
-    W), each after what it reads."""
+    micro-batch on every stage exactly once (a forward, and a fused backward or its R, B
+    and W), each after what it reads."""
     ticks, p = table.shape[:2]
     done: dict = {}
     for t in range(ticks):
@@ -171,13 +196,13 @@ def check(table: np.ndarray, m: int) -> None:
     for s in range(p):
         for i in range(m):
             split = (INPUT, s, i) in done
-            wanted = (FWD, INPUT, WEIGHT) if split else (FWD, BWD)
+            wanted = (FWD, RECOMPUTE, INPUT, WEIGHT) if split else (FWD, BWD)
             missing = [_NAMES[k] for k in wanted if (k, s, i) not in done]
             if missing:
                 raise ValueError(f"stage {s}: micro-batch {i} never runs {', '.join(missing)}")
 
 
-_NAMES = {FWD: "F", BWD: "B+W", INPUT: "B", WEIGHT: "W"}
+_NAMES = {FWD: "F", BWD: "B+W", RECOMPUTE: "R", INPUT: "B", WEIGHT: "W"}
 
 
 def circular(p: int, m: int, v: int) -> np.ndarray:
@@ -200,18 +225,17 @@ def tick_table(schedule: Schedule, p: int, m: int, v: int) -> np.ndarray:
     """[ticks, p, 3] of (action, micro-batch, chunk k) for each device on each tick:
     the forward loop for gpipe / interleaved (autodiff mirrors it), the whole step for
     1f1b (where a tick holds a forward or a backward)."""
-    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
-        table, _, _ = ticked_table(schedule, p, m)
+    if schedule in TICKED:
+        table = ticked_table(schedule, p, m).table
         return np.concatenate([table, np.zeros_like(table[..., :1])], axis=-1)
     return circular(p, m, v)
 
 
-def ticked_table(schedule: Schedule, p: int, m: int) -> tuple[np.ndarray, int, int]:
-    """([ticks, p, 2] of (action, micro-batch), input slots, weight slots) of a schedule
-    whose table holds its backward ticks (1f1b: no weight slots)."""
+def ticked_table(schedule: Schedule, p: int, m: int) -> Ticked:
+    """A schedule whose table holds its backward ticks (1f1b, zb-h1)."""
     if schedule is Schedule.ZB_H1:
         return zb_h1(p, m)
-    return (*one_f_one_b(p, m), 0)
+    return Ticked(*one_f_one_b(p, m), residuals=0, weights=0)
 
 
 def idle_share(table: np.ndarray) -> float:
@@ -231,9 +255,9 @@ def lockstep(table: np.ndarray) -> tuple[int, float]:
 def handover_share(schedule: Schedule, p: int, m: int) -> float:
     """Share of the tick loop's hand-overs that really happen: 1f1b and zb-h1 skip the ticks on
     which no stage sends that way (the ledger, reading the HLO, counts every tick)."""
-    if schedule not in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
+    if schedule not in TICKED:
         return 1.0
-    table, _, _ = ticked_table(schedule, p, m)
+    table = ticked_table(schedule, p, m).table
     back = np.isin(table[:, 1:, 0], BACKWARDS)
     fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + back.any(axis=1).sum()
     return float(fired) / (2 * len(table))

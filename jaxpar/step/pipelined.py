@@ -31,6 +31,8 @@ from jaxpar.parallel.schedules import (
     FWD,
     IDLE,
     INPUT,
+    RECOMPUTE,
+    TICKED,
     TICKS_SCOPE,
     WEIGHT,
     tick_table,
@@ -175,9 +177,6 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
     return loss / count, reports
 
 
-TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)  # the tables that hold backward ticks
-
-
 class _Slots(NamedTuple):
     """What a 1F1B device carries from tick to tick."""
 
@@ -186,6 +185,7 @@ class _Slots(NamedTuple):
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
     held: list  # [weight slots, layers, ...] each: what B kept for W (zero-bubble)
+    recomputed: list  # [residual slots, layers, ...] each: what R kept for B (zero-bubble)
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
 
@@ -237,8 +237,9 @@ def _hand_over(ticks: _Ticks, t, state: _Slots, send_f, send_b, zeros_h) -> _Slo
     return state._replace(acts=acts, gins=gins)
 
 
-def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, held) -> _Slots:
-    """Nothing run yet: empty buffers, fp32 gradients and loss at zero."""
+def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, kept) -> _Slots:
+    """Nothing run yet: empty buffers, fp32 gradients and loss at zero; `kept`: (held,
+    recomputed), the zero-bubble slots."""
     buffers = _zeros(h_shape, (slots,))
     return _Slots(
         acts=buffers,
@@ -247,7 +248,8 @@ def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, he
         g_rest=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
         loss=jnp.zeros((), jnp.float32),
         reports=reports,
-        held=held,
+        held=kept[0],
+        recomputed=kept[1],
     )
 
 
@@ -256,7 +258,8 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
     reports summed), gradients of all local parameters)."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p = layout.stages
-    table, slots_n, weight_slots = ticked_table(pipe.schedule, p, m)
+    ticked = ticked_table(pipe.schedule, p, m)
+    table, slots_n = ticked.table, ticked.inputs
     ticks = _ticks(table, slots_n)
     table_j, stage = ticks.table, ticks.stage
     every_stack, rest_storage = _split(params, pipe.stack_keys)
@@ -311,13 +314,13 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
 
     backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
     branches = {IDLE: lambda state, i: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
-    held = []
-    if weight_slots:
+    kept = [], []
+    if ticked.weights:
         halves = zero_bubble.halves(
             parts.layer, prepare, stack, frozen_stack, active, h_shape, _take(mbs, 0)
         )
-        held = halves.kept_shapes((weight_slots,))
-        branches.update(_split_backward(halves, mbs, slots_n, weight_slots, into_pre, zeros_h))
+        kept = halves.kept_shapes((ticked.weights,)), halves.residual_shapes((ticked.residuals,))
+        branches.update(_split_backward(halves, mbs, ticked, into_pre, zeros_h))
     run_op = _switch(branches, table)
 
     def tick(state, t):
@@ -325,7 +328,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
         return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
 
     reports = _no_reports(parts, whole(rest), h_shape, _take(mbs, 0))
-    state = _empty_slots(h_shape, slots_n, stack, rest, reports, held)
+    state = _empty_slots(h_shape, slots_n, stack, rest, reports, kept)
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
@@ -359,22 +362,29 @@ def _switch(branches: dict, table: np.ndarray):
     )
 
 
-def _split_backward(halves, mbs, slots_n: int, weight_slots: int, into_pre, zeros_h) -> dict:
-    """The zero-bubble ticks: B hands the input's gradient back and files what W reads;
-    W adds the weights' gradients."""
+def _split_backward(halves, mbs, ticked, into_pre, zeros_h) -> dict:
+    """The zero-bubble ticks: R files the chunk's residuals for B; B hands the input's
+    gradient back and files what W reads; W adds the weights' gradients."""
+
+    def recompute(state: _Slots, i):
+        residuals = halves.recompute(_take(state.acts, i % ticked.inputs), _take(mbs, i))
+        recomputed = _put(state.recomputed, i % ticked.residuals, residuals)
+        return state._replace(recomputed=recomputed), zeros_h, zeros_h
 
     def input_grad(state: _Slots, i):
-        mb, slot = _take(mbs, i), i % slots_n
-        d_x, kept = halves.input_grad(_take(state.acts, slot), _take(state.gins, slot), mb)
-        held = _put(state.held, i % weight_slots, kept)
+        mb = _take(mbs, i)
+        residuals = _take(state.recomputed, i % ticked.residuals)
+        gin = _take(state.gins, i % ticked.inputs)
+        d_x, kept = halves.input_grad(residuals, gin, mb)
+        held = _put(state.held, i % ticked.weights, kept)
         return state._replace(held=held, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
 
     def weight_grad(state: _Slots, i):
-        grads = halves.weight_grad(_take(state.held, i % weight_slots), _take(mbs, i))
+        grads = halves.weight_grad(_take(state.held, i % ticked.weights), _take(mbs, i))
         g_stack = {k: g + grads[k][None].astype(g.dtype) for k, g in state.g_stack.items()}
         return state._replace(g_stack=g_stack), zeros_h, zeros_h
 
-    return {INPUT: input_grad, WEIGHT: weight_grad}
+    return {RECOMPUTE: recompute, INPUT: input_grad, WEIGHT: weight_grad}
 
 
 def reduce_shared(pipe: Pipe, grads: dict, specs: dict) -> dict:

@@ -1,12 +1,14 @@
-"""The zero-bubble schedules' two backward halves on one pipeline device (the tick
-executor is jaxpar.step.pipelined): B and W, a layer at a time, from one split of the
+"""The zero-bubble schedules' backward in three parts on one pipeline device (the tick
+executor is jaxpar.step.pipelined): R, B and W, a layer at a time, from one split of the
 layer's backward (jaxpar.step.split_backward).
 
-B recomputes the chunk's forward from its stage input, as 1F1B's backward does, keeping
-each layer's residuals for the length of the tick alone; then it runs the layers' B
-halves top down and hands the input's gradient back. What each layer's W half reads
-(the inputs of its weight products and their output gradients) is kept in a slot until
-the W tick, which makes the weights' gradients from it: W recomputes nothing.
+R recomputes the chunk's forward from its stage input, as 1F1B's backward does, and
+keeps each layer's residuals in a slot until the B tick (the schedule runs B a tick or
+two later, so one slot is enough: the recompute costs the memory of one micro-batch's
+saved activations, where keeping them from the forward would cost p of them). B runs
+the layers' B halves top down and hands the input's gradient back. What each layer's W
+half reads (the inputs of its weight products and their output gradients) is kept in a
+slot until the W tick, which makes the weights' gradients from it: W recomputes nothing.
 """
 
 from __future__ import annotations
@@ -30,20 +32,29 @@ class Halves:
     layers: int
 
     def kept_shapes(self, lead: tuple[int, ...]):
-        shapes = self.split.shapes(self.split.kept)
-        return [jnp.zeros(lead + (self.layers,) + s.shape, s.dtype) for s in shapes]
+        """Zeros for `lead` slots of what B keeps for W."""
+        return self._zeros(self.split.kept, lead + (self.layers,))
 
-    def input_grad(self, x, dy, mb):
-        """(dx, kept [layers, ...] each): the chunk's B."""
-        sp = self.split
-        no_res = [jnp.zeros(s.shape, s.dtype) for s in sp.shapes(sp.residuals)]
-        no_kept = [jnp.zeros(s.shape, s.dtype) for s in sp.shapes(sp.kept)]
+    def residual_shapes(self, lead: tuple[int, ...]):
+        """Zeros for `lead` slots of what R keeps for B."""
+        return self._zeros(self.split.residuals, lead + (self.layers,))
+
+    def _zeros(self, which, lead: tuple[int, ...]):
+        return [jnp.zeros(lead + s.shape, s.dtype) for s in self.split.shapes(which)]
+
+    def recompute(self, x, mb):
+        """The chunk's R: each layer's residuals, [layers, ...] each."""
+        sp, no_res = self.split, self._zeros(self.split.residuals, ())
 
         def forward(h, n):
             w, aux = self.args(n, mb)
             return jax.lax.cond(self.active[n], lambda: sp.forward(w, h, aux), lambda: (h, no_res))
 
-        _, residuals = jax.lax.scan(forward, x, jnp.arange(self.layers))
+        return jax.lax.scan(forward, x, jnp.arange(self.layers))[1]
+
+    def input_grad(self, residuals, dy, mb):
+        """(dx, kept [layers, ...] each): the chunk's B, from R's residuals."""
+        sp, no_kept = self.split, self._zeros(self.split.kept, ())
 
         def backward(d, n_res):
             n, res = n_res
@@ -72,7 +83,7 @@ class Halves:
 
 def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb) -> Halves:
     """`layer(params, h, micro-batch)` over this device's `stack` ([1, layers, ...] each;
-    `frozen`: the stack's leaves not trained) as B and W halves, split at the shapes of
+    `frozen`: the stack's leaves not trained) as R, B and W, split at the shapes of
     one layer, activation `h_shape` and micro-batch `mb`."""
 
     def args(n, mb):
