@@ -37,6 +37,7 @@ PROVEN = (
     ("data x tensor x ZeRO-3", "equivalence", "strategies", "dp4-tp2-zero3", "comm"),
     ("pipeline, GPipe", "pipeline", "schedules", "gpipe", "bubble"),
     ("pipeline, 1F1B", "pipeline", "schedules", "1f1b", "bubble"),
+    ("pipeline, zero-bubble ZB-H1", "pipeline", "schedules", "zb-h1", "bubble"),
     ("pipeline, interleaved", "pipeline", "schedules", "interleaved-v2", "bubble"),
     ("ring all-reduce, hand-written", "dp", "dp", "ring", "comm"),
     ("gradient server", "dp", "dp", "server", "comm"),
@@ -73,8 +74,8 @@ def proven(bench: dict) -> str:
 
 def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     """A schedule's tick table, as the executor runs it, drawn: a row per stage, a column
-    per tick; F forward, B input gradient, W weight gradient, X both (1F1B's backward),
-    each micro-batch in its own colour."""
+    per tick; F forward, R recompute, B input gradient, W weight gradient, X all three
+    (1F1B's backward), each micro-batch in its own colour."""
     from jaxpar.config.sections import Schedule
     from jaxpar.parallel import schedules
 

@@ -56,10 +56,12 @@ CLAIMS = (
     ),
     Claim(
         "README.md",
-        "The compiled pipeline's bubble is the formula's (p-1)/(m+p-1), and interleaving "
-        "shrinks it",
+        "The compiled pipeline's bubble (idle compute over all, each op weighed by its "
+        "work) is its table's and its formula's (ZB-H1's: at most its bound), and "
+        "interleaving shrinks it",
         (
             f"{P}::test_compiled_bubble_matches_formula",
+            f"{P}::test_idle_share_of_the_tick_table_is_the_textbook_bubble",
             f"{P}::test_interleaving_shrinks_the_bubble",
         ),
     ),
@@ -224,11 +226,14 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
-        "ZB-H1's table runs every F, B and W once after its inputs, holds at most 1F1B's "
-        "peak of p micro-batches, and idles less than 1F1B; a broken table is refused",
+        "ZB-H1's table runs every F, R, B and W once after its inputs, holds at most "
+        "1F1B's p micro-batches in flight and one chunk's residuals, and idles at most "
+        "1F1B's bubble / 2.5 at p=4, m=8; a broken table is refused; its temporaries stay "
+        "flat in m",
         (
-            f"{P}::test_zb_h1_table_runs_each_f_b_and_w_once_after_its_inputs",
+            f"{P}::test_zb_h1_table_runs_each_f_r_b_and_w_once_after_its_inputs",
             f"{P}::test_a_broken_tick_table_is_refused",
+            f"{P}::test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe",
         ),
     ),
     Claim(
