@@ -259,8 +259,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
     p = layout.stages
     ticked = ticked_table(pipe.schedule, p, m)
-    table, slots_n = ticked.table, ticked.inputs
-    ticks = _ticks(table, slots_n)
+    ticks, slots_n = _ticks(ticked.table, ticked.inputs), ticked.inputs
     table_j, stage = ticks.table, ticks.stage
     every_stack, rest_storage = _split(params, pipe.stack_keys)
     # gradients of the trained leaves alone; the frozen ones are constants
@@ -321,7 +320,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
         )
         kept = halves.kept_shapes((ticked.weights,)), halves.residual_shapes((ticked.residuals,))
         branches.update(_split_backward(halves, mbs, ticked, into_pre, zeros_h))
-    run_op = _switch(branches, table)
+    run_op = _switch(branches, ticked.table)
 
     def tick(state, t):
         state, send_f, send_b = run_op(table_j[t, stage, 0], state, table_j[t, stage, 1])
