@@ -272,7 +272,7 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
-        (Schedule.ONE_F_ONE_B, Schedule.ZB_H1) if p > 1 else (Schedule.ONE_F_ONE_B,),
+        TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1
         trains,
     ):
         if (

@@ -238,11 +238,6 @@ def ticked_table(schedule: Schedule, p: int, m: int) -> Ticked:
     return Ticked(*one_f_one_b(p, m), residuals=0, weights=0)
 
 
-def idle_share(table: np.ndarray) -> float:
-    """The bubble, measured: the share of (tick, device) slots of a tick table that idle."""
-    return float((table[..., 0] == IDLE).mean())
-
-
 def lockstep(table: np.ndarray) -> tuple[int, float]:
     """(the step's length, its idle share) with each op weighed by what it computes
     (WORK) and each tick as long as its longest op: the ticks run in lockstep, each
