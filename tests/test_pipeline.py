@@ -158,7 +158,7 @@ def test_idle_share_of_the_tick_table_is_the_textbook_bubble(schedule, p, m, v):
     table = schedules.tick_table(Schedule(schedule), p, m, v)
     idle = (table[..., 0] == schedules.IDLE).sum()
     assert idle == p * (p - 1) * (2 if schedule == "1f1b" else 1)
-    assert idle / table[..., 0].size == pytest.approx((p - 1) / (v * m + p - 1))
+    assert schedules.idle_share(table) == pytest.approx((p - 1) / (v * m + p - 1))
     # in the bubble's unit (each op weighed by its work, the ticks in lockstep), the
     # formulas the ledger reports beside it
     lockstep = schedules.lockstep(table)[1]

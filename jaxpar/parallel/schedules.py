@@ -238,6 +238,13 @@ def ticked_table(schedule: Schedule, p: int, m: int) -> Ticked:
     return Ticked(*one_f_one_b(p, m), residuals=0, weights=0)
 
 
+def idle_share(table: np.ndarray) -> float:
+    """The share of (tick, device) slots of a tick table that idle: the tick count's
+    bubble, which the last release reported (the bubble is now `lockstep`'s, each op
+    weighed by its work)."""
+    return float((table[..., 0] == IDLE).mean())
+
+
 def lockstep(table: np.ndarray) -> tuple[int, float]:
     """(the step's length, its idle share) with each op weighed by what it computes
     (WORK) and each tick as long as its longest op: the ticks run in lockstep, each
