@@ -1,5 +1,7 @@
 """The errors a user can fix, each turned by the command line into exit status 2 and its
-one-line message; and the stops of a run gone wrong (exit status 3)."""
+one-line message; and the stops of a run gone wrong (exit status 3), or hung (HUNG)."""
+
+HUNG = 4  # the exit status of a process whose step made no progress (train.hang_timeout_s)
 
 
 class UserError(ValueError):

@@ -148,6 +148,21 @@ def _launch_parser(sub) -> None:
     launch.add_argument("--processes", type=int, required=True, metavar="N")
     launch.add_argument("--cpu-devices-per-process", type=int, default=4, metavar="M")
     launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart after a worker dies or hangs, up to N times, on the processes left, in "
+        "the layout that fits them (docs/many-hosts.md); 0 = stop and name it",
+    )
+    launch.add_argument(
+        "--min-processes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="give up rather than restart on fewer than K processes",
+    )
+    launch.add_argument(
         "command_args", nargs=argparse.REMAINDER, metavar="-- train ... | -- SCRIPT.py ..."
     )
 
@@ -432,6 +447,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
                 f"--processes {args.processes}: give 1 to {MAX_CPU_DEVICES} local processes"
             )
         _check_cpu_devices(args.cpu_devices_per_process, "--cpu-devices-per-process")
+        if not 0 <= args.max_restarts <= 1000:
+            raise ConfigError(f"--max-restarts {args.max_restarts}: give 0 to 1000 restarts")
+        if not 1 <= args.min_processes <= args.processes:
+            raise ConfigError(
+                f"--min-processes {args.min_processes}: give 1 to --processes "
+                f"({args.processes}), the fewest processes a restart may run on"
+            )
         if not args.command_args:
             raise ConfigError(
                 "launch: no command to run; e.g. jaxpar launch --processes 2 -- train "
@@ -681,6 +703,7 @@ def _check_config(args: argparse.Namespace):
 
 def _launch(args: argparse.Namespace) -> int:
     from jaxpar.parallel.distributed import launch
+    from jaxpar.training import elastic
 
     rest, out, ckpt = args.command_args, Path("."), None
     if not rest[0].endswith(".py"):
@@ -691,7 +714,13 @@ def _launch(args: argparse.Namespace) -> int:
             ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
         elif getattr(inner, "out", None):
             out = inner.out.parent
-    return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt)
+    restarts = None
+    if args.max_restarts:
+        shrink, per = None, args.cpu_devices_per_process
+        if rest[0] == "train":  # (bench, inspect and scripts: restarted as they were)
+            shrink = lambda *counts: elastic.shrink(cfg, *counts, per, args.min_processes)  # noqa: E731
+        restarts = elastic.Restarts(args.max_restarts, args.min_processes, shrink)
+    return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt, restarts)
 
 
 def _prepare_data(args: argparse.Namespace) -> int:

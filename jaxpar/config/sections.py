@@ -427,6 +427,14 @@ class Train(Section):
             "3) | skip (leave the state as it was, count it in the metrics' `skipped`)"
         ),
     )
+    hang_timeout_s: Annotated[float, Range(0, 7 * 86400, "seconds; 0 = off")] = key(
+        0.0,
+        (
+            "a step (its collectives, save, evaluation and hooks) that makes no progress for "
+            "this long ends the process with its stacks in its log (exit 4), which `jaxpar "
+            "launch --max-restarts` restarts from; 0 = wait for ever"
+        ),
+    )
     check_replicas_every: Annotated[int, Range(0, 10**9, "steps between checks; 0 = off")] = key(
         0,
         (

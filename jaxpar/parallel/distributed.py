@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxpar.errors import ConfigError, RendezvousError
+from jaxpar.errors import HUNG, ConfigError, RendezvousError
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 LAUNCHER = "JAXPAR_LAUNCHER_PID"  # set by `jaxpar launch` for its workers
@@ -200,21 +201,33 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def latest_checkpoint(ckpt_dir: Path | None, none: str = "") -> str:
-    """Where a stopped job resumes from, in words (the newest complete step's folder);
-    `none`: the words where there is no checkpoint."""
-    steps = sorted(
+def newest_step(ckpt_dir: Path | None) -> int | None:
+    """The newest complete checkpoint's step (orbax renames a step's folder into place
+    once it is whole: a partial one is never counted)."""
+    steps = [
         int(p.name)
         for p in (ckpt_dir.iterdir() if ckpt_dir and ckpt_dir.is_dir() else ())
         if p.name.isdigit()
-    )
-    if not steps:
+    ]
+    return max(steps, default=None)
+
+
+def latest_checkpoint(ckpt_dir: Path | None, none: str = "") -> str:
+    """Where a stopped job resumes from, in words (the newest complete step's folder);
+    `none`: the words where there is no checkpoint."""
+    step = newest_step(ckpt_dir)
+    if step is None:
         return none or "no checkpoint to resume from (set checkpoint.every to keep them)"
-    return f"resume from step {steps[-1]} in {ckpt_dir} by running the same command again"
+    return f"resume from step {step} in {ckpt_dir} by running the same command again"
 
 
 def launch(
-    processes: int, cpu_devices: int, argv: list[str], log_dir: Path, ckpt_dir: Path | None = None
+    processes: int,
+    cpu_devices: int,
+    argv: list[str],
+    log_dir: Path,
+    ckpt_dir: Path | None = None,
+    restarts=None,
 ) -> int:
     """Run ARGV as `processes` local processes of one job, `cpu_devices` simulated devices
     each: a `jaxpar` command (`train ...`) or a Python script (`script.py ...`), told
@@ -225,47 +238,137 @@ def launch(
     SIGTERM or SIGINT to the launcher goes to every worker, once: they finish the step in
     flight, save and exit; the launcher waits for them and returns their status (0).
     The first worker to fail stops the others; the launcher names it, how it ended, its
-    last lines and the checkpoint to resume from, and returns its status."""
+    last lines and the checkpoint to resume from, and returns its status. With
+    `restarts` (jaxpar.training.elastic.Restarts), it restarts instead on the processes
+    left, in the layout that fits them, up to restarts.most times: a worker killed by a
+    signal (not gloo's abort of a casualty) or found stopped is taken as lost with its
+    host and not restarted; one that exited with an error is."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    coordinator = f"127.0.0.1:{free_port()}"
-    # -P: never the working directory's `jaxpar` (a checkout's root holds one)
-    command = (
-        [sys.executable, *argv]
-        if argv[0].endswith(".py")
-        else [sys.executable, "-P", "-m", "jaxpar.cli.main", *argv]
-    )
-    paths = [log_dir / f"process-{i}.log" for i in range(processes)]
-    procs: list[subprocess.Popen] = []
-    stopping: list[int] = []
-    told: set[int] = set()  # the workers the stop was sent to
-
-    def tell() -> None:
-        for p in procs:
-            if p.pid not in told and p.poll() is None:
-                told.add(p.pid)
-                p.send_signal(stopping[0])
-
-    def forward(signum, frame) -> None:
-        if not stopping:
-            stopping.append(signum)
-            tell()
-
+    job = _Job(cpu_devices, log_dir, ckpt_dir)
     # (from before the first worker: a stop while they start reaches every one started)
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for i, log in enumerate(_take_logs(paths)):
-            with log:  # the worker holds it (and its lock) from here
-                if not stopping:
-                    procs.append(_spawn(command, log, i, processes, coordinator, cpu_devices))
-        if stopping:  # a stop that came while a worker was spawned, before it was listed
-            tell()
-        return _watch(procs, paths, stopping, ckpt_dir)
+        return _attempts(job, processes, argv, restarts)
     finally:
-        for p in procs:
+        for p in job.procs:
             if p.poll() is None:
                 p.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _attempts(job: _Job, processes: int, argv: list[str], restarts) -> int:
+    """The job, restarted after each death while `restarts` allows; its exit status."""
+    done: list[_Restart] = []
+    startup, began = None, time.monotonic()
+    while True:
+        progress = _Progress(job.log_dir / "metrics.jsonl", newest_step(job.ckpt_dir) or 0)
+        ended = job.run(processes, argv, progress)
+        if done and done[-1].recovered_at is None:
+            done[-1].recovered_at = progress.first_at
+        if startup is None and progress.first_at is not None:
+            startup = progress.first_at - began
+        if isinstance(ended, _Death):
+            ended.before = [r.cause for r in done]
+            again = _restart(job, ended, processes, argv, restarts, len(done))
+        if not isinstance(ended, _Death) or again is None:
+            if done:
+                print(f"jaxpar launch: restarts\n{restarts.table(done, startup)}", flush=True)
+            return ended if isinstance(ended, int) else ended.report(job.ckpt_dir)
+        processes, argv, restart = again
+        done.append(restart)
+
+
+def _restart(job: _Job, death: _Death, processes: int, argv, restarts, done: int):
+    """(processes, argv, the restart) after `death`, its summary printed; None where
+    the launch gives up (no restarts, none left, too few processes, an input error)."""
+    if restarts is None or death.code == 2:  # (bad input: a restart would repeat it)
+        return None
+    if done >= restarts.most:
+        death.gave_up = f"giving up after {done} restart(s) (--max-restarts {restarts.most})"
+        return None
+    try:
+        shrunk, argv = restarts.next(processes, processes - len(death.lost), argv)
+    except ConfigError as e:
+        death.gave_up = f"not restarted: {e}"
+        return None
+    _keep_logs(job.log_dir, processes, done + 1)
+    step = newest_step(job.ckpt_dir)
+    resumed = "the start (no checkpoint yet)" if step is None else f"step {step}"
+    cause = death.cause()
+    restart = _Restart(
+        cause, processes, shrunk.processes, shrunk.layout, resumed.split(" (")[0], death.at
+    )
+    print(
+        f"\njaxpar launch: restart {done + 1} of at most {restarts.most}: {cause}\n"
+        f"  layout   {shrunk.said}\n"
+        f"  rule     data and replica shrink first; tensor, pipeline, context and expert are "
+        f"kept; the batch is kept by accumulation\n"
+        f"  resume   from {resumed} in {job.ckpt_dir}",
+        flush=True,
+    )
+    return shrunk.processes, argv, restart
+
+
+@dataclass
+class _Restart:
+    cause: str  # which worker died, how, in which step
+    before: int
+    processes: int
+    layout: str
+    resumed: str  # the step it resumed from
+    died_at: float  # time.monotonic() when the launcher saw the death
+    recovered_at: float | None = None  # the first step after it
+
+
+def _keep_logs(log_dir: Path, processes: int, restart: int) -> None:
+    """The workers' logs before restart `restart`, kept as process-<i>.log.<restart>."""
+    for i in range(processes):
+        log = log_dir / f"process-{i}.log"
+        if log.exists():
+            os.replace(log, log_dir / f"process-{i}.log.{restart}")
+
+
+class _Job:
+    """The workers of one attempt, and the stop the launcher forwards to them."""
+
+    def __init__(self, cpu_devices: int, log_dir: Path, ckpt_dir: Path | None):
+        self.cpu_devices, self.log_dir, self.ckpt_dir = cpu_devices, log_dir, ckpt_dir
+        self.procs: list[subprocess.Popen] = []
+        self.stopping: list[int] = []
+        self.told: set[int] = set()  # the workers the stop was sent to
+
+    def tell(self) -> None:
+        for p in self.procs:
+            if p.pid not in self.told and p.poll() is None:
+                self.told.add(p.pid)
+                p.send_signal(self.stopping[0])
+
+    def forward(self, signum, frame) -> None:
+        if not self.stopping:
+            self.stopping.append(signum)
+            self.tell()
+
+    def run(self, processes: int, argv: list[str], progress: _Progress):
+        """Spawn and watch one attempt: its status, or the _Death that ended it."""
+        coordinator = f"127.0.0.1:{free_port()}"
+        # -P: never the working directory's `jaxpar` (a checkout's root holds one)
+        command = (
+            [sys.executable, *argv]
+            if argv[0].endswith(".py")
+            else [sys.executable, "-P", "-m", "jaxpar.cli.main", *argv]
+        )
+        paths = [self.log_dir / f"process-{i}.log" for i in range(processes)]
+        self.procs = []
+        for i, log in enumerate(_take_logs(paths)):
+            with log:  # the worker holds it (and its lock) from here
+                if not self.stopping:
+                    self.procs.append(
+                        _spawn(command, log, i, processes, coordinator, self.cpu_devices)
+                    )
+        if self.stopping:  # a stop that came while a worker was spawned, before it was listed
+            self.tell()
+        return _watch(self.procs, paths, self.stopping, self.ckpt_dir, progress)
 
 
 def _spawn(command, log, i: int, processes: int, coordinator: str, cpu_devices: int):
@@ -333,37 +436,78 @@ def _this_jaxpar() -> dict:
 
 class _Echo:
     """Process 0's log, streamed to this console as it grows: whole lines, without the
-    log's first line (which worker writes it) nor gloo's connection chatter."""
+    log's first line (which worker writes it), gloo's connection chatter, nor a
+    traceback (a failure's cause is reported from its own log; process 0's traceback is
+    most often a peer's death, met in a collective)."""
 
     NOISE = (HEADER, "[Gloo]")
+    TRACEBACK = "Traceback (most recent call last):"
 
     def __init__(self, path: Path):
-        self.file, self.partial = path.open(), ""
+        self.file, self.partial, self.in_traceback = path.open(), "", False
 
     def pump(self) -> None:
         *lines, self.partial = (self.partial + self.file.read()).split("\n")
-        kept = [line + "\n" for line in lines if not line.startswith(self.NOISE)]
+        kept = [line + "\n" for line in lines if self._shown(line)]
         sys.stdout.write("".join(kept))
         sys.stdout.flush()
 
+    def _shown(self, line: str) -> bool:
+        if line.startswith(self.TRACEBACK):
+            self.in_traceback = True
+        elif self.in_traceback and line and not line[0].isspace():
+            self.in_traceback = False  # its last line: the exception
+            return False
+        return not (self.in_traceback or line.startswith(self.NOISE))
+
     def close(self) -> None:
         self.pump()
-        sys.stdout.write(self.partial)
+        if self._shown(self.partial):
+            sys.stdout.write(self.partial)
         self.file.close()
 
 
-def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None) -> int:
+class _Progress:
+    """The time the first step after `after` (the step an attempt resumes from) is
+    logged in metrics.jsonl: a row for a later step, written after the attempt began
+    (a resume first drops the rows past its checkpoint)."""
+
+    def __init__(self, path: Path, after: int):
+        self.path, self.after, self.began = path, after, time.time()
+        self.first_at: float | None = None
+        self.last_step = after  # the newest step logged
+        self.seen = 0.0  # the file's time of change when last read
+
+    def poll(self) -> None:
+        try:
+            changed = self.path.stat().st_mtime
+            if changed == self.seen:
+                return
+            self.seen = changed
+            with self.path.open("rb") as f:  # its last row, from its end
+                f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
+                last = f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+            step = int(json.loads(last)["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self.last_step = step
+        if self.first_at is None and step > self.after and changed >= self.began:
+            self.first_at = time.monotonic()
+
+
+def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir, progress: _Progress):
     echo = _Echo(paths[0])
     try:
         while True:
             echo.pump()
+            progress.poll()
             codes = [p.poll() for p in procs]
             if stopping:
                 grace = grace_s(ckpt_dir, paths[0].parent / "metrics.jsonl")
                 return _wait_stopped(procs, echo, signal.Signals(stopping[0]), ckpt_dir, grace)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                return _failed(procs, paths, codes, failed, ckpt_dir)
+                return _failed(procs, paths, codes, failed, progress.last_step)
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.1)
@@ -371,27 +515,82 @@ def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir: Path | None)
         echo.close()
 
 
-def _failed(procs, paths: list[Path], codes: list, failed: list[int], ckpt_dir) -> int:
-    """The first worker to fail named, the others stopped; its exit status."""
+def _failed(procs, paths: list[Path], codes: list, failed: list[int], step: int) -> _Death:
+    """The first worker to fail, and the lost ones, with the others stopped."""
     # the cause, not a casualty: a worker whose peer died aborts in gloo (SIGABRT), and may
     # be seen dead in the same poll as the one that died
-    i = min(failed, key=lambda i: codes[i] == -signal.SIGABRT)
+    lost = _lost(codes, [p.pid for p in procs])
+    i = min(failed, key=lambda i: (i not in lost, codes[i] == -signal.SIGABRT))
     running = [p for p in procs if p.poll() is None]
     for p in running:
         p.kill()
     for p in running:
         p.wait()
     lines = paths[i].read_text().splitlines()
-    tail = deque((line for line in lines if not line.startswith(_Echo.NOISE)), 12)
-    print(
-        f"jaxpar launch: process {i} of {len(procs)} {_how(codes[i])}; stopped the "
-        f"other {len(running)}; {latest_checkpoint(ckpt_dir)}. Its log is "
-        f"{paths[i]}; its last lines:",
-        *tail,
-        sep="\n",
-        file=sys.stderr,
-    )
-    return _status(codes[i])
+    tail = list(deque((line for line in lines if not line.startswith(_Echo.NOISE)), 12))
+    return _Death(i, len(procs), codes[i], lost, step + 1, len(running), paths[i], tail)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): it makes no progress."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def _lost(codes: list, pids: list[int]) -> list[int]:
+    """The workers taken as lost with their hosts: killed by a signal other than gloo's
+    abort of a worker whose peer died, or stopped."""
+    return [
+        i
+        for i, (code, pid) in enumerate(zip(codes, pids, strict=True))
+        if (code is not None and code < 0 and code != -signal.SIGABRT)
+        or (code is None and _stopped(pid))
+    ]
+
+
+@dataclass
+class _Death:
+    """A worker's failure, which ended an attempt."""
+
+    process: int
+    processes: int
+    code: int
+    lost: list[int]  # the workers taken as lost with their hosts
+    step: int  # the step in flight
+    stopped: int  # the other workers the launcher stopped
+    log: Path
+    tail: list[str]
+    at: float = field(default_factory=time.monotonic)
+    before: list[str] = field(default_factory=list)  # the causes of earlier restarts
+    gave_up: str = ""
+
+    def cause(self) -> str:
+        hung = [j for j in self.lost if j != self.process]
+        if self.code == HUNG and hung:
+            return (
+                f"process {hung[0]} of {self.processes} was stopped (no progress): process "
+                f"{self.process} found step {self.step} hung"
+            )
+        return f"process {self.process} of {self.processes} {_how(self.code)} in step {self.step}"
+
+    def report(self, ckpt_dir: Path | None) -> int:
+        """Printed as the launch's end: one line naming it (and the deaths before it)."""
+        head = f"jaxpar launch: process {self.process} of {self.processes} {_how(self.code)}"
+        if self.before:
+            head = f"jaxpar launch: {self.gave_up}: {'; then '.join([*self.before, self.cause()])}"
+        elif self.gave_up:
+            head += f" ({self.gave_up})"
+        print(
+            f"{head}; stopped the other {self.stopped}; {latest_checkpoint(ckpt_dir)}. Its "
+            f"log is {self.log}; its last lines:",
+            *self.tail,
+            sep="\n",
+            file=sys.stderr,
+        )
+        return _status(self.code)
 
 
 def grace_s(ckpt_dir: Path | None, metrics: Path) -> float:

@@ -36,7 +36,7 @@ from jaxpar.nn.problem import Problem
 from jaxpar.parallel.batches import batch_for, check_first_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import leaf_key
-from jaxpar.training import checkpoint, console, metrics, rundir
+from jaxpar.training import checkpoint, console, metrics, rundir, watchdog
 from jaxpar.training.hooks import Hook
 
 STEP_EVENT = "/jaxpar/train/step"  # a jax.monitoring event per dispatched training step
@@ -110,12 +110,11 @@ def train(
         n_params, trainable = _counts(problem)
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source, trainable))
         files = out_dir if out_dir and lead else None
-        for hook in hooks:
-            if lines := hook.start(run, state, out_dir if lead else None, start):
-                say(lines)
+        _start_hooks(hooks, run, state, out_dir if lead else None, start, say)
         log, profile = _run_files(files, run, cfg.train.profile_steps, saver, start, say)
         saver.rows = log.rows
-        with _Stops() as stops, contextlib.closing(log):
+        hang = watchdog.Watchdog(cfg.train.hang_timeout_s, start)
+        with _Stops() as stops, contextlib.closing(log), hang:
             options = LoopOptions(
                 progress=progress and not quiet and lead,
                 every=cfg.checkpoint.every if ckpt_dir else 0,
@@ -124,6 +123,7 @@ def train(
                 profile=profile,
                 evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
                 hooks=tuple(hooks),
+                beat=hang.beat,
             )
             loop = run_loop(run, state, batches, log, start, options)
         state = saver.finish(loop, start)
@@ -137,6 +137,13 @@ def train(
         checkpoints=saver.directory if saver.opened else None,
         stopped=loop.stopped,
     )
+
+
+def _start_hooks(hooks, run, state, out_dir: Path | None, start: int, say) -> None:
+    """Each hook's start, and what it has to say (out_dir: None but on process 0)."""
+    for hook in hooks:
+        if lines := hook.start(run, state, out_dir, start):
+            say(lines)
 
 
 def _compiled(cfg: Config, problem: Problem, mesh, batches, force: bool, peak_tflops) -> Run:
@@ -377,6 +384,7 @@ class LoopOptions:
     profile: Path | None = None  # steps train.profile_steps traced into this folder
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
     hooks: tuple[Hook, ...] = ()  # run around the steps (jaxpar.training.hooks)
+    beat: Callable[[], None] = lambda: None  # after each step settles (train.hang_timeout_s)
 
 
 def run_loop(
@@ -396,7 +404,7 @@ def run_loop(
     with tqdm(
         total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress
     ) as bar:
-        rows = _Rows(run, loop, log, bar)
+        rows = _Rows(run, loop, log, bar, opts.beat)
         pending = None  # (step, metrics on device) of the step in flight
         span = profile_range(cfg) if opts.profile else None
         tracing = False
@@ -495,8 +503,8 @@ class _Rows:
     train.log_every steps, the first and last, and any not finite) into `log` and the
     progress bar."""
 
-    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar):
-        self.run, self.loop, self.log, self.bar = run, loop, log, bar
+    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar, beat):
+        self.run, self.loop, self.log, self.bar, self.beat = run, loop, log, bar, beat
         self.last = time.perf_counter()
         self.since_log: list[float] = []
         self.extra: dict = {}  # the columns of a rollout made for the next step settled
@@ -506,6 +514,7 @@ class _Rows:
         `evaluate`, the held-out loss of the state now (its time kept out of the step's)."""
         cfg, loop = self.run.cfg.train, self.loop
         host = jax.device_get(device_metrics)
+        self.beat()
         now = time.perf_counter()
         loop.times.append(now - self.last)
         self.since_log.append(now - self.last)
