@@ -749,6 +749,17 @@ CLAIMS = (
             "test_distributed.py::test_a_dead_worker_is_named_with_its_signal_and_the_checkpoint",
         ),
     ),
+    Claim(
+        "docs/many-hosts.md",
+        "A lost worker restarts the run on the processes left, as a straight run in that "
+        "layout from the same checkpoint; a hung one is named and restarted",
+        (
+            "test_elastic.py::test_a_lost_worker_restarts_on_those_left_as_a_straight_run_would",
+            "test_elastic.py::test_a_hung_worker_is_named_and_restarted_and_a_second_death_gives_up",
+            "test_elastic.py::test_data_shrinks_first_and_accumulation_keeps_the_batch",
+            "test_elastic.py::test_the_slurm_script_retries_a_failed_step_but_not_bad_input",
+        ),
+    ),
     # docs/your-model.md
     Claim(
         "docs/your-model.md",

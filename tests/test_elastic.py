@@ -165,3 +165,26 @@ def test_a_hung_worker_is_named_and_restarted_and_a_second_death_gives_up(tmp_pa
     ), line
     with pytest.raises(ProcessLookupError):  # the stopped worker is gone too
         os.kill(stopped, 0)
+
+
+@pytest.mark.parametrize("statuses, ends", [("1 4 0", 0), ("2", 2), ("1 1 1 1", 1)])
+def test_the_slurm_script_retries_a_failed_step_but_not_bad_input(tmp_path, statuses, ends):
+    """scripts/slurm/train.sbatch with an `srun` that fails as told: a death or a hang
+    (exit 4) is retried within the allocation, up to MAX_RESTARTS=3; bad input is not."""
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "activate").write_text("")
+    (tmp_path / "statuses").write_text(statuses)
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(
+        '#!/bin/bash\nset -- $(cat statuses)\necho "$*" >> calls\n'
+        'status=$1; shift; echo "$*" > statuses; exit "${status:-0}"\n'
+    )
+    srun.chmod(0o755)
+    script = Path(__file__).parent.parent / "scripts" / "slurm" / "train.sbatch"
+    env = {**os.environ, "PATH": f"{srun.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert done.returncode == ends, done.stdout + done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == {"1 4 0": 3, "2": 1, "1 1 1 1": 4}[statuses]
