@@ -282,7 +282,10 @@ def _attempts(job: _Job, processes: int, argv: list[str], restarts) -> int:
 def _restart(job: _Job, death: _Death, processes: int, argv, restarts, done: int):
     """(processes, argv, the restart) after `death`, its summary printed; None where
     the launch gives up (no restarts, none left, too few processes, an input error)."""
-    if restarts is None or death.code == 2:  # (bad input: a restart would repeat it)
+    if restarts is None:
+        return None
+    if death.code == 2:  # bad input: a restart would repeat it
+        death.gave_up = "not restarted: bad input (exit 2) would fail again"
         return None
     if done >= restarts.most:
         death.gave_up = f"giving up after {done} restart(s) (--max-restarts {restarts.most})"
@@ -294,11 +297,9 @@ def _restart(job: _Job, death: _Death, processes: int, argv, restarts, done: int
         return None
     _keep_logs(job.log_dir, processes, done + 1)
     step = newest_step(job.ckpt_dir)
-    resumed = "the start (no checkpoint yet)" if step is None else f"step {step}"
+    resumed = "the start" if step is None else f"step {step}"
     cause = death.cause()
-    restart = _Restart(
-        cause, processes, shrunk.processes, shrunk.layout, resumed.split(" (")[0], death.at
-    )
+    restart = _Restart(cause, processes, shrunk.processes, shrunk.layout, resumed, death.at)
     print(
         f"\njaxpar launch: restart {done + 1} of at most {restarts.most}: {cause}\n"
         f"  layout   {shrunk.said}\n"

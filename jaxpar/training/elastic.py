@@ -25,7 +25,7 @@ import jax
 
 from jaxpar.config import registry
 from jaxpar.config.sections import Config
-from jaxpar.cost.report import table
+from jaxpar.cost import report
 from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
@@ -158,24 +158,20 @@ class Restarts:
 
     @staticmethod
     def table(restarts: list, startup_s: float | None) -> str:
-        return closing_table(restarts, startup_s)
-
-
-def closing_table(restarts: list, startup_s: float | None) -> str:
-    """The launch's restarts: each one's cause, layout and recovery time (death to the
-    first step after it) against the run's own start-up (launch to its first step)."""
-    start = "-" if startup_s is None else f"{startup_s:.1f}"
-    rows = [
-        [
-            str(k),
-            r.cause,
-            f"{r.before} -> {r.processes}",
-            r.layout,
-            r.resumed,
-            "-" if r.recovered_at is None else f"{r.recovered_at - r.died_at:.1f}",
-            start,
+        """The launch's restarts: each one's cause, layout and recovery time (death to the
+        first step after it) against the run's own start-up (launch to its first step)."""
+        start = "-" if startup_s is None else f"{startup_s:.1f}"
+        rows = [
+            [
+                str(k),
+                r.cause,
+                f"{r.before} -> {r.processes}",
+                r.layout,
+                r.resumed,
+                "-" if r.recovered_at is None else f"{r.recovered_at - r.died_at:.1f}",
+                start,
+            ]
+            for k, r in enumerate(restarts, 1)
         ]
-        for k, r in enumerate(restarts, 1)
-    ]
-    header = ["restart", "cause", "processes", "layout", "resumed", "recovery s", "start-up s"]
-    return table(rows, header)
+        header = ["restart", "cause", "processes", "layout", "resumed", "recovery s", "start-up s"]
+        return report.table(rows, header)
