@@ -20,6 +20,7 @@ from jaxpar import objectives
 from jaxpar.adapters import initial, lora
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Adapter, AdapterKind, Config, Model, Train, computed_model
+from jaxpar.data import mixture
 from jaxpar.data import tokens as data
 from jaxpar.nn.problem import Problem, registered
 from jaxpar.objectives import reference
@@ -50,6 +51,8 @@ def setup(cfg: Config, devices=None) -> Setup:
     problem, batches = model_problem(cfg, describe(mesh), devices)
     hooks = objectives.of(cfg.train.objective).hooks(batches)
     source = data.describe(cfg.data, cfg.train)
+    if cfg.data.mixture:
+        source = mixture.describe(cfg.data.mixture, cfg.train.steps) + source[source.rindex(";") :]
     return Setup(mesh, problem, batches, source, held_out_batches(cfg, devices), hooks)
 
 

@@ -760,6 +760,37 @@ CLAIMS = (
             "test_elastic.py::test_the_slurm_script_retries_a_failed_step_but_not_bad_input",
         ),
     ),
+    # docs/data.md
+    Claim(
+        "docs/data.md",
+        "An epoch visits every window once, whichever process builds which rows",
+        (
+            "test_mixture.py::test_the_order_is_a_bijection_of_seed_and_epoch",
+            "test_mixture.py::test_an_epoch_visits_every_window_once",
+        ),
+    ),
+    Claim(
+        "docs/data.md",
+        "A mixture's blocks hold each source's exact share, and a phase switches at its step",
+        ("test_mixture.py::test_blocks_hold_exact_shares_and_a_phase_switches_at_its_step",),
+    ),
+    Claim(
+        "docs/data.md",
+        "A resume reads the straight run's batches bitwise; a changed mixture goes on from "
+        "the recorded position and says what changed",
+        (
+            "test_mixture.py::test_kill_9_mid_phase_resumes_to_the_straight_runs_batches",
+            "test_mixture.py::test_a_changed_mixture_goes_on_from_the_recorded_position",
+        ),
+    ),
+    Claim(
+        "docs/data.md",
+        "A bad mixture file is refused in one line naming the key and the fix",
+        (
+            "test_mixture.py::test_bad_mixture_files_are_refused_in_one_line",
+            "test_mixture.py::test_sources_with_different_vocabularies_are_refused",
+        ),
+    ),
     # docs/your-model.md
     Claim(
         "docs/your-model.md",

@@ -249,7 +249,7 @@ def _prepare_data_parser(sub) -> None:
     prep = sub.add_parser(
         "prepare-data",
         help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
-        description="Tokenize INPUT files (text; JSONL with a `text` field per line; Parquet "
+        description="Tokenize INPUT files or quoted globs, in sorted order (text; JSONL with a `text` field per line; Parquet "
         "with a `text` column; with --format chat, JSONL conversations; with --format "
         "preference, JSONL pairs of a chosen and a rejected answer) with a local Hugging "
         "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
@@ -479,9 +479,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     elif args.command == "plan" and args.out:
         rundir.check_file_target(args.out, "--out")
     elif args.command == "prepare-data":
-        from jaxpar.data.prepare import check
+        from jaxpar.data.prepare import check, expand
 
         rundir.check_writable(args.out)
+        args.inputs = expand(args.inputs)
         check(
             args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
         )

@@ -86,6 +86,11 @@ class Packing(enum.StrEnum):
     STREAM = "stream"
 
 
+class Order(enum.StrEnum):
+    EPOCHS = "epochs"
+    RANDOM = "random"
+
+
 class LossMask(enum.StrEnum):
     AUTO = "auto"
     TRUE = "true"
@@ -670,6 +675,21 @@ class Data(Section):
             "documents (each document in a window attends only to itself, its positions from 0, "
             "its first token not predicted from the one before) | stream (one stream of "
             "tokens, as nanoGPT)"
+        ),
+    )
+    order: Order = key(
+        Order.EPOCHS,
+        (
+            "epochs (each epoch visits every window of seq_len + 1 ids once, in an order of "
+            "the seed and the epoch) | random (windows at random starts, with replacement: "
+            "the batches of earlier releases, reproduced)"
+        ),
+    )
+    mixture: str = key(
+        "",
+        (
+            "a YAML file of prepared folders with weights, and phases that change them from a "
+            "step on (docs: data.md); read in epochs, with data.source=tokens implied"
         ),
     )
 

@@ -26,6 +26,7 @@ time; the output is written as it is encoded.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -46,6 +47,21 @@ BATCH = 256  # units encoded at once
 VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05, "prompts": 0.05}
 MAX_LENGTH = 1024  # --format preference: ids of prompt + answer at most (TRL's max_length)
 MAX_IDS = 1 << 20  # the longest --max-length (train.seq_len's bound)
+
+
+def expand(inputs: list[Path]) -> list[Path]:
+    """INPUTs with their globs (a quoted `data/*.jsonl`, `shards/**/*.parquet`) expanded,
+    sorted, in the order given: the files prepared, and their order in the output."""
+    out = []
+    for path in inputs:
+        if path.exists() or not glob.has_magic(str(path)):
+            out.append(path)
+            continue
+        matched = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+        if not matched:
+            raise ConfigError(f"prepare-data: {path} matches no file; check the pattern")
+        out.extend(p for p in matched if p.is_file())
+    return out
 
 
 def check(

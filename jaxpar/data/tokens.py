@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config.sections import ConfigError, Data, LossMask, Model, Packing, Source, Train
+from jaxpar.config.sections import ConfigError, Data, LossMask, Model, Order, Packing, Source, Train
 
 BYTE_VOCAB = 256
 # a batch's keys besides `tokens` (what they mean: jaxpar.nn.documents)
@@ -348,6 +348,9 @@ def describe(data: Data, train: Train) -> str:
         Source.SYNTHETIC: "synthetic: counting sequences with a random start and stride",
         Source.TOKENS: f"tokens: {data.path}, memory-mapped",
     }[data.source]
+    if data.source is not Source.SYNTHETIC:
+        how = "in epochs" if data.order is Order.EPOCHS else "windows drawn with replacement"
+        what += f", {how}"
     packing, masked = uses(data, train)
     if packing:
         what += "; documents packed, each attending to itself"
@@ -380,10 +383,15 @@ def batch_at(
     else:
         # every window of seq_len + 1 ids, the last one included
         starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)[rows]
-        at = starts[:, None] + np.arange(seq_len + 1)
-        ids = tokens.open() if isinstance(tokens, TokenFile) else tokens
-        return {"tokens": ids[at].astype(np.int32), **_marked(marks, starts, at)}
+        return windows_at(tokens, starts, seq_len, marks)
     return {"tokens": out.astype(np.int32)}
+
+
+def windows_at(tokens, starts: np.ndarray, seq_len: int, marks: Marks = Marks()) -> dict:
+    """The windows of seq_len + 1 ids at `starts`, with their marks."""
+    at = starts[:, None] + np.arange(seq_len + 1)
+    ids = tokens.open() if isinstance(tokens, TokenFile) else tokens
+    return {"tokens": ids[at].astype(np.int32), **_marked(marks, starts, at)}
 
 
 def _marked(marks: Marks, starts: np.ndarray, at: np.ndarray) -> dict[str, np.ndarray]:

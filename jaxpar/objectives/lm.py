@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxpar.config.sections import Config, Data, Train
-from jaxpar.data import pairs, prompts
+from jaxpar.config.sections import Config, Data, Order, Train
+from jaxpar.data import feed, pairs, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 from jaxpar.nn.problem import Problem
@@ -36,6 +36,8 @@ def problem(own: Problem, cfg: Config) -> Problem:
 def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> Callable:
     """(i, rows=slice(None)) -> batch i of `split`'s tokens ("val": held out; synthetic
     data draws the held-out batches from a stream never trained on)."""
+    if cfg.data.mixture:
+        return feed.mixed(cfg.data, cfg.train, cfg.model.vocab, split)
     if split == "train":
         tokens, first = data.load_tokens(cfg.data, cfg.train, cfg.model), 0
     else:
@@ -54,6 +56,8 @@ def token_batches(
     """(i, rows=slice(None)) -> batch first + i of `split`'s `tokens`, with the marks
     (documents, loss mask) the config uses."""
     marks = data.load_marks(source, t, tokens, split) if tokens is not None else data.Marks()
+    if tokens is not None and source.order is Order.EPOCHS:
+        return feed.one("data", tokens, marks, t)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         return data.batch_at(

@@ -538,6 +538,7 @@ class Saver:
         self.base = None  # a frozen base's reference (jaxpar.adapters.base), saved in meta
         self.rows: list[dict] = []  # the run's metrics rows so far (MetricsLog.rows)
         self.rows_through = None  # the resumed checkpoint's: its last metrics row's step
+        self.position = None  # step -> the data's position then (jaxpar.data.feed)
 
     def _open(self) -> None:
         self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
@@ -577,6 +578,8 @@ class Saver:
         saved = meta(self.cfg, self.mesh, self.layout, step, self.base)
         # the step of the last metrics row written before it: a resume finds it in the file
         saved["rows_through"] = max((r["step"] for r in self.rows if r["step"] <= step), default=0)
+        if self.position is not None:  # the data's (jaxpar.data.feed), for a resume
+            saved["data"] = self.position(step)
         self.ckpts.save(step, self.layout.to_saved(state), saved)
         self.newest = step
 

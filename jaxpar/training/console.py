@@ -182,6 +182,9 @@ def _loss(losses: list[float], rows, first: int) -> list[list[str]]:
     ]  # fmt: skip
 
 
+TOKENS_FED, EVAL_LOSS_OF = "tokens", "eval_loss/"  # metrics keys (jaxpar.data.feed)
+
+
 def closing(report: Report, losses: list[float], rows: list[dict] = (), first: int = 1) -> str:
     """The closing table: the run's figures (`losses`: this call's, from step `first`),
     and what the model reported (a mixture's drops, ...) from the first logged step to
@@ -192,6 +195,7 @@ def closing(report: Report, losses: list[float], rows: list[dict] = (), first: i
     figures = [
         *_loss(losses, rows, first),
         *([["held-out loss", f"{report.eval_loss:.4f}"]] if report.eval_loss is not None else []),
+        *_fed(rows[-1] if rows else {}),
         ["step time", f"{report.step_time_s * 1e3:.1f} ms (median)"],
         [
             "tokens/s",
@@ -219,6 +223,21 @@ def closing(report: Report, losses: list[float], rows: list[dict] = (), first: i
             "model.experts_per_token drops none), or model.router_aux_loss to balance them"
         )
     return lines
+
+
+def _fed(row: dict) -> list[list[str]]:
+    """The data's figures in a metrics row: each source's held-out loss, the tokens fed,
+    the epochs (jaxpar.data.feed's position)."""
+    out = [
+        [f"held-out loss {k.split('/', 1)[1]}", f"{v:.4f}"]
+        for k, v in row.items()
+        if k.startswith(EVAL_LOSS_OF)
+    ]
+    epochs = {k.split("/", 1)[-1]: v for k, v in row.items() if k.split("/")[0] == "epoch"}
+    if TOKENS_FED in row:
+        where = ", ".join(f"{n} {e:.3g}" for n, e in epochs.items())
+        out.append(["data fed", f"{row[TOKENS_FED]:,} tokens; epochs: {where}"])
+    return out
 
 
 def next_steps(out: Path, model_name: str, adapter: Adapter, data: Data) -> list[str]:

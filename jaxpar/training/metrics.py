@@ -28,9 +28,12 @@ TENSORBOARD_TAGS = (
 MODEL_METRICS = ("mtp_loss",)
 
 
+DATA_KEYS = ("epoch/", "eval_loss/", "tokens/")  # a mixture's sources' figures, the data's own
+
+
 def model_reported(row: dict) -> list[str]:
     """The keys of `row` that the model reported."""
-    return [k for k in row if "/" in k or k in MODEL_METRICS]
+    return [k for k in row if ("/" in k or k in MODEL_METRICS) and not k.startswith(DATA_KEYS)]
 
 
 def _summary_writer():

@@ -107,10 +107,10 @@ def train(
         saver.bind(problem, run.engine, mesh)
         state = _first_state(cfg.model, cfg.train, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
+        batches = _resumed_data(batches, saver, start, say)  # saver.position: what saves record
         n_params, trainable = _counts(problem)
         say(console.startup(run.report, n_params, jax.devices()[0].platform, source, trainable))
-        files = out_dir if out_dir and lead else None
-        _start_hooks(hooks, run, state, out_dir if lead else None, start, say)
+        _start_hooks(hooks, run, state, files := out_dir if out_dir and lead else None, start, say)
         log, profile = _run_files(files, run, cfg.train.profile_steps, saver, start, say)
         saver.rows = log.rows
         hang = watchdog.Watchdog(cfg.train.hang_timeout_s, start)
@@ -362,9 +362,43 @@ def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
         return {
             "eval_loss": float(np.mean(jax.device_get(losses))),
             **{f"eval_{k}": v for k, v in sorted(means.items())},
+            **{
+                f"{console.EVAL_LOSS_OF}{name}": alone(state)["eval_loss"]
+                for name, alone in each.items()
+            },
         }
 
+    each = {n: _evaluation(run, b) for n, b in getattr(eval_batches, "alone", {}).items()}
     return evaluate
+
+
+def _fed(position: dict) -> dict:
+    """A metrics row's figures of the data position: tokens fed, each source's epochs."""
+    epochs = position["epochs"]
+    named = list(epochs) != ["data"]  # a mixture's sources, by name
+    tokens = {
+        f"{console.TOKENS_FED}/{n}": d * position["seq_len"] for n, d in position["drawn"].items()
+    }
+    return {
+        console.TOKENS_FED: position["tokens"],
+        **(tokens if named else {}),
+        **{f"epoch/{n}" if named else "epoch": e for n, e in epochs.items()},
+    }
+
+
+def _resumed_data(batches, saver, start: int, say):
+    """`batches` from the checkpoint at `start` on: a feed (jaxpar.data.feed) at the
+    position it recorded, saying what changed in the data since; others as they are."""
+    resumed = getattr(batches, "resumed", None)
+    if start and resumed is not None:
+        batches, changes = resumed(start, saver.ckpts.meta(start).get("data"))
+        if changes:
+            say(
+                f"data: changed since step {start}'s checkpoint ({'; '.join(changes)}); each "
+                "source goes on from the draws it recorded"
+            )
+    saver.position = getattr(batches, "position", None)
+    return batches
 
 
 def _throughput(run: Run, step_s: float) -> dict:
@@ -404,7 +438,7 @@ def run_loop(
     with tqdm(
         total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress
     ) as bar:
-        rows = _Rows(run, loop, log, bar, opts.beat)
+        rows = _Rows(run, loop, log, bar, opts.beat, getattr(batches, "position", None))
         pending = None  # (step, metrics on device) of the step in flight
         span = profile_range(cfg) if opts.profile else None
         tracing = False
@@ -503,8 +537,9 @@ class _Rows:
     train.log_every steps, the first and last, and any not finite) into `log` and the
     progress bar."""
 
-    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar, beat):
+    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar, beat, position=None):
         self.run, self.loop, self.log, self.bar, self.beat = run, loop, log, bar, beat
+        self.position = position
         self.last = time.perf_counter()
         self.since_log: list[float] = []
         self.extra: dict = {}  # the columns of a rollout made for the next step settled
@@ -545,6 +580,7 @@ class _Rows:
             "skipped": int(host.skipped),
             "trained_tokens": int(host.targets),  # the loss's divisor: trained targets
             **held_out,
+            **(_fed(self.position(step + 1)) if self.position else {}),
             **{name: float(value) for name, value in sorted(host.reports.items())},
             **({"update_s": dt, **extra} if extra else {}),
         }

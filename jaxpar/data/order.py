@@ -1,0 +1,62 @@
+"""The order an epoch visits a split's windows in: a pseudo-random permutation of
+[0, n) that is a pure function of (seed, source, epoch), computed for each index alone.
+
+It is a Feistel network over the smallest power of four at least n, cycle-walked into
+[0, n) (a bijection of the larger domain, applied again while it lands past n, is a
+bijection of [0, n)). No table of n entries is built, so a split of any size costs
+nothing to shuffle, and each process computes only its own rows' windows: what Grain's
+index shuffle does, in numpy, vectorised over a batch's rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROUNDS = 6
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def keys(seed: int, source: int, epoch: int) -> tuple[int, ...]:
+    """The round keys of one source's epoch."""
+    draws = np.random.default_rng([seed, source, epoch]).integers(0, 2**63, size=ROUNDS)
+    return tuple(int(k) for k in draws)
+
+
+def permute(index: np.ndarray, n: int, round_keys: tuple[int, ...]) -> np.ndarray:
+    """The window each of `index` (each in [0, n)) visits, int64, as the epoch of
+    `round_keys` orders them: a bijection of [0, n)."""
+    half = max(1, ((int(n) - 1).bit_length() + 1) // 2)
+    out = np.asarray(index, dtype=np.uint64).copy()
+    todo = np.arange(out.size)
+    while todo.size:  # cycle-walking: at most a few rounds, the domain being < 4n
+        out[todo] = _feistel(out[todo], half, round_keys)
+        todo = todo[out[todo] >= n]
+    return out.astype(np.int64)
+
+
+def _feistel(x: np.ndarray, half: int, round_keys: tuple[int, ...]) -> np.ndarray:
+    mask = np.uint64((1 << half) - 1)
+    left, right = x >> np.uint64(half), x & mask
+    for key in round_keys:
+        left, right = right, left ^ (_mix(right, key) & mask)
+    return (left << np.uint64(half)) | right
+
+
+def _mix(x: np.ndarray, key: int) -> np.ndarray:
+    """splitmix64's finaliser of x + key: every bit of the key and of x in every bit out."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64((key * _GOLDEN) & (2**64 - 1))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def windows(counts: np.ndarray, n: int, seed: int, source: int) -> np.ndarray:
+    """The windows of one source's `counts`-th draws (0 the first ever): draw k is in
+    epoch k // n, at that epoch's place k % n; int64, in the order given."""
+    counts = np.asarray(counts, dtype=np.int64)
+    out = np.empty(counts.shape, dtype=np.int64)
+    epochs = counts // n
+    for epoch in np.unique(epochs):  # a batch spans one epoch, or two at its turn
+        at = epochs == epoch
+        out[at] = permute(counts[at] % n, n, keys(seed, source, int(epoch)))
+    return out
