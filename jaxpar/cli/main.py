@@ -249,7 +249,8 @@ def _prepare_data_parser(sub) -> None:
     prep = sub.add_parser(
         "prepare-data",
         help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
-        description="Tokenize INPUT files or quoted globs, in sorted order (text; JSONL with a `text` field per line; Parquet "
+        description="Tokenize INPUT files or quoted globs, in sorted order (text; JSONL "
+        "with a `text` field per line; Parquet "
         "with a `text` column; with --format chat, JSONL conversations; with --format "
         "preference, JSONL pairs of a chosen and a rejected answer) with a local Hugging "
         "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
