@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ROUNDS = 6
+ROUNDS = 4  # Luby-Rackoff: four rounds of a random function make a strong permutation
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
