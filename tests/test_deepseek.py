@@ -142,8 +142,14 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
         # data.order=random: the batch this comparison was first measured on. The epochs'
         # first batch puts a qwen2_moe token near a routing tie at pipeline=2 x data=2
         # (2.6e-5 off transformers' loss; open, see the issue 66 note)
-        [f"model.init=hf:{directory}", *on, *LAYOUTS[layout], "train.steps=1", "train.lr=1e-12",
-         "data.order=random"],  # fmt: skip
+        [
+            f"model.init=hf:{directory}",
+            *on,
+            *LAYOUTS[layout],
+            "train.steps=1",
+            "train.lr=1e-12",
+            "data.order=random",
+        ],  # fmt: skip
     )
     cfg = presets.resolve_init(cfg, {"router_aux_loss"})
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
