@@ -133,23 +133,19 @@ LAYOUTS = {
 }
 
 
+def micro_batches(rows: np.ndarray, data: int, m: int) -> list[np.ndarray]:
+    """The rows each of `m` micro-batches holds: its share of every data shard's rows."""
+    shards = np.split(rows, max(data, 1))
+    return [np.concatenate([np.split(s, m)[i] for s in shards]) for i in range(m)]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     family, preset, directory = checkpoint
     on = [f"model.router_aux_loss={BALANCE}"] if family == "qwen2_moe" else []
     cfg = presets.load(
         preset,
-        # data.order=random: the batch this comparison was first measured on. The epochs'
-        # first batch puts a qwen2_moe token near a routing tie at pipeline=2 x data=2
-        # (2.6e-5 off transformers' loss; open, see the issue 66 note)
-        [
-            f"model.init=hf:{directory}",
-            *on,
-            *LAYOUTS[layout],
-            "train.steps=1",
-            "train.lr=1e-12",
-            "data.order=random",
-        ],  # fmt: skip
+        [f"model.init=hf:{directory}", *on, *LAYOUTS[layout], "train.steps=1", "train.lr=1e-12"],
     )
     cfg = presets.resolve_init(cfg, {"router_aux_loss"})
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
@@ -157,7 +153,11 @@ def test_first_step_loss_is_transformers_loss(checkpoint, layout, devices):
     params = hf.initial_params(registry.get(family).hf, cfg.model, directory, s.problem.shapes)
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, params=params, quiet=True)
     tokens = s.batches(0)["tokens"]
-    logits, balance = theirs(directory, tokens[:, :-1])
+    logits, _ = theirs(directory, tokens[:, :-1])
+    # a pipeline's balance is each micro-batch's, averaged (as Megatron-LM's: a 1F1B
+    # micro-batch runs its backward before the later ones run forward)
+    parts = micro_batches(tokens[:, :-1], cfg.parallel.data, cfg.parallel.microbatches)
+    balance = np.mean([theirs(directory, part)[1] for part in parts])
     loss = torch.nn.functional.cross_entropy(
         torch.tensor(logits).reshape(-1, 256), torch.tensor(tokens[:, 1:].reshape(-1)).long()
     ).item()
