@@ -181,6 +181,10 @@ def test_bad_tokens_refused(case, prepared, tmp_path, capsys, devices):
         (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/a.txt"], "is a file"),
         (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--val-fraction", "0.6"],
          "--val-fraction 0.6: give a share from 0 (hold nothing out) to 0.5"),
+        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--workers", "0"],
+         "--workers 0: give 1 to 1024 processes"),
+        (["{tmp}/a.txt", "--tokenizer", "{tok}", "--out", "{tmp}/o", "--workers", "2",
+          "--format", "chat"], "--workers 2: --format chat is encoded in one process"),
     ],
 )  # fmt: skip
 def test_bad_prepare_data_refused(argv, needle, tokenizer, tmp_path, capsys):
@@ -189,6 +193,51 @@ def test_bad_prepare_data_refused(argv, needle, tokenizer, tmp_path, capsys):
     assert cli.main(["prepare-data", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def _prepare(tokenizer: Path, out: Path, *inputs, flags=()) -> dict[str, bytes]:
+    argv = ["prepare-data", *map(str, inputs), "--tokenizer", str(tokenizer), "--out", str(out)]
+    assert cli.main([*argv, "--val-fraction", "0.1", *flags]) == 0
+    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+
+
+def test_workers_1_and_2_write_byte_identical_folders(tokenizer, tmp_path):
+    """2,000 paragraphs and 300 JSONL documents (9 chunks of 256 units): two worker
+    processes, taking chunks in turn, write what one process does, meta.json included."""
+    docs = _documents()
+    (tmp_path / "a.txt").write_text("\n\n".join(docs[i % len(docs)][:300] for i in range(2000)))
+    (tmp_path / "b.jsonl").write_text(
+        "".join(json.dumps({"text": docs[i % len(docs)]}) + "\n" for i in range(300))
+    )
+    inputs = (tmp_path / "a.txt", tmp_path / "b.jsonl")
+    one = _prepare(tokenizer, tmp_path / "one", *inputs, flags=("--workers", "1"))
+    two = _prepare(tokenizer, tmp_path / "two", *inputs, flags=("--workers", "2"))
+    assert one == two and json.loads(one["meta.json"])["documents"] == 301
+
+
+def test_a_datasets_folder_reads_as_its_jsonl(tokenizer, tmp_path, capsys):
+    """A Dataset `datasets` saved in two Arrow shards prepares to the bytes of the same
+    documents as JSONL; a DatasetDict's folder, or one without a text column, exit 2."""
+    datasets = pytest.importorskip("datasets")
+    docs = _documents()
+    saved = datasets.Dataset.from_dict({"text": docs, "n": list(range(len(docs)))})
+    saved.save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    ours = _prepare(tokenizer, tmp_path / "from_hf", tmp_path / "hf")
+    theirs = _prepare(tokenizer, tmp_path / "from_jsonl", tmp_path / "docs.jsonl")
+    assert {k: v for k, v in ours.items() if k != "meta.json"} == {
+        k: v for k, v in theirs.items() if k != "meta.json"
+    }
+    datasets.DatasetDict({"train": saved, "test": saved}).save_to_disk(str(tmp_path / "dict"))
+    saved.rename_column("text", "body").save_to_disk(str(tmp_path / "body"))
+    capsys.readouterr()  # datasets' progress bars
+    for folder, needle in [
+        ("dict", "a DatasetDict (splits train, test); give one split's folder, e.g. "),
+        ("body", "no `text` column (it has body, n)"),
+    ]:
+        argv = ["prepare-data", str(tmp_path / folder), "--tokenizer", str(tokenizer)]
+        assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
+        one_line_error(capsys, needle)
 
 
 def test_val_fraction_0_holds_nothing_out(tokenizer, tmp_path, capsys, devices):

@@ -248,19 +248,29 @@ def _export_parser(sub) -> None:
 def _prepare_data_parser(sub) -> None:
     prep = sub.add_parser(
         "prepare-data",
-        help="tokenize text, JSONL, Parquet or chat files into train.bin, val.bin, meta.json",
-        description="Tokenize INPUT files or quoted globs, in sorted order (text; JSONL "
-        "with a `text` field per line; Parquet "
-        "with a `text` column; with --format chat, JSONL conversations; with --format "
-        "preference, JSONL pairs of a chosen and a rejected answer) with a local Hugging "
-        "Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or uint32), "
-        "train.idx and val.idx (where each document starts), with --format chat train.mask "
-        "and val.mask (1 per trained id), and meta.json, for `jaxpar train "
+        help="tokenize text, JSONL, Parquet, datasets or chat files into train.bin, val.bin, "
+        "meta.json",
+        description="Tokenize INPUT files, quoted globs or folders, in sorted order (text; "
+        "JSONL with a `text` field per line; Parquet with a `text` column; a Hugging Face "
+        "`datasets` folder "
+        "save_to_disk wrote, with a `text` column; with --format chat, JSONL conversations; "
+        "with --format preference, JSONL pairs of a chosen and a rejected answer) with a local "
+        "Hugging Face tokenizer into --out: train.bin and val.bin (token ids, uint16 or "
+        "uint32), train.idx and val.idx (where each document starts), with --format chat "
+        "train.mask and val.mask (1 per trained id), and meta.json, for `jaxpar train "
         "data.source=tokens data.path=OUT`. Every 1/val-fraction-th document is held out.",
     )
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
     prep.add_argument("--tokenizer", type=Path, required=True, metavar="DIR")
     prep.add_argument("--out", type=Path, required=True, metavar="DIR")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes that encode --format text, each on a core; the output is the same "
+        "bytes at any N (default: this machine's cores)",
+    )
     prep.add_argument(
         "--val-fraction",
         type=float,
@@ -485,7 +495,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
         rundir.check_writable(args.out)
         args.inputs = expand(args.inputs)
         check(
-            args.inputs, args.tokenizer, args.out, args.val_fraction, args.format, args.max_length
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            args.val_fraction,
+            args.format,
+            args.max_length,
+            args.workers,
         )
     elif args.command == "export":
         if not args.run_dir.is_dir():
@@ -730,7 +746,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
     request = (args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
     wrote = "prepared already" if prepared(*request, args.max_length) else "wrote"
-    meta = prepare(*request, args.max_length)
+    meta = prepare(*request, args.max_length, args.workers)
     trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
     if asked := meta.get("prompts"):
         print(

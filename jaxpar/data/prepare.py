@@ -1,5 +1,6 @@
-"""`jaxpar prepare-data`: text, JSONL (a `text` field per line) or Parquet (a `text`
-column) files -> token ids on disk: `train.bin` and `val.bin` (flat uint16, or uint32
+"""`jaxpar prepare-data`: text, JSONL (a `text` field per line), Parquet (a `text`
+column) files or Hugging Face `datasets` folders (save_to_disk's; jaxpar.data.columnar)
+-> token ids on disk: `train.bin` and `val.bin` (flat uint16, or uint32
 for a vocabulary over 65536 ids), `train.idx` and `val.idx` (the document index: each
 document's first id, as int64 offsets), and a small `meta.json` (vocab size, dtype,
 token counts, the tokenizer, the index's format), what `data.source=tokens
@@ -11,22 +12,24 @@ their masks: `data.path` of a `train.objective=dpo` run. `--format prompts` keep
 prompts, tokenized, with their other fields (jaxpar.data.prompts): `data.path` of a
 `train.objective=grpo` run.
 
-The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`); its batched
-encoder runs on all cores. A text document ends with the tokenizer's end-of-text token
-where it has one (for the model to learn where documents end); where documents start is
-the index's to say. Every `1 / val_fraction`-th unit goes to val.bin, never trained on (0:
+The tokenizer is a local Hugging Face `tokenizers` one (`tokenizer.json`). Text is
+encoded by `workers` processes (jaxpar.data.encoding), into the same bytes at any count.
+A text document ends with the tokenizer's end-of-text token where it has one (for the
+model to learn where documents end); where documents start is the index's to say.
+Every `1 / val_fraction`-th unit goes to val.bin, never trained on (0:
 none; val.bin is then empty, and a run that evaluates says so): a
 JSONL line, a Parquet row, a conversation, or a paragraph of a text file (a text file is
 one document; its paragraphs are the units, so that one long file still has a held-out
 split, and its paragraphs in each split form one document there). Inputs are streamed: a
 text file a paragraph at a time, JSONL a line at a time, Parquet a record batch at a
-time; the output is written as it is encoded.
+time (a datasets folder likewise); the output is written as it is encoded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -37,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar import disk
-from jaxpar.data import chat, preference, prompts
+from jaxpar.data import chat, columnar, encoding, preference, prompts
 from jaxpar.data import tokens as data
 from jaxpar.errors import ConfigError
 
@@ -47,6 +50,7 @@ BATCH = 256  # units encoded at once
 VAL_FRACTION = {"text": 0.005, "chat": 0.05, "preference": 0.05, "prompts": 0.05}
 MAX_LENGTH = 1024  # --format preference: ids of prompt + answer at most (TRL's max_length)
 MAX_IDS = 1 << 20  # the longest --max-length (train.seq_len's bound)
+MAX_WORKERS = 1024  # --workers' bound: a process each
 
 
 def expand(inputs: list[Path]) -> list[Path]:
@@ -71,14 +75,18 @@ def check(
     val_fraction: float | None,
     fmt: str = "text",
     max_length: int = MAX_LENGTH,
+    workers: int | None = None,
 ) -> None:
     """Every path and number, before anything is read (val_fraction None: the format's
-    VAL_FRACTION); nothing to check where the same request was prepared already."""
+    VAL_FRACTION; workers None: the machine's cores); nothing to check where the same
+    request was prepared already."""
+    _check_workers(workers, fmt)
     if prepared(inputs, tokenizer, out, val_fraction, fmt, max_length) is not None:
         return
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     for path in inputs:
-        chat.input_file(path, "prepare-data")
+        if not columnar.is_dataset(path):
+            chat.input_file(path, "prepare-data")
         if fmt != "text" and path.suffix != ".jsonl":
             raise ConfigError(
                 f"prepare-data --format {fmt}: {path}: {fmt} lines are read from .jsonl "
@@ -94,8 +102,8 @@ def check(
         raise ConfigError(
             f"--val-fraction {val_fraction}: give a share from 0 (hold nothing out) to 0.5"
         )
-    for path in (p for p in inputs if p.suffix == ".parquet"):
-        _check_parquet(path)
+    for path in (p for p in inputs if p.suffix == ".parquet" or p.is_dir()):
+        columnar.check(path)
     if (out / data.META).exists():
         raise ConfigError(
             f"--out {out}: holds a dataset prepared from other inputs, tokenizer or flags; "
@@ -146,27 +154,17 @@ def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
             yield preference.pair(tok, template, row, kind, eos, max_length, where), size
 
 
-def _check_parquet(path: Path) -> None:
-    """A Parquet file pyarrow opens, with a `text` column."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
+def _check_workers(workers: int | None, fmt: str) -> None:
+    if workers is not None and not 1 <= workers <= MAX_WORKERS:
         raise ConfigError(
-            "prepare-data: reading Parquet needs pyarrow; pip install 'jaxpar[parquet]'"
-        ) from None
-    try:
-        schema = pq.ParquetFile(path).schema_arrow
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"prepare-data: {path}: not a Parquet file pyarrow reads ({e})") from None
-    if "text" not in schema.names:
-        raise ConfigError(
-            f"prepare-data: {path}: no `text` column (it has "
-            f"{', '.join(schema.names) or 'none'}); documents are read from a column named text"
+            f"--workers {workers}: give 1 to {MAX_WORKERS} processes (default: this "
+            f"machine's {encoding.cores()} cores)"
         )
-    kind = schema.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"prepare-data: {path}: its `text` column holds {kind}, not strings")
+    if workers is not None and workers > 1 and fmt != "text":
+        raise ConfigError(
+            f"--workers {workers}: --format {fmt} is encoded in one process (a chat template "
+            "renders one line at a time); drop --workers, or give --workers 1"
+        )
 
 
 def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
@@ -175,12 +173,8 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
         for row, where, _ in chat.lines(path, "prepare-data"):
             if row is not None:
                 yield _text_of(row, where), True
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
-            for text in batch.column(0).to_pylist():
-                yield text or "", True
+    elif path.suffix == ".parquet" or path.is_dir():
+        yield from ((text, True) for text in columnar.texts(path))
     else:  # a text file is one document, held out or trained on by its paragraphs
         piece: list[str] = []
         fix = "convert it to UTF-8 first (e.g. iconv -t utf-8), or give text, not a binary file"
@@ -236,15 +230,17 @@ def prepare(
     val_fraction: float | None = None,
     fmt: str = "text",
     max_length: int = MAX_LENGTH,
+    workers: int | None = None,
 ) -> dict:
     """Tokenize `inputs` into `out`; returns what meta.json holds. `fmt`: text (text,
-    JSONL `text` or Parquet documents), chat (JSONL conversations, with a loss mask) or
+    JSONL `text`, Parquet or datasets folder documents, encoded by `workers` processes,
+    None: the machine's cores), chat (JSONL conversations, with a loss mask) or
     preference (JSONL pairs, each answer's sequence at most `max_length` ids);
     `val_fraction` None: the format's VAL_FRACTION. The same request again finds its
     dataset there and returns its meta (a walk-through run twice)."""
     if (done := prepared(inputs, tokenizer, out, val_fraction, fmt, max_length)) is not None:
         return done
-    check(inputs, tokenizer, out, val_fraction, fmt, max_length)
+    check(inputs, tokenizer, out, val_fraction, fmt, max_length, workers)
     # written whole into a folder beside --out, renamed into place once complete: a
     # refused or killed run leaves no --out that blocks its retry (the next one clears
     # the partial folder)
@@ -254,7 +250,8 @@ def prepare(
     then = "free space (or give another --out), then run the same command again"
     try:
         with disk.writing(out.parent.absolute(), f"the dataset for --out {out}", then):
-            meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt, max_length)
+            workers = encoding.cores() if workers is None else workers
+            meta = _prepare(inputs, tokenizer, partial, val_fraction, fmt, max_length, workers)
         os.replace(partial, out)  # over an empty --out, if one was made
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -266,12 +263,18 @@ def _request(inputs, tokenizer: Path, val_fraction, fmt: str, max_length: int) -
     """What makes a dataset: meta.json's record of it, compared by `prepared`."""
     return {
         "inputs": [str(p) for p in inputs],
-        "input_bytes": [p.stat().st_size if p.is_file() else None for p in inputs],
+        "input_bytes": [_bytes(p) for p in inputs],
         "tokenizer": str(tokenizer.absolute()),
         "format": fmt,
         "val_fraction": VAL_FRACTION[fmt] if val_fraction is None else val_fraction,
         "max_length": max_length,
     }
+
+
+def _bytes(path: Path) -> int | None:
+    if columnar.is_dataset(path):
+        return columnar.size(path)
+    return path.stat().st_size if path.is_file() else None
 
 
 def prepared(inputs, tokenizer: Path, out: Path, val_fraction, fmt: str, max_length: int):
@@ -292,6 +295,7 @@ def _prepare(
     val_fraction: float | None,
     fmt: str,
     max_length: int,
+    workers: int,
 ) -> dict:
     val_fraction = VAL_FRACTION[fmt] if val_fraction is None else val_fraction
     tok = chat.tokenizer(tokenizer)
@@ -303,7 +307,7 @@ def _prepare(
     masked = fmt not in ("text", "prompts")
     names = () if fmt == "prompts" else ("train", "val")
     splits = {name: _Split(out, name, dtype, masked) for name in names}
-    total = sum(p.stat().st_size for p in inputs)
+    total = sum(_bytes(p) for p in inputs)
     try:
         # (disable=None: no bar where the output is not a terminal, as in a log or a pipe)
         with tqdm(
@@ -316,7 +320,8 @@ def _prepare(
             elif fmt == "chat":
                 counts = _chat(inputs, tok, tokenizer, eos, every, splits, bar)
             else:
-                counts = _text(inputs, tok, eos, every, splits, bar)
+                with encoding.Encoder(tok, tokenizer / "tokenizer.json", dtype, workers) as enc:
+                    counts = _text(inputs, enc, eos, every, splits, bar)
     finally:
         with contextlib.ExitStack() as each:
             for split in splits.values():
@@ -347,32 +352,32 @@ def _prepare(
     return meta
 
 
-def _text(inputs, tok, eos, every: int, splits: dict, bar) -> dict:
-    """Documents of text, JSONL and Parquet files, encoded BATCH units at a time."""
-    pending: list[tuple[str, bool, str]] = []
-    documents = units = written = 0
+def _text(inputs, encoder: encoding.Encoder, eos, every: int, splits: dict, bar) -> dict:
+    """Documents of text, JSONL, Parquet files and datasets folders, encoded BATCH units
+    at a time by `encoder`'s workers, written in order."""
+    seen = {"documents": 0, "written": 0}
 
-    def flush() -> None:
-        encoded = tok.encode_batch([text for text, _, _ in pending], add_special_tokens=False)
-        for (text, ends, split), enc in zip(pending, encoded, strict=True):
-            splits[split].write(enc.ids + ([eos] if ends and eos is not None else []), ends)
+    def units():
+        pieces = (piece for path in inputs for piece in _pieces(path))
+        for n, (text, ends) in enumerate(pieces):
+            seen["documents"] += ends
+            seen["written"] += bool(text.strip())
+            yield text, ends, data.split_of(n, every)
+
+    unit = units()
+    chunks = iter(lambda: list(itertools.islice(unit, BATCH)), [])
+    for chunk, encoded in encoder.map(chunks):
+        for (text, ends, split), ids in zip(chunk, encoded, strict=True):
+            splits[split].write(
+                np.append(ids, ids.dtype.type(eos)) if ends and eos is not None else ids, ends
+            )
             bar.update(len(text.encode("utf-8", errors="replace")))
-        pending.clear()
-
-    for path in inputs:
-        for text, ends in _pieces(path):
-            split = data.split_of(units, every)
-            pending.append((text, ends, split))
-            documents, units, written = documents + ends, units + 1, written + bool(text.strip())
-            if len(pending) >= BATCH:
-                flush()
-    flush()
-    if not written:
+    if not seen["written"]:
         raise ConfigError(
             f"prepare-data: {', '.join(map(str, inputs))}: no text in it (empty, or blank "
             "lines only); nothing to train on"
         )
-    return {"documents": documents}
+    return {"documents": seen["documents"]}
 
 
 def _chat(inputs, tok, tokenizer: Path, eos, every: int, splits: dict, bar) -> dict:
