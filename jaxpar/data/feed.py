@@ -136,6 +136,8 @@ class Feed:
 
     def _block(self, segment: Segment, block: int, counts: np.ndarray):
         """The sources of a block's rows in order, and each row's rank among its source's."""
+        if len(counts) == 1:  # one source: its rows in order (the shuffle's result too)
+            return np.zeros(BLOCK, np.int64), np.arange(BLOCK)
         labels = np.repeat(np.arange(len(counts)), counts)
         rng = np.random.default_rng([self.seed, 1 << 20, segment.step, block])
         labels = rng.permutation(labels)

@@ -9,19 +9,22 @@ index shuffle does, in numpy, vectorised over a batch's rows."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 ROUNDS = 4  # Luby-Rackoff: four rounds of a random function make a strong permutation
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-def keys(seed: int, source: int, epoch: int) -> tuple[int, ...]:
-    """The round keys of one source's epoch."""
+@functools.lru_cache(maxsize=256)
+def keys(seed: int, source: int, epoch: int) -> tuple[np.uint64, ...]:
+    """The round keys of one source's epoch, each added to the round's input."""
     draws = np.random.default_rng([seed, source, epoch]).integers(0, 2**63, size=ROUNDS)
-    return tuple(int(k) for k in draws)
+    return tuple(np.uint64((int(k) * _GOLDEN) & (2**64 - 1)) for k in draws)
 
 
-def permute(index: np.ndarray, n: int, round_keys: tuple[int, ...]) -> np.ndarray:
+def permute(index: np.ndarray, n: int, round_keys: tuple[np.uint64, ...]) -> np.ndarray:
     """The window each of `index` (each in [0, n)) visits, int64, as the epoch of
     `round_keys` orders them: a bijection of [0, n)."""
     half = max(1, ((int(n) - 1).bit_length() + 1) // 2)
@@ -33,7 +36,7 @@ def permute(index: np.ndarray, n: int, round_keys: tuple[int, ...]) -> np.ndarra
     return out.astype(np.int64)
 
 
-def _feistel(x: np.ndarray, half: int, round_keys: tuple[int, ...]) -> np.ndarray:
+def _feistel(x: np.ndarray, half: int, round_keys: tuple[np.uint64, ...]) -> np.ndarray:
     mask = np.uint64((1 << half) - 1)
     left, right = x >> np.uint64(half), x & mask
     for key in round_keys:
@@ -41,13 +44,17 @@ def _feistel(x: np.ndarray, half: int, round_keys: tuple[int, ...]) -> np.ndarra
     return (left << np.uint64(half)) | right
 
 
-def _mix(x: np.ndarray, key: int) -> np.ndarray:
-    """splitmix64's finaliser of x + key: every bit of the key and of x in every bit out."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64((key * _GOLDEN) & (2**64 - 1))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    """splitmix64's finaliser of x + key: every bit of the key and of x in every bit out
+    (arrays' uint64 arithmetic wraps modulo 2**64 without a warning)."""
+    z = x + key
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
 
 
 def windows(counts: np.ndarray, n: int, seed: int, source: int) -> np.ndarray:
