@@ -746,7 +746,15 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
     request = (args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
     wrote = "prepared already" if prepared(*request, args.max_length) else "wrote"
-    meta = prepare(*request, args.max_length, args.workers)
+    try:
+        meta = prepare(*request, args.max_length, args.workers)
+    except KeyboardInterrupt:  # the partial folder is gone already (prepare)
+        print(
+            f"jaxpar: stopped: prepare-data interrupted; nothing was written to --out "
+            f"{args.out} (run the same command again to start over)",
+            file=sys.stderr,
+        )
+        return 130
     trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
     if asked := meta.get("prompts"):
         print(

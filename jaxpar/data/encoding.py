@@ -30,9 +30,12 @@ def _start(tokenizer: str, dtype: str) -> None:
     _WORKER.update(tok=Tokenizer.from_file(tokenizer), dtype=np.dtype(dtype))
 
 
-def _encode(texts: list[str], tok=None, dtype=None) -> list[np.ndarray]:
-    tok, dtype = tok or _WORKER["tok"], dtype or _WORKER["dtype"]
+def _encode(texts: list[str], tok, dtype: np.dtype) -> list[np.ndarray]:
     return [np.asarray(tok.encode(t, add_special_tokens=False).ids, dtype) for t in texts]
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _encode(texts, _WORKER["tok"], _WORKER["dtype"])
 
 
 class Encoder:
@@ -64,7 +67,7 @@ class Encoder:
             return
         pending: deque = deque()
         for chunk in chunks:
-            pending.append((chunk, self.pool.submit(_encode, [c[0] for c in chunk])))
+            pending.append((chunk, self.pool.submit(_encode_in_worker, [c[0] for c in chunk])))
             if len(pending) >= 2 * self.workers:
                 chunk, done = pending.popleft()
                 yield chunk, done.result()
