@@ -791,6 +791,17 @@ CLAIMS = (
             "test_mixture.py::test_sources_with_different_vocabularies_are_refused",
         ),
     ),
+    Claim(
+        "docs/data.md",
+        "`prepare-data --workers 1` and `--workers 2` write byte-identical folders",
+        ("test_tokens.py::test_workers_1_and_2_write_byte_identical_folders",),
+    ),
+    Claim(
+        "docs/data.md",
+        "A `datasets` folder (`save_to_disk`, two Arrow shards) prepares to the bytes of its "
+        "documents as JSONL; a DatasetDict, or a folder without `text`, exits 2",
+        ("test_tokens.py::test_a_datasets_folder_reads_as_its_jsonl",),
+    ),
     # docs/your-model.md
     Claim(
         "docs/your-model.md",
