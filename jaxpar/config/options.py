@@ -61,12 +61,11 @@ class Section:
     SECTION: ClassVar[str]  # its name in dotted keys: parallel, model, ...
 
     def __post_init__(self):
-        hints = declared(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            checked = check_value(f"{self.SECTION}.{f.name}", value, hints[f.name])
+        for name, dotted, decl in _checks(type(self)):
+            value = getattr(self, name)
+            checked = _check(dotted, value, decl)
             if checked is not value:
-                object.__setattr__(self, f.name, checked)
+                object.__setattr__(self, name, checked)
 
 
 @functools.cache
@@ -74,6 +73,18 @@ def declared(cls) -> dict:
     """A dataclass's declared field types (read once per class: configs are built by
     the thousand when the planner enumerates layouts)."""
     return typing.get_type_hints(cls, include_extras=True)
+
+
+@functools.cache
+def _checks(cls) -> tuple[tuple[str, str, Key], ...]:
+    """A section's (field, dotted key, declaration)s, read once per class: the planner
+    builds some 10^5 configs for a release, and hashing a hint per field each time
+    was most of `jaxpar plan`'s time."""
+    hints = declared(cls)
+    return tuple(
+        (f.name, f"{cls.SECTION}.{f.name}", declaration(hints[f.name]))
+        for f in dataclasses.fields(cls)
+    )
 
 
 def default_of(f: dataclasses.Field):
@@ -141,8 +152,15 @@ def _number(key: str, text: str, kind, decl: Key):
 def check_value(key: str, value, hint):
     """`value` for the field `key` declared as `hint`, normalised (numbers as people
     write them, a choice as its enum); else ConfigError naming key, value and fix."""
-    decl = declaration(hint)
+    return _check(key, value, declaration(hint))
+
+
+def _check(key: str, value, decl: Key):
     kind = decl.kind
+    if type(value) is kind and decl.choices is None and decl.range is None:
+        return value  # the common case, a config copied with its values already checked
+    if type(value) is kind and isinstance(kind, enum.EnumMeta):
+        return value  # a choice already made
     if isinstance(value, str) and kind in (int, float):
         if _NOT_FINITE.fullmatch(value.strip()):
             raise ConfigError(f"{key}={value}: not a finite number; {decl.range.text()}")

@@ -267,13 +267,12 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
     base.train by grad_accum)."""
     p, r = mesh[PIPE], mesh[REPLICA]
     copies = r * mesh[DATA] * mesh[EXPERT]
-    for zero, offload, micro, remat, schedule, accum in itertools.product(
+    for zero, offload, micro, remat, schedule in itertools.product(
         (0, 1, 2, 3) if copies > 1 else (0,),
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
         TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1
-        trains,
     ):
         if (
             (offload is Offload.OPTIMIZER and zero == 0)
@@ -303,7 +302,8 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
             schedule=schedule,
             virtual_stages=1,
         )
-        yield dataclasses.replace(base, parallel=par, train=trains[accum])
+        for train in trains.values():
+            yield dataclasses.replace(base, parallel=par, train=train)
 
 
 def _inside_host(per_host: int, attention: bool):
