@@ -660,6 +660,15 @@ CLAIMS = (
     ),
     Claim(
         "docs/grpo.md",
+        "GSPO equals TRL's sequence-level GRPOTrainer (step-1 gradient, step-2 loss) and one "
+        "device over context and tensor",
+        (
+            "test_grpo.py::test_grpo_equals_trl[gspo-0.04-2-True]",
+            "test_grpo.py::test_the_update_in_every_layout_equals_one_device[gspo-context2-tensor2]",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),

@@ -109,6 +109,9 @@ def _numpy_loss_and_grad(logits, batch, g: Grpo, old, ref):
         token = token + g.beta * k3
         d_token = d_token + g.beta * d_k3
     rows = len(mask)
+    if g.loss == "gspo":
+        onehot = np.eye(x.shape[-1])[targets]
+        return _numpy_gspo(logp, old, ref, a, mask, g, onehot=onehot, soft=soft)
     if g.loss == "grpo":
         weight = mask / mask.sum(-1, keepdims=True) / rows
     elif g.loss == "dapo":
@@ -117,6 +120,29 @@ def _numpy_loss_and_grad(logits, batch, g: Grpo, old, ref):
         weight = mask / (rows * g.max_new_tokens)
     onehot = np.eye(x.shape[-1])[targets]
     return np.sum(token * weight), (weight * d_token)[..., None] * (onehot - soft)
+
+
+def _numpy_gspo(logp, old, ref, a, mask, g: Grpo, onehot, soft):
+    """GSPO's loss (TRL's, sequence level) and its gradient in the logits: one ratio a
+    row, s = exp(mean over its targets of logp - old), whose derivative in a target's
+    logp is s / the row's length."""
+    rows = len(mask)
+    w = mask / mask.sum(-1, keepdims=True)  # each row's mean over its targets
+    s = np.exp(np.sum(w * (logp - old), -1, keepdims=True))
+    clipped = np.clip(s, 1 - g.epsilon, 1 + g.clip_high)
+    loss = np.sum(-np.minimum(s * a, clipped * a)) / rows
+    d_logp = np.where(s * a <= clipped * a, -a * s, 0.0) * w / rows
+    if g.beta:
+        k3 = np.exp(ref - logp) - (ref - logp) - 1
+        d_k3 = 1 - np.exp(ref - logp)
+        row_kl = np.sum(w * k3, -1, keepdims=True)
+        if g.kl_correction:  # the row's KL mean times s, whose derivative is s w
+            loss += g.beta * np.sum(row_kl * s) / rows
+            d_logp = d_logp + g.beta * (w * d_k3 * s + row_kl * s * w) / rows
+        else:
+            loss += g.beta * np.sum(row_kl) / rows
+            d_logp = d_logp + g.beta * w * d_k3 / rows
+    return loss, d_logp[..., None] * (onehot - soft)
 
 
 def fixed_batch(rows: int, width: int, vocab: int, seed: int, iterations: int, beta: float):
@@ -135,7 +161,7 @@ def fixed_batch(rows: int, width: int, vocab: int, seed: int, iterations: int, b
     return batch
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo"])
 @pytest.mark.parametrize(
     "beta, iterations, correction",
     [(0.0, 1, True), (0.04, 1, True), (0.0, 2, True), (0.04, 2, True), (0.04, 2, False)],
@@ -157,6 +183,8 @@ def test_the_loss_and_its_gradient_are_the_formulas(loss, beta, iterations, corr
         soft = jax.nn.log_softmax(jnp.asarray(logits), -1)
         logp = np.asarray(jnp.take_along_axis(soft, batch["tokens"][:, 1:, None], -1)[..., 0])
         batch[grpo.OLD] = logp + np.random.default_rng(2).uniform(-0.5, 0.5, logp.shape)
+        if loss == "gspo":  # whole completions apart, as a token's noise averages out
+            batch[grpo.OLD] += np.resize([0.45, -0.45, 0.0], rows)[:, None]
     problem = grpo.problem(_toy(rows, width, vocab), cfg)
     params = {k: logits for k in problem.names}  # the reference's copy beside the policy
 
@@ -175,7 +203,12 @@ def test_the_loss_and_its_gradient_are_the_formulas(loss, beta, iterations, corr
     if iterations > 1:  # the case that matters: some tokens clipped on each side
         soft = jax.nn.log_softmax(jnp.asarray(logits), -1)
         logp = np.asarray(jnp.take_along_axis(soft, batch["tokens"][:, 1:, None], -1)[..., 0])
-        r = np.exp(logp - batch[grpo.OLD])[batch["loss_mask"][:, 1:] != 0]
+        mask = batch["loss_mask"][:, 1:] != 0
+        r = np.exp(logp - batch[grpo.OLD])
+        if loss == "gspo":  # the completions' ratios
+            r = np.exp(np.sum((logp - batch[grpo.OLD]) * mask, -1) / mask.sum(-1))
+        else:
+            r = r[mask]
         assert (r < 0.8).any() and (r > 1.28).any()
 
 
@@ -225,6 +258,11 @@ UPDATE_LAYOUTS = {
         ("adapter.kind=lora", "train.lr=5"),
     ),
     "context2": (("parallel.data=4", "parallel.context=2"), ()),
+    # GSPO: a completion's ratio sums its targets over its context shards
+    "gspo-context2-tensor2": (
+        ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+        ("grpo.loss=gspo",),
+    ),
     "mixtral-expert2": (("parallel.data=4", "parallel.expert=2"), ("mixtral-tiny",)),
     # Muon: the policy's matrices orthogonalized, the reference's copy frozen (no state)
     "muon-tensor4-zero3": (
@@ -444,14 +482,16 @@ trl = pytest.importorskip("trl")
                             "ignore::UserWarning")  # fmt: skip
 @pytest.mark.parametrize("loss, beta, iterations, correction",
                          [("grpo", 0.0, 1, True), ("grpo", 0.04, 1, True),
-                          ("dapo", 0.04, 2, True), ("dr_grpo", 0.04, 2, False)])  # fmt: skip
+                          ("dapo", 0.04, 2, True), ("dr_grpo", 0.04, 2, False),
+                          ("gspo", 0.04, 2, True)])  # fmt: skip
 def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp_path):
     """TRL's GRPOTrainer._compute_loss on a random Hugging Face Llama, eight completions
     (two to each of four prompts, of 1 to 12 ids) with their advantages, and the
     sampler's and the reference's log-probabilities apart from the policy's: the loss and
-    its gradient's norm, against jaxpar's objective on the same checkpoint. (The prompts
-    are of one length: TRL left-pads them, and the model then counts positions from the
-    padding.)"""
+    its gradient's norm, then the loss after one SGD step on each side, against jaxpar's
+    objective on the same checkpoint. gspo is TRL's importance_sampling_level="sequence"
+    with loss_type="grpo" (its docs' GSPO). (The prompts are of one length: TRL left-pads
+    them, and the model then counts positions from the padding.)"""
     from datasets import Dataset
 
     from jaxpar import hf
@@ -502,13 +542,16 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
 
     ours, grads = jax.value_and_grad(total)(params)
     our_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
+    lr = 0.5 / our_norm  # a step that moves the ratios by some 10%: step 2 is not step 1
+    ours_2 = total(jax.tree.map(lambda p, g: p - lr * g, params, grads))
 
     # TRL
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=2,
-        max_completion_length=most, loss_type=loss, beta=beta, num_iterations=iterations,
-        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=correction, report_to=[],
-        use_cpu=True, bf16=False,
+        max_completion_length=most, loss_type="grpo" if loss == "gspo" else loss, beta=beta,
+        num_iterations=iterations, epsilon=0.2, epsilon_high=0.28,
+        use_bias_correction_kl=correction, report_to=[], use_cpu=True, bf16=False,
+        importance_sampling_level="sequence" if loss == "gspo" else "token",
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"),
@@ -539,8 +582,16 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
     theirs.backward()
     their_norm = math.sqrt(sum(float((p.grad**2).sum()) for p in trainer.model.parameters()
                                if p.grad is not None))  # fmt: skip
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+        theirs_2 = trainer._compute_loss(trainer.model, inputs)
     # without KL the loss is a mean of +-|A| ratio whose group means cancel: it is ~1e-2
     # of its terms, so 1e-5 of the terms' scale (mean |A|) is float32's bound on it
     scale = float(np.mean(np.abs(advantages)))
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-5, abs_tol=1e-5 * scale)
     assert math.isclose(our_norm, their_norm, rel_tol=1e-5)
+    assert math.isclose(float(ours_2), float(theirs_2), rel_tol=1e-5, abs_tol=1e-5 * scale)
+    if iterations > 1 or beta:  # (on-policy without KL the loss is ~0 at any weights)
+        assert abs(float(ours_2) - float(ours)) > 100 * 1e-5 * max(scale, abs(float(ours)))

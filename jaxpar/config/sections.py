@@ -119,6 +119,7 @@ class GrpoLoss(enum.StrEnum):
     GRPO = "grpo"
     DAPO = "dapo"
     DR_GRPO = "dr_grpo"
+    GSPO = "gspo"
 
 
 class ScaleRewards(enum.StrEnum):
@@ -622,7 +623,9 @@ class Grpo(Section):
         (
             "grpo (each completion's token mean, then the mean over completions) | dapo (the "
             "mean over every completion token of the batch) | dr_grpo (the sum over tokens / "
-            "(completions x grpo.max_new_tokens))"
+            "(completions x grpo.max_new_tokens)) | gspo (Qwen3's GSPO: one importance ratio "
+            "a completion, its tokens' mean log-ratio, clipped, then grpo's mean; the paper "
+            "clips at grpo.epsilon=3e-4 grpo.epsilon_high=4e-4)"
         ),
     )
     scale_rewards: ScaleRewards = key(

@@ -20,7 +20,11 @@ is, whatever the layout:
 - grpo: each completion's mean over its tokens, then the mean over completions (each
   target weighed 1 / its completion's length; the count: completions);
 - dapo: the mean over every completion token of the batch (the count: those tokens);
-- dr_grpo: the sum over tokens / (completions x grpo.max_new_tokens).
+- dr_grpo: the sum over tokens / (completions x grpo.max_new_tokens);
+- gspo (Zheng et al. 2025, Qwen3's GSPO; TRL's importance_sampling_level="sequence"):
+  one ratio a completion, exp(the mean of its targets' logp - old), clipped and KL-
+  corrected as above in place of each target's, then grpo's mean. Its clip ratios are
+  means over completions, as TRL reports them.
 
 The log-probabilities are the model's own (temperature 1); TRL divides the logits by the
 sampling temperature first, so the two agree at grpo.temperature=1. The step reports
@@ -46,12 +50,13 @@ from jaxpar.objectives.rollouts import ADVANTAGES, OLD, REF, Rollouts
 from jaxpar.parallel.axes import CONTEXT
 
 
-def token_losses(logp, old, ref, advantages, g: Grpo):
+def token_losses(log_ratio, logp, ref, advantages, g: Grpo):
     """([rows, S] each target's loss, its clip flags (low, high), its k3 KL or None), from
-    the policy's, the sampler's and the reference's log-probabilities [rows, S] and each
-    row's advantage [rows]."""
+    the log importance ratio against the sampler (per target [rows, S], or per completion
+    [rows, 1] with GSPO), the policy's and the reference's log-probabilities [rows, S],
+    and each row's advantage [rows]."""
     a = advantages[:, None]
-    ratio = jnp.exp(logp - old)
+    ratio = jnp.exp(log_ratio)
     clipped = jnp.clip(ratio, 1 - g.epsilon, 1 + g.clip_high)
     loss = -jnp.minimum(ratio * a, clipped * a)
     low = (ratio < 1 - g.epsilon) & (a < 0)
@@ -84,14 +89,15 @@ def objective(problem: Problem, g: Grpo, adapter: Adapter) -> Problem:
         logp = -losses.astype(jnp.float32)
         old = sequence.local(batch[OLD]) if OLD in batch else jax.lax.stop_gradient(logp)
         ref = sequence.local(batch[REF]) if REF in batch else None
-        loss, clips, kl = token_losses(logp, old, ref, batch[ADVANTAGES], g)
-        _report(mask, clips, kl)
-        if g.loss is GrpoLoss.GRPO:  # each completion's tokens weigh 1 / its length
-            length = jnp.sum(mask, -1, keepdims=True)
-            if sequence.active() is not None:
-                length = jax.lax.psum(length, CONTEXT)
-            mask = mask / jnp.maximum(length, 1.0)
-        return loss * mask
+        log_ratio, weights = logp - old, mask
+        if g.loss in (GrpoLoss.GRPO, GrpoLoss.GSPO):  # a completion's targets weigh 1 / its length
+            weights = mask / jnp.maximum(_row_sum(mask), 1.0)
+        if g.loss is GrpoLoss.GSPO:  # one ratio a completion: its targets' mean log-ratio
+            log_ratio = _row_sum(log_ratio * weights)
+        loss, clips, kl = token_losses(log_ratio, logp, ref, batch[ADVANTAGES], g)
+        # TRL's clip ratios: token means, or with GSPO completion means
+        _report(mask, weights if g.loss is GrpoLoss.GSPO else mask, clips, kl)
+        return loss * weights
 
     def count(batch):
         rows = jnp.float32(batch["tokens"].shape[0])
@@ -116,19 +122,26 @@ def objective(problem: Problem, g: Grpo, adapter: Adapter) -> Problem:
     )
 
 
-def _report(mask, clips, kl) -> None:
-    """TRL's metrics: token means over the whole batch."""
-    tokens = jnp.maximum(batch_sum(jnp.sum(mask)), 1.0)
+def _row_sum(x):
+    """[rows, 1]: each row's sum over its targets (all of its context shards')."""
+    total = jnp.sum(x, -1, keepdims=True)
+    return total if sequence.active() is None else jax.lax.psum(total, CONTEXT)
 
-    def mean(x):
-        return batch_sum(jnp.sum(jnp.where(mask > 0, x, 0.0))) / tokens
+
+def _report(mask, clip_weights, clips, kl) -> None:
+    """TRL's metrics over the whole batch: the KL's token mean, the clip ratios' mean
+    weighed by `clip_weights` (the mask: over tokens; 1 / length: over completions)."""
+
+    def mean(x, weights):
+        total = jnp.maximum(batch_sum(jnp.sum(weights)), 1e-30)
+        return batch_sum(jnp.sum(jnp.where(weights > 0, x * weights, 0.0))) / total
 
     low, high = (c.astype(jnp.float32) for c in clips)
-    report("clip_ratio/low_mean", mean(low))
-    report("clip_ratio/high_mean", mean(high))
-    report("clip_ratio/region_mean", mean(jnp.maximum(low, high)))
+    report("clip_ratio/low_mean", mean(low, clip_weights))
+    report("clip_ratio/high_mean", mean(high, clip_weights))
+    report("clip_ratio/region_mean", mean(jnp.maximum(low, high), clip_weights))
     if kl is not None:
-        report("kl", mean(jax.lax.stop_gradient(kl)))
+        report("kl", mean(jax.lax.stop_gradient(kl), mask))
 
 
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------
