@@ -50,9 +50,8 @@ def setup(cfg: Config, devices=None) -> Setup:
     mesh = build_mesh(cfg.parallel, devices)
     problem, batches = model_problem(cfg, describe(mesh), devices)
     hooks = objectives.of(cfg.train.objective).hooks(batches)
-    source = data.describe(cfg.data, cfg.train)
-    if cfg.data.mixture:
-        source = mixture.describe(cfg.data.mixture, cfg.train.steps) + source[source.rindex(";") :]
+    mixed = cfg.data.mixture and mixture.describe(cfg.data.mixture, cfg.train.steps)
+    source = data.describe(cfg.data, cfg.train, mixed or None)
     return Setup(mesh, problem, batches, source, held_out_batches(cfg, devices), hooks)
 
 

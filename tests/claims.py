@@ -776,6 +776,7 @@ CLAIMS = (
         (
             "test_mixture.py::test_the_order_is_a_bijection_of_seed_and_epoch",
             "test_mixture.py::test_an_epoch_visits_every_window_once",
+            "test_mixture.py::test_two_processes_read_each_window_once_an_epoch",
         ),
     ),
     Claim(

@@ -14,8 +14,7 @@ import pytest
 from helpers import one_line_error
 
 from jaxpar.cli import main as cli
-from jaxpar.data import feed, mixture, order
-from jaxpar.data.tokens import Marks
+from jaxpar.data import feed, order
 
 SEQ = 16
 
@@ -57,11 +56,22 @@ def test_the_order_is_a_bijection_of_seed_and_epoch():
     assert (a != b).any()  # each epoch its own order
 
 
+def counted(tmp: Path, windows: int) -> list[str]:
+    """A prepared folder of `windows` windows whose ids count (a window's first id is its
+    start), and the run keys that read it in epochs."""
+    vocab = 1 << (windows * SEQ).bit_length()
+    path = folder(tmp / "counted", windows * SEQ + 1, 1, vocab=vocab)
+    return ["data.source=tokens", f"data.path={path}", f"model.vocab={vocab}",
+            f"train.seq_len={SEQ}", "train.batch_size=8", "train.seed=3"]  # fmt: skip
+
+
 @pytest.mark.parametrize("processes", [1, 2, 8])  # data=1; two processes; data=8's rows
-def test_an_epoch_visits_every_window_once(processes):
-    ids = np.arange(1000 * SEQ + 1, dtype=np.int64)  # 1000 windows, ids telling them apart
-    source = feed.Source("data", ids, Marks())
-    fed = feed.Feed([source], [mixture.Phase(0, {"data": 1.0})], seed=3, batch_size=8, seq_len=SEQ)
+def test_an_epoch_visits_every_window_once(processes, tmp_path):
+    from jaxpar.config import presets
+    from jaxpar.objectives import lm
+
+    cfg = presets.load("gpt-tiny", counted(tmp_path, 1000))  # 1000 windows
+    fed = lm.batches(cfg, None, "train", {"data": processes})  # as the trainer reads it
     share = 8 // processes
 
     def window_starts(step):  # each process builds its own rows only
@@ -75,6 +85,52 @@ def test_an_epoch_visits_every_window_once(processes):
     assert not np.array_equal(first, second)
     assert fed.position(250)["epochs"] == {"data": 2.0}
     assert fed.position(250)["tokens"] == 2000 * SEQ
+
+
+# `jaxpar train` that logs the first id of every row each process builds, a line a step
+LOGGED = """
+import sys
+import jax
+from jaxpar.cli.main import main
+from jaxpar.training import trainer
+
+fetch = trainer.batch_for
+def logged(batches, step, *a):
+    def built(i, rows=slice(None)):
+        batch = batches(i, rows=rows)
+        with open(f"{sys.argv[1]}.{jax.process_index()}", "a") as log:
+            log.write(f"{i} {rows.start or 0} {' '.join(map(str, batch['tokens'][:, 0]))}\\n")
+        return batch
+    return fetch(built, step, *a)
+trainer.batch_for = logged
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_read_each_window_once_an_epoch(tmp_path):
+    """Two real processes (jaxpar launch, data=2), each building its own rows of a
+    prepared folder: together they read each of its 32 windows once an epoch, 2 epochs."""
+    script = tmp_path / "logged.py"
+    script.write_text(LOGGED)
+    args = ["train", "--config", "gpt-tiny", *counted(tmp_path, 32), "parallel.data=2"]
+    args += ["train.steps=8", "train.eval_every=0", "checkpoint.every=0", "--out"]
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("jaxpar")), "launch", "--processes", "2",
+         "--cpu-devices-per-process", "1", "--", str(script), str(tmp_path / "rows"), *args,
+         str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    built = {}  # (step, first row) -> the window starts, the last built of each
+    for p in (0, 1):
+        for line in (tmp_path / f"rows.{p}").read_text().splitlines():
+            step, first, *starts = map(int, line.split())
+            built[step, first] = starts
+    assert sorted(built) == [(s, r) for s in range(8) for r in (0, 4)]  # each its half
+    for epoch in (0, 1):
+        starts = [x for (s, _), v in built.items() if s // 4 == epoch for x in v]
+        assert sorted(starts) == list(range(0, 32 * SEQ, SEQ)), epoch
 
 
 def three_source_feed(tmp_path, text=THREE, batch_size=10):

@@ -340,17 +340,19 @@ def mask_file(path: Path, count: int) -> TokenFile:
     return TokenFile(path, MASK_DTYPE, 0, count)
 
 
-def describe(data: Data, train: Train) -> str:
-    """The data source in words, for the start-up summary."""
-    what = {
-        Source.CORPUS: "corpus: the pydoc topics CPython ships, as bytes",
-        Source.FILE: f"file: {data.path}, as bytes",
-        Source.SYNTHETIC: "synthetic: counting sequences with a random start and stride",
-        Source.TOKENS: f"tokens: {data.path}, memory-mapped",
-    }[data.source]
-    if data.source is not Source.SYNTHETIC:
-        how = "in epochs" if data.order is Order.EPOCHS else "windows drawn with replacement"
-        what += f", {how}"
+def describe(data: Data, train: Train, what: str | None = None) -> str:
+    """The data source in words, for the start-up summary (`what`: the source's own, a
+    mixture's, in place of data.source's)."""
+    if what is None:
+        what = {
+            Source.CORPUS: "corpus: the pydoc topics CPython ships, as bytes",
+            Source.FILE: f"file: {data.path}, as bytes",
+            Source.SYNTHETIC: "synthetic: counting sequences with a random start and stride",
+            Source.TOKENS: f"tokens: {data.path}, memory-mapped",
+        }[data.source]
+        if data.source is not Source.SYNTHETIC:
+            how = "in epochs" if data.order is Order.EPOCHS else "windows drawn with replacement"
+            what += f", {how}"
     packing, masked = uses(data, train)
     if packing:
         what += "; documents packed, each attending to itself"
