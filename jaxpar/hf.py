@@ -414,6 +414,31 @@ def read_params(
     return build
 
 
+def classifier(folder: Path, score: np.ndarray, pad: int | None) -> None:
+    """The causal language model's checkpoint in `folder` made a one-label
+    `...ForSequenceClassification` (a reward model): its head `score.weight` [1, embed]
+    (the language model's head left out of it), and the pad id transformers finds each
+    sequence's last token by."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(folder / "model.safetensors") | {
+        "score.weight": np.ascontiguousarray(np.asarray(score, np.float32).T)
+    }
+    config = json.loads((folder / "config.json").read_text())
+    arch = re.sub(
+        "(ForCausalLM|LMHeadModel)$", "ForSequenceClassification", config["architectures"][0]
+    )
+    config |= {
+        "architectures": [arch],
+        "num_labels": 1,
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "pad_token_id": pad,
+    }
+    save_safetensors(tensors, folder / "model.safetensors", {"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     """One safetensors file, the same bytes for the same tensors and metadata, readable
     as the umask allows (safetensors itself writes 0600, whatever the umask).
@@ -438,16 +463,23 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
 
 
 def export(
-    fmt: HFFormat, model, seq_len: int, params: dict, to: Path, release: Path | None = None
+    fmt: HFFormat,
+    model,
+    seq_len: int,
+    params: dict,
+    to: Path,
+    release: Path | None = None,
+    leave_out: frozenset = frozenset(),
 ) -> int:
     """Write `params` (host arrays in our own layout, by key) and the model's config as a
     Hugging Face checkpoint directory; returns the number of tensors. `release`: a
     wrapper's checkpoint to write the model into, its other tensors and its config's
-    other keys carried through as they are (None: the model's own layout)."""
+    other keys carried through as they are (None: the model's own layout). `leave_out`:
+    our keys not written (a reward model's unused language-model head)."""
     config = fmt.config_to_hf(model, seq_len)
     w = fmt.wrapper(read_config(release)) if release else None
     tensors, parts = {}, {}  # parts: a tensor's interleaved leaves, (its Tensor, arrays)
-    for t in wrapped(fmt.tensors(model), w):
+    for t in wrapped([t for t in fmt.tensors(model) if t.key not in leave_out], w):
         ours = np.asarray(params[t.key])
         for i in np.ndindex(ours.shape[: len(t.stacked)]):
             if t.part:

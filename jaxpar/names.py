@@ -26,4 +26,5 @@ LORA_RANK = "lora_rank"  # a low-rank adapter's rank (jaxpar.adapters; never spl
 # the leaves of a target W's adapter: W's key, then "/" and one of these
 LORA_A, LORA_B = "lora_a", "lora_b"
 SCALE_ONE = "scale_one"  # a quantized weight's scale's size-1 dims (never split)
+LABELS = "labels"  # a classifier head's outputs: a reward model's one score (never split)
 STAGE = "stage"

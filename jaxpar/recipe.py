@@ -101,6 +101,9 @@ def initial_params(
     the reference that `problem` (as setup made it) holds; None for the init from
     train.seed."""
     params = initial.params(model, adapter, train, trained_model(model, adapter, train))
+    own = getattr(objectives.of(train.objective), "initial", None)  # an objective's leaves
+    if params is not None and own is not None:
+        params = own(params, model, train)
     if params is None or not problem.reference:
         return params
     return reference.copies(params, [k.removeprefix(reference.COPY) for k in problem.reference])

@@ -100,9 +100,13 @@ class GPT(nnx.Module):
             return x_BxSxE + table_SxE[None, : tokens_BxS.shape[1]]
         return x_BxSxE + jnp.take(table_SxE, docs.positions, axis=0)
 
-    def logits(self, x_BxSxE, docs=None):
+    def features(self, x_BxSxE, docs=None):
+        """The stack's output through the final norm (what the head reads)."""
         del docs  # no blocks after the stack
-        x_BxSxE = self.ln_f(x_BxSxE)
+        return self.ln_f(x_BxSxE)
+
+    def logits(self, x_BxSxE, docs=None):
+        x_BxSxE = self.features(x_BxSxE, docs)
         logits_BxSxV = dense(
             "bse,ev->bsv", x_BxSxE, self.head[...].astype(x_BxSxE.dtype), (EMBED, VOCAB)
         )

@@ -521,9 +521,14 @@ class Llama(nnx.Module):
     def logits(self, x_BxSxE, docs: Documents | None = None):
         """The output of the stack, through the last local blocks (model.global_every's
         beyond whole groups), normed and projected to the vocab."""
+        return self.head_of(self.features(x_BxSxE, docs))
+
+    def features(self, x_BxSxE, docs: Documents | None = None):
+        """The output of the stack through the last local blocks and the final norm: what
+        the head reads (and a reward model's score, train.objective=reward)."""
         if hasattr(self, "tail"):
             x_BxSxE = scan_layers(self.tail, x_BxSxE, lambda block, x: block(x, docs))
-        return self._logits(x_BxSxE)
+        return self.norm(x_BxSxE)
 
     def _logits(self, x_BxSxE):
         return self.head_of(self.norm(x_BxSxE))

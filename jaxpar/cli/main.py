@@ -17,6 +17,7 @@ from jaxpar import __version__, disk, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
+from jaxpar.config.sections import Objective
 from jaxpar.cost.columns import COLUMNS
 from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
@@ -779,7 +780,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
             f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
             f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
             f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
-            f"{pairs['longest_pair'] - 1}"
+            f"{pairs['longest_pair'] - 1} ({pairs['longest_pair']:,} for train.objective=reward)"
         )
     return 0
 
@@ -801,7 +802,8 @@ def _train(args: argparse.Namespace) -> int:
     print(f"\nrun directory: {out}  ({', '.join(written)})")
     if result.checkpoints:
         print(f"checkpoints:   {result.checkpoints}")
-        steps = next_steps(out, cfg.model.name, cfg.adapter, cfg.data)
+        decodes = cfg.train.objective is not Objective.REWARD
+        steps = next_steps(out, cfg.model.name, cfg.adapter, cfg.data, decodes)
         print("next:          " + "\n               ".join(steps))
     return 0
 

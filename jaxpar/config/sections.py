@@ -113,6 +113,7 @@ class Objective(enum.StrEnum):
     LM = "lm"
     DPO = "dpo"
     GRPO = "grpo"
+    REWARD = "reward"
 
 
 class GrpoLoss(enum.StrEnum):
@@ -423,7 +424,9 @@ class Train(Section):
             "lm (next-token loss) | dpo (Direct Preference Optimization on pairs from `jaxpar "
             "prepare-data --format preference`; the dpo.* keys) | grpo (Group Relative Policy "
             "Optimization on the policy's own completions to prompts from `jaxpar prepare-data "
-            "--format prompts`, scored by grpo.reward; the grpo.* keys)"
+            "--format prompts`, scored by grpo.reward; the grpo.* keys) | reward (a reward "
+            "model: a scalar head on each answer's last id, Bradley-Terry's loss on the pairs "
+            "of `jaxpar prepare-data --format preference`)"
         ),
     )
     on_nonfinite: OnNonfinite = key(

@@ -44,6 +44,13 @@ class Pairs:
         return np.stack([starts[2 * index], starts[2 * index + 1], ends[2 * index + 1]], -1)
 
 
+def pad_id(path: str) -> int | None:
+    """The id a prepared preference folder's tokenizer pads with (folders prepared before
+    `pad_id` was recorded: its end of text, which TRL falls back to)."""
+    meta = tokens.meta_of(Path(path))
+    return meta.get("pad_id", meta.get("end_of_text_id"))
+
+
 def meta_of(data: Data) -> dict | None:
     """A preference folder's pair counts (meta.json's `pairs`), or None for other data."""
     folder = Path(data.path)

@@ -154,6 +154,15 @@ def _pair_rows(inputs: list[Path], tokenizer: Path, max_length: int):
             yield preference.pair(tok, template, row, kind, eos, max_length, where), size
 
 
+def _pad_id(tok, template: chat.Template, eos: int | None) -> int | None:
+    """The id transformers pads with (tokenizer_config.json's pad_token where the
+    vocabulary holds it, else the end of text, as TRL's trainers pad): where a reward
+    model's ...ForSequenceClassification reads an answer's score, its last other id."""
+    named = template.tokens.get("pad_token")
+    pad = tok.token_to_id(named) if isinstance(named, str) else None
+    return eos if pad is None else pad
+
+
 def _check_workers(workers: int | None, fmt: str) -> None:
     if workers is not None and not 1 <= workers <= MAX_WORKERS:
         raise ConfigError(
@@ -301,7 +310,8 @@ def _prepare(
     tok = chat.tokenizer(tokenizer)
     vocab = tok.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    eos = chat.end_of_text(tok, chat.Template(tokenizer))
+    template = chat.Template(tokenizer)
+    eos = chat.end_of_text(tok, template)
     eos = None if eos is None else tok.token_to_id(eos)
     every = max(1, round(1 / val_fraction)) if val_fraction else 0
     masked = fmt not in ("text", "prompts")
@@ -333,6 +343,7 @@ def _prepare(
         "val_tokens": splits["val"].count if splits else 0,
         **counts,
         "end_of_text_id": eos,
+        "pad_id": _pad_id(tok, template, eos),
         **_request(inputs, tokenizer, val_fraction, fmt, max_length),
     }
     if splits:

@@ -1,6 +1,7 @@
 """What a run trains its model for (train.objective), each objective a plug-in module
 named in OBJECTIVES: the next token (`lm`), DPO on preference pairs (`dpo`), GRPO on its
-rollouts (`grpo`, which `rollouts` drives), beside what they share: the reference
+rollouts (`grpo`, which `rollouts` drives), a reward model on preference pairs
+(`reward`), beside what they share: the reference
 (`reference`), the pairs' log-probabilities (`answers`), a reference computed once
 (`precompute`), and GRPO's reward functions (`rewards`).
 
@@ -10,7 +11,9 @@ An objective module has:
 - batches(cfg, own, split, mesh_shape, devices): (i, rows=slice(None)) -> batch i of
   `split` ("train", or "val": held out; None where it has none);
 - hooks(batches): what it runs around the steps (jaxpar.training.hooks), e.g. GRPO's
-  rollouts before theirs.
+  rollouts before theirs;
+- optionally initial(fill, model, train): model.init's leaves (`fill`) with those the
+  objective adds (a reward model's head).
 
 Adding one is its module, its train.objective choice (jaxpar.config.sections.Objective)
 and its line in OBJECTIVES."""
@@ -22,6 +25,7 @@ OBJECTIVES = {  # train.objective -> its module
     "lm": "jaxpar.objectives.lm",
     "dpo": "jaxpar.objectives.dpo",
     "grpo": "jaxpar.objectives.grpo",
+    "reward": "jaxpar.objectives.reward",
 }
 
 

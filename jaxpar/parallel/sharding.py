@@ -23,6 +23,7 @@ from jaxpar.names import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    LABELS,
     LATENT,
     LAYERS,
     LORA_RANK,
@@ -61,6 +62,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     (LAYERS, None),
     (LORA_RANK, None),
     (SCALE_ONE, None),
+    (LABELS, None),
     (STAGE, PIPE),
 )
 ZERO_AXES = (DATA, EXPERT)  # what ZeRO splits a leaf over, outermost first (zero_axes)

@@ -240,18 +240,21 @@ def _fed(row: dict) -> list[list[str]]:
     return out
 
 
-def next_steps(out: Path, model_name: str, adapter: Adapter, data: Data) -> list[str]:
+def next_steps(
+    out: Path, model_name: str, adapter: Adapter, data: Data, decodes: bool = True
+) -> list[str]:
     """The commands that take a finished run on, each as it runs when typed: its weights
     exported (and as a Hugging Face checkpoint, for a model that has the format; an
-    adapter run's adapters as PEFT's), and, for a model that decodes, `jaxpar generate`
-    and `jaxpar eval` with the tokenizer its data was made by."""
+    adapter run's adapters as PEFT's), and, for a model that decodes (not a reward
+    model: `decodes`), `jaxpar generate` and `jaxpar eval` with the tokenizer its data
+    was made by."""
     spec, jaxpar = registry.get(model_name), typed()
     steps = [f"{jaxpar} export {out} --to {out / 'model.safetensors'}"]
     if spec.hf is not None:
         steps.append(f"{jaxpar} export {out} --to {out / 'hf'} --format hf")
     if adapter.kind is AdapterKind.LORA:
         steps.append(f"{jaxpar} export {out} --to {out / 'peft'} --format peft")
-    if spec.cache_dims is not None:
+    if spec.cache_dims is not None and decodes:
         # generate finds the tokenizer the data was prepared with, or decodes bytes
         known = tokenizer_of(data) is not None
         given = "" if known or byte_level(data) else " --tokenizer TOKENIZER_DIR"

@@ -19,10 +19,16 @@ from jaxpar import disk, hf
 from jaxpar.adapters import base, lora, peft
 from jaxpar.config import presets, registry
 from jaxpar.config.sections import Adapter, AdapterKind, Model
+from jaxpar.data import pairs
 from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint
+
+# a reward model's leaves (train.objective=reward: jaxpar.objectives.reward): its head
+# [embed, 1], exported as a classifier's; the language model's head, never trained
+SCORE = "score"
+LM_HEAD = frozenset({"head"})
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -96,8 +102,12 @@ def export_hf(run_dir: Path, to: Path, architecture: str = "") -> tuple[int, int
         }
     fmt = registry.hf_format(model.name, "--format hf")
     release = _release(fmt, model, architecture)
+    scored = meta["config"]["train"].get("objective") == "reward"
+    unused = LM_HEAD if scored else frozenset()  # (never trained, nor saved)
     with _whole(Path(to), params) as part:
-        tensors = hf.export(fmt, model, seq_len, params, part, release)
+        tensors = hf.export(fmt, model, seq_len, params, part, release, unused)
+        if scored:  # a reward model: its head in place of the language model's
+            hf.classifier(part, params[SCORE], pairs.pad_id(meta["config"]["data"]["path"]))
     return meta["step"], tensors
 
 

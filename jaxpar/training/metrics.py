@@ -24,8 +24,9 @@ TENSORBOARD_TAGS = (
     "mfu",
 )
 # What the model reports (jaxpar.report), beside its "group/name" metrics ("moe/dropped"):
-# multi-token prediction's loss, apart from the loss it is weighted into
-MODEL_METRICS = ("mtp_loss",)
+# multi-token prediction's loss, apart from the loss it is weighted into; a reward
+# model's (TRL's names: jaxpar.objectives.reward)
+MODEL_METRICS = ("mtp_loss", "accuracy", "margin", "mean_reward")
 
 
 DATA_KEYS = ("epoch/", "eval_loss/", "tokens/")  # a mixture's sources' figures, the data's own

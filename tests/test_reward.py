@@ -1,0 +1,191 @@
+"""Reward models (train.objective=reward): Bradley-Terry on preference pairs, the loss,
+its gradient and the accuracy equal to TRL's RewardTrainer at step 1 and step 2, every
+layout equal to one device, the exported classifier scoring as jaxpar does in
+transformers, and bad runs refused in one line."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from helpers import (
+    THREE_D_1F1B,
+    assert_same_training,
+    one_line_error,
+    reference,
+    script,
+    trained,
+)
+
+from jaxpar.cli import main as cli
+from jaxpar.config import presets
+from jaxpar.data.prepare import prepare
+
+VOCAB = 512  # the chat tokenizer's
+
+
+@pytest.fixture(scope="module")
+def folder(chat_tokenizer, tmp_path_factory):
+    """dpo_llama.py's pairs (one answer of each pair at least twice the other's length)."""
+    root = tmp_path_factory.mktemp("pairs")
+    script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
+    prepare([root / "pairs.jsonl"], chat_tokenizer, root / "tokens", 0.2, "preference", 64)
+    return root / "tokens"
+
+
+def keys(folder, *more):
+    # fmt: off
+    return ("model.vocab=512", "data.source=tokens", f"data.path={folder}",
+            "train.objective=reward", "train.seq_len=96", "train.batch_size=8",
+            "train.optimizer=sgd", "train.lr=0.1", "train.warmup=0", "train.clip_norm=0",
+            "train.weight_decay=0", *more)
+    # fmt: on
+
+
+LAYOUTS = {  # (a row's rewards summed over its context shards in the third)
+    "data8": ("parallel.data=8",),
+    "3d-1f1b": tuple(THREE_D_1F1B),
+    "context2-tensor2-zero3": (
+        "parallel.data=2",
+        "parallel.context=2",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=[] if k == "data8" else pytest.mark.slow) for k in LAYOUTS]
+)
+def test_a_reward_model_trains_in_every_layout_as_on_one_device(layout, folder):
+    got = trained("llama-tiny", keys(folder, *LAYOUTS[layout]))
+    want = reference("llama-tiny", keys(folder))
+    assert want.losses[0] == pytest.approx(math.log(2), abs=0.05)  # scores near 0 at first
+    assert want.losses[-1] < want.losses[0] - 0.01  # it learns
+    assert_same_training(got, want)
+
+
+@pytest.mark.parametrize(
+    "preset, more, needle",
+    [
+        ("mixtral-tiny", (), "model.experts=8"),
+        ("llama-tiny", ("train.seq_len=82",), "set train.seq_len=83"),
+        ("llama-tiny", ("data.source=corpus", "model.vocab=256"), "holds no preference pairs"),
+    ],
+)
+def test_bad_reward_runs_are_refused(preset, more, needle, folder, tmp_path, capsys):
+    argv = ["train", "--config", preset, *keys(folder, *more), "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    one_line_error(capsys, needle)
+
+
+torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+
+def answers(folder, split="train") -> list[dict]:
+    """Each prepared pair's chosen and rejected ids (prompt and answer), in order."""
+    from jaxpar.config.sections import Data, Train
+    from jaxpar.data import pairs
+
+    held = pairs.load(Data(source="tokens", path=str(folder)), Train(seq_len=96), VOCAB, split)
+    rows = pairs.rows_of(held, np.arange(len(held)), 96)
+    out = []
+    for ids, segments in zip(rows["tokens"], rows["segment_ids"], strict=True):
+        out.append({k: ids[segments == s].tolist() for k, s in
+                    (("chosen_ids", pairs.CHOSEN), ("rejected_ids", pairs.REJECTED))})  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                            "ignore::UserWarning")  # fmt: skip
+def test_the_loss_gradient_and_accuracy_equal_trls_reward_trainer(folder, chat_tokenizer, tmp_path):
+    """TRL's RewardTrainer on a random Hugging Face LlamaForSequenceClassification, the
+    same 8 pairs (their ids as prepare-data wrote them), plain SGD at a constant rate:
+    the gradient's norm, loss and accuracy at step 1, and loss, accuracy and margin at
+    step 2. Both score each answer at its last id before the end of text (TRL pads with
+    it), in fp32."""
+    import jax
+    from datasets import Dataset
+
+    from jaxpar.objectives import reward
+    from jaxpar.recipe import train_config
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, tie_word_embeddings=False,
+                                      rms_norm_eps=1e-5, num_labels=1)  # fmt: skip
+    lm = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for key, p in lm.named_parameters():
+            p.normal_(1.0 if "norm" in key else 0.0, 0.1)
+    lm.save_pretrained(tmp_path / "hf")
+    over = [f"model.init=hf:{tmp_path / 'hf'}", *keys(folder, "train.steps=2", "train.lr=0.05",
+            "parallel.data=8")]  # fmt: skip
+    cfg = presets.resolve_init(presets.load("llama-tiny", over))
+    ours = train_config(cfg, quiet=True).rows
+
+    model = transformers.LlamaForSequenceClassification(config)
+    model.model.load_state_dict(lm.model.state_dict())
+    head = np.asarray(reward.start(jax.random.key(cfg.train.seed), 64))  # jaxpar's start
+    with torch.no_grad():
+        model.score.weight.copy_(torch.tensor(head.T))
+    args = trl.RewardConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=2,
+        learning_rate=0.05, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        optim="sgd", max_grad_norm=1e9, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, bf16=False,
+    )  # fmt: skip
+    trainer = trl.RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(answers(folder)),
+        processing_class=transformers.AutoTokenizer.from_pretrained(chat_tokenizer),
+    )  # fmt: skip
+    trainer.train()
+    theirs = trainer.state.log_history[:2]
+    assert len(answers(folder)) == 8 and ours[0]["loss"] != ours[1]["loss"]
+    assert math.isclose(ours[0]["grad_norm"], theirs[0]["grad_norm"], rel_tol=1e-4)
+    every = ("loss", "accuracy", "margin", "mean_reward")
+    for step, names in ((0, ("loss", "accuracy")), (1, every)):
+        for name in names:
+            assert math.isclose(ours[step][name], theirs[step][name], rel_tol=1e-4, abs_tol=1e-6), (
+                step, name, ours[step][name], theirs[step][name])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                            "ignore::UserWarning")  # fmt: skip
+def test_the_exported_classifier_scores_as_jaxpar_in_transformers(folder, tmp_path, capsys):
+    """`jaxpar export --format hf` of a reward run writes a LlamaForSequenceClassification
+    that transformers loads (no lm_head, one label, the tokenizer's pad id) and that
+    scores each answer of the pairs as jaxpar's model does."""
+    from jaxpar.objectives import reward
+    from jaxpar.recipe import trained_model
+    from jaxpar.training.export import run_params
+
+    out = tmp_path / "run"
+    over = keys(folder, "train.steps=3", "checkpoint.every=3", "parallel.data=8")
+    assert cli.main(["train", "--config", "llama-tiny", *over, "--out", str(out)]) == 0
+    assert cli.main(["export", str(out), "--to", str(out / "hf"), "--format", "hf"]) == 0
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
+
+    cfg = presets.load("llama-tiny", over)
+    batch = reward.batches(cfg, None, "train", {"data": 1})(0)
+    ours = np.asarray(reward.scores(trained_model(cfg.model, cfg.adapter, cfg.train),
+                                    run_params(out)[0], batch))  # fmt: skip
+    docs = [row[seg == s] for row, seg in zip(batch["tokens"], batch["segment_ids"], strict=True)
+            for s in (0, 1)]  # fmt: skip
+    ids = np.full((len(docs), max(map(len, docs))), config["pad_token_id"])
+    for i, d in enumerate(docs):
+        ids[i, : len(d)] = d
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(ids != -1)).logits
+    np.testing.assert_allclose(ours.reshape(-1), theirs.numpy()[:, 0], rtol=1e-4, atol=1e-5)
+    assert np.ptp(ours) > 1e-2  # the answers score apart
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "--prompt", "Hi"]) == 2  # it does not decode
+    one_line_error(capsys, "is a reward model")
