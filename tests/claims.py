@@ -669,6 +669,16 @@ CLAIMS = (
     ),
     Claim(
         "docs/grpo.md",
+        "A reward model equals TRL's RewardTrainer at steps 1 and 2, and one device in 3 "
+        "layouts; its export scores alike in transformers",
+        (
+            "test_reward.py::test_the_loss_gradient_and_accuracy_equal_trls_reward_trainer",
+            "test_reward.py::test_a_reward_model_trains_in_every_layout_as_on_one_device",
+            "test_reward.py::test_the_exported_classifier_scores_as_jaxpar_in_transformers",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),

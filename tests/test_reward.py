@@ -69,6 +69,7 @@ def test_a_reward_model_trains_in_every_layout_as_on_one_device(layout, folder):
     "preset, more, needle",
     [
         ("mixtral-tiny", (), "model.experts=8"),
+        ("llama-tiny", ("adapter.kind=lora",), "adapter.kind=lora"),
         ("llama-tiny", ("train.seq_len=82",), "set train.seq_len=83"),
         ("llama-tiny", ("data.source=corpus", "model.vocab=256"), "holds no preference pairs"),
     ],

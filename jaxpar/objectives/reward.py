@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config.sections import Config, Model, Train
+from jaxpar.config.sections import AdapterKind, Config, Model, Train
 from jaxpar.data import pairs
 from jaxpar.data.pairs import CHOSEN, REJECTED
 from jaxpar.data.tokens import SEGMENT_IDS
@@ -160,6 +160,12 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             f"train.objective=reward: {what}: a reward head is built on dense language "
             "models (gpt, llama, mistral, qwen2, qwen3, gemma2, gemma3); choose one"
+        )
+
+    if cfg.adapter.kind is not AdapterKind.NONE:
+        raise ConfigError(
+            f"train.objective=reward: adapter.kind={cfg.adapter.kind}: a reward model trains "
+            "every weight (adapters with a trained head are not built); give adapter.kind=none"
         )
 
 

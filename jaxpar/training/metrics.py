@@ -172,13 +172,18 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
             label="held-out loss",
         )
         ax.legend(fontsize=8)
-    rewarded = [r for r in rows if r.get("reward") is not None]
-    if rewarded:  # an RL objective's rollouts: their mean reward, on its own scale
-        right = ax.twinx()
-        right.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], "o-",
-                   color="tab:green", lw=1.5, ms=3, label="mean reward")  # fmt: skip
-        right.set_ylabel("mean reward", color="tab:green")
-        right.legend(fontsize=8, loc="upper right")
+    # an RL objective's rollouts' mean reward, or a reward model's pair accuracy (held
+    # out where measured), on its own scale
+    for key, label in (("reward", "mean reward"), ("eval_accuracy", "held-out accuracy"),
+                       ("accuracy", "pair accuracy")):  # fmt: skip
+        shown = [r for r in rows if r.get(key) is not None]
+        if shown:
+            right = ax.twinx()
+            right.plot([r["step"] for r in shown], [r[key] for r in shown], "o-",
+                       color="tab:green", lw=1.5, ms=3, label=label)  # fmt: skip
+            right.set_ylabel(label, color="tab:green")
+            right.legend(fontsize=8, loc="lower left")
+            break
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)
