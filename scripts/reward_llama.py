@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import jaxpar
@@ -62,6 +60,7 @@ def main() -> None:
     from jaxpar.data.prepare import prepare
     from jaxpar.models import LlamaConfig
     from jaxpar.training import metrics
+    from jaxpar.training.export import export_hf
 
     tokens = args.pairs / "tokens"
     if not (tokens / "meta.json").is_file():
@@ -99,11 +98,8 @@ def main() -> None:
         f"held-out at step {held['step']}: loss {held['eval_loss']:.3f}, "
         f"accuracy {held['eval_accuracy']:.2f}"
     )
-    subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli.main", "export", str(args.out), "--to",
-         str(args.out / "hf"), "--format", "hf"],
-        check=True,
-    )  # fmt: skip
+    step, tensors = export_hf(args.out, args.out / "hf")  # jaxpar export --format hf
+    print(f"wrote {tensors} tensors of step {step} to {args.out / 'hf'} (Hugging Face)")
     score(args.out / "hf", tokenizer)
 
 
