@@ -674,7 +674,7 @@ CLAIMS = (
         (
             "test_reward.py::test_the_loss_gradient_and_accuracy_equal_trls_reward_trainer",
             "test_reward.py::test_a_reward_model_trains_in_every_layout_as_on_one_device",
-            "test_reward.py::test_the_exported_classifier_scores_as_jaxpar_in_transformers",
+            "test_reward.py::test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar",
         ),
     ),
     Claim(
