@@ -67,6 +67,21 @@ def chat_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def folder(chat_tokenizer, tmp_path_factory):
+    """dpo_llama.py's preference pairs (text and conversations; one answer of each pair
+    at least twice the other's length), 8 of them to train on, prepared once a session
+    for the DPO and reward-model tests."""
+    from helpers import script
+
+    from jaxpar.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("pairs")
+    script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
+    prepare([root / "pairs.jsonl"], chat_tokenizer, root / "tokens", 0.2, "preference", 64)
+    return root / "tokens"
+
+
+@pytest.fixture(scope="session")
 def devices():
     assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
     return jax.devices()

@@ -162,6 +162,17 @@ def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def pair_keys(folder, objective: str, *more: str) -> tuple[str, ...]:
+    """The run keys of a preference objective on the `folder` fixture's pairs: a row a
+    pair, 8 pairs a step, plain SGD (`more` sets the rate, and overrides any of them)."""
+    # fmt: off
+    return ("model.vocab=512", "data.source=tokens", f"data.path={folder}",
+            f"train.objective={objective}", "train.seq_len=96", "train.batch_size=8",
+            "train.optimizer=sgd", "train.warmup=0", "train.clip_norm=0",
+            "train.weight_decay=0", *more)
+    # fmt: on
+
+
 def one_line_error(capsys, *needles: str) -> str:
     """What the command printed to stderr is one `jaxpar: error:` line holding every
     needle; returns what it printed to stdout before it."""

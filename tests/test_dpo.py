@@ -13,6 +13,7 @@ from helpers import (
     assert_same_training,
     compile_only,
     one_line_error,
+    pair_keys,
     reference,
     script,
     trained,
@@ -26,23 +27,8 @@ from jaxpar.data.prepare import prepare
 VOCAB = 512  # the chat tokenizer's
 
 
-@pytest.fixture(scope="module")
-def folder(chat_tokenizer, tmp_path_factory):
-    """dpo_llama.py's pairs (text and conversations; one answer of each pair at least
-    twice the other's length), 8 of them to train on."""
-    root = tmp_path_factory.mktemp("pairs")
-    script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
-    prepare([root / "pairs.jsonl"], chat_tokenizer, root / "tokens", 0.2, "preference", 64)
-    return root / "tokens"
-
-
 def keys(folder, *more):
-    # fmt: off
-    return ("model.vocab=512", "data.source=tokens", f"data.path={folder}",
-            "train.objective=dpo", "train.seq_len=96", "train.batch_size=8",
-            "train.optimizer=sgd", "train.lr=0.5", "train.warmup=0", "train.clip_norm=0",
-            "train.weight_decay=0", *more)
-    # fmt: on
+    return pair_keys(folder, "dpo", "train.lr=0.5", *more)
 
 
 def test_a_pair_is_one_row_of_two_documents_with_its_answers_masked(folder):

@@ -14,34 +14,19 @@ from helpers import (
     THREE_D_1F1B,
     assert_same_training,
     one_line_error,
+    pair_keys,
     reference,
-    script,
     trained,
 )
 
 from jaxpar.cli import main as cli
 from jaxpar.config import presets
-from jaxpar.data.prepare import prepare
 
 VOCAB = 512  # the chat tokenizer's
 
 
-@pytest.fixture(scope="module")
-def folder(chat_tokenizer, tmp_path_factory):
-    """dpo_llama.py's pairs (one answer of each pair at least twice the other's length)."""
-    root = tmp_path_factory.mktemp("pairs")
-    script("dpo_llama").write_pairs(root / "pairs.jsonl", 10)
-    prepare([root / "pairs.jsonl"], chat_tokenizer, root / "tokens", 0.2, "preference", 64)
-    return root / "tokens"
-
-
 def keys(folder, *more):
-    # fmt: off
-    return ("model.vocab=512", "data.source=tokens", f"data.path={folder}",
-            "train.objective=reward", "train.seq_len=96", "train.batch_size=8",
-            "train.optimizer=sgd", "train.lr=0.1", "train.warmup=0", "train.clip_norm=0",
-            "train.weight_decay=0", *more)
-    # fmt: on
+    return pair_keys(folder, "reward", "train.lr=0.1", *more)
 
 
 LAYOUTS = {  # (a row's rewards summed over its context shards in the third)
