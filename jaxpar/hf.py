@@ -273,6 +273,9 @@ class _Reader:
         return self.files[self.where[name]].whole(name)
 
 
+SCORE = "score"  # a sequence classifier's head [embed, labels]: a reward model's
+
+
 def directory_of(init: str) -> Path | None:
     """model.init -> the checkpoint directory (None: random parameters)."""
     if not init:
@@ -414,31 +417,6 @@ def read_params(
     return build
 
 
-def classifier(folder: Path, score: np.ndarray, pad: int | None) -> None:
-    """The causal language model's checkpoint in `folder` made a one-label
-    `...ForSequenceClassification` (a reward model): its head `score.weight` [1, embed]
-    (the language model's head left out of it), and the pad id transformers finds each
-    sequence's last token by."""
-    from safetensors.numpy import load_file
-
-    tensors = load_file(folder / "model.safetensors") | {
-        "score.weight": np.ascontiguousarray(np.asarray(score, np.float32).T)
-    }
-    config = json.loads((folder / "config.json").read_text())
-    arch = re.sub(
-        "(ForCausalLM|LMHeadModel)$", "ForSequenceClassification", config["architectures"][0]
-    )
-    config |= {
-        "architectures": [arch],
-        "num_labels": 1,
-        "id2label": {"0": "LABEL_0"},
-        "label2id": {"LABEL_0": 0},
-        "pad_token_id": pad,
-    }
-    save_safetensors(tensors, folder / "model.safetensors", {"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     """One safetensors file, the same bytes for the same tensors and metadata, readable
     as the umask allows (safetensors itself writes 0600, whatever the umask).
@@ -469,17 +447,20 @@ def export(
     params: dict,
     to: Path,
     release: Path | None = None,
-    leave_out: frozenset = frozenset(),
+    pad: int | None = None,
 ) -> int:
     """Write `params` (host arrays in our own layout, by key) and the model's config as a
     Hugging Face checkpoint directory; returns the number of tensors. `release`: a
     wrapper's checkpoint to write the model into, its other tensors and its config's
-    other keys carried through as they are (None: the model's own layout). `leave_out`:
-    our keys not written (a reward model's unused language-model head)."""
+    other keys carried through as they are (None: the model's own layout). `params` with
+    a SCORE leaf are a sequence classifier's (`classified`; `pad`: its pad id)."""
     config = fmt.config_to_hf(model, seq_len)
     w = fmt.wrapper(read_config(release)) if release else None
+    written = fmt.tensors(model)
+    if SCORE in params:  # a classifier's head in place of the language model's
+        written = [t for t in written if t.key in params]
     tensors, parts = {}, {}  # parts: a tensor's interleaved leaves, (its Tensor, arrays)
-    for t in wrapped([t for t in fmt.tensors(model) if t.key not in leave_out], w):
+    for t in wrapped(written, w):
         ours = np.asarray(params[t.key])
         for i in np.ndindex(ours.shape[: len(t.stacked)]):
             if t.part:
@@ -498,7 +479,28 @@ def export(
         source = read_config(release)
         inner = source[w.config] | {k: v for k, v in config.items() if k != "architectures"}
         config = source | {w.config: inner, "dtype": config["dtype"]}
+    if SCORE in params:
+        tensors, config = classified(tensors, config, params[SCORE], pad)
     to.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, to / "model.safetensors", {"format": "pt"})
     (to / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return len(tensors)
+
+
+def classified(tensors: dict, config: dict, score: np.ndarray, pad: int | None):
+    """A causal language model's (tensors, config) made a `...ForSequenceClassification`'s
+    with `score` [embed, labels] as its head (`score.weight` [labels, embed]; the language
+    model's head is left out by the caller), and the pad id transformers finds each
+    sequence's last token by."""
+    labels = score.shape[-1]
+    causal = config["architectures"][0]
+    arch = re.sub("(ForCausalLM|LMHeadModel)$", "ForSequenceClassification", causal)
+    config = config | {
+        "architectures": [arch],
+        "num_labels": labels,
+        "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(labels)},
+        "pad_token_id": pad,
+    }
+    head = np.ascontiguousarray(np.asarray(score, np.float32).T)
+    return tensors | {"score.weight": head}, config

@@ -194,4 +194,4 @@ def test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar(
     assert np.ptp(ours) > 1e-3  # the answers score apart
     capsys.readouterr()
     assert cli.main(["generate", str(out), "--prompt", "Hi"]) == 2  # it does not decode
-    one_line_error(capsys, "is a reward model")
+    one_line_error(capsys, "train.objective=reward", "holds score and no head")

@@ -17,7 +17,6 @@ from jaxpar import __version__, disk, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
-from jaxpar.config.sections import Objective
 from jaxpar.cost.columns import COLUMNS
 from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
@@ -786,6 +785,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from jaxpar import objectives
     from jaxpar.parallel.distributed import initialize
     from jaxpar.recipe import train_config
     from jaxpar.training.console import next_steps
@@ -802,7 +802,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"\nrun directory: {out}  ({', '.join(written)})")
     if result.checkpoints:
         print(f"checkpoints:   {result.checkpoints}")
-        decodes = cfg.train.objective is not Objective.REWARD
+        decodes = getattr(objectives.of(cfg.train.objective), "DECODES", True)
         steps = next_steps(out, cfg.model.name, cfg.adapter, cfg.data, decodes)
         print("next:          " + "\n               ".join(steps))
     return 0

@@ -39,7 +39,7 @@ from jaxpar import hf
 from jaxpar.adapters import lora
 from jaxpar.config import presets, registry
 from jaxpar.config.registry import CacheDims
-from jaxpar.config.sections import AdapterKind, Config, Model, Objective, Offload
+from jaxpar.config.sections import AdapterKind, Config, Model, Offload
 from jaxpar.errors import ConfigError
 from jaxpar.names import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ
 from jaxpar.nn.attention import CACHE_NAMES
@@ -159,12 +159,6 @@ def load(
             raise ConfigError(f"{command}: {source}: no such run directory (or give hf:DIR)")
         saved, meta = export.run_params(run, step)
         cfg = presets.from_dict(meta["config"], overrides)
-        if cfg.train.objective is Objective.REWARD:
-            raise ConfigError(
-                f"{command}: {source} is a reward model (train.objective=reward): it scores "
-                "answers, and has no trained head to decode with; export it (--format hf) "
-                "and score with it, or give a language model's run"
-            )
         if cfg.adapter.kind is AdapterKind.LORA:  # decoded with the adapters added in
             base = registered(cfg.model, cfg.train.seq_len)
             merged = lora.merged(base, cfg.adapter, cfg.model, saved)
@@ -177,6 +171,13 @@ def load(
                 if k in saved and tuple(saved[k].shape) != tuple(t.shape)
             ]
             missing = sorted(set(targets) - set(saved))
+            others = sorted(set(saved) - set(targets))
+            if missing and others:  # leaves of another objective (a classifier head)
+                raise ConfigError(
+                    f"{command}: {source} was trained with train.objective="
+                    f"{cfg.train.objective}: its checkpoint holds {others[0]} and no "
+                    f"{missing[0]}, which decoding needs; give a language model's run"
+                )
             if changed or missing:
                 given = [o for o in overrides if o.startswith("model.")]
                 raise ConfigError(

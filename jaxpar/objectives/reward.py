@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import hf
 from jaxpar.config.sections import AdapterKind, Config, Model, Train
 from jaxpar.data import pairs
 from jaxpar.data.pairs import CHOSEN, REJECTED
@@ -37,9 +38,11 @@ from jaxpar.nn.problem import Problem
 from jaxpar.nn.scope import report
 from jaxpar.objectives import dpo
 from jaxpar.parallel.axes import CONTEXT
-from jaxpar.training.export import LM_HEAD, SCORE
 
 SCORED = "scored_at"  # a batch's [rows, 2]: where each answer is scored (scored_at)
+SCORE = hf.SCORE  # the head's leaf: [embed, 1], exported as a classifier's
+LM_HEAD = frozenset({"head"})  # the language model's own head: frozen, never saved
+DECODES = False  # a reward run is no language model to sample (cli: its next steps)
 INIT_STD = 0.02  # the head's start, as transformers initializes a Linear
 
 

@@ -25,11 +25,6 @@ from jaxpar.nn.problem import Problem, registered
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint
 
-# a reward model's leaves (train.objective=reward: jaxpar.objectives.reward): its head
-# [embed, 1], exported as a classifier's; the language model's head, never trained
-SCORE = "score"
-LM_HEAD = frozenset({"head"})
-
 
 def checkpoint_dir(run_dir: Path) -> Path:
     """A run directory's checkpoints (or `run_dir` itself, if it holds them)."""
@@ -102,12 +97,10 @@ def export_hf(run_dir: Path, to: Path, architecture: str = "") -> tuple[int, int
         }
     fmt = registry.hf_format(model.name, "--format hf")
     release = _release(fmt, model, architecture)
-    scored = meta["config"]["train"].get("objective") == "reward"
-    unused = LM_HEAD if scored else frozenset()  # (never trained, nor saved)
+    # a classifier's head (hf.SCORE) is read by the last token before the data's pad id
+    pad = pairs.pad_id(meta["config"]["data"]["path"]) if hf.SCORE in params else None
     with _whole(Path(to), params) as part:
-        tensors = hf.export(fmt, model, seq_len, params, part, release, unused)
-        if scored:  # a reward model: its head in place of the language model's
-            hf.classifier(part, params[SCORE], pairs.pad_id(meta["config"]["data"]["path"]))
+        tensors = hf.export(fmt, model, seq_len, params, part, release, pad)
     return meta["step"], tensors
 
 
