@@ -164,7 +164,6 @@ def check(cfg: Config) -> None:
             f"train.objective=reward: {what}: a reward head is built on dense language "
             "models (gpt, llama, mistral, qwen2, qwen3, gemma2, gemma3); choose one"
         )
-
     if cfg.adapter.kind is not AdapterKind.NONE:
         raise ConfigError(
             f"train.objective=reward: adapter.kind={cfg.adapter.kind}: a reward model trains "
@@ -200,7 +199,6 @@ def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
             f"{longest} ids, and a reward model reads each answer's last id as an input "
             f"(a row holds seq_len of them); set train.seq_len={longest}"
         )
-
     pad = pairs.pad_id(cfg.data.path)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
