@@ -80,7 +80,7 @@ def load(data: Data, train: Train, vocab: int, split: str = "train") -> Pairs:
     meta = meta_of(data)
     if meta is None:
         raise ConfigError(
-            f"train.objective=dpo: data.path={data.path or '(none)'} "
+            f"train.objective={train.objective}: data.path={data.path or '(none)'} "
             f"(data.source={data.source}) holds no preference pairs; prepare them with `jaxpar "
             "prepare-data FILE.jsonl --format preference`, and give data.source=tokens "
             "data.path=THAT_FOLDER"

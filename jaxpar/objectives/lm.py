@@ -25,7 +25,7 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             f"data.path={cfg.data.path} holds preference pairs (prepare-data --format "
             "preference), and train.objective=lm would train on the rejected answers too; "
-            "train them with train.objective=dpo"
+            "train them with train.objective=dpo (or a reward model: train.objective=reward)"
         )
 
 
