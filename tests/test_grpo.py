@@ -258,9 +258,9 @@ UPDATE_LAYOUTS = {
         ("adapter.kind=lora", "train.lr=5"),
     ),
     "context2": (("parallel.data=4", "parallel.context=2"), ()),
-    # GSPO: a completion's ratio sums its targets over its context shards
+    # GSPO: a completion's ratio sums its targets over its context shards; rows accumulated
     "gspo-context2-tensor2": (
-        ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+        ("parallel.data=2", "parallel.context=2", "parallel.tensor=2", "train.grad_accum=2"),
         ("grpo.loss=gspo",),
     ),
     "mixtral-expert2": (("parallel.data=4", "parallel.expert=2"), ("mixtral-tiny",)),
