@@ -57,7 +57,7 @@ def test_a_reward_model_trains_in_every_layout_as_on_one_device(layout, folder):
     [
         ("mixtral-tiny", (), "model.experts=8"),
         ("llama-tiny", ("adapter.kind=lora",), "adapter.kind=lora"),
-        ("llama-tiny", ("train.seq_len=82",), "set train.seq_len=83"),
+        ("llama-tiny", ("train.seq_len=60",), "set train.seq_len=83"),
         ("llama-tiny", ("data.source=corpus", "model.vocab=256"), "objective=reward: data.path"),
     ],
 )

@@ -191,14 +191,15 @@ def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
     """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, each of which must
     leave its rejected answer's last id an input (seq_len ids at most)."""
     t = cfg.train
-    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
-    longest = pairs.meta_of(cfg.data)["longest_pair"]
+    meta = pairs.meta_of(cfg.data)  # (before load's own check, which asks one id less)
+    longest = meta["longest_pair"] if meta else 0
     if longest > t.seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len}: the longest pair of data.path={cfg.data.path} is "
             f"{longest} ids, and a reward model reads each answer's last id as an input "
             f"(a row holds seq_len of them); set train.seq_len={longest}"
         )
+    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
     pad = pairs.pad_id(cfg.data.path)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
