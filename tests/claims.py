@@ -759,6 +759,20 @@ CLAIMS = (
             "test_checkpoint.py::test_corrupt_checkpoint_exits_2",
         ),
     ),
+    Claim(
+        "docs/checkpoints.md",
+        "A loss spike skipped or rolled back leaves a run equal to one that never read the "
+        "batches it dropped, in every layout; the window resumes with the state",
+        (
+            "test_spikes.py::test_the_limit_is_the_windows_mean_and_deviations_once_half_full",
+            "test_spikes.py::test_a_skipped_spike_leaves_the_run_a_run_without_its_batch",
+            "test_spikes.py::test_rollback_returns_to_the_checkpoint_and_skips_the_batches_since",
+            "test_spikes.py::test_a_spike_in_pipeline_tensor_and_data_rolls_back_as_a_run_"
+            "without_its_batches",
+            "test_spikes.py::test_the_window_resumes_with_the_state_and_runs_switch_watching",
+            "test_spikes.py::test_rollback_without_checkpoints_and_under_grpo_is_refused",
+        ),
+    ),
     # docs/many-hosts.md
     Claim(
         "docs/many-hosts.md",

@@ -146,6 +146,12 @@ class OnNonfinite(enum.StrEnum):
     SKIP = "skip"
 
 
+class OnSpike(enum.StrEnum):
+    OFF = "off"
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+
+
 Degree = Annotated[
     int, Range(1, 65536, "a degree is a count of devices; -1 takes the rest", rest=True)
 ]
@@ -435,6 +441,22 @@ class Train(Section):
             "a step whose loss or gradients are not finite: stop (save the last good state, exit "
             "3) | skip (leave the state as it was, count it in the metrics' `skipped`)"
         ),
+    )
+    on_spike: OnSpike = key(
+        OnSpike.OFF,
+        (
+            "a step whose loss spikes (over the mean of the last spike_window applied steps' "
+            "losses by more than spike_sigmas standard deviations): off | skip (leave the state "
+            "as it was, the batch consumed) | rollback (return to the newest checkpoint before "
+            "it and skip the batches since, the spiking one included)"
+        ),
+    )
+    spike_sigmas: Annotated[float, Range(0.1, 1e6, "standard deviations over the mean")] = key(
+        6.0, "how many standard deviations over the window's mean loss a spike is (train.on_spike)"
+    )
+    spike_window: Annotated[int, Range(2, 100_000, "applied steps")] = key(
+        128,
+        "the applied steps whose losses a spike is judged against; judged from half full on",
     )
     hang_timeout_s: Annotated[float, Range(0, 7 * 86400, "seconds; 0 = off")] = key(
         0.0,

@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Adapter, Config, Grpo, GrpoLoss
+from jaxpar.config.sections import Adapter, Config, Grpo, GrpoLoss, OnSpike
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum
@@ -154,6 +154,12 @@ def check(cfg: Config) -> None:
             f"train.eval_every={cfg.train.eval_every}: train.objective=grpo has no held-out "
             "loss (its measure is the rollouts' reward, in metrics.jsonl); give "
             "train.eval_every=0"
+        )
+    if cfg.train.on_spike is OnSpike.ROLLBACK:
+        raise ConfigError(
+            "train.on_spike=rollback: a GRPO step's rollouts came from the policy a rollback "
+            "would return from, so train.objective=grpo cannot roll back; use "
+            "train.on_spike=skip (the spiking update is not applied)"
         )
     if every % g.iterations:
         raise ConfigError(

@@ -45,6 +45,8 @@ class StepMetrics(NamedTuple):
     targets: jax.Array  # the global batch's trained loss elements (the loss's divisor)
     # what the model reported (jaxpar.report), the mean over micro-batches and devices
     reports: dict = {}  # noqa: RUF012 (a NamedTuple's default, never mutated)
+    spike: jax.Array | bool = False  # this step's loss spiked (train.on_spike): not applied
+    spike_limit: jax.Array | float = float("inf")  # the loss over which it would have
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.config.sections import Muon, Offload, Optimizer, Parallel, Train
+from jaxpar.config.sections import Muon, Offload, OnSpike, Optimizer, Parallel, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, trained_count
@@ -30,7 +30,7 @@ from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
 from jaxpar.parallel.sharding import named, pick, plan
 from jaxpar.parallel.zero import ZeroPolicy
 from jaxpar.step import muon as muon_lib
-from jaxpar.step import offload, pipelined, qk_clip
+from jaxpar.step import offload, pipelined, qk_clip, spikes
 from jaxpar.step import optimizer as optim
 from jaxpar.step import state as state_lib
 from jaxpar.step.engine import (
@@ -69,7 +69,8 @@ def build(
         placed = muon_lib.owners(mesh, own(specs), trainable, own(trained.shapes))
     tx, schedule = optim.optimizer(train, trainable, optim.balance_step(problem), muon, placed)
     opt_params = named(mesh, pick(specs, "opt"))  # the optimizer's split of the parameters
-    device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable)
+    watch = train.on_spike is not OnSpike.OFF
+    device = state_lib.shardings(mesh, specs, tx, trained.shapes, trained.trainable, watch)
     clip = functools.partial(
         optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(trainable)
     )
@@ -89,21 +90,24 @@ def build(
         params = trained.init(key)
         compute = None if par.offload is Offload.NONE else offload.compute_copy(params, dtype)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, tx.init(trained.trainable(params)), zero, compute)
+        opt = tx.init(trained.trainable(params))
+        window = spikes.empty(train.spike_window) if watch else None
+        return TrainState(zero, params, opt, zero, compute, window=window)
 
     def train_step(state: TrainState, batch):
         # the loss is the global batch's summed loss over its trained elements' count
         count = trained_count(problem, batch)
         (loss, reports), grads = grads_of(state.compute_params, batch, count)
-        new, grad_norm, applied, finite = update(state, grads, loss)
+        spike, limit = spikes.judged(loss, state.window, train.spike_sigmas)
+        new, grad_norm, applied, finite = update(state, grads, loss, spike)
         if tau:
             params, reports = qk_clip.clip(
                 new.params, reports, clip_rules, tau, trained.names, set(trainable)
             )
             new = new.replace(params=params)
-        new = new.advanced(applied, finite, train.on_nonfinite)
+        new = new.advanced(applied, finite, train.on_nonfinite, loss, spike)
         metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
-        return new, StepMetrics(*metrics)
+        return new, StepMetrics(*metrics, spike=spike, spike_limit=limit)
 
     return jitted(
         mesh,
@@ -122,14 +126,14 @@ def build(
 
 
 def _device_update(tx, clip, verdict, shardings: TrainState, opt_params, problem: Problem):
-    """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
-    norm, applied, finite): clip, then AdamW on the optimizer's split of the trained
-    parameters (ZeRO>=1: a slice), all-gathered back to their storage."""
+    """(state, grads, loss, spike) -> (state with the update applied if `verdict` allows,
+    gradient norm, applied, finite): clip, then AdamW on the optimizer's split of the
+    trained parameters (ZeRO>=1: a slice), all-gathered back to their storage."""
     trained = problem.trainable
 
-    def update(state: TrainState, grads, loss):
+    def update(state: TrainState, grads, loss, spike):
         grads, grad_norm = clip(grads)
-        applied, finite = verdict(loss, grad_norm, state.skipped)
+        applied, finite = verdict(loss, grad_norm, state.skipped, spike)
         stored = trained(state.params)
         params = jax.lax.with_sharding_constraint(stored, trained(opt_params))
         updates, opt = tx.update(grads, state.opt, params)

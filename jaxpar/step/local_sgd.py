@@ -26,11 +26,12 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.config.sections import Muon, Parallel, Train
+from jaxpar.config.sections import Muon, OnSpike, Parallel, Train
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.sharding import only_axes, pick, plan
 from jaxpar.step import optimizer as optim
+from jaxpar.step import spikes
 from jaxpar.step import state as state_lib
 from jaxpar.step.engine import (
     StepMetrics,
@@ -94,7 +95,7 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
     """One device's step, inside shard_map: its local step on its rows, then (every
     `every` steps, and at the last) the copies averaged into the outer optimizer."""
 
-    def device_step(local: Local, params, outer_opt, batch, step, skipped, total):
+    def device_step(local: Local, params, outer_opt, batch, step, skipped, window, total):
         """One device's local step on its rows, then (every `every` steps) the average."""
         mine = jax.tree.map(lambda x: x[0], local.params)
         # each copy's loss is over its own rows' trained elements
@@ -105,7 +106,8 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
         # the global batch's loss: the copies' sums over all their trained elements
         loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
         norm_max = jax.lax.pmax(norm, DATA)
-        applied, finite = optim.verdict(loss, norm_max, skipped, train.on_nonfinite)
+        spike, limit = spikes.judged(loss, window, train.spike_sigmas)
+        applied, finite = optim.verdict(loss, norm_max, skipped, spike, train.on_nonfinite)
         opt = state_lib.map_params(inner, lambda x: x[0], local.opt)
         updates, new_opt = inner.update(grads, opt, mine)
         mine = optim.keep_if(applied, optax.apply_updates(mine, updates), mine)
@@ -124,7 +126,7 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
         mine, params, outer_opt = jax.lax.cond(sync, average, lambda *a: a, mine, params, outer_opt)
         local = Local(params=jax.tree.map(lambda x: x[None], mine), opt=opt)
         norm = jax.lax.pmean(norm, DATA)
-        return local, params, outer_opt, loss, norm, applied, finite, reports
+        return local, params, outer_opt, loss, norm, applied, finite, reports, spike, limit
 
     return device_step
 
@@ -162,7 +164,8 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
     inner, schedule = optim.optimizer(train, problem.names, optim.balance_step(problem), muon)
     outer = outer_optimizer(par)
     compute = pick(specs, "compute")
-    global_state = state_lib.shardings(mesh, specs, outer, problem.shapes)
+    watch = train.on_spike is not OnSpike.OFF
+    global_state = state_lib.shardings(mesh, specs, outer, problem.shapes, window=watch)
     local_specs, shardings = _copies(problem, mesh, compute, inner, global_state)
     value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
     mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
@@ -177,7 +180,8 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
     def init(key):
         params = problem.init(key)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, outer.init(params), zero, None, spread(params))
+        window = spikes.empty(train.spike_window) if watch else None
+        return TrainState(zero, params, outer.init(params), zero, None, spread(params), window)
 
     device_step = _device_step(problem, train, every, inner, outer, value_and_grad, clip)
 
@@ -189,21 +193,22 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
             PartitionSpec(BATCH_AXES),
             PartitionSpec(),
             PartitionSpec(),
+            PartitionSpec(),
         )
         out = jax.shard_map(
             functools.partial(device_step, total=train.steps),
             mesh=mesh,
             in_specs=specs_in,
-            out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 5),
+            out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 7),
             axis_names={REPLICA, DATA, EXPERT, PIPE},
             check_vma=False,
-        )(state.local, state.params, state.opt, batch, state.step, state.skipped)
-        local, params, outer_opt, loss, norm, applied, finite, reports = out
+        )(state.local, state.params, state.opt, batch, state.step, state.skipped, state.window)
+        local, params, outer_opt, loss, norm, applied, finite, reports, spike, limit = out
         new = state.replace(params=params, opt=outer_opt, local=local)
-        new = new.advanced(applied, finite, train.on_nonfinite)
+        new = new.advanced(applied, finite, train.on_nonfinite, loss, spike)
         count = trained_count(problem, batch)
         metrics = (loss, schedule(state.step), norm, new.skipped, count, reports)
-        return new, StepMetrics(*metrics)
+        return new, StepMetrics(*metrics, spike=spike, spike_limit=limit)
 
     mean_grads = _mean_grads(problem, mesh, local_specs, compute, value_and_grad)
 

@@ -60,24 +60,24 @@ def host_update(
     opt_params,
     problem,
 ) -> Callable:
-    """(state, grads, loss) -> (state with the update applied if `verdict` allows, gradient
-    norm, applied, finite), clipping and updating on the host: the gradients go there
+    """(state, grads, loss, spike) -> (state with the update applied if `verdict` allows,
+    gradient norm, applied, finite), clipping and updating on the host: the gradients go there
     (split as `opt_params`), the compute copy comes back. Only `problem`'s trained leaves
     move (Problem.trainable)."""
     trained = problem.trainable
 
     @compute_on("device_host")
     @jax.jit
-    def on_the_host(grads, opt_state, master, loss, skipped):
+    def on_the_host(grads, opt_state, master, loss, skipped, spike):
         grads, grad_norm = clip(grads)
-        applied, finite = verdict(loss, grad_norm, skipped)
+        applied, finite = verdict(loss, grad_norm, skipped, spike)
         updates, new_opt = tx.update(grads, opt_state, master)
         master = keep_if(applied, optax.apply_updates(master, updates), master)
         opt_state = keep_if(applied, new_opt, opt_state)
         compute = compute_copy(master, dtype)
         return master, opt_state, compute, grad_norm, applied, finite
 
-    def update(state: TrainState, grads, loss):
+    def update(state: TrainState, grads, loss, spike):
         host = on_host(shardings.step)
         master, opt, compute, *scalars = on_the_host(
             jax.device_put(grads, on_host(trained(opt_params))),
@@ -85,6 +85,7 @@ def host_update(
             trained(state.params),
             jax.device_put(loss, host),
             jax.device_put(state.skipped, host),
+            jax.device_put(spike, host),
         )
         new = state.replace(
             params=problem.joined(state.params, master),

@@ -106,12 +106,14 @@ def clip(grads, clip_norm: float, balance=None):
     return grads, grad_norm
 
 
-def verdict(loss, grad_norm, skipped, on_nonfinite: OnNonfinite):
+def verdict(loss, grad_norm, skipped, spike, on_nonfinite: OnNonfinite):
     """(apply the update?, is the step finite?): a step whose loss or gradient norm is
-    not finite is never applied; with `stop`, neither is any after it (the loop saves
-    the last good state and exits)."""
+    not finite is never applied, nor is one held as a `spike` (jaxpar.step.spikes); with
+    `stop`, neither is any after a step not finite (the loop saves the last good state
+    and exits)."""
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    return (finite if on_nonfinite is OnNonfinite.SKIP else finite & (skipped == 0)), finite
+    applied = finite if on_nonfinite is OnNonfinite.SKIP else finite & (skipped == 0)
+    return applied & ~spike, finite
 
 
 def keep_if(apply, new, old):

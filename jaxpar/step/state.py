@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config.sections import OnNonfinite
 from jaxpar.parallel.sharding import named, pick
+from jaxpar.step import spikes
 
 
 @struct.dataclass
@@ -26,18 +27,26 @@ class TrainState:
     # parameters and its optimizer state (jaxpar.step.local_sgd.Local); `params` are then the
     # global parameters and `opt` the outer optimizer's state
     local: Any = None
+    # train.on_spike only: the applied steps' losses a spike is judged by (jaxpar.step.spikes)
+    window: Any = None
 
     @property
     def compute_params(self):
         """The parameters forward/backward read."""
         return self.params if self.compute is None else self.compute
 
-    def advanced(self, applied: jax.Array, finite: jax.Array, on_nonfinite: str) -> TrainState:
-        """The counters after a step. `skip` consumes the batch either way; `stop` halts
-        at the first step it could not apply, so the state stays the last good one."""
-        taken = 1 if on_nonfinite is OnNonfinite.SKIP else applied.astype(jnp.int32)
+    def advanced(self, applied, finite, on_nonfinite: str, loss=None, spike=False) -> TrainState:
+        """The counters after a step (and the spike window after `loss`). `skip` consumes
+        the batch either way, and so does a step held as a `spike`; `stop` halts at the
+        first step it could not apply, so the state stays the last good one."""
+        taken = 1 if on_nonfinite is OnNonfinite.SKIP else (applied | spike).astype(jnp.int32)
+        window = self.window
+        if window is not None:
+            window = spikes.after(window, loss, applied, spike)
         return self.replace(
-            step=self.step + taken, skipped=self.skipped + (~finite).astype(jnp.int32)
+            step=self.step + taken,
+            skipped=self.skipped + (~finite).astype(jnp.int32),
+            window=window,
         )
 
 
@@ -60,11 +69,16 @@ def map_params(tx: optax.GradientTransformation, f, state, *rest, is_leaf=None, 
 
 
 def shardings(
-    mesh: Mesh, specs, tx: optax.GradientTransformation, shapes, trainable=lambda tree: tree
+    mesh: Mesh,
+    specs,
+    tx: optax.GradientTransformation,
+    shapes,
+    trainable=lambda tree: tree,
+    window: bool = False,
 ) -> TrainState:
     """The state's shardings on the device, from the plan (`specs`) of params `shapes`:
     parameters as stored, the optimizer state as the optimizer's split of the
-    `trainable` ones."""
+    `trainable` ones (and a spike `window`'s, replicated, where the run has one)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     return TrainState(
         step=replicated,
@@ -77,4 +91,5 @@ def shardings(
             transform_non_params=lambda _: replicated,
         ),
         skipped=replicated,
+        window=spikes.Window(replicated, replicated, replicated) if window else None,
     )

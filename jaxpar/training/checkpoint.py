@@ -19,6 +19,7 @@ a pure function of (seed, step), and the step is in the state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -46,13 +47,14 @@ from jaxpar.nn.problem import Problem
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.mesh import build_mesh, describe
 from jaxpar.parallel.sharding import leaf_key, plan
-from jaxpar.step import offload
+from jaxpar.step import offload, spikes
 from jaxpar.step import state as state_lib
 from jaxpar.step.build import build
 from jaxpar.step.engine import Engine
 from jaxpar.step.state import TrainState
 
 STATE, META = "state", "meta"
+WINDOW = "spike_window"  # the saved dict's key of a train.on_spike run's window
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,13 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     with, so any layout restores into any other."""
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
     specs = plan(problem.names, shapes, zero=zero, mesh_shape=describe(mesh))
-    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes, problem.trainable)
-    to_saved, from_saved, unstage = _converters(problem, engine, precision)
+    watch = engine.state_shardings.window is not None
+    model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes, problem.trainable, watch)
+    abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.eval_shape(engine.init, jax.random.key(0)),
+    )
+    to_saved, from_saved, unstage = _converters(problem, engine, precision, abstract.window)
     on_device = jax.tree.map(
         lambda s: s.with_memory_kind("device"),
         engine.state_shardings,
@@ -111,7 +118,7 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     return Layout(
         to_saved=to_saved_on_device,
         from_saved=jax.jit(from_saved, out_shardings=engine.state_shardings),
-        target=_targets(problem, engine, model, to_saved),
+        target=_targets(problem, engine, model, to_saved, abstract),
         params=jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             problem.shapes,
@@ -125,9 +132,10 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     )
 
 
-def _converters(problem: Problem, engine: Engine, precision: Precision):
+def _converters(problem: Problem, engine: Engine, precision: Precision, window):
     """(to_saved, from_saved, unstage): the state in the run's layout (a pipeline's layer
-    stack in stages) to the saved dict in the model's layout, and back."""
+    stack in stages) to the saved dict in the model's layout, and back (a spike window
+    of `window`'s shape made empty where the saved dict has none)."""
     staged = engine.layout
     stack = set(problem.parts.stack_keys) if staged else set()
     keys = jax.tree_util.tree_map_with_path(lambda path, _: leaf_key(path), problem.shapes)
@@ -153,6 +161,8 @@ def _converters(problem: Problem, engine: Engine, precision: Precision):
         }
         if state.local is not None:  # parameter averaging: each device's copy
             saved["local"] = state.local
+        if state.window is not None:  # train.on_spike
+            saved[WINDOW] = _fields(state.window)
         return saved
 
     dtype = DTYPES[precision]
@@ -169,18 +179,15 @@ def _converters(problem: Problem, engine: Engine, precision: Precision):
             skipped=saved["skipped"],
             compute=compute,
             local=saved.get("local"),
+            window=_window(saved.get(WINDOW), window),
         )
 
     return to_saved, from_saved, unstage
 
 
-def _targets(problem: Problem, engine: Engine, model, to_saved) -> dict:
+def _targets(problem: Problem, engine: Engine, model, to_saved, abstract) -> dict:
     """The saved dict as ShapeDtypeStructs with this run's shardings in the model's layout
     (`model`): what a restore reads into."""
-    abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.eval_shape(engine.init, jax.random.key(0)),
-    )
     saved_shapes = jax.eval_shape(to_saved, abstract)
     saved_shardings = {
         "step": model.step,
@@ -190,11 +197,49 @@ def _targets(problem: Problem, engine: Engine, model, to_saved) -> dict:
     }
     if engine.spread is not None:
         saved_shardings["local"] = engine.state_shardings.local
+    if model.window is not None:
+        saved_shardings[WINDOW] = _fields(model.window)
     return jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         saved_shapes,
         saved_shardings,
     )
+
+
+def _fields(window: spikes.Window) -> dict:
+    """A spike window as the plain dict a checkpoint holds."""
+    return {f.name: getattr(window, f.name) for f in dataclasses.fields(window)}
+
+
+def _window(saved: dict | None, like):
+    """The run's spike window (None where it keeps none) from a checkpoint's (None where
+    it was saved without one: empty, judged again from half full)."""
+    if like is None:
+        return None
+    if saved is None:
+        return spikes.empty(like.losses.shape[0])
+    return spikes.Window(**saved)
+
+
+def read_state(ckpts: Checkpoints, step: int, target: dict) -> dict:
+    """Checkpoint `step`'s saved dict into `target`. A spike window is read where both
+    keep one: a run that watches for spikes resumes from a checkpoint of a run that did
+    not (an empty window), and the other way round (the saved window left unread)."""
+    saved = ckpts.saved_tree(step)
+    if WINDOW in target and WINDOW not in saved:
+        target = {k: v for k, v in target.items() if k != WINDOW}
+    elif WINDOW in saved and WINDOW not in target:
+        like = target["step"].sharding  # replicated, as a window is
+        target = {
+            **target,
+            WINDOW: jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=like),
+                saved[WINDOW],
+                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+            ),
+        }
+        return {k: v for k, v in ckpts.restore(step, target).items() if k != WINDOW}
+    return ckpts.restore(step, target)
 
 
 def _flat(tree) -> dict:
@@ -518,7 +563,7 @@ def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int
     base = frozen_base(ckpt, problem, None, cfg.train.seed) if ckpt.frozen else {}
     if ckpt.frozen:
         base_lib.check(saved_meta.get("base"), base_lib.of(base), where)
-    restored = ckpts.restore(step, ckpt.target)
+    restored = read_state(ckpts, step, ckpt.target)
     return ckpt.from_saved({**restored, "params": {**base, **restored["params"]}})
 
 
@@ -565,7 +610,7 @@ class Saver:
         if self.layout.frozen:
             base_lib.check(saved_meta.get("base"), base_lib.of(base), self.where(step))
             self.base = saved_meta["base"]
-        restored = self.ckpts.restore(step, self.layout.target)
+        restored = read_state(self.ckpts, step, self.layout.target)
         state = self.layout.from_saved({**restored, "params": {**base, **restored["params"]}})
         if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
             state = state.replace(skipped=state.skipped * 0)

@@ -28,7 +28,15 @@ from tqdm import tqdm
 from jaxpar import disk
 from jaxpar.adapters.base import source as base_source
 from jaxpar.compiled.run import Run, prepare
-from jaxpar.config.sections import Checkpoint, Config, Model, OnNonfinite, Train, profile_range
+from jaxpar.config.sections import (
+    Checkpoint,
+    Config,
+    Model,
+    OnNonfinite,
+    OnSpike,
+    Train,
+    profile_range,
+)
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
 from jaxpar.errors import ConfigError, NonFinite, ReplicasDiverged, Stopped
@@ -89,15 +97,14 @@ def train(
     `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
     `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
     every train.eval_every steps the mean loss over train.eval_batches of them is logged
-    as eval_loss. `hooks` (jaxpar.training.hooks.Hook) run around the steps: an
-    objective's rollouts before theirs, train.eval_tasks' scores after theirs
-    (`rollouts=` and `benchmarks=`, the same as hooks, warn until 0.3.0)."""
+    as eval_loss. `hooks` (jaxpar.training.hooks.Hook) run around the steps: rollouts
+    before theirs, scores after (`rollouts=`, `benchmarks=` warn until 0.3.0)."""
     out_dir = None if out_dir is None else Path(out_dir)
-    _check_asked(cfg.train, out_dir, eval_batches)
+    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
+    _check_asked(cfg.train, out_dir, eval_batches, bool(ckpt_dir and cfg.checkpoint.every))
     hooks = _hooks(hooks, rollouts, benchmarks)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
-    ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
     with _writing(out_dir, ckpt_dir, restart, lead, say), checkpoint.Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
         if start >= cfg.train.steps:  # said before anything compiles
@@ -124,6 +131,7 @@ def train(
                 evaluate=_evaluation(run, eval_batches) if cfg.train.eval_every else None,
                 hooks=tuple(hooks),
                 beat=hang.beat,
+                **_spike_options(cfg.train, saver, problem, params, say),
             )
             loop = run_loop(run, state, batches, log, start, options)
         state = saver.finish(loop, start)
@@ -177,8 +185,15 @@ def _run_files(files: Path | None, run, profile_steps: str, saver, start: int, s
     return log, profile
 
 
-def _check_asked(train: Train, out_dir: Path | None, eval_batches) -> None:
-    """What the config asks of train()'s arguments: held-out data, a run directory."""
+def _check_asked(train: Train, out_dir: Path | None, eval_batches, saves: bool) -> None:
+    """What the config asks of train()'s arguments: held-out data, a run directory,
+    checkpoints to roll back to (`saves`: the run saves every checkpoint.every steps)."""
+    if train.on_spike is OnSpike.ROLLBACK and not saves:
+        raise ConfigError(
+            "train.on_spike=rollback returns to the newest checkpoint before a spike, but "
+            "this run saves none: set checkpoint.every=N and give it a place (--out, "
+            "train(..., out_dir=...) or checkpoint.dir), or use train.on_spike=skip"
+        )
     if train.eval_every and eval_batches is None:
         raise ConfigError(
             f"train.eval_every={train.eval_every}: give the held-out data, "
@@ -196,10 +211,7 @@ def _first_state(model: Model, train: Train, problem: Problem, run, saver, param
     """The state the loop starts from: checkpoint `start`'s (the frozen base made again),
     or a fresh one from `params` or the problem's init (the frozen base's hash kept)."""
     if start:
-        base = {}  # the frozen parameters, not in the checkpoint: made again
-        if problem.frozen:
-            base = checkpoint.frozen_base(saver.layout, problem, params, train.seed)
-        state = saver.restore(start, base)
+        state = saver.restore(start, _base(problem, saver, params, train.seed))
         if start < train.steps:  # said once the checkpoint has been read
             say(f"resuming from step {start}: {saver.directory / str(start)}")
         return state
@@ -213,6 +225,24 @@ def _first_state(model: Model, train: Train, problem: Problem, run, saver, param
             "hash": saver.layout.base_hash(state),
         }
     return state
+
+
+def _base(problem: Problem, saver, params, seed: int) -> dict:
+    """The frozen parameters a restore joins (not in the checkpoint: made again)."""
+    return checkpoint.frozen_base(saver.layout, problem, params, seed) if problem.frozen else {}
+
+
+def _spike_options(train: Train, saver, problem: Problem, params, say) -> dict:
+    """LoopOptions' `say` and `rollback`: (checkpoint step, spiking step) -> the state
+    saved at that checkpoint, its data position moved to the spiking step (the batches
+    between skipped)."""
+
+    def rollback(back_to: int, step: int):
+        saver.ckpts.wait()  # (the save of that step may still be writing)
+        state = saver.restore(back_to, _base(problem, saver, params, train.seed))
+        return state.replace(step=state.step + (step - back_to))
+
+    return {"say": say, "rollback": rollback}
 
 
 def _counts(problem: Problem) -> tuple[int, int]:
@@ -320,6 +350,8 @@ def _finish(run, loop, rows: list, files: Path | None, saver, say, hooks) -> Rep
         say(f"weights: {report.checkpoint}")
     if files:
         extra = {k: v for hook in hooks for k, v in hook.summary().items()}
+        if loop.spikes:
+            extra["spikes"] = [spike.to_json() for spike in loop.spikes]
         metrics.write_json(files / rundir.SUMMARY, {**report.to_json(), **extra})
         metrics.plot_loss(rows, files / rundir.LOSS_PLOT, report.strategy)
     if loop.stopped:
@@ -341,6 +373,34 @@ class Loop:
     diverged: str | None = None  # which copies of which leaves differed (replica check)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     failed: Exception | None = None  # what stopped a rollout (a reward function's failure)
+    spikes: list[Spike] = field(default_factory=list)  # train.on_spike's, in order
+    rollback: Spike | None = None  # a spike settled that the loop is to roll back from
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A step whose loss spiked (train.on_spike): held, and with `back_to` rolled back."""
+
+    step: int  # 1-based
+    loss: float
+    limit: float  # the loss over which a step spiked then
+    back_to: int | None = None  # the checkpoint rolled back to (None: skipped)
+
+    def said(self, sigmas: float, window: int) -> str:
+        head = (
+            f"step {self.step}: the loss {self.loss:.4g} spiked over {self.limit:.4g} (the "
+            f"mean of the last {window} applied steps' losses + {sigmas:g} standard deviations)"
+        )
+        if self.back_to is None:
+            return f"{head}: not applied, its batch skipped"
+        first = self.back_to + 1
+        skipped = f"{first}-{self.step}" if self.step > first else self.step
+        return (
+            f"{head}: rolled back to step {self.back_to}'s checkpoint, skipping batches {skipped}"
+        )
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "limit": self.limit, "back_to": self.back_to}
 
 
 def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
@@ -419,6 +479,10 @@ class LoopOptions:
     evaluate: Callable | None = None  # state -> held-out loss, every train.eval_every steps
     hooks: tuple[Hook, ...] = ()  # run around the steps (jaxpar.training.hooks)
     beat: Callable[[], None] = lambda: None  # after each step settles (train.hang_timeout_s)
+    # train.on_spike=rollback: (checkpoint step, spiking step) -> that checkpoint's state,
+    # its data position past the spiking batch
+    rollback: Callable | None = None
+    say: Callable[[str], None] = lambda _: None  # a line above the progress bar
 
 
 def run_loop(
@@ -430,7 +494,9 @@ def run_loop(
     opts: LoopOptions | None = None,
 ) -> Loop:
     """Run steps start+1 .. train.steps (with what `opts` adds). Step n is dispatched
-    before step n-1's metrics are read (`settle`), so the device never waits on Python."""
+    before step n-1's metrics are read (`settle`), so the device never waits on Python.
+    A spike settled under train.on_spike=rollback drops the step in flight and goes on
+    from the checkpoint before it (`opts.rollback`), past the batches since."""
     cfg, opts = run.cfg.train, opts or LoopOptions()
     compiled, sharding = run.step.executable, run.engine.batch_sharding
     loop = Loop(state, start)
@@ -438,64 +504,111 @@ def run_loop(
     with tqdm(
         total=cfg.steps, initial=start, desc="train", unit="step", disable=not opts.progress
     ) as bar:
-        rows = _Rows(run, loop, log, bar, opts.beat, getattr(batches, "position", None))
+        rows = _Rows(run, loop, log, bar, opts, getattr(batches, "position", None))
         pending = None  # (step, metrics on device) of the step in flight
-        span = profile_range(cfg) if opts.profile else None
-        tracing = False
-
-        for step in range(start, cfg.steps):
-            # a hook may hold stops to its boundaries (rollouts': where a resume rolls out)
-            boundary = all(hook.boundary(step) for hook in opts.hooks)
-            asked = opts.stops and opts.stops.asked and boundary
-            if loop.nonfinite is not None or loop.diverged or asked:
+        trace = _Trace(cfg, opts.profile)
+        step = start
+        while True:
+            if loop.rollback is not None:  # the steps run on from a spike are dropped
+                pending, step = None, _rolled_back(loop, opts)
+            if step >= cfg.steps or _halted(loop, opts, step):
+                if pending is not None:
+                    rows.settle(*pending)
+                    pending = None
+                    continue  # (a last step that spiked rolls back)
                 break
             if working := [hook for hook in opts.hooks if hook.before_due(step)]:
                 if pending is not None:  # its step time without the hooks' work
                     rows.settle(*pending)
                     pending = None
+                    continue
                 try:
                     rows.extra = _before(working, loop.state, step)
                 except Stopped as e:
                     loop.failed = e
                     break
                 rows.last = time.perf_counter()
-            if span and step + 1 == span[0]:
-                jax.profiler.start_trace(str(opts.profile))
-                tracing = True
+            trace.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 batch = batch_for(batches, step, sharding, run.step.batch_shapes)
                 loop.state, step_metrics = compiled(loop.state, batch)
             jax.monitoring.record_event(STEP_EVENT)  # for listeners: the test suite's profile
-            if tracing and step + 1 == span[1]:
-                jax.block_until_ready(loop.state)  # the last profiled step, whole, in the trace
-                jax.profiler.stop_trace()
-                tracing = False
-            loop.end = step + 1
+            trace.after(step, loop.state)
+            step = loop.end = step + 1
             if pending is not None:
                 rows.settle(*pending)
-            pending = (step, step_metrics)
-            if run.check and loop.end % cfg.check_replicas_every == 0:
-                loop.diverged = run.check(loop.state)
-                if loop.diverged:
-                    continue  # (saved by checkpoint.Saver.finish, as the state it is)
-            due = [f for f in _due(opts, loop.end, cfg.eval_every) if f is not None]
-            due_save = opts.every and loop.end % opts.every == 0
-            if due or due_save:
-                # this step's metrics row (and held-out scores) is written before its checkpoint
-                # exists: a resume from it then misses no row
-                rows.settle(*pending, evaluate=_together(due) if due else None)
-                pending = None
-            if due_save:
-                opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
-                loop.saved.add(loop.end)
-        if tracing:  # stopped (a signal, a non-finite step) inside the span
-            jax.profiler.stop_trace()
-        if pending is not None:
-            rows.settle(*pending)
+            pending = (step - 1, step_metrics)
+            if loop.rollback is None:
+                pending = _after_step(run, loop, opts, rows, pending)
+        trace.stop()
     if loop.nonfinite is not None:  # `stop` froze the state at the last good step
         loop.end = loop.nonfinite - 1
     loop.stopped = opts.stops.asked if opts.stops and loop.end < cfg.steps else None
     return loop
+
+
+def _halted(loop: Loop, opts: LoopOptions, step: int) -> bool:
+    """Must the loop stop before `step`? A non-finite step (stop), diverged copies, or a
+    signal, at a boundary every hook keeps (rollouts': where a resume rolls out)."""
+    boundary = all(hook.boundary(step) for hook in opts.hooks)
+    asked = opts.stops and opts.stops.asked and boundary
+    return bool(loop.nonfinite is not None or loop.diverged or asked)
+
+
+def _after_step(run: Run, loop: Loop, opts: LoopOptions, rows, pending):
+    """What follows a dispatched step: the replica check, the evaluations and the save
+    due after it (its row settled first). The metrics still in flight, or None."""
+    cfg = run.cfg.train
+    if run.check and loop.end % cfg.check_replicas_every == 0:
+        loop.diverged = run.check(loop.state)
+        if loop.diverged:
+            return pending  # (saved by checkpoint.Saver.finish, as the state it is)
+    due = [f for f in _due(opts, loop.end, cfg.eval_every) if f is not None]
+    due_save = opts.every and loop.end % opts.every == 0
+    if due or due_save:
+        # this step's metrics row (and held-out scores) is written before its checkpoint
+        # exists: a resume from it then misses no row
+        rows.settle(*pending, evaluate=_together(due) if due else None)
+        pending = None
+    if due_save and loop.rollback is None:  # (never the state of a step that spiked)
+        opts.save(loop.state, loop.end)  # blocks until the state is copied off the device
+        loop.saved.add(loop.end)
+    return pending
+
+
+def _rolled_back(loop: Loop, opts: LoopOptions) -> int:
+    """Back to the checkpoint before the spike `loop.rollback` names, the data position
+    past the spiking batch: the step to go on from."""
+    spike = loop.rollback
+    loop.rollback = None
+    loop.state = opts.rollback(spike.back_to, spike.step)
+    loop.end = spike.step
+    opts.beat()  # (a restore is progress: train.hang_timeout_s)
+    return spike.step
+
+
+class _Trace:
+    """train.profile_steps traced with jax.profiler into `folder` (None: never)."""
+
+    def __init__(self, train: Train, folder: Path | None):
+        self.folder = folder
+        self.span = profile_range(train) if folder else None
+        self.on = False
+
+    def before(self, step: int) -> None:
+        if self.span and step + 1 == self.span[0]:
+            jax.profiler.start_trace(str(self.folder))
+            self.on = True
+
+    def after(self, step: int, state) -> None:
+        if self.on and step + 1 == self.span[1]:
+            jax.block_until_ready(state)  # the last profiled step, whole, in the trace
+            self.stop()
+
+    def stop(self) -> None:  # (also where the loop stopped inside the span)
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
 
 
 def _due(opts: LoopOptions, steps: int, eval_every: int) -> list[Callable | None]:
@@ -537,9 +650,10 @@ class _Rows:
     train.log_every steps, the first and last, and any not finite) into `log` and the
     progress bar."""
 
-    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar, beat, position=None):
-        self.run, self.loop, self.log, self.bar, self.beat = run, loop, log, bar, beat
+    def __init__(self, run: Run, loop: Loop, log: metrics.MetricsLog, bar, opts, position=None):
+        self.run, self.loop, self.log, self.bar, self.opts = run, loop, log, bar, opts
         self.position = position
+        self.start = loop.end  # a checkpoint where the loop resumed from one
         self.last = time.perf_counter()
         self.since_log: list[float] = []
         self.extra: dict = {}  # the columns of a rollout made for the next step settled
@@ -549,7 +663,7 @@ class _Rows:
         `evaluate`, the held-out loss of the state now (its time kept out of the step's)."""
         cfg, loop = self.run.cfg.train, self.loop
         host = jax.device_get(device_metrics)
-        self.beat()
+        self.opts.beat()
         now = time.perf_counter()
         loop.times.append(now - self.last)
         self.since_log.append(now - self.last)
@@ -561,12 +675,15 @@ class _Rows:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and cfg.on_nonfinite is OnNonfinite.STOP and loop.nonfinite is None:
             loop.nonfinite = step + 1
+        spiked = bool(host.spike)
+        if spiked:
+            self._spiked(step + 1, loss, float(host.spike_limit))
         self.bar.update(1)
         if eval_loss is not None:
             loop.eval_losses.append((step + 1, eval_loss))
         extra, self.extra = self.extra, {}
         logged = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or step == 0
-        if not (logged or not finite or eval_loss is not None or extra):
+        if not (logged or not finite or eval_loss is not None or extra or spiked):
             return
         dt = float(np.mean(self.since_log))
         self.since_log.clear()
@@ -583,6 +700,7 @@ class _Rows:
             **(_fed(self.position(step + 1)) if self.position else {}),
             **{name: float(value) for name, value in sorted(host.reports.items())},
             **({"update_s": dt, **extra} if extra else {}),
+            **(_spike_columns(host) if cfg.on_spike is not OnSpike.OFF else {}),
         }
         self.log.write(row)
         speed = (
@@ -597,6 +715,28 @@ class _Rows:
         if row.get(console.DROPPED) is not None:  # a mixture's drops, live
             speed["dropped"] = f"{row[console.DROPPED]:.0%}"
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **speed)
+
+    def _spiked(self, step: int, loss: float, limit: float) -> None:
+        """A spike settled: said, kept, and under `rollback` the loop's to roll back from
+        the newest checkpoint before it (where there is none, it stays skipped)."""
+        cfg, loop = self.run.cfg.train, self.loop
+        back_to = None
+        if cfg.on_spike is OnSpike.ROLLBACK:
+            before = [s for s in (*loop.saved, self.start) if 0 < s < step]
+            back_to = max(before, default=None)
+        spike = Spike(step, loss, limit, back_to)
+        loop.spikes.append(spike)
+        said = spike.said(cfg.spike_sigmas, cfg.spike_window)
+        if cfg.on_spike is OnSpike.ROLLBACK and back_to is None:
+            said += " (rollback: no checkpoint before it, so it is skipped)"
+        self.opts.say(said)
+        if back_to is not None:
+            loop.rollback = spike
+
+
+def _spike_columns(host) -> dict:
+    limit = float(host.spike_limit)
+    return {"spiked": int(host.spike), "spike_limit": limit if math.isfinite(limit) else None}
 
 
 class _Stops:
