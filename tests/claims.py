@@ -679,6 +679,12 @@ CLAIMS = (
     ),
     Claim(
         "docs/grpo.md",
+        "A reward model as GRPO's reward scores each completion as transformers scores TRL's "
+        "rendering of it, weighted beside functions",
+        ("test_reward.py::test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar",),
+    ),
+    Claim(
+        "docs/grpo.md",
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),

@@ -1,7 +1,8 @@
 """Reward models (train.objective=reward): Bradley-Terry on preference pairs, the loss,
 its gradient and the accuracy equal to TRL's RewardTrainer at step 1 and step 2, every
 layout equal to one device, the exported classifier scoring as jaxpar does in
-transformers, and bad runs refused in one line."""
+transformers, as GRPO's reward (grpo.reward=model:RUN) scoring as transformers does, and
+bad runs refused in one line."""
 
 import json
 import math
@@ -195,3 +196,71 @@ def test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar(
     capsys.readouterr()
     assert cli.main(["generate", str(out), "--prompt", "Hi"]) == 2  # it does not decode
     one_line_error(capsys, "train.objective=reward", "holds score and no head")
+    _grpo_scores_with_the_run(out, model, chat_tokenizer, tmp_path, capsys)
+
+
+def _grpo_scores_with_the_run(run, model, chat_tokenizer, tmp_path, capsys):
+    """grpo.reward=model:RUN beside a function, weighted: each completion's reward is the
+    exported classifier's score in transformers of the conversation as TRL's GRPOTrainer
+    renders it for a reward model (chat template, then the tokenizer)."""
+    from helpers import script
+
+    from jaxpar.data.prepare import prepare
+
+    script("grpo_llama").write_prompts(tmp_path / "prompts.jsonl", 8)
+    prepare([tmp_path / "prompts.jsonl"], chat_tokenizer, tmp_path / "prompts", 0.1, "prompts")
+    rewards = f"grpo.reward=model:{run},jaxpar.objectives.rewards:format_reward"
+    argv = [
+        "train",
+        "--config",
+        "llama-tiny",
+        "model.vocab=512",
+        "data.source=tokens",
+        f"data.path={tmp_path / 'prompts'}",
+        "train.objective=grpo",
+        rewards,
+        "grpo.reward_weights=1,0.5",
+        "train.seq_len=64",
+        "train.batch_size=8",
+        "grpo.group=4",
+        "grpo.max_new_tokens=12",
+        "train.log_every=1",
+        "train.steps=1",
+        "parallel.data=4",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+        "--out",
+        str(tmp_path / "grpo"),
+    ]  # fmt: skip (test_grpo's zero3-tensor2 programs)
+    assert cli.main(argv) == 0
+    assert f"reward    model:{run} (llama) in " in capsys.readouterr().out
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "rollouts.jsonl").read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    texts = [
+        tok.apply_chat_template([*r["prompt"], {"role": "assistant", "content": r["completion"]}],
+                                tokenize=False)
+        if isinstance(r["prompt"], list) else r["prompt"] + r["completion"] + tok.eos_token
+        for r in rows
+    ]  # fmt: skip
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    pad = model.config.pad_token_id
+    padded = torch.tensor([i + [pad] * (max(map(len, ids)) - len(i)) for i in ids])
+    with torch.no_grad():
+        theirs = model(input_ids=padded, attention_mask=torch.ones_like(padded)).logits[:, 0]
+    ours = np.array([r["rewards"][run.name] for r in rows])
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-4, atol=1e-5)
+    formats = np.array([r["rewards"]["format_reward"] for r in rows])
+    np.testing.assert_allclose([r["reward"] for r in rows], ours + 0.5 * formats, rtol=1e-6)
+    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    assert summary["grpo"]["reward_models"][0]["bytes_per_device"] > 0
+    # refused in one line: no run, a run of another objective, ids of another tokenizer
+    script("make_tiny_llama").save_tokenizer(tmp_path / "other", "2 + 3 = 5. " * 50, 300)
+    prepare([tmp_path / "prompts.jsonl"], tmp_path / "other", tmp_path / "theirs", 0.1, "prompts")
+    for source, more, needle in (
+        (tmp_path / "nowhere", (), "no such run directory"),
+        (tmp_path / "grpo", (), "trained train.objective=grpo, not a reward model"),
+        (run, (f"data.path={tmp_path / 'theirs'}", "model.vocab=300"), "another tokenizer"),
+    ):
+        bad = [a.replace(str(run), str(source)) for a in argv[:-1]]
+        assert cli.main([*bad, str(tmp_path / "bad"), *more]) == 2
+        one_line_error(capsys, f"grpo.reward=model:{source}", needle)

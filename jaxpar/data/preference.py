@@ -100,6 +100,16 @@ def _common(a: Sequence, b: Sequence) -> int:
     return n
 
 
+def document(tok, template: chat.Template, prompt, answer, eos: str | None) -> list[int]:
+    """The ids of a prompt and its answer, as TRL tokenizes an answer: text as `prompt +
+    answer + end-of-text` (added where the answer lacks it) with the tokenizer's special
+    tokens; conversations (lists of messages) rendered whole by the chat template."""
+    if isinstance(prompt, str):
+        ended = answer if answer.endswith(eos) else answer + eos
+        return tok.encode(prompt + ended).ids
+    return tok.encode(template.render(prompt + answer), add_special_tokens=False).ids
+
+
 def pair(tok, template: chat.Template, row: dict, kind: str, eos: str | None, max_length: int,
          where: str) -> Pair:  # fmt: skip
     """The row's pair as TRL tokenizes it (the module's docstring); ConfigError for one
@@ -111,20 +121,17 @@ def pair(tok, template: chat.Template, row: dict, kind: str, eos: str | None, ma
             f"{who}: {where}: the chosen and rejected conversations do not differ after their "
             "shared turns, so there is no answer to prefer; give two different answers"
         )
+    if kind == "text" and eos is None:
+        raise ConfigError(
+            f"{who}: --tokenizer has no end-of-text token (tokenizer_config.json's "
+            "eos_token), which ends each answer as TRL's does; give a tokenizer that has one"
+        )
     if kind == "text":
-        if eos is None:
-            raise ConfigError(
-                f"{who}: --tokenizer has no end-of-text token (tokenizer_config.json's "
-                "eos_token), which ends each answer as TRL's does; give a tokenizer that has one"
-            )
-        ended = [a if a.endswith(eos) else a + eos for a in (chosen, rejected)]
-        ids = [tok.encode(t).ids for t in (prompt, *(prompt + a for a in ended))]
+        head = tok.encode(prompt).ids
     else:
-        texts = [template.render(prompt, generation_prompt=True)] + [
-            template.render(prompt + a) for a in (chosen, rejected)
-        ]
-        ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
-    head, whole_c, whole_r = ids
+        asked = template.render(prompt, generation_prompt=True)
+        head = tok.encode(asked, add_special_tokens=False).ids
+    whole_c, whole_r = (document(tok, template, prompt, a, eos) for a in (chosen, rejected))
     n = min(_common(head, whole_c), _common(head, whole_r))
     if n >= max_length:
         raise ConfigError(

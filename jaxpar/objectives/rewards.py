@@ -10,7 +10,8 @@ with grpo.reward_weights.
 
 Shipped, for the arithmetic chat task of the walk-throughs: `exact_answer` (1 where the
 completion's last number is the prompt's `answer`) and `format_reward` (1 where the
-completion is one sentence that ends in a number and a full stop).
+completion is one sentence that ends in a number and a full stop). `model:RUN` names a
+reward model's run (train.objective=reward) instead: jaxpar.objectives.reward_model.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config.sections import Grpo
+from jaxpar.config.sections import Data, Grpo
 from jaxpar.errors import ConfigError, Stopped
+from jaxpar.objectives import reward_model
 
 NUMBER = re.compile(r"-?\d+")
 SENTENCE = re.compile(r"[^\n.]*?-?\d+\.\s*")
@@ -64,12 +66,15 @@ class Reward:
 
     @property
     def short(self) -> str:
-        """The function's own name: the metrics' rewards/NAME/mean, as TRL's."""
-        return self.name.rpartition(":")[2]
+        """The function's own name (a reward model's: its run folder's): the metrics'
+        rewards/NAME/mean, as TRL's."""
+        return getattr(self.function, "short", None) or self.name.rpartition(":")[2]
 
 
-def load(g: Grpo) -> list[Reward]:
-    """grpo.reward's functions with grpo.reward_weights, each found and checked callable."""
+def load(g: Grpo, prompts: Data | None = None, vocab: int = 0) -> list[Reward]:
+    """grpo.reward's functions with grpo.reward_weights, each found and checked callable;
+    `model:RUN` a reward model's scores (jaxpar.objectives.reward_model), read against
+    the tokenizer of the `prompts` (model.vocab `vocab`)."""
     names = [n.strip() for n in g.reward.split(",") if n.strip()]
     if not names:
         raise ConfigError(
@@ -92,15 +97,17 @@ def load(g: Grpo) -> list[Reward]:
             f"grpo.reward={g.reward}: two functions of one name; give each function once, "
             "under names of their own (the metrics name each reward by its function)"
         )
-    return [Reward(n, _function(n), w) for n, w in zip(names, weights, strict=True)]
+    return [Reward(n, _function(n, prompts, vocab), w) for n, w in zip(names, weights, strict=True)]
 
 
-def _function(name: str) -> Callable:
+def _function(name: str, prompts: Data | None, vocab: int) -> Callable:
+    if name.startswith(reward_model.SCHEME):
+        return reward_model.RewardModel(name, prompts, vocab)
     where, sep, attr = name.rpartition(":")
     if not sep or not where or not attr:
         raise ConfigError(
-            f"grpo.reward={name}: write PATH.py:FUNCTION or MODULE:FUNCTION, e.g. "
-            "jaxpar.objectives.rewards:exact_answer"
+            f"grpo.reward={name}: write PATH.py:FUNCTION, MODULE:FUNCTION or model:RUN (a "
+            "reward model's run), e.g. jaxpar.objectives.rewards:exact_answer"
         )
     if where.endswith(".py"):
         path = Path(where)

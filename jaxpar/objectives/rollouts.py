@@ -44,7 +44,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.names import LAYERS
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import reference, rewards
+from jaxpar.objectives import reference, reward_model, rewards
 from jaxpar.objectives.reference import COPY
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
@@ -83,7 +83,7 @@ class Rollouts(Hook):
         check_tensor_split(tensor_dims(shipped.names, shipped.shapes), tensor)
         self.cfg, self.own = cfg, own
         self.held = prompts.load(cfg.data, cfg.model.vocab)
-        self.rewards = rewards.load(g)
+        self.rewards = rewards.load(g, cfg.data, cfg.model.vocab)
         tokenizer = data.tokenizer_of(cfg.data)
         self.tok = chat.tokenizer(Path(tokenizer)) if tokenizer else None
         if t.batch_size % g.group:
@@ -178,6 +178,7 @@ class Rollouts(Hook):
             out_shardings=NamedSharding(mesh, PartitionSpec()),
         )
         self.bytes = self._reshard_bytes(state)
+        self.placed = [r.function.place(devices, cfg.train.seq_len + 1) for r in self._models()]
         self.file = files / FILE if files else None
         if self.file and self.file.exists():  # a resumed run: the rollouts of its steps done
             kept = [
@@ -222,6 +223,10 @@ class Rollouts(Hook):
         wire = ledger.read(hlo, dict(self._train_mesh.shape)).wire_bytes()
         return {"wire": wire, "minimum": minimum, "through_host": False}
 
+    def _models(self) -> list:
+        """The reward models among grpo.reward's (jaxpar.objectives.reward_model)."""
+        return [r for r in self.rewards if isinstance(r.function, reward_model.RewardModel)]
+
     def describe(self) -> str:
         b = self.bytes
         ratio = f"{b['wire'] / b['minimum']:.3f} x" if b["minimum"] else "-"
@@ -233,7 +238,7 @@ class Rollouts(Hook):
             f"{self.cfg.grpo.max_new_tokens} new ids, in {layout}\n"
             f"  reshard   {moved} {how}: {human_bytes(b['wire'])} per device a rollout; "
             f"minimum {human_bytes(b['minimum'])} ({ratio})"
-        )
+        ) + "".join(f"\n{line}" for line in self.placed)
 
     def summary(self) -> dict:
         """summary.json's `grpo`: the generation layout and the reshard's bytes."""
@@ -247,6 +252,11 @@ class Rollouts(Hook):
                     "ratio": b["wire"] / b["minimum"] if b["minimum"] else None,
                     "through_host": b["through_host"],
                 },
+                **(
+                    {"reward_models": [r.function.summary() for r in self._models()]}
+                    if self._models()
+                    else {}
+                ),  # fmt: skip
             }
         }
 
