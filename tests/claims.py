@@ -685,6 +685,16 @@ CLAIMS = (
     ),
     Claim(
         "docs/grpo.md",
+        "Multi-turn episodes keep the policy's turns as sampled, never train on the tool's "
+        "turns, and replay from (seed, step, prompt, sample)",
+        (
+            "test_grpo.py::test_episodes_keep_the_policys_turns_as_sampled_and_never_train_on_"
+            "the_tools",
+            "test_grpo.py::test_the_calculator_answers_calls_and_rewards_the_right_answer",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),

@@ -472,6 +472,79 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_and_keeps_the_last_state(
     assert (tmp_path / "r" / "checkpoints" / "1").is_dir() and "checkpoints/1" in err
 
 
+ECHO = """
+class Echo:
+    def reset(self, prompt, answer=None, **fields):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return f"heard {len(text)} characters", float(self.turns), self.turns == 2
+"""
+
+
+def test_the_calculator_answers_calls_and_rewards_the_right_answer():
+    from jaxpar.objectives.episodes import Calculator
+
+    env = Calculator()
+    env.reset([{"role": "user", "content": "What is 3 plus 4?"}], answer=7)
+    assert env.step("Let me see. calc: 3 + 4") == ("= 7", 0.0, False)
+    assert env.step("calc: (2 - 5) * 4 / 2") == ("= -6", 0.0, False)
+    assert env.step("calc: 1 / 0") == ("= error", 0.0, False)
+    assert env.step("calc: __import__('os')") == ("= error", 0.0, False)
+    assert env.step("So 3 plus 4 is 7.") == (None, 1.0, True)
+    env.reset("What is 3 plus 4?", answer=7)
+    assert env.step("It is 8.") == (None, 0.0, True)
+
+
+@pytest.mark.slow
+def test_episodes_keep_the_policys_turns_as_sampled_and_never_train_on_the_tools(
+    folder, chat_tokenizer, tmp_path, capsys
+):
+    """grpo.env: two turns an episode, the tool's answer between them. The row holds the
+    policy's turns as sampled, and between them ChatML's tool turn (a text prompt: the
+    observation on its line) with loss mask 0, the turns' 1; the rewards are the
+    environment's, summed; a second run plays the same episodes (keys of (seed, step,
+    prompt, sample, turn)); an environment that raises stops the run in one line."""
+    from jaxpar.data import chat
+
+    (tmp_path / "echo.py").write_text(ECHO)
+    more = (f"grpo.env={tmp_path / 'echo.py'}:Echo", "grpo.reward=", "grpo.max_new_tokens=8",
+            "grpo.max_turns=3", "parallel.data=8")  # fmt: skip
+    run = ["train", "--config", "llama-tiny", *keys(folder, *more), "--out"]
+    assert cli.main([*run, str(tmp_path / "a")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a" / "rollouts.jsonl").read_text().splitlines()]
+    tok = chat.tokenizer(chat_tokenizer)
+    told = 0
+    for r in rows:
+        turns = r["turns"]
+        assert [t["reward"] for t in turns] == [1.0, 2.0][: len(turns)]
+        assert r["rewards"]["env"] == sum(t["reward"] for t in turns) == r["reward"]
+        ids, mask = np.array(r["completion_ids"]), np.array(r["loss_mask"])
+        tools = tok.decode(ids[mask == 0].tolist(), skip_special_tokens=False)
+        if len(turns) == 2:  # ChatML's tool turn, after the policy's end of turn or its own
+            told += 1
+            heard = f"heard {len(turns[0]['completion'])} characters"
+            chatml = f"\n<|im_start|>tool\n{heard}<|im_end|>\n<|im_start|>assistant\n"
+            text = isinstance(r["prompt"], str)
+            assert tools in ((f"\n{heard}\n",) if text else (chatml, "<|im_end|>" + chatml))
+            first = ids[: np.argmin(mask)]  # the first turn, as sampled
+            assert "heard" not in tok.decode(first.tolist(), skip_special_tokens=False)
+            assert mask[len(first) + len(tok.encode(tools, add_special_tokens=False).ids) :].all()
+    assert told > 0
+    assert cli.main([*run, str(tmp_path / "b")]) == 0
+    again = [json.loads(x) for x in (tmp_path / "b" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["completion_ids"] for r in again] == [r["completion_ids"] for r in rows]
+    (tmp_path / "bad.py").write_text(ECHO.replace("self.turns += 1", "1 / 0"))
+    bad = [a.replace("echo.py", "bad.py") for a in run]
+    assert cli.main([*bad, str(tmp_path / "c")]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "grpo.env " in err and "step raised ZeroDivisionError" in err
+    assert not (tmp_path / "c" / "rollouts.jsonl").exists()
+    assert cli.main([*run[:-1], "grpo.env=jaxpar.objectives.episodes:Nope", "--out", "x"]) == 2
+    one_line_error(capsys, "grpo.env=jaxpar.objectives.episodes:Nope", "no class Nope")
+
+
 torch = pytest.importorskip("torch", reason="the test extra installs torch (CPU) on 3.11")
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")

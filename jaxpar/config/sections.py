@@ -667,6 +667,19 @@ class Grpo(Section):
             "chooses it, the prompts over the rest) | tensor=T | data=D,tensor=T"
         ),
     )
+    env: str = key(
+        "",
+        (
+            "multi-turn episodes: PATH.py:CLASS or MODULE:CLASS, an environment with "
+            "reset(prompt) and step(text) -> (observation, reward, done), its observations "
+            "the chat template's tool turns (never trained on), its rewards summed into the "
+            "episode's beside grpo.reward's; shipped: jaxpar.objectives.episodes:Calculator; "
+            "empty = one turn"
+        ),
+    )
+    max_turns: Annotated[int, Range(1, 64, "policy turns an episode")] = key(
+        4, "grpo.env: the policy's turns an episode holds at most"
+    )
 
     @property
     def clip_high(self) -> float:

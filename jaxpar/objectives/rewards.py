@@ -76,6 +76,8 @@ def load(g: Grpo, prompts: Data | None = None, vocab: int = 0) -> list[Reward]:
     `model:RUN` a reward model's scores (jaxpar.objectives.reward_model), read against
     the tokenizer of the `prompts` (model.vocab `vocab`)."""
     names = [n.strip() for n in g.reward.split(",") if n.strip()]
+    if not names and g.env:  # the environment's rewards alone
+        return []
     if not names:
         raise ConfigError(
             "train.objective=grpo: grpo.reward is empty; give the reward functions, e.g. "
@@ -109,24 +111,7 @@ def _function(name: str, prompts: Data | None, vocab: int) -> Callable:
             f"grpo.reward={name}: write PATH.py:FUNCTION, MODULE:FUNCTION or model:RUN (a "
             "reward model's run), e.g. jaxpar.objectives.rewards:exact_answer"
         )
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"grpo.reward={name}: {path}: no such file")
-        spec = importlib.util.spec_from_file_location(f"jaxpar_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # the user's file: its own error, in one line
-            raise ConfigError(f"grpo.reward={name}: {path} does not import: {_one(e)}") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise ConfigError(
-                f"grpo.reward={name}: no module {where} ({_one(e)}); give an importable module "
-                "or a PATH.py"
-            ) from None
+    module = module_of(name, where, "grpo.reward")
     function = getattr(module, attr, None)
     if not callable(function):
         found = [k for k, v in vars(module).items() if _rewards_like(v, module)]
@@ -141,6 +126,29 @@ def _function(name: str, prompts: Data | None, vocab: int) -> Callable:
     return function
 
 
+def module_of(name: str, where: str, key: str):
+    """The module `where` names (a PATH.py, or an importable module), for `key`=`name`;
+    ConfigError in one line where it is missing or does not import."""
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"{key}={name}: {path}: no such file")
+        spec = importlib.util.spec_from_file_location(f"jaxpar_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: its own error, in one line
+            raise ConfigError(f"{key}={name}: {path} does not import: {one_line(e)}") from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except Exception as e:
+        raise ConfigError(
+            f"{key}={name}: no module {where} ({one_line(e)}); give an importable module "
+            "or a PATH.py"
+        ) from None
+
+
 def _rewards_like(value, module) -> bool:
     """A function of `module`'s own (not one it imports) with TRL's reward signature."""
     if not inspect.isfunction(value) or value.__module__ != module.__name__:
@@ -150,7 +158,7 @@ def _rewards_like(value, module) -> bool:
     return sum(k in positional for k in kinds) >= 2 and inspect.Parameter.VAR_KEYWORD in kinds
 
 
-def _one(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
@@ -165,7 +173,7 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
             got = r.function(prompts, completions, **fields)
         except Exception as e:
             raise RewardFailed(
-                f"grpo.reward {r.name} raised {_one(e)} (the batch's first prompt: "
+                f"grpo.reward {r.name} raised {one_line(e)} (the batch's first prompt: "
                 f"{_shown(prompts[0])})"
             ) from None
         values = _floats(got)

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -44,7 +45,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.generation import decoding
 from jaxpar.names import LAYERS
 from jaxpar.nn.problem import Problem, registered
-from jaxpar.objectives import reference, reward_model, rewards
+from jaxpar.objectives import episodes, reference, reward_model, rewards
 from jaxpar.objectives.reference import COPY
 from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
@@ -53,8 +54,22 @@ from jaxpar.training.hooks import Hook
 FILE = "rollouts.jsonl"
 # a rollout row's columns beside its ids (read by the loss, jaxpar.objectives.grpo)
 ADVANTAGES, OLD, REF = "advantages", "old_logps", "ref_logps"
-PAD_ID = 0
+PAD_ID = episodes.PAD_ID
 STD_EPSILON = 1e-4  # added to a group's std before dividing by it (TRL's)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A rollout's completions: what the rewards get, the rows, what rollouts.jsonl keeps."""
+
+    prompts: list  # as the rewards get them, a prompt repeated for each of its group's
+    completions: list
+    fields: dict
+    rows: dict  # tokens and loss_mask
+    ids: list[list[int]]  # each completion's ids after its prompt
+    lengths: list[int]  # the policy's ids in each
+    episodes: list | None = None  # grpo.env's (jaxpar.objectives.episodes)
+    texts: list[str] | None = None  # one turn's decoded text
 
 
 class Rollouts(Hook):
@@ -86,6 +101,15 @@ class Rollouts(Hook):
         self.rewards = rewards.load(g, cfg.data, cfg.model.vocab)
         tokenizer = data.tokenizer_of(cfg.data)
         self.tok = chat.tokenizer(Path(tokenizer)) if tokenizer else None
+        self.env = episodes.load(g.env) if g.env else None
+        if self.env is not None and self.tok is None:
+            raise ConfigError(
+                f"grpo.env={g.env}: data.path={cfg.data.path} records no tokenizer, which the "
+                "turns are decoded and the observations encoded with; prepare the prompts "
+                "with --tokenizer"
+            )
+        if self.env is not None:
+            self.told = episodes.told(self.tok, chat.Template(Path(tokenizer)), self.held.stop)
         if t.batch_size % g.group:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} counts completions, grpo.group={g.group} to "
@@ -278,27 +302,16 @@ class Rollouts(Hook):
         reshard_s = time.perf_counter() - start
         index = pairs.indices(len(self.held), seed=cfg.train.seed, step=step // g.iterations,
                               batch_size=self.count)  # fmt: skip
-        asked = [self.held.ids[i] for i in index for _ in range(g.group)]
-        keys = sample_keys(cfg.train.seed, step, index, g.group)
-        sampling = decoding.Sampling(g.temperature, 0, g.top_p, cfg.train.seed)
         start = time.perf_counter()
-        done = decoding.generate(self.decoder, asked, g.max_new_tokens, sampling,
-                                 self.held.stop, keys=keys)  # fmt: skip
+        out = self._sampled(step, index)
         generate_s = time.perf_counter() - start
         start = time.perf_counter()
-        texts = [self._text(c) for c in done.completions]
-        prompts_ = [self.held.asked[i] for i in index for _ in range(g.group)]
-        completions = [
-            t if isinstance(p, str) else [{"role": "assistant", "content": t}]
-            for p, t in zip(prompts_, texts, strict=True)
-        ]
-        fields = _fields([self.held.fields[i] for i in index for _ in range(g.group)])
-        total, each = rewards.score(self.rewards, prompts_, completions, fields)
+        total, each = rewards.score(self.rewards, out.prompts, out.completions, out.fields)
+        if out.episodes is not None:  # the environment's, beside the functions'
+            each["env"] = np.array([e.reward for e in out.episodes], np.float64)
+            total = total + each["env"]
         advantages = group_advantages(total.reshape(self.count, g.group), g.scaled)
-        batch = {
-            **rows_of(asked, done.completions, cfg.train.seq_len),
-            ADVANTAGES: advantages,
-        }
+        batch = {**out.rows, ADVANTAGES: advantages}
         if g.iterations > 1:
             batch[OLD] = self._logps(self.loaded.params, batch)
         if g.beta:
@@ -307,8 +320,8 @@ class Rollouts(Hook):
         self.current = batch
         self.loaded.params = None
         score_s = time.perf_counter() - start
-        self._write(step, index, asked, done.completions, texts, total, each, advantages)
-        lengths = np.array([len(c) for c in done.completions])
+        self._write(step, index, out, total, each, advantages)
+        lengths = np.asarray(out.lengths)
         groups = total.reshape(self.count, g.group)
         return {
             "reward": float(total.mean()),
@@ -317,11 +330,63 @@ class Rollouts(Hook):
             "frac_reward_zero_std": float(np.mean(groups.std(axis=1) == 0)),
             "completions/mean_length": float(lengths.mean()),
             "completions/max_length": int(lengths.max()),
+            **(
+                {"turns/mean": float(np.mean([len(e.turns) for e in out.episodes]))}
+                if out.episodes is not None
+                else {}
+            ),  # fmt: skip
             "generate_s": generate_s,
             "generate_tokens_per_s": float(lengths.sum() / generate_s),
             "reshard_s": reshard_s,
             "score_s": score_s,
         }
+
+    def _sampled(self, step: int, index: np.ndarray) -> Sampled:
+        """The rollout's completions to the prompts `index` (grpo.group each): one turn
+        each, or with grpo.env an episode each (jaxpar.objectives.episodes)."""
+        cfg, g = self.cfg, self.cfg.grpo
+        asked = [self.held.ids[i] for i in index for _ in range(g.group)]
+        prompts_ = [self.held.asked[i] for i in index for _ in range(g.group)]
+        fields = [self.held.fields[i] for i in index for _ in range(g.group)]
+        keys = sample_keys(cfg.train.seed, step, index, g.group)
+        sampling = decoding.Sampling(g.temperature, 0, g.top_p, cfg.train.seed)
+        if self.env is not None:
+            played = self._episodes(asked, prompts_, fields, keys, sampling)
+            return Sampled(prompts_, [e.completion() for e in played], _fields(fields),
+                           episodes.rows(played, cfg.train.seq_len), [e.ids for e in played],
+                           [sum(e.mask) for e in played], played)  # fmt: skip
+        done = decoding.generate(self.decoder, asked, g.max_new_tokens, sampling,
+                                 self.held.stop, keys=keys)  # fmt: skip
+        texts = [self._text(c) for c in done.completions]
+        completions = [
+            t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+            for p, t in zip(prompts_, texts, strict=True)
+        ]
+        return Sampled(prompts_, completions, _fields(fields),
+                       rows_of(asked, done.completions, cfg.train.seq_len), done.completions,
+                       [len(c) for c in done.completions], None, texts)  # fmt: skip
+
+    def _episodes(self, asked, prompts_, fields, keys, sampling) -> list:
+        """An episode for each prompt: turns sampled together, each episode's turn t
+        with its key folded with t, until each is done (jaxpar.objectives.episodes)."""
+        g = self.cfg.grpo
+        room = min(self.cfg.train.seq_len + 1, self.loaded.positions)  # a row, the model
+        played = [episodes.Episode(ids, p, episodes.started(self.env, p, f, g.env))
+                  for ids, p, f in zip(asked, prompts_, fields, strict=True)]  # fmt: skip
+        for turn in range(g.max_turns):
+            live = [i for i, e in enumerate(played) if not e.done]
+            if not live:
+                break
+            new = min(g.max_new_tokens, min(room - len(played[i].context) for i in live))
+            turned = jax.vmap(jax.random.fold_in, (0, None))(keys, turn) if turn else keys
+            out = decoding.generate(self.decoder, [played[i].context for i in live], new,
+                                    sampling, self.held.stop,
+                                    keys=turned[np.array(live)], rows=len(played))  # fmt: skip
+            for i, ids in zip(live, out.completions, strict=True):
+                text = self._text(ids)
+                answer = episodes.answered(played[i].env, text, g.env)
+                played[i].took(ids, text, answer, self.told, room, turn == g.max_turns - 1)
+        return played
 
     def _text(self, ids: list[int]) -> str:
         if self.tok is None:
@@ -339,24 +404,27 @@ class Rollouts(Hook):
         placed = jax.device_put(padded, self.rows)
         return np.asarray(self.score(params, placed))[:rows].astype(np.float32)
 
-    def _write(self, step, index, asked, completions, texts, total, each, advantages) -> None:
+    def _write(self, step, index, out: Sampled, total, each, advantages) -> None:
         if self.file is None:
             return
         g = self.cfg.grpo
         with self.file.open("a") as f:
-            for row, (ids, new, text) in enumerate(zip(asked, completions, texts, strict=True)):
+            for row, ids in enumerate(out.ids):
+                prompt = index[row // g.group]
                 line = {
                     "step": step + 1,
-                    "prompt_index": int(index[row // g.group]),
+                    "prompt_index": int(prompt),
                     "sample": row % g.group,
-                    "prompt": self.held.asked[index[row // g.group]],
-                    "completion": text,
-                    "prompt_ids": ids,
-                    "completion_ids": new,
+                    "prompt": self.held.asked[prompt],
+                    "completion": out.texts[row] if out.texts else out.completions[row],
+                    "prompt_ids": self.held.ids[prompt],
+                    "completion_ids": ids,
                     "reward": float(total[row]),
                     "rewards": {n: float(v[row]) for n, v in each.items()},
                     "advantage": float(advantages[row]),
                 }
+                if out.episodes is not None:  # which ids are the policy's (1), told (0)
+                    line |= {"loss_mask": out.episodes[row].mask, "turns": out.episodes[row].turns}
                 f.write(json.dumps(line) + "\n")
 
 
