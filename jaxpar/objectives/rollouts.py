@@ -262,7 +262,16 @@ class Rollouts(Hook):
             f"{self.cfg.grpo.max_new_tokens} new ids, in {layout}\n"
             f"  reshard   {moved} {how}: {human_bytes(b['wire'])} per device a rollout; "
             f"minimum {human_bytes(b['minimum'])} ({ratio})"
-        ) + "".join(f"\n{line}" for line in self.placed)
+        ) + "".join(f"\n{line}" for line in [*self.placed, *self._episodes_line()])
+
+    def _episodes_line(self) -> list[str]:
+        g = self.cfg.grpo
+        if self.env is None:
+            return []
+        return [
+            f"  episodes  grpo.env={g.env}, up to grpo.max_turns={g.max_turns} turns; its "
+            "observations are tool turns, never trained on"
+        ]
 
     def summary(self) -> dict:
         """summary.json's `grpo`: the generation layout and the reshard's bytes."""

@@ -64,6 +64,17 @@ def _trains(config: dict, params: int, trainable: int | None) -> list[str]:
     return lines
 
 
+def _spikes(train: dict) -> list[str]:
+    """train.on_spike's line: what a spike is, and what is done with one."""
+    if train["on_spike"] == "off":
+        return []
+    done = {"skip": "not applied", "rollback": "rolled back to the checkpoint before it"}
+    return [
+        f"  spikes    a loss over the mean + {train['spike_sigmas']:g} standard deviations of "
+        f"the last {train['spike_window']} applied steps': {done[train['on_spike']]}"
+    ]
+
+
 def _newton_schulz(report) -> list[str]:
     """Muon's line: Newton-Schulz's FLOPs a step and temporaries, per device, beside the
     model's FLOPs a step on a device."""
@@ -92,6 +103,7 @@ def startup(
             for group, keys in report.optimizer_groups.items()
         ),
         *_newton_schulz(report),
+        *_spikes(report.config["train"]),
         f"  data      {source}",
         "  memory    per device: "
         + ", ".join(
