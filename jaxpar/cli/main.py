@@ -453,32 +453,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if step is not None and not 0 <= step < 2**63:
         raise ConfigError(f"--step {step}: give a step the run saved, or none for its newest")
     if args.command == "launch":
-        if not 1 <= args.processes <= MAX_CPU_DEVICES:
-            raise ConfigError(
-                f"--processes {args.processes}: give 1 to {MAX_CPU_DEVICES} local processes"
-            )
+        from jaxpar.parallel.distributed import check_launch
+
+        restarts = (args.max_restarts, args.min_processes)
+        check_launch(args.processes, MAX_CPU_DEVICES, *restarts, args.command_args)
         _check_cpu_devices(args.cpu_devices_per_process, "--cpu-devices-per-process")
-        if not 0 <= args.max_restarts <= 1000:
-            raise ConfigError(f"--max-restarts {args.max_restarts}: give 0 to 1000 restarts")
-        if not 1 <= args.min_processes <= args.processes:
-            raise ConfigError(
-                f"--min-processes {args.min_processes}: give 1 to --processes "
-                f"({args.processes}), the fewest processes a restart may run on"
-            )
-        if not args.command_args:
-            raise ConfigError(
-                "launch: no command to run; e.g. jaxpar launch --processes 2 -- train "
-                "--config gpt-tiny"
-            )
-        first = args.command_args[0]
-        if first.endswith(".py") and not Path(first).is_file():
-            raise ConfigError(f"launch: {first}: no such script")
-        if not first.endswith(".py"):
-            if first not in ("train", "bench", "inspect"):
-                raise ConfigError(
-                    f"launch: {first!r} is neither a jaxpar command (train, bench, inspect) "
-                    "nor a Python script (SCRIPT.py)"
-                )
+        if not args.command_args[0].endswith(".py"):
             inner = _parse(args.command_args)  # the workers' command, checked once here
             _check_arguments(inner)
             _check_config(inner)
@@ -604,40 +584,14 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.source.startswith("hf:"):  # (an hf:DIR is read after the prompts' files)
         sources.check(args.source, "generate")
     # the prompts checked before jax starts; through the tokenizer too where it is given
-    if args.tokenizer:
-        request = prompts.read(args, args.tokenizer)
-    else:
+    request = prompts.read(args, args.tokenizer) if args.tokenizer else None
+    if request is None:
         prompts.rows_of(args)
     _decoding_keys("generate", args.overrides)
     # one CPU device unless asked for more: simulated devices share the cores, and a
     # process of 8 decodes 1.4x slower a step on one of them (docs/generation.md)
     _setup_devices(args.cpu_devices, default=1)
-    from jaxpar.generation import decoding
-
-    model = decoding.load(args.source, args.overrides, args.step)
-    tokenizer = sources.tokenizer_of(args.source, args.tokenizer, model, "generate")
-    if not args.tokenizer:
-        request = prompts.read(args, tokenizer)
-    sampling.check_vocab(model.cfg.model.vocab)
-    ids = prompts.ids_for(request, model, tokenizer)
-    decoding.check_lengths(model, ids, args.max_new_tokens)  # before anything is printed
-    stream = prompts.Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
-    if stream:  # the prompt as given (not the chat template around it), then the answer
-        print(request.rows[0]["prompt"] + ("\n" if args.chat else ""), end="", flush=True)
-    if args.speculate:
-        from jaxpar.generation import speculative
-
-        speculative.check(model, sampling)
-        drafter = speculative.Speculator(decoding.Decoder(model), args.draft_tokens)
-        done = speculative.generate(drafter, ids, args.max_new_tokens, request.stop, stream)
-    else:
-        done = decoding.generate(
-            decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
-        )
-    prompts.write(request, done.completions, streamed=stream is not None, chat=args.chat)
-    layout = dict(model.mesh.shape)
-    bytes_ = decoding.cache_bytes_per_token(model, done.cache_slots)
-    print(prompts.summary(done, layout, bytes_, model.cache_dims), file=sys.stderr)
+    prompts.answer(args, request, sampling, sources.tokenizer_of)
     return 0
 
 
@@ -742,7 +696,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from jaxpar.data.prepare import prepare, prepared
+    from jaxpar.data.prepare import prepare, prepared, said
 
     request = (args.inputs, args.tokenizer, args.out, args.val_fraction, args.format)
     wrote = "prepared already" if prepared(*request, args.max_length) else "wrote"
@@ -755,32 +709,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
-    if asked := meta.get("prompts"):
-        print(
-            f"{wrote} {args.out}: {asked['prompts']['train']:,} training and "
-            f"{asked['prompts']['val']:,} held-out prompts (the longest "
-            f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
-        )
-        return 0
-    print(
-        f"{wrote} {args.out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
-        f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
-        f"{meta['documents']:,} documents"
-        + ("" if trained is None else f"; {trained:,} training tokens are answers")
-    )
-    if meta.get("skipped_without_answer"):
-        print(
-            f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
-            "turn: nothing in them to train on"
-        )
-    if pairs := meta.get("pairs"):
-        print(
-            f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
-            f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
-            f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
-            f"{pairs['longest_pair'] - 1} ({pairs['longest_pair']:,} for train.objective=reward)"
-        )
+    print(said(meta, args.out, wrote))
     return 0
 
 

@@ -440,3 +440,34 @@ def _pairs(inputs, tokenizer: Path, every: int, splits: dict, bar, max_length) -
             "answers, each prompt + answer (the answer masked)",
         },
     }
+
+
+def said(meta: dict, out, wrote: str) -> str:
+    """What `jaxpar prepare-data` says of a folder it `wrote` (or found prepared): its
+    counts, and for prompts and pairs what to train them with."""
+    if asked := meta.get("prompts"):
+        return (
+            f"{wrote} {out}: {asked['prompts']['train']:,} training and "
+            f"{asked['prompts']['val']:,} held-out prompts (the longest "
+            f"{asked['longest_prompt']:,} ids): train with train.objective=grpo"
+        )
+    trained = meta.get("loss_mask", {}).get("trained_tokens", {}).get("train")
+    lines = [
+        f"{wrote} {out}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} "
+        f"held-out tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) from "
+        f"{meta['documents']:,} documents"
+        + ("" if trained is None else f"; {trained:,} training tokens are answers")
+    ]
+    if meta.get("skipped_without_answer"):
+        lines.append(
+            f"skipped {meta['skipped_without_answer']:,} conversation(s) with no assistant "
+            "turn: nothing in them to train on"
+        )
+    if pairs := meta.get("pairs"):
+        lines.append(
+            f"{pairs['pairs']['train']:,} training and {pairs['pairs']['val']:,} held-out "
+            f"pairs; {pairs['truncated']:,} truncated to --max-length {pairs['max_length']}; "
+            f"the longest pair is {pairs['longest_pair']:,} ids: train with train.seq_len >= "
+            f"{pairs['longest_pair'] - 1} ({pairs['longest_pair']:,} for train.objective=reward)"
+        )
+    return "\n".join(lines)

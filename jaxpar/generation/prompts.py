@@ -128,6 +128,36 @@ def generate(
     return [req.tokenizer.decode(c) for c in done.completions]
 
 
+def answer(args, request: Request | None, sampling: decoding.Sampling, tokenizer_of) -> None:
+    """The rest of `jaxpar generate` (`args`, checked), once jax has its devices: the
+    model loaded and placed, the prompts' ids (`request`, or None: read now through the
+    tokenizer `tokenizer_of(source, --tokenizer, model, command)` finds), the answers
+    decoded (streamed where one prompt is given), written, and the summary line."""
+    model = decoding.load(args.source, args.overrides, args.step)
+    tokenizer = tokenizer_of(args.source, args.tokenizer, model, "generate")
+    if request is None:
+        request = read(args, tokenizer)
+    sampling.check_vocab(model.cfg.model.vocab)
+    ids = ids_for(request, model, tokenizer)
+    decoding.check_lengths(model, ids, args.max_new_tokens)  # before anything is printed
+    stream = Stream(request.tokenizer) if len(ids) == 1 and not request.jsonl else None
+    if stream:  # the prompt as given (not the chat template around it), then the answer
+        print(request.rows[0]["prompt"] + ("\n" if args.chat else ""), end="", flush=True)
+    if args.speculate:
+        from jaxpar.generation import speculative
+
+        speculative.check(model, sampling)
+        drafter = speculative.Speculator(decoding.Decoder(model), args.draft_tokens)
+        done = speculative.generate(drafter, ids, args.max_new_tokens, request.stop, stream)
+    else:
+        done = decoding.generate(
+            decoding.Decoder(model), ids, args.max_new_tokens, sampling, request.stop, stream
+        )
+    write(request, done.completions, streamed=stream is not None, chat=args.chat)
+    bytes_ = decoding.cache_bytes_per_token(model, done.cache_slots)
+    print(summary(done, dict(model.mesh.shape), bytes_, model.cache_dims), file=sys.stderr)
+
+
 def _lines(path: Path) -> list[dict]:
     chat.input_file(path, "--prompts")
     rows = []

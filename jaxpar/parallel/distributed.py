@@ -221,6 +221,34 @@ def latest_checkpoint(ckpt_dir: Path | None, none: str = "") -> str:
     return f"resume from step {step} in {ckpt_dir} by running the same command again"
 
 
+def check_launch(
+    processes: int, most: int, max_restarts: int, min_processes: int, argv: list[str]
+) -> None:
+    """`jaxpar launch`'s numbers (`most` local processes at most) and the command it runs
+    (a jaxpar command or a script), checked before any process starts."""
+    if not 1 <= processes <= most:
+        raise ConfigError(f"--processes {processes}: give 1 to {most} local processes")
+    if not 0 <= max_restarts <= 1000:
+        raise ConfigError(f"--max-restarts {max_restarts}: give 0 to 1000 restarts")
+    if not 1 <= min_processes <= processes:
+        raise ConfigError(
+            f"--min-processes {min_processes}: give 1 to --processes ({processes}), the "
+            "fewest processes a restart may run on"
+        )
+    if not argv:
+        raise ConfigError(
+            "launch: no command to run; e.g. jaxpar launch --processes 2 -- train --config gpt-tiny"
+        )
+    first = argv[0]
+    if first.endswith(".py") and not Path(first).is_file():
+        raise ConfigError(f"launch: {first}: no such script")
+    if not first.endswith(".py") and first not in ("train", "bench", "inspect"):
+        raise ConfigError(
+            f"launch: {first!r} is neither a jaxpar command (train, bench, inspect) nor a "
+            "Python script (SCRIPT.py)"
+        )
+
+
 def launch(
     processes: int,
     cpu_devices: int,
