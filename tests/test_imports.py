@@ -239,3 +239,10 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {lines}")
     assert long == []
+
+
+def test_the_command_line_only_parses_and_dispatches():
+    """cli/ stays a parser and a table of handlers (issue 60: at most 800 lines); what a
+    command does lives in the room it belongs to."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "jaxpar" / "cli").glob("*.py"))
+    assert lines <= 800, f"jaxpar/cli/ is {lines} lines: move what a command does out of it"
