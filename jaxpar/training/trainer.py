@@ -46,6 +46,8 @@ from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint, console, metrics, rundir, watchdog
 from jaxpar.training.hooks import Hook
+from jaxpar.training.spikes import Spike
+from jaxpar.training.spikes import columns as spike_columns
 
 STEP_EVENT = "/jaxpar/train/step"  # a jax.monitoring event per dispatched training step
 
@@ -377,32 +379,6 @@ class Loop:
     rollback: Spike | None = None  # a spike settled that the loop is to roll back from
 
 
-@dataclass(frozen=True)
-class Spike:
-    """A step whose loss spiked (train.on_spike): held, and with `back_to` rolled back."""
-
-    step: int  # 1-based
-    loss: float
-    limit: float  # the loss over which a step spiked then
-    back_to: int | None = None  # the checkpoint rolled back to (None: skipped)
-
-    def said(self, sigmas: float, window: int) -> str:
-        head = (
-            f"step {self.step}: the loss {self.loss:.4g} spiked over {self.limit:.4g} (the "
-            f"mean of the last {window} applied steps' losses + {sigmas:g} standard deviations)"
-        )
-        if self.back_to is None:
-            return f"{head}: not applied, its batch skipped"
-        first = self.back_to + 1
-        skipped = f"{first}-{self.step}" if self.step > first else self.step
-        return (
-            f"{head}: rolled back to step {self.back_to}'s checkpoint, skipping batches {skipped}"
-        )
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "limit": self.limit, "back_to": self.back_to}
-
-
 def _evaluation(run: Run, eval_batches: Callable[..., dict]) -> Callable:
     """state -> {"eval_loss": the mean loss over train.eval_batches held-out batches, and
     eval_NAME: the mean of what the model reports as NAME} (one compiled forward step,
@@ -700,7 +676,7 @@ class _Rows:
             **(_fed(self.position(step + 1)) if self.position else {}),
             **{name: float(value) for name, value in sorted(host.reports.items())},
             **({"update_s": dt, **extra} if extra else {}),
-            **(_spike_columns(host) if cfg.on_spike is not OnSpike.OFF else {}),
+            **(spike_columns(host) if cfg.on_spike is not OnSpike.OFF else {}),
         }
         self.log.write(row)
         speed = (
@@ -732,11 +708,6 @@ class _Rows:
         self.opts.say(said)
         if back_to is not None:
             loop.rollback = spike
-
-
-def _spike_columns(host) -> dict:
-    limit = float(host.spike_limit)
-    return {"spiked": int(host.spike), "spike_limit": limit if math.isfinite(limit) else None}
 
 
 class _Stops:
