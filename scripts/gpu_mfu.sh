@@ -25,12 +25,17 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 rows = [r for r in rows if "step_time_s" in r][len(rows) // 4 :]  # past warm-up
 med = lambda k: statistics.median(r[k] or 0 for r in rows)
-print(f"{sys.argv[2]:<26} step {med('step_time_s') * 1e3:8.1f} ms  tokens/s {med('tokens_per_s'):9.0f}  "
+mean = statistics.mean(r["step_time_s"] for r in rows)  # saves and skips land in the mean
+print(f"{sys.argv[2]:<26} step {med('step_time_s') * 1e3:8.1f} ms (mean {mean * 1e3:.1f})  tokens/s {med('tokens_per_s'):9.0f}  "
       f"TFLOP/s {med('flops_per_s_per_device') / 1e12:6.1f}  MFU {med('mfu'):.1%}")
 PY
 }
 steps="train.steps=30 train.log_every=1"
 train gpt-small-b32-s512 --config gpt-small $steps
+# the cost of an asynchronous save every step and every 10th, and of the spike check
+train gpt-small-b32-s512-save1 --config gpt-small $steps checkpoint.every=1 checkpoint.keep=2
+train gpt-small-b32-s512-save10 --config gpt-small $steps checkpoint.every=10 checkpoint.keep=2
+train gpt-small-b32-s512-spike --config gpt-small $steps train.on_spike=skip
 train gpt-small-b32-s1024 --config gpt-small $steps train.seq_len=1024
 train llama-1b-b8-s2048 --config llama-1b $steps train.batch_size=8 parallel.zero=0
 train llama-1b-b8-s2048-muon --config llama-1b $steps train.batch_size=8 parallel.zero=0 train.optimizer=muon

@@ -2,7 +2,8 @@
 prediction module (jaxpar.generation.speculative) against plain greedy decoding, side by
 side on one device (the CPU's, or the first accelerator's): deepseek-tiny with one
 module, trained TRAIN_STEPS steps on the synthetic counting sequences, decoding counting
-prompts of its kind. The tokens are
+prompts of its kind (KEY=VALUE overrides resize it: a model large enough to read its
+weights from memory is where verifying K + 1 tokens comes nearly free). The tokens are
 checked equal; the speed-up is the decode loops' tokens/s over plain's, each the best of
 ROUNDS alternated rounds, with the share of drafts the model accepted."""
 
@@ -23,14 +24,15 @@ CASES = ((1, 1), (1, 2), (8, 1))  # (prompts, drafts a step)
 ROUNDS = 3
 
 
-def trained():
-    """deepseek-tiny with one prediction module, trained, placed on one device."""
+def trained(overrides: tuple[str, ...] = ()):
+    """deepseek-tiny with one prediction module (resized by the overrides), trained, placed
+    on one device."""
     import jaxpar
     from jaxpar import recipe
     from jaxpar.config import presets
     from jaxpar.generation import decoding
 
-    cfg = presets.load(PRESET, [*TRAIN, f"train.steps={TRAIN_STEPS}"])
+    cfg = presets.load(PRESET, [*TRAIN, *overrides, f"train.steps={TRAIN_STEPS}"])
     s = recipe.setup(cfg, jax.devices()[:1])
     result = jaxpar.train(s.problem, cfg, s.batches, mesh=s.mesh, quiet=True)
     params = jax.device_get(result.params)
@@ -47,7 +49,7 @@ def counting(n: int) -> list[list[int]]:
 def run(base, steps: int, tables: dict, out=None) -> dict:
     from jaxpar.generation import decoding, speculative
 
-    model, result = trained()
+    model, result = trained(base.overrides)
     decoder = decoding.Decoder(model)
     results, rows = {}, []
     for prompts, k in CASES:
@@ -72,7 +74,8 @@ def run(base, steps: int, tables: dict, out=None) -> dict:
     device = jax.devices()[0]
     where = "CPU" if device.platform == "cpu" else device.device_kind
     title = (
-        f"jaxpar generate --speculate mtp, {PRESET} with one module trained {TRAIN_STEPS} "
+        f"jaxpar generate --speculate mtp, {' '.join([PRESET, *base.overrides])} with one "
+        f"module trained {TRAIN_STEPS} "
         f"steps on counting sequences (mtp_loss {result.rows[-1]['mtp_loss']:.2f}), one {where} "
         f"device, counting prompts, greedy; best of {ROUNDS} alternated rounds, the tokens "
         "checked equal"
