@@ -256,10 +256,11 @@ CLAIMS = (
     Claim(
         "docs/layouts.md",
         "QK-clip scales each head whose largest logit passed tau back by tau / max, no other "
-        "weight; over data x tensor x ZeRO-3 it equals one device",
+        "weight; over data x tensor x ZeRO-3 and over context (all_gather and Ulysses) it equals "
+        "one device",
         (
             "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
-            "test_muon.py::test_qk_clip_over_data_tensor_and_zero3_equals_one_device",
+            "test_muon.py::test_qk_clip_over_data_tensor_zero3_and_context_equals_one_device",
             "test_muon.py::test_qk_clip_where_no_logit_comes_out_is_one_line",
             "test_muon.py::test_the_attention_forms_hand_on_each_heads_largest_logit",
             "test_muon.py::test_qk_clip_leaves_a_frozen_copys_attention_alone",

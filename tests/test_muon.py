@@ -241,9 +241,11 @@ def _largest(q, k, segments, scale: float, window: int = 0) -> np.ndarray:
 
 def test_the_attention_forms_hand_on_each_heads_largest_logit():
     """The direct form and the blocked one (query blocks of 16), with documents and a
-    sliding window: each head's largest visible score, before the soft cap."""
+    sliding window: each head's largest visible score, before the soft cap; and the
+    blocked form by positions, as context parallelism runs it on a GPU."""
     q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8)) * 3
     segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
+    positions = jnp.broadcast_to(jnp.arange(64), (2, 64))
     for window in (0, 5):
         want = _largest(q, k, segments, 8**-0.5, window)
         scores = attention.Scores(8**-0.5, softcap=2.0, maxima=True)
@@ -251,8 +253,11 @@ def test_the_attention_forms_hand_on_each_heads_largest_logit():
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(attention, "BLOCK", 16)
             _, blocked = attention._blocked(q, k, v, segments, window, scores)
+            at = (positions, positions, segments, segments, window, scores)
+            _, by_positions = attention._positioned(attention.Form.BLOCKED, q, k, v, *at)
         np.testing.assert_allclose(direct, want, rtol=1e-6)
         np.testing.assert_allclose(blocked, want, rtol=1e-6)
+        np.testing.assert_allclose(by_positions, want, rtol=1e-6)
 
 
 def _head_maxima(problem, params_list, batch) -> list[np.ndarray]:
@@ -324,14 +329,29 @@ def test_qk_clip_scales_each_head_over_tau_back_and_no_other(preset):
     np.testing.assert_allclose(after[0], eta_LxH[0] * after_plain[0], rtol=1e-5)
 
 
+# (preset, layout): the maxima over `data` with the heads split over `tensor` and ZeRO-3's
+# shards scaled; over `context`, each device's queries' (all_gather, balanced) and
+# Ulysses' heads gathered back, with GQA's q alone scaled
+CLIP_LAYOUTS = {
+    "gpt dp2 tp2 zero3": ("gpt-tiny", ("parallel.data=2", "parallel.tensor=2", "parallel.zero=3")),
+    "gpt cp4 dp2": ("gpt-tiny", ("parallel.context=4", "parallel.data=2")),
+    "llama cp2 ulysses tp2 dp2": (
+        "llama-tiny",
+        ("parallel.context=2", "parallel.context_strategy=ulysses", "parallel.tensor=2",
+         "parallel.data=2"),
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_qk_clip_over_data_tensor_and_zero3_equals_one_device():
-    """The maxima are the whole batch's (each device's rows' maximum over `data`, the heads
-    split over `tensor`) and the clip scales ZeRO-3's shards: equal to one device."""
-    layout = ("parallel.data=2", "parallel.tensor=2", "parallel.zero=3")
+@pytest.mark.parametrize("name", CLIP_LAYOUTS)
+def test_qk_clip_over_data_tensor_zero3_and_context_equals_one_device(name):
+    """The maxima are the whole batch's, whichever axes split its rows, tokens and heads,
+    and the clip scales each layout's shards: equal to one device."""
+    preset, layout = CLIP_LAYOUTS[name]
     clip = (*MUON, f"muon.qk_clip={TAU}")
-    got = trained("gpt-tiny", (*layout, *clip), steps=2)
-    assert_same_training(got, reference("gpt-tiny", clip, steps=2), rtol=1e-5)
+    got = trained(preset, (*layout, *clip), steps=2)
+    assert_same_training(got, reference(preset, clip, steps=2), rtol=1e-5)
 
 
 def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):

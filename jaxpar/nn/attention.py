@@ -94,7 +94,8 @@ def causal_attention(
     `softcap` > 0 caps the scores at +-softcap by tanh; `sinks_H`, each head's sink
     logit, joins the softmax's denominator (Scores.sinks). `logit_max`: (the output,
     each head's largest visible q k^T x scale [H], before the cap), from the scores the
-    form computes anyway (direct and blocked; not under context parallelism).
+    form computes anyway (direct and blocked); under context parallelism, over this
+    device's queries at least (the step takes the maximum over `context`).
 
     In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
     reordered: "before" is then by `positions_BxS` (each token's position in its
@@ -112,8 +113,6 @@ def causal_attention(
     if sinks:
         q_BxSxHxD = _with_sinks(q_BxSxHxD, sinks_H)
     if sequence.active() is not None:
-        if logit_max:
-            raise NotImplementedError("the largest logits under context parallelism")
         if positions_BxS is None:
             rows, part = q_BxSxHxD.shape[:2]
             positions_BxS = sequence.positions(rows, part * sequence.active().degree)
@@ -132,6 +131,7 @@ def causal_attention(
             kv_group,
             attend,
             gathered,
+            logit_max,
         )
     if chosen is Form.CUDNN:
         return jax.nn.dot_product_attention(
@@ -297,9 +297,11 @@ def _positioned(
         policy=jax.checkpoint_policies.nothing_saveable,
     )
     segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
-    if q_seg is None:
-        return _by_blocks(lambda q, p, _: one(q, p, None), q, blocks(q_pos), segs)
-    return _by_blocks(one, q, blocks(q_pos), segs)
+    each = one if q_seg is not None else lambda q, p, _: one(q, p, None)
+    if not scores.maxima:
+        return _by_blocks(each, q, blocks(q_pos), segs)
+    out, top_NxH = _by_blocks(each, q, blocks(q_pos), segs)
+    return out, jnp.max(top_NxH, 0)
 
 
 def cached_attention(

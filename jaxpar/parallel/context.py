@@ -206,6 +206,7 @@ def attention(
     group,
     attend,
     gathered: bool = False,
+    maxima: bool = False,
 ):
     """Causal attention of this device's S / C tokens' q, k and v ([B, C, H, D], k
     and v repeated to one head per query head, `group` query heads a key/value head) by
@@ -213,11 +214,13 @@ def attention(
     attention, masked by original positions. `gathered` (all_gather only): k and v
     are the whole rows already, [B, S, H, D] in the step's token order. The whole
     row's positions are known without documents; with them, they and the segment ids
-    are gathered too."""
+    are gathered too. `maxima`: attend returns (out, each head's largest score [H]),
+    and so does this, each head's over this device's queries at least (ulysses: over
+    the row's, its heads' gathered back over `context`)."""
     rows, part = positions_BxC.shape
     if not gathered and halo_reach(split, window, part):
         qkv = (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD)
-        return _windowed(split, *qkv, segments_BxC, positions_BxC, window, group, attend)
+        return _windowed(split, *qkv, segments_BxC, positions_BxC, window, group, attend, maxima)
     if segments_BxC is None:
         whole = order(part * split.degree, split)
         positions_BxS = jnp.broadcast_to(jnp.asarray(whole, jnp.int32), (rows, whole.size))
@@ -242,9 +245,13 @@ def attention(
         )
         k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
         out = attend(q, k, v, positions, positions, segments, segments)
-        return jax.lax.all_to_all(out, CONTEXT, split_axis=1, concat_axis=2, tiled=True)
+        back = lambda o: jax.lax.all_to_all(o, CONTEXT, split_axis=1, concat_axis=2, tiled=True)  # noqa: E731
+        if not maxima:
+            return back(out)
+        return back(out[0]), jax.lax.all_gather(out[1], CONTEXT, axis=0, tiled=True)
 
     return _by_heads(
+        maxima,
         per_tensor,
         (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD),
         None if segments_BxC is None else segments_BxS,
@@ -254,22 +261,22 @@ def attention(
     )
 
 
-def _by_heads(per_tensor, qkv, *whole):
+def _by_heads(maxima: bool, per_tensor, qkv, *whole):
     """per_tensor(q, k, v, *whole) in a shard_map manual over `tensor`: each tensor
     device's block of heads of q, k and v ([B, C, H, D]), and `whole` (4 arrays, or
-    None) as they are."""
+    None) as they are; with `maxima`, per_tensor's heads' largest scores [H] too."""
     heads = PartitionSpec(None, None, TENSOR, None)
     return jax.shard_map(
         per_tensor,
         in_specs=(heads, heads, heads, *(PartitionSpec(),) * len(whole)),
-        out_specs=heads,
+        out_specs=(heads, PartitionSpec(TENSOR)) if maxima else heads,
         axis_names={TENSOR},
         check_vma=False,
     )(*qkv, *whole)
 
 
 def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, positions_BxC,
-              window, group, attend):  # fmt: skip
+              window, group, attend, maxima):  # fmt: skip
     """attention() of a windowed layer whose window reaches one chunk back (halo_reach):
     each device gets the W - 1 keys and values before each of its chunks (_halo), their
     distinct heads alone, and attends its queries to them and its own."""
@@ -288,4 +295,4 @@ def _windowed(split: Split, q_BxCxHxD, k_BxCxHxD, v_BxCxHxD, segments_BxC, posit
         return attend(q, k, v, q_positions, positions, q_segments, segments)
 
     qkv = (q_BxCxHxD, k_BxCxHxD, v_BxCxHxD)
-    return _by_heads(per_tensor, qkv, positions, segments, positions_BxC, segments_BxC)
+    return _by_heads(maxima, per_tensor, qkv, positions, segments, positions_BxC, segments_BxC)

@@ -73,13 +73,12 @@ def _check_muon(train: Train, muon: Muon) -> None:
 
 def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind, mesh_shape: dict) -> None:
     """muon.qk_clip where the step's forward pass hands on each head's largest logit:
-    not through a pipeline's stages or context's splits, nor onto the host's update."""
+    not through a pipeline's stages, nor onto the host's update."""
     tau = muon.qk_clip
     if not tau:
         return
     refused = [
         (mesh_shape[PIPE] > 1, f"parallel.pipeline={mesh_shape[PIPE]}", "parallel.pipeline=1"),
-        (mesh_shape[CONTEXT] > 1, f"parallel.context={mesh_shape[CONTEXT]}", "parallel.context=1"),
         (par.offload is not Offload.NONE, f"parallel.offload={par.offload}", "offload=none"),
         (par.dp_sync is DpSync.PARAMS, "parallel.dp_sync=params", "parallel.dp_sync=grads"),
         (adapter is not AdapterKind.NONE, f"adapter.kind={adapter}", "adapter.kind=none"),
