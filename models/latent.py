@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.names import BATCH, EMBED, HEAD_DIM, HEADS, LATENT, SEQ, SEQ_RESIDUAL
-from jaxpar.nn import sequence
+from jaxpar.nn import logits, sequence
 from jaxpar.nn.attention import cached_latent_attention, causal_attention
 from jaxpar.nn.documents import Documents
 from jaxpar.nn.layers import constrain, dense, param
@@ -125,7 +125,8 @@ class LatentAttention(nnx.Module):
         names = (BATCH, SEQ, HEADS, HEAD_DIM)
         q_BxSxHxD, k_BxSxHxD = (constrain(x, names) for x in (q_BxSxHxD, k_BxSxHxD))
         v_BxSxHxD = constrain(jnp.pad(v_BxSxHxD, pad) if dv < dn + dr else v_BxSxHxD, names)
-        out_BxSxHxD = causal_attention(
+        watched = logits.wanted()
+        out = causal_attention(
             q_BxSxHxD,
             k_BxSxHxD,
             v_BxSxHxD,
@@ -133,12 +134,26 @@ class LatentAttention(nnx.Module):
             positions_BxS=positions_BxS,
             gathered=whole[0] is not None,
             scale=self.scale,
+            logit_max=watched,
         )
+        out_BxSxHxD = out[0] if watched else out
+        if watched:
+            logits.seen(out[1], *self._scaling())
         out_BxSxHxV = constrain(out_BxSxHxD[..., :dv], names)
         y_BxSxE = dense(
             "bshv,hve->bse", out_BxSxHxV, self.wo[...].astype(dt), (HEADS, HEAD_DIM, EMBED)
         )
         return constrain(y_BxSxE, (BATCH, SEQ_RESIDUAL, EMBED))
+
+    def _scaling(self) -> list[tuple]:
+        """The weights that scale a head's logits, by part (Kimi K2's QK-clip for latent
+        attention): its query's and key's unrotated dims each by the square root, its
+        query's rotated dims by the whole factor, the rotated key (shared by the heads)
+        not at all."""
+        _, dn, dr, _ = self.dims
+        q = self.wq if hasattr(self, "wq") else self.wq_b
+        return [(q, 0.5, None, (0, dn)), (q, 1.0, None, (dn, dn + dr)),
+                (self.wkv_b, 0.5, None, (0, dn))]  # fmt: skip
 
     def decode(self, x_BxTxE, positions_BxT, cache, slot, pad_B):
         """The attention of T new tokens through the latent cache (the module's

@@ -255,9 +255,9 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
-        "QK-clip scales each head whose largest logit passed tau back by tau / max, no other "
-        "weight; over data x tensor x ZeRO-3 and over context (all_gather and Ulysses) it equals "
-        "one device",
+        "QK-clip scales each head whose largest logit passed tau back by tau / max (latent "
+        "attention by its parts), no other weight; over data x tensor x ZeRO-3 and over "
+        "context (all_gather and Ulysses) it equals one device",
         (
             "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
             "test_muon.py::test_qk_clip_over_data_tensor_zero3_and_context_equals_one_device",

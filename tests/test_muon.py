@@ -4,6 +4,8 @@ layout equal to one device."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,9 @@ from jaxpar.config.sections import Muon
 from jaxpar.cost import newton_schulz
 from jaxpar.errors import ConfigError
 from jaxpar.models import gpt as gpt_model
+from jaxpar.models import latent as latent_model
 from jaxpar.models import llama as llama_model
-from jaxpar.names import HEADS, QKV
+from jaxpar.names import HEAD_DIM, HEADS, QKV
 from jaxpar.nn import attention
 from jaxpar.nn.logits import Scaled
 from jaxpar.parallel.matrices import groups, is_spec, matrices
@@ -220,11 +223,19 @@ def test_newton_schulz_flops_are_xlas_and_the_owners_split_them(devices):
 # QK-clip (muon.qk_clip, jaxpar.step.qk_clip). The tiny models' first logits are 0.09-0.16:
 # at 0.12 about half their heads pass it.
 TAU = 0.12
-# the weights each model's clip scales: (leaf, its qkv part or None, power of tau / max)
+TAUS = {"deepseek-tiny": 0.075}  # its first logits are 0.062-0.084
+# the weights each model's clip scales: (leaf, its qkv part or None, power of tau / max,
+# its head_dim span or None), in each layer stack (its name: the rows of the model's
+# layers it holds)
 CLIPPED = {
-    "llama-tiny": [("blocks/attn/wq", None, 1.0)],  # heads share keys (GQA): q alone
-    "gpt-tiny": [("blocks/attn/wqkv", 0, 0.5), ("blocks/attn/wqkv", 1, 0.5)],  # q and k alike
-}
+    "llama-tiny": [("attn/wq", None, 1.0, None)],  # heads share keys (GQA): q alone
+    "gpt-tiny": [("attn/wqkv", 0, 0.5, None), ("attn/wqkv", 1, 0.5, None)],  # q and k alike
+    # latent attention (Kimi K2's rule): q's and k's 16 unrotated dims by the square root,
+    # q's 8 rotated dims by the whole, the shared rotated key (wkv_a's) not at all
+    "deepseek-tiny": [("attn/wq_b", None, 0.5, (0, 16)), ("attn/wq_b", None, 1.0, (16, 24)),
+                      ("attn/wkv_b", None, 0.5, (0, 16))],
+}  # fmt: skip
+STACKS = {"deepseek-tiny": {"first": slice(0, 1), "blocks": slice(1, None)}}
 
 
 def _largest(q, k, segments, scale: float, window: int = 0) -> np.ndarray:
@@ -273,7 +284,7 @@ def _head_maxima(problem, params_list, batch) -> list[np.ndarray]:
 
     loss, out = jax.jit(problem.loss), []
     with pytest.MonkeyPatch.context() as patch:
-        for module in (llama_model, gpt_model):
+        for module in (llama_model, gpt_model, latent_model):
             patch.setattr(module, "causal_attention", spy)
         for params in params_list:
             seen.clear()
@@ -281,6 +292,11 @@ def _head_maxima(problem, params_list, batch) -> list[np.ndarray]:
             jax.effects_barrier()
             out.append(np.stack(seen))
     return out
+
+
+def _along(names: tuple[str, ...], name: str, w: np.ndarray) -> np.ndarray:
+    """Each index of w's dim `name`, shaped to broadcast against w."""
+    return np.arange(w.shape[names.index(name)]).reshape([-1 if n == name else 1 for n in names])
 
 
 def _one_step(preset: str, extra: tuple[str, ...]):
@@ -306,22 +322,27 @@ def test_qk_clip_scales_each_head_over_tau_back_and_no_other(preset):
     logits (its inputs the same) are the plain step's times tau / max for those heads: a
     head's logit ends at tau but for what the update itself moved it (Kimi K2's rule: the
     maximum is the forward pass's, before the update). The step reports the largest logit."""
+    tau = TAUS.get(preset, TAU)
     problem, before, plain, _, batch = _one_step(preset, ())
-    _, _, clipped, metrics, _ = _one_step(preset, (f"muon.qk_clip={TAU}",))
+    _, _, clipped, metrics, _ = _one_step(preset, (f"muon.qk_clip={tau}",))
     top, after_plain, after = _head_maxima(problem, [before, plain, clipped], batch)
-    eta_LxH = np.where(top > TAU, TAU / top, 1.0)
+    eta_LxH = np.where(top > tau, tau / top, 1.0)
     assert 0 < np.mean(eta_LxH < 1) < 1  # some heads clipped, some not
     np.testing.assert_allclose(metrics.reports["attn/max_logit"], top.max(), rtol=1e-6)
     expected = {k: np.asarray(v) for k, v in plain.items()}
-    for key, part, power in CLIPPED[preset]:
+    for (stack, rows), (leaf, part, power, span) in itertools.product(
+        STACKS.get(preset, {"blocks": slice(None)}).items(), CLIPPED[preset]
+    ):
+        key, eta = f"{stack}/{leaf}", eta_LxH[rows]
         names = problem.names[key]
-        head = names.index(HEADS)
-        shape = [len(eta_LxH) if n == "layers" else 1 for n in names]
-        shape[head] = eta_LxH.shape[1]
-        factor = (eta_LxH**power).reshape(shape)
+        shape = [len(eta) if n == "layers" else 1 for n in names]
+        shape[names.index(HEADS)] = eta.shape[1]
+        factor = (eta**power).reshape(shape)
         if part is not None:
-            on = np.arange(expected[key].shape[names.index(QKV)]) == part
-            factor = np.where(on.reshape([-1 if n == QKV else 1 for n in names]), factor, 1.0)
+            factor = np.where(_along(names, QKV, expected[key]) == part, factor, 1.0)
+        if span is not None:
+            at = _along(names, HEAD_DIM, expected[key])
+            factor = np.where((at >= span[0]) & (at < span[1]), factor, 1.0)
         expected[key] = expected[key] * factor
     for key, want in expected.items():  # two programs: the update's rounding may differ
         err = np.linalg.norm(clipped[key] - want) / np.linalg.norm(want)

@@ -24,11 +24,15 @@ from jaxpar.nn.scope import KEY
 class Scaled:
     """A weight (its key in the parameters) whose scaling by factor**power scales its
     head's logits by factor**power: one side of q . k. `part`: the index on the leaf's
-    `qkv` dim (a fused q/k/v projection), None for a leaf of one side alone."""
+    `qkv` dim (a fused q/k/v projection), None for a leaf of one side alone. `span`:
+    (start, stop) on the leaf's `head_dim` dim, the head's dims scaled (latent
+    attention's parts: its rotated dims, its others, or its keys beside its values);
+    None: all of them."""
 
     key: str
     power: float
     part: int | None = None
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,10 @@ def watching():
         _SEEN.reset(token)
 
 
-def seen(max_H: jax.Array, *scaled: tuple[object, float] | tuple[object, float, int]) -> None:
-    """Hand on one attention's largest logit per head, with the weights (nnx Variables of
-    the model, each with its power and, for a fused leaf, its qkv part) that scale them."""
+def seen(max_H: jax.Array, *scaled: tuple) -> None:
+    """Hand on one attention's largest logit per head, with the weights that scale them:
+    each (an nnx Variable of the model, its power[, its qkv part[, its head_dim span]]),
+    as Scaled reads them."""
     by_key = tuple(Scaled(var.get_metadata()[KEY], *rest) for var, *rest in scaled)
     _SEEN.get().append(Seen(jax.lax.stop_gradient(max_H), by_key))
 

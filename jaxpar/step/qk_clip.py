@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import ConfigError
-from jaxpar.names import HEADS, KV_HEADS, QKV
+from jaxpar.names import HEAD_DIM, HEADS, KV_HEADS, QKV
 from jaxpar.nn import logits, scope
 from jaxpar.nn.logits import Scaled
 
@@ -55,9 +55,8 @@ def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trai
     if not pairs:
         raise ConfigError(
             f"muon.qk_clip={tau:g}: the model hands on no trained attention logits to clip "
-            "(QK-clip scales the query and key weights of multi-head and grouped-query "
-            "attention; latent attention and model.qk_norm are not built for it); drop "
-            "muon.qk_clip"
+            "(QK-clip scales the query and key weights of multi-head, grouped-query and "
+            "latent attention; model.qk_norm's are not built for it); drop muon.qk_clip"
         )
     rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m, _ in pairs]))
     params = dict(params)
@@ -71,17 +70,21 @@ def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trai
 
 def _scaled(w, f_LxH, names: tuple[str, ...], s: Scaled):
     """w times each head's factor: f's leading dims are w's (the layer stack's), its last
-    is w's heads dim; for a fused leaf, on its qkv part `s.part` alone."""
+    is w's heads dim; for a fused leaf, on its qkv part `s.part` alone; with a span, on
+    those of the head's dims alone."""
     head = next(i for i, n in enumerate(names) if n in (HEADS, KV_HEADS))
     shape = [1] * w.ndim
     for i in range(f_LxH.ndim - 1):
         shape[i] = f_LxH.shape[i]
     shape[head] = f_LxH.shape[-1]
     factor = f_LxH.reshape(shape)
+    along = lambda dim, keep: keep(jnp.arange(w.shape[dim])).reshape(  # noqa: E731
+        [-1 if i == dim else 1 for i in range(w.ndim)]
+    )
     if s.part is not None:
-        at = names.index(QKV)
-        mine = (jnp.arange(w.shape[at]) == s.part).reshape(
-            [-1 if i == at else 1 for i in range(w.ndim)]
-        )
+        factor = jnp.where(along(names.index(QKV), lambda i: i == s.part), factor, 1.0)
+    if s.span is not None:
+        start, stop = s.span
+        mine = along(names.index(HEAD_DIM), lambda i: (i >= start) & (i < stop))
         factor = jnp.where(mine, factor, 1.0)
     return (w * factor).astype(w.dtype)
