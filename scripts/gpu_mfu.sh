@@ -39,6 +39,8 @@ train gpt-small-b32-s512-spike --config gpt-small $steps train.on_spike=skip
 train gpt-small-b32-s1024 --config gpt-small $steps train.seq_len=1024
 train llama-1b-b8-s2048 --config llama-1b $steps train.batch_size=8 parallel.zero=0
 train llama-1b-b8-s2048-muon --config llama-1b $steps train.batch_size=8 parallel.zero=0 train.optimizer=muon
+# MuonClip: attention in the blocked form (cuDNN's kernel hands on no maxima)
+train llama-1b-b8-s2048-muon-clip --config llama-1b $steps train.batch_size=8 parallel.zero=0 train.optimizer=muon muon.qk_clip=100
 train llama-1b-b16-s2048-remat --config llama-1b $steps train.batch_size=16 parallel.zero=0 parallel.remat=full
 # JAX takes 75% of a GPU's memory by default; 95% lets batch 16 run without recomputation
 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 train llama-1b-b16-s2048-mem95 --config llama-1b $steps train.batch_size=16 parallel.zero=0
