@@ -253,7 +253,8 @@ def _largest(q, k, segments, scale: float, window: int = 0) -> np.ndarray:
 def test_the_attention_forms_hand_on_each_heads_largest_logit():
     """The direct form and the blocked one (query blocks of 16), with documents and a
     sliding window: each head's largest visible score, before the soft cap; and the
-    blocked form by positions, as context parallelism runs it on a GPU."""
+    blocked form by positions, as context parallelism runs it on a GPU; and the pass of
+    the scores alone that runs beside cuDNN's kernel, which hands on none."""
     q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8)) * 3
     segments = jnp.asarray(np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0))
     positions = jnp.broadcast_to(jnp.arange(64), (2, 64))
@@ -266,6 +267,8 @@ def test_the_attention_forms_hand_on_each_heads_largest_logit():
             _, blocked = attention._blocked(q, k, v, segments, window, scores)
             at = (positions, positions, segments, segments, window, scores)
             _, by_positions = attention._positioned(attention.Form.BLOCKED, q, k, v, *at)
+            alone = attention.largest_by_blocks(q, k, *at[:5], 8**-0.5)
+        np.testing.assert_allclose(alone, want, rtol=1e-6)
         np.testing.assert_allclose(direct, want, rtol=1e-6)
         np.testing.assert_allclose(blocked, want, rtol=1e-6)
         np.testing.assert_allclose(by_positions, want, rtol=1e-6)

@@ -53,16 +53,12 @@ class Form(enum.Enum):
     DIRECT = "direct"
 
 
-def form(
-    platform: str, dtype, head_dim: int, softcap: float = 0.0, sinks: bool = False,
-    maxima: bool = False,
-) -> Form:  # fmt: skip
+def form(platform: str, dtype, head_dim: int, softcap: float = 0.0, sinks: bool = False) -> Form:
     """The attention program for this platform ('cpu', 'cuda', 'rocm', 'tpu'), compute
-    dtype, head dim, soft cap, sinks, and whether each head's largest logit is wanted
-    (cuDNN's kernel returns none)."""
+    dtype, head dim, soft cap and sinks (cuDNN's kernel takes neither)."""
     if platform == "cpu":
         return Form.DIRECT
-    plain = not softcap and not sinks and not maxima
+    plain = not softcap and not sinks
     cudnn_ready = head_dim % 8 == 0 and head_dim <= 128 and plain
     if platform == "cuda" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and cudnn_ready:
         return Form.CUDNN
@@ -94,7 +90,8 @@ def causal_attention(
     `softcap` > 0 caps the scores at +-softcap by tanh; `sinks_H`, each head's sink
     logit, joins the softmax's denominator (Scores.sinks). `logit_max`: (the output,
     each head's largest visible q k^T x scale [H], before the cap), from the scores the
-    form computes anyway (direct and blocked); under context parallelism, over this
+    form computes anyway (direct and blocked), or beside cuDNN's kernel by a pass of the
+    scores alone (largest_by_blocks); under context parallelism, over this
     device's queries at least (the step takes the maximum over `context`).
 
     In a step that splits sequences over `context` (jaxpar.parallel.context), the tokens may be
@@ -107,7 +104,7 @@ def causal_attention(
     ctx = scope.current()
     platform = ctx.platform if ctx else scope.platform_of(jax.devices()[0])
     sinks = sinks_H is not None
-    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap, sinks, logit_max)
+    chosen = form(platform, q_BxSxHxD.dtype, q_BxSxHxD.shape[-1], softcap, sinks)
     scale = q_BxSxHxD.shape[-1] ** -0.5 if scale is None else scale
     scores = Scores(scale, softcap, sinks, logit_max)
     if sinks:
@@ -134,7 +131,7 @@ def causal_attention(
             logit_max,
         )
     if chosen is Form.CUDNN:
-        return jax.nn.dot_product_attention(
+        out_BxSxHxD = jax.nn.dot_product_attention(
             q_BxSxHxD,
             k_BxSxHxD,
             v_BxSxHxD,
@@ -144,6 +141,12 @@ def causal_attention(
             scale=scores.scale,
             implementation="cudnn",
         )
+        if not logit_max:
+            return out_BxSxHxD
+        rows, seq = q_BxSxHxD.shape[:2]
+        pos_BxS = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
+        at = (pos_BxS, pos_BxS, segment_ids_BxS, segment_ids_BxS, window)
+        return out_BxSxHxD, largest_by_blocks(q_BxSxHxD, k_BxSxHxD, *at, scores.scale)
     if chosen is Form.BLOCKED:
         return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window, scores)
     return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window, scores)
@@ -274,6 +277,27 @@ def visible_by_positions(q_pos_BxC, k_pos_BxS, q_seg_BxC=None, k_seg_BxS=None, w
     return visible_BxCxS
 
 
+def largest_by_blocks(q_BxSxHxD, k_BxTxHxD, q_pos, k_pos, q_seg, k_seg, window, scale):
+    """[H] each head's largest visible q . k x scale (Scores.largest), query blocks at a
+    time, and nothing else: no softmax, no product with v, no gradient. QK-clip's maxima
+    beside a kernel that hands on none (cuDNN's): one of attention's products again."""
+    q_BxSxHxD, k_BxTxHxD = jax.lax.stop_gradient((q_BxSxHxD, k_BxTxHxD))
+    b, s, h, d = q_BxSxHxD.shape
+    block = _block(s)
+    blocks = lambda x: x.reshape(b, s // block, block, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    scaled = q_BxSxHxD * jnp.asarray(scale, q_BxSxHxD.dtype)
+
+    def one(args):
+        q_BxCxHxD, pos_BxC, seg_BxC = args
+        att_BxHxCxS = jnp.einsum("bshd,bthd->bhst", q_BxCxHxD, k_BxTxHxD).astype(jnp.float32)
+        seg_BxC = None if q_seg is None else seg_BxC
+        visible_BxCxS = visible_by_positions(pos_BxC, k_pos, seg_BxC, k_seg, window)
+        return Scores(scale).largest(att_BxHxCxS, visible_BxCxS)
+
+    segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
+    return jnp.max(jax.lax.map(one, (blocks(scaled), blocks(q_pos), segs)), 0)
+
+
 def _positioned(
     chosen: Form, q, k, v, q_pos, k_pos, q_seg, k_seg, window: int, scores: Scores
 ) -> jax.Array:
@@ -281,9 +305,12 @@ def _positioned(
     `chosen` on local blocks (cuDNN takes the mask as its bias)."""
     if chosen is Form.CUDNN:
         mask = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)[:, None]
-        return jax.nn.dot_product_attention(
+        out = jax.nn.dot_product_attention(
             q, k, v, mask=mask, scale=scores.scale, implementation="cudnn"
         )
+        if not scores.maxima:
+            return out
+        return out, largest_by_blocks(q, k, q_pos, k_pos, q_seg, k_seg, window, scores.scale)
     if chosen is Form.DIRECT:
         visible = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
         return _scored(q, k, v, visible, scores)
