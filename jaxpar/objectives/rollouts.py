@@ -275,7 +275,7 @@ class Rollouts(Hook):
 
     def summary(self) -> dict:
         """summary.json's `grpo`: the generation layout and the reshard's bytes."""
-        b = self.bytes
+        b, models = self.bytes, [r.function.summary() for r in self._models()]
         return {
             "grpo": {
                 "generate_layout": dict(self.mesh.shape),
@@ -285,11 +285,7 @@ class Rollouts(Hook):
                     "ratio": b["wire"] / b["minimum"] if b["minimum"] else None,
                     "through_host": b["through_host"],
                 },
-                **(
-                    {"reward_models": [r.function.summary() for r in self._models()]}
-                    if self._models()
-                    else {}
-                ),  # fmt: skip
+                **({"reward_models": models} if models else {}),
             }
         }
 

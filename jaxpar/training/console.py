@@ -71,7 +71,7 @@ def _spikes(train: dict) -> list[str]:
     done = {"skip": "not applied", "rollback": "rolled back to the checkpoint before it"}
     return [
         f"  spikes    a loss over the mean + {train['spike_sigmas']:g} standard deviations of "
-        f"the last {train['spike_window']} applied steps': {done[train['on_spike']]}"
+        f"the last {train['spike_window']} applied steps' losses: {done[train['on_spike']]}"
     ]
 
 
