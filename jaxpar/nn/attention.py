@@ -131,25 +131,32 @@ def causal_attention(
             logit_max,
         )
     if chosen is Form.CUDNN:
-        out_BxSxHxD = jax.nn.dot_product_attention(
-            q_BxSxHxD,
-            k_BxSxHxD,
-            v_BxSxHxD,
-            mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
-            is_causal=True,
-            local_window_size=(window - 1, 0) if window else None,
-            scale=scores.scale,
-            implementation="cudnn",
-        )
-        if not logit_max:
-            return out_BxSxHxD
-        rows, seq = q_BxSxHxD.shape[:2]
-        pos_BxS = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
-        at = (pos_BxS, pos_BxS, segment_ids_BxS, segment_ids_BxS, window)
-        return out_BxSxHxD, largest_by_blocks(q_BxSxHxD, k_BxSxHxD, *at, scores.scale)
+        return _cudnn(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window, scores)
     if chosen is Form.BLOCKED:
         return _blocked(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window, scores)
     return _direct(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, 0, segment_ids_BxS, window, scores)
+
+
+def _cudnn(q_BxSxHxD, k_BxSxHxD, v_BxSxHxD, segment_ids_BxS, window: int, scores: Scores):
+    """cuDNN's fused kernel, causal, within the window and the segments; with
+    scores.maxima, (that, each head's largest visible score [H]: largest_by_blocks, as
+    the kernel hands on none)."""
+    out_BxSxHxD = jax.nn.dot_product_attention(
+        q_BxSxHxD,
+        k_BxSxHxD,
+        v_BxSxHxD,
+        mask=None if segment_ids_BxS is None else same_segment(segment_ids_BxS)[:, None],
+        is_causal=True,
+        local_window_size=(window - 1, 0) if window else None,
+        scale=scores.scale,
+        implementation="cudnn",
+    )
+    if not scores.maxima:
+        return out_BxSxHxD
+    rows, seq = q_BxSxHxD.shape[:2]
+    pos_BxS = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
+    at = (pos_BxS, pos_BxS, segment_ids_BxS, segment_ids_BxS, window)
+    return out_BxSxHxD, largest_by_blocks(q_BxSxHxD, k_BxSxHxD, *at, scores.scale)
 
 
 def same_segment(segment_ids_BxS, first=0, rows=None) -> jax.Array:
@@ -282,7 +289,7 @@ def largest_by_blocks(q_BxSxHxD, k_BxTxHxD, q_pos, k_pos, q_seg, k_seg, window, 
     time, and nothing else: no softmax, no product with v, no gradient. QK-clip's maxima
     beside a kernel that hands on none (cuDNN's): one of attention's products again."""
     q_BxSxHxD, k_BxTxHxD = jax.lax.stop_gradient((q_BxSxHxD, k_BxTxHxD))
-    b, s, h, d = q_BxSxHxD.shape
+    b, s = q_BxSxHxD.shape[:2]
     block = _block(s)
     blocks = lambda x: x.reshape(b, s // block, block, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
     scaled = q_BxSxHxD * jnp.asarray(scale, q_BxSxHxD.dtype)
