@@ -263,12 +263,23 @@ def _block(s: int) -> int:
     return max(c for c in range(1, min(BLOCK, s) + 1) if s % c == 0)
 
 
+def _in_blocks(x_BxS):
+    """[B, S, ...] as [N, B, C, ...]: the query blocks (_block) of each row."""
+    b, s = x_BxS.shape[:2]
+    block = _block(s)
+    return x_BxS.reshape(b, s // block, block, *x_BxS.shape[2:]).swapaxes(0, 1)
+
+
+def _positions_in_blocks(q_pos_BxS, q_seg_BxS):
+    """(the queries' positions by block, their segment ids by block: zeros where None)."""
+    blocks = _in_blocks(q_pos_BxS)
+    return blocks, _in_blocks(q_seg_BxS) if q_seg_BxS is not None else jnp.zeros(len(blocks))
+
+
 def _by_blocks(one, q_BxSxHxD, *per_block):
     """one(q block, *per_block[i]) over the query blocks, put back together."""
-    b, s, h, d = q_BxSxHxD.shape
-    block = _block(s)
-    q_NxBxCxHxD = q_BxSxHxD.reshape(b, s // block, block, h, d).swapaxes(0, 1)
-    out = jax.lax.map(lambda x: one(*x), (q_NxBxCxHxD, *per_block))
+    b, s, h = q_BxSxHxD.shape[:3]
+    out = jax.lax.map(lambda x: one(*x), (_in_blocks(q_BxSxHxD), *per_block))
     out_NxBxCxHxD, *top = out if isinstance(out, tuple) else (out,)  # [N, H]: each block's
     out_BxSxHxD = out_NxBxCxHxD.swapaxes(0, 1).reshape(b, s, h, -1)  # v's dims (not sinks')
     return (out_BxSxHxD, *top) if top else out_BxSxHxD
@@ -289,9 +300,6 @@ def largest_by_blocks(q_BxSxHxD, k_BxTxHxD, q_pos, k_pos, q_seg, k_seg, window, 
     time, and nothing else: no softmax, no product with v, no gradient. QK-clip's maxima
     beside a kernel that hands on none (cuDNN's): one of attention's products again."""
     q_BxSxHxD, k_BxTxHxD = jax.lax.stop_gradient((q_BxSxHxD, k_BxTxHxD))
-    b, s = q_BxSxHxD.shape[:2]
-    block = _block(s)
-    blocks = lambda x: x.reshape(b, s // block, block, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
     scaled = q_BxSxHxD * jnp.asarray(scale, q_BxSxHxD.dtype)
 
     def one(args):
@@ -301,8 +309,7 @@ def largest_by_blocks(q_BxSxHxD, k_BxTxHxD, q_pos, k_pos, q_seg, k_seg, window, 
         visible_BxCxS = visible_by_positions(pos_BxC, k_pos, seg_BxC, k_seg, window)
         return Scores(scale).largest(att_BxHxCxS, visible_BxCxS)
 
-    segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
-    return jnp.max(jax.lax.map(one, (blocks(scaled), blocks(q_pos), segs)), 0)
+    return jnp.max(jax.lax.map(one, (_in_blocks(scaled), *_positions_in_blocks(q_pos, q_seg))), 0)
 
 
 def _positioned(
@@ -321,20 +328,16 @@ def _positioned(
     if chosen is Form.DIRECT:
         visible = visible_by_positions(q_pos, k_pos, q_seg, k_seg, window)
         return _scored(q, k, v, visible, scores)
-    b, s = q.shape[:2]
-    block = _block(s)
-    blocks = lambda x: x.reshape(b, s // block, block).swapaxes(0, 1)  # noqa: E731
     one = jax.checkpoint(
         lambda q, q_pos, q_seg: _scored(
             q, k, v, visible_by_positions(q_pos, k_pos, q_seg, k_seg, window), scores
         ),
         policy=jax.checkpoint_policies.nothing_saveable,
     )
-    segs = blocks(q_seg) if q_seg is not None else jnp.zeros((s // block,))
     each = one if q_seg is not None else lambda q, p, _: one(q, p, None)
     if not scores.maxima:
-        return _by_blocks(each, q, blocks(q_pos), segs)
-    out, top_NxH = _by_blocks(each, q, blocks(q_pos), segs)
+        return _by_blocks(each, q, *_positions_in_blocks(q_pos, q_seg))
+    out, top_NxH = _by_blocks(each, q, *_positions_in_blocks(q_pos, q_seg))
     return out, jnp.max(top_NxH, 0)
 
 
