@@ -778,6 +778,14 @@ CLAIMS = (
     ),
     Claim(
         "docs/checkpoints.md",
+        "Arrays are saved uncompressed unless checkpoint.compress asks; a run resumes from "
+        "either kind",
+        (
+            "test_checkpoint.py::test_arrays_are_saved_uncompressed_unless_asked_and_either_restores",
+        ),
+    ),
+    Claim(
+        "docs/checkpoints.md",
         "A loss spike skipped or rolled back leaves a run equal to one that never read the "
         "batches it dropped, in every layout; the window resumes with the state",
         (

@@ -510,6 +510,29 @@ def test_one_process_writes_a_replicated_array_whole(devices, tmp_path):
     assert np.array_equal(checkpoints.restore(1, {"x": like})["x"], x)
 
 
+def test_arrays_are_saved_uncompressed_unless_asked_and_either_restores(devices, tmp_path):
+    """checkpoint.compress=false (the default) writes the arrays as they are; true has
+    orbax zstd them (a run's Saver passes the key on): a compressible state then takes a
+    fraction of the bytes. A run resumes from either, whatever its own key says."""
+    from jaxpar.training.checkpoint import Checkpoints, Saver
+
+    state = {"x": jnp.zeros((256, 256)), "y": jnp.arange(4096.0)}
+    like = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+    )
+    sizes = {}
+    for compress in (False, True):
+        cfg = jaxpar.Config(checkpoint=jaxpar.Checkpoint(every=1, compress=compress))
+        saver = Saver(cfg, tmp_path / str(compress))
+        saver.ckpts.save(1, state, {"step": 1})
+        saver.ckpts.close()
+        files = (tmp_path / str(compress) / "1" / "state").rglob("*")
+        sizes[compress] = sum(f.stat().st_size for f in files if f.is_file())
+        other = Checkpoints(tmp_path / str(compress), compress=not compress)
+        assert_identical(other.restore(1, like), state)
+    assert sizes[False] > (256 * 256 + 4096) * 4 > 10 * sizes[True], sizes
+
+
 @pytest.mark.slow
 def test_export_writes_safetensors_in_the_model_layout(tmp_path, capsys, devices):
     overrides = [

@@ -11,7 +11,10 @@ from jaxpar.cost.report import human_bytes
 CHECKPOINTS = {
     "off": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=0"),
     "every=1 (async)": ("parallel.data=8", "parallel.zero=3", "checkpoint.every=1"),
-}
+    "every=1 (async, zstd)": (
+        "parallel.data=8", "parallel.zero=3", "checkpoint.every=1", "checkpoint.compress=true",
+    ),
+}  # fmt: skip
 
 CHECKPOINT_COLUMNS = {
     "trainer step ms": lambda r: f"{r['step_s'] * r['trainer_over_bare'] * 1e3:.1f}",

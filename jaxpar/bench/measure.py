@@ -109,7 +109,7 @@ class _Saves:
     bytes one checkpoint takes on disk."""
 
     def __init__(self, cfg, problem, run, mesh):
-        self.every = cfg.checkpoint.every
+        self.every, self.compress = cfg.checkpoint.every, cfg.checkpoint.compress
         self.blocking: list[float] = []
         self.ckpts = None
         if self.every:
@@ -125,7 +125,8 @@ class _Saves:
             return LoopOptions()
         if self.ckpts:
             self.ckpts.close()
-        self.ckpts = checkpoint.Checkpoints(self.folder / str(len(self.blocking)), keep=2)
+        folder = self.folder / str(len(self.blocking))
+        self.ckpts = checkpoint.Checkpoints(folder, keep=2, compress=self.compress)
 
         def save(state, step: int) -> None:
             start = time.perf_counter()

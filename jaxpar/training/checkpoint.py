@@ -251,31 +251,38 @@ def _flat(tree) -> dict:
     }
 
 
-def _state_handler() -> ocp.StandardCheckpointHandler:
-    """orbax's StandardCheckpointHandler, writing a replicated array's replicas in
-    parallel (each a slice of it) only where several processes share the writing. In one
-    process every replica is on this host: the slices would cost a compiled program per
-    leaf and slice (200 on a small run's first save) and parallelise nothing. The files
-    are the same either way (tests/test_checkpoint.py holds orbax's internals to it)."""
+def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
+    """orbax's StandardCheckpointHandler, its arrays zstd-compressed only if `compress`
+    (orbax's default is on: float weights shrink by under a tenth, and the save's CPU
+    time grows about 4x, taken from the steps an asynchronous save runs beside; a
+    restore reads either). It writes a replicated array's replicas in parallel (each a
+    slice of it) only where several processes share the writing. In one process every
+    replica is on this host: the slices would cost a compiled program per leaf and slice
+    (200 on a small run's first save) and parallelise nothing. The files are the same
+    either way (tests/test_checkpoint.py holds orbax's internals to it)."""
     handler = ocp.StandardCheckpointHandler()
+    registry = {}
     if jax.process_count() == 1:
         types = ocp.type_handlers
-        registry = types.create_type_handler_registry(
+        one = types.create_type_handler_registry(
             *((t, types.get_type_handler(t)) for t in types.supported_types())
         )
         store = types.get_type_handler(jax.Array)._array_metadata_store
         whole = types.ArrayHandler(use_replica_parallel=False, array_metadata_store=store)
-        registry.add(jax.Array, whole, override=True)
-        handler._impl = ocp.PyTreeCheckpointHandler(  # as orbax makes it, with this registry
-            save_concurrent_gb=96, restore_concurrent_gb=96, type_handler_registry=registry
-        )
+        one.add(jax.Array, whole, override=True)
+        registry = {"type_handler_registry": one}
+    handler._impl = ocp.PyTreeCheckpointHandler(  # as orbax makes it, with these options
+        save_concurrent_gb=96, restore_concurrent_gb=96, use_compression=compress, **registry
+    )
     return handler
 
 
 class Checkpoints:
     """The checkpoints of one run directory (an orbax CheckpointManager)."""
 
-    def __init__(self, directory: Path, keep: int = 3, *, create: bool = True):
+    def __init__(
+        self, directory: Path, keep: int = 3, *, create: bool = True, compress: bool = False
+    ):
         self.directory = Path(directory).absolute()
         # the last save started, its bytes, and whether a save met a full disk (reported)
         self.in_flight, self.needed, self.failed = None, None, False
@@ -292,7 +299,7 @@ class Checkpoints:
                     cleanup_tmp_directories=create,  # saves cut short by a kill
                 ),
                 item_handlers={
-                    STATE: _state_handler(),
+                    STATE: _state_handler(compress),
                     META: ocp.JsonCheckpointHandler(),
                 },
             )
@@ -586,7 +593,8 @@ class Saver:
         self.position = None  # step -> the data's position then (jaxpar.data.feed)
 
     def _open(self) -> None:
-        self.ckpts = Checkpoints(self.directory, self.cfg.checkpoint.keep)
+        ckpt = self.cfg.checkpoint
+        self.ckpts = Checkpoints(self.directory, ckpt.keep, compress=ckpt.compress)
 
     @property
     def opened(self) -> bool:
