@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/
 train() {  # NAME, then the config and its overrides
   local name=$1; shift
   [[ $name =~ ${ONLY:-.} ]] || return 0
-  local dir=/tmp/gpu-mfu/$name
+  local dir=${ROOT:-/tmp}/gpu-mfu/$name
   rm -rf "$dir"
   echo "== $name: $*"
   local start=$SECONDS
@@ -32,8 +32,12 @@ PY
 }
 steps="train.steps=30 train.log_every=1"
 train gpt-small-b32-s512 --config gpt-small $steps
-# the cost of an asynchronous save every step and every 10th, and of the spike check
+# the cost of an asynchronous save every step (uncompressed, zstd, into memory) and every
+# 10th, and of the spike check
 train gpt-small-b32-s512-save1 --config gpt-small $steps checkpoint.every=1 checkpoint.keep=2
+train gpt-small-b32-s512-save1-zstd --config gpt-small $steps checkpoint.every=1 checkpoint.keep=2 checkpoint.compress=true
+(( $(df -k --output=avail /dev/shm | tail -1) > 8000000 )) &&
+  ROOT=/dev/shm train gpt-small-b32-s512-save1-shm --config gpt-small $steps checkpoint.every=1 checkpoint.keep=2
 train gpt-small-b32-s512-save10 --config gpt-small $steps checkpoint.every=10 checkpoint.keep=2
 train gpt-small-b32-s512-spike --config gpt-small $steps train.on_spike=skip
 train gpt-small-b32-s1024 --config gpt-small $steps train.seq_len=1024

@@ -64,7 +64,8 @@ def output_and_grads(fn, params, x):
     """fn's output, and the gradients of a fixed random projection of it w.r.t. the
     parameters and the input."""
     probe = jax.random.normal(jax.random.key(7), x.shape)
-    return fn(params, x), jax.grad(lambda p, x: jnp.sum(fn(p, x) * probe), (0, 1))(params, x)
+    grads = jax.grad(lambda p, x: jnp.sum(fn(p, x) * probe), (0, 1))
+    return jax.jit(lambda p, x: (fn(p, x), grads(p, x)))(params, x)  # one program each
 
 
 def assert_close(got, want, tol=1e-5):

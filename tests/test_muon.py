@@ -108,11 +108,12 @@ def test_muon_equals_optax_contrib_muon(preset, keys):
     adam = optim.adamw(schedule, cfg.train.weight_decay, optim.decayed(problem.names))
     ref_tx = _reference_tx(cfg, problem.names, schedule, adam)
     loss = lambda p, b: jnp.mean(problem.loss(p, b))  # noqa: E731
-    params = ref_params = problem.init(jax.random.key(0))
+    params = ref_params = jax.jit(problem.init)(jax.random.key(0))
     state, ref_state = tx.init(params), ref_tx.init(params)
+    grad = jax.jit(jax.grad(loss))  # one program, not an op at a time
     for step in range(3):
         batch = batches(step)
-        grads = jax.grad(loss)(params, batch)  # both take the same, each its own state
+        grads = grad(params, batch)  # both take the same, each its own state
         updates, state = jax.jit(tx.update)(grads, state, params)
         params = optax.apply_updates(params, updates)
         ref_updates, ref_state = jax.jit(ref_tx.update)(grads, ref_state, ref_params)
@@ -176,6 +177,38 @@ def test_owned_matrices_equal_one_device_at_the_minimum_bytes(layout):
     moved = report.collectives["all-to-all"]
     assert moved.count == 2 * len(groups(names)["muon"])
     assert minimum <= moved.wire_bytes <= 1.02 * minimum
+    assert report.newton_schulz["wire_bytes"] == pytest.approx(minimum)
+
+
+@pytest.mark.slow  # two steps compiled, 3 s
+def test_on_the_shards_each_iteration_all_reduces_the_gram_products_alone(devices):
+    """llama-tiny's four layers do not divide over data=8: Newton-Schulz runs on ZeRO's
+    shards. Against AdamW's step, Muon's adds all-reduces of the small Gram products
+    alone (m x m a matrix, m its smaller side; a square one's taken on the side that
+    contracts the shards) each iteration, and of the norms: 2 (n-1)/n of them, at most
+    1.02x, and no gather. By hand from the shapes, and the report's figure the same."""
+    layout = ("parallel.data=8", "parallel.zero=1")
+    muon_run = compile_only("llama-tiny", (*layout, *MUON))
+    adamw = compile_only("llama-tiny", layout)
+    cfg = presets.load("llama-tiny", [*layout, *MUON])
+    problem = trained_model(cfg.model, cfg.adapter, cfg.train)
+    grams = norms = 0
+    for key, spec in matrices(problem.names).items():
+        if spec is None:
+            continue
+        shape = problem.shapes[key].shape
+        m = min(np.prod([shape[i] for i in dims]) for dims in spec)
+        stack = np.prod(shape) // np.prod([shape[i] for i in spec.inputs + spec.outputs])
+        grams, norms = grams + stack * m * m, norms + stack
+    n, steps = cfg.parallel.data, cfg.muon.ns_steps
+    minimum = 2 * (n - 1) / n * 4 * (steps * grams + norms)
+    added = {
+        kind: muon_run.collectives[kind].wire_bytes - adamw.collectives[kind].wire_bytes
+        for kind in adamw.collectives
+    }
+    assert added["all-gather"] == added["reduce-scatter"] == 0
+    assert minimum <= added["all-reduce"] <= 1.02 * minimum
+    assert muon_run.newton_schulz["wire_bytes"] == pytest.approx(minimum)
 
 
 def test_muon_keys_without_muon_and_muon_without_a_matrix_are_one_line(devices):

@@ -99,14 +99,20 @@ def describe_step(
 def _newton_schulz(
     cfg: Config, trained: Problem, leaves, mesh_shape: dict, model_flops: float | None
 ) -> dict:
-    """Muon's Newton-Schulz FLOPs a step and temporaries per device, and the model's
-    FLOPs a step (`model_flops`, all devices') per device beside them; {} without Muon."""
+    """Muon's Newton-Schulz FLOPs a step, temporaries and least bytes over the ZeRO axes
+    per device, and the model's FLOPs a step (`model_flops`, all devices') per device
+    beside them; {} without Muon."""
     if cfg.train.optimizer is not Optimizer.MUON:
         return {}
     trainable = trained.trainable(leaves), trained.trainable(trained.names)
     ns = newton_schulz.cost(*trainable, cfg.muon.ns_steps)
     model = model_flops / math.prod(mesh_shape.values()) if model_flops else None
-    return {"flops": ns.flops, "temp_bytes": ns.temp_bytes, "model_flops": model}
+    return {
+        "flops": ns.flops,
+        "temp_bytes": ns.temp_bytes,
+        "wire_bytes": ns.wire_bytes,
+        "model_flops": model,
+    }
 
 
 def read_ledger(par: Parallel, hlo: str, mesh_shape: dict) -> ledger.Ledger:

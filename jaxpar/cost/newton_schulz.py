@@ -8,7 +8,14 @@ stays: its Gram products contract the device's columns, and each of the m^3 squa
 repeated on every tensor device). On the shards' path every device runs every matrix
 of the leaf on its slice, and every m^3 square whole. The temporaries are fp32: the
 normalized momentum and the next iterate (the device's elements, twice) and the two
-m x m products of each matrix it runs."""
+m x m products of each matrix it runs.
+
+Its textbook bytes over the ZeRO axes, per device (the chosen path's own minimum, what
+a ZeRO split of w ways adds to the step): the owners' two all-to-alls, 2 (w-1)/w of the
+device's slice of the momentum; on the shards, each iteration's all-reduce of the
+stack's Gram products, 2 (w-1)/w of stack x m^2, and the Frobenius norms' once. No
+figure (None) where a tensor split cuts a matrix on the shards, or ZeRO splits its
+Gram side: those products gather, and their least bytes are not derived here."""
 
 from __future__ import annotations
 
@@ -17,19 +24,20 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxpar.parallel.matrices import Matrix, is_spec, matrices
+from jaxpar.parallel.matrices import Matrix, gram_side, is_spec, matrices
 
 
 @dataclass(frozen=True)
 class NewtonSchulz:
     flops: float  # per device per step
     temp_bytes: float  # per device, the largest leaf's (leaves run one after another)
+    wire_bytes: float | None = 0.0  # per device per step over the ZeRO axes (None: no figure)
 
 
 def cost(leaves, names, steps: int) -> NewtonSchulz:
     """Newton-Schulz's cost for the Muon leaves among `leaves` (leaf_layout.Leaf, a tree
     like `names`), at `steps` iterations a step."""
-    flops, temp = 0.0, 0.0
+    flops, temp, wire = 0.0, 0.0, 0.0
     specs = matrices(names)
     for leaf, spec in zip(
         jax.tree.leaves(leaves, is_leaf=lambda x: hasattr(x, "opt")),
@@ -38,12 +46,13 @@ def cost(leaves, names, steps: int) -> NewtonSchulz:
     ):
         if spec is None:
             continue
-        f, t = _leaf(leaf, spec, steps)
+        f, t, w = _leaf(leaf, spec, steps)
         flops, temp = flops + f, max(temp, t)
-    return NewtonSchulz(flops, temp)
+        wire = None if wire is None or w is None else wire + w
+    return NewtonSchulz(flops, temp, wire)
 
 
-def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float]:
+def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float | None]:
     shape = leaf.shape
     sides = [math.prod(shape[i] for i in dims) for dims in spec]
     m, n = min(sides), max(sides)
@@ -62,4 +71,18 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float]:
     per_run = steps * (4 * m * local + 2 * m**3 + 3 * m * m + 2 * local) + 3 * local
     flops = runs * per_run
     temp = 4 * (2 * leaf.opt + 2 * runs * m * m)
-    return flops, temp
+    return flops, temp, _wire(leaf, spec, steps, ways, owned, stack)
+
+
+def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, stack: int) -> float | None:
+    """The leaf's Newton-Schulz bytes over its ZeRO axes (the module's docstring)."""
+    share = 2 * (ways - 1) / ways
+    if ways == 1:
+        return 0.0
+    if owned:
+        return share * 4 * leaf.opt
+    gram = gram_side(leaf.shape, spec, leaf.dim)
+    if leaf.compute < math.prod(leaf.shape) or leaf.dim is None or leaf.dim in gram:
+        return None
+    side = math.prod(leaf.shape[i] for i in gram)
+    return share * 4 * stack * (steps * side**2 + 1)  # the Gram products', the norms'

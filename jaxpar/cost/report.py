@@ -118,7 +118,7 @@ class Report:
     # train.optimizer=muon: the trained leaves of each group, {"muon": [...], "adamw": [...]}
     optimizer_groups: dict = dataclasses.field(default_factory=dict)
     # train.optimizer=muon: Newton-Schulz's FLOPs a step and temporaries, per device
-    # (jaxpar.cost.newton_schulz), {"flops": ..., "temp_bytes": ...}
+    # (jaxpar.cost.newton_schulz), {"flops": ..., "temp_bytes": ..., "wire_bytes": ...}
     newton_schulz: dict = dataclasses.field(default_factory=dict)
     flops_counted: str = ""
     # after training

@@ -38,6 +38,7 @@ class Leaf:
     over: tuple[str, ...]  # the axes ZeRO splits it over, outermost first (none: whole)
     gathers: int  # ZeRO-3's gathers of it per micro-batch: a scanned stack's twice, else once
     matrix: bool = False  # one or more hidden matrices (jaxpar.parallel.matrices: Muon's)
+    dim: int | None = None  # the dim ZeRO splits (LeafSpecs.dim; None: not split)
 
     @property
     def floating(self) -> bool:
@@ -66,6 +67,7 @@ def leaf_layout(specs, shapes, names, mesh_shape: dict, scans_layers: bool = Tru
             over=s.over,
             gathers=2 if scans_layers and layers else 1,
             matrix=matrix(tuple(n)) is not None,
+            dim=s.dim,
         )
 
     return jax.tree.map(one, specs, shapes, names, is_leaf=_is_specs)

@@ -7,6 +7,7 @@ counts its one momentum for."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -56,3 +57,13 @@ def groups(names) -> dict[str, list[str]]:
             jax.tree_util.keystr(path, simple=True, separator="/")
         )
     return out
+
+
+def gram_side(shape, spec: Matrix, split: int | None = None) -> tuple[int, ...]:
+    """The dims of the side Newton-Schulz's Gram products are on: the smaller; of a
+    square matrix, the side without `split` (the dim ZeRO splits its momentum on), so
+    that the products contract the shards and one all-reduce of the Gram sums them."""
+    inputs, outputs = (math.prod(shape[i] for i in dims) for dims in spec)
+    if inputs == outputs and split in spec.inputs:
+        return spec.outputs
+    return spec.outputs if inputs > outputs else spec.inputs

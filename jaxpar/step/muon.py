@@ -18,19 +18,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config.sections import Muon
 from jaxpar.errors import ConfigError
-from jaxpar.parallel.matrices import Matrix, groups, is_spec, matrices, matrix
+from jaxpar.parallel.matrices import Matrix, gram_side, groups, is_spec, matrices, matrix
 from jaxpar.parallel.sharding import LeafSpecs, axes_of
 
 EPS = 1e-8  # optax.contrib.muon's, under the Frobenius norm
 
 
-def orthogonalize(x, spec: Matrix, coeffs, steps: int):
+def orthogonalize(x, spec: Matrix, coeffs, steps: int, split: int | None = None):
     """Newton-Schulz's approximate U V' of each matrix of `x` (dims `spec`, the rest
     stacked), as optax's: Frobenius-normalized, then `steps` quintic iterations with
-    the Gram products on the smaller side."""
+    the Gram products on `gram_side`."""
     n, letters = x.ndim, string.ascii_letters
-    inputs, outputs = (math.prod(x.shape[i] for i in dims) for dims in spec)
-    gram = spec.outputs if inputs > outputs else spec.inputs  # the Gram product's side
+    gram = gram_side(x.shape, spec, split)
     first = {i: letters[n + k] for k, i in enumerate(gram)}  # its second copy of them
     second = {i: letters[n + len(gram) + k] for k, i in enumerate(gram)}  # a third copy
     own = "".join(letters[i] for i in range(n))
@@ -61,6 +60,13 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # the momentum of the Muon leaves (fp32)
 
 
+class OnShards(NamedTuple):
+    """A leaf ZeRO splits on `dim` where no stacked dim divides over its ZeRO axes:
+    Newton-Schulz runs on the shards, XLA's Gram products all-reduced over them."""
+
+    dim: int
+
+
 class Owned(NamedTuple):
     """Where a sharded leaf's matrices are orthogonalized: `stored` is the optimizer's
     split (ZeRO's: a slice of every matrix on each device), `owner` splits the stacked
@@ -74,18 +80,21 @@ def owners(mesh, specs, names, shapes):
     """Per Muon leaf of the plan `specs` (LeafSpecs), its Owned placement (DistMuon's and
     Megatron's path: one all-to-all over the ZeRO axes to whole matrices, Newton-Schulz
     on their owners, one all-to-all back), where ZeRO splits it and a stacked dim divides
-    over the ZeRO axes; None elsewhere (and for AdamW's leaves): Newton-Schulz on the
-    shards, XLA's Gram products over them (a tensor split's, always)."""
+    over the ZeRO axes; OnShards where ZeRO splits it on another dim: Newton-Schulz on
+    the shards, XLA's Gram products over them (a tensor split's, always); None elsewhere
+    (and for AdamW's leaves)."""
 
-    def one(leaf: LeafSpecs, n: tuple, shape) -> Owned | None:
+    def one(leaf: LeafSpecs, n: tuple, shape) -> Owned | OnShards | None:
         if (m := matrix(n)) is None:
             return None
         zero = [a for a in axes_of(leaf.opt) if a not in axes_of(leaf.compute)]
         ways = math.prod(mesh.shape[a] for a in zero)
         free = [i for i in range(len(n)) if i not in m.inputs + m.outputs]
         free = [i for i in free if leaf.compute[i] is None and shape.shape[i] % ways == 0]
-        if ways == 1 or not free:
+        if ways == 1:
             return None
+        if not free:
+            return OnShards(leaf.dim) if leaf.dim is not None else None
         owner = list(leaf.compute) + [None] * (len(n) - len(leaf.compute))
         owner[free[0]] = tuple(zero)
         return Owned(NamedSharding(mesh, leaf.opt), NamedSharding(mesh, PartitionSpec(*owner)))
@@ -93,10 +102,10 @@ def owners(mesh, specs, names, shapes):
     return jax.tree.map(one, specs, names, shapes, is_leaf=lambda x: isinstance(x, LeafSpecs))
 
 
-def _on_owner(place: Owned | None, fn, x):
+def _on_owner(place: Owned | OnShards | None, fn, x):
     """fn(x), run where `place` says: x moved to its owner and the result back (each
     pinned, so that XLA moves x once each way, not fn's operands)."""
-    if place is None:
+    if not isinstance(place, Owned):
         return fn(x)
     pin = jax.lax.with_sharding_constraint
     x = pin(jax.lax.optimization_barrier(pin(x, place.stored)), place.owner)
@@ -127,7 +136,9 @@ def scale_by_muon(specs, cfg: Muon, placed=None) -> optax.GradientTransformation
         def one(spec, m, place=None):
             if spec is None:
                 return m
-            ortho = _on_owner(place, lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps), m)
+            split = place.dim if isinstance(place, OnShards) else None
+            run = lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps, split)  # noqa: E731
+            ortho = _on_owner(place, run, m)
             return _scaled(ortho, spec, cfg.scale)
 
         places = (
