@@ -258,11 +258,12 @@ CLAIMS = (
     Claim(
         "docs/layouts.md",
         "QK-clip scales each head whose largest logit passed tau back by tau / max (latent "
-        "attention by its parts), no other weight; over data x tensor x ZeRO-3 and over "
-        "context (all_gather and Ulysses) it equals one device",
+        "attention by its parts), no other weight; over data x tensor x ZeRO-3, over "
+        "context (all_gather and Ulysses) and through a pipeline's stages (1F1B, "
+        "interleaved, ZB-H1) it equals one device",
         (
             "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
-            "test_muon.py::test_qk_clip_over_data_tensor_zero3_and_context_equals_one_device",
+            "test_muon.py::test_qk_clip_in_every_layout_equals_one_device",
             "test_muon.py::test_qk_clip_where_no_logit_comes_out_is_one_line",
             "test_muon.py::test_the_attention_forms_hand_on_each_heads_largest_logit",
             "test_muon.py::test_qk_clip_leaves_a_frozen_copys_attention_alone",

@@ -60,10 +60,12 @@ def run(preset: str, overrides: list[str], steps: int = STEPS):
 
 @dataclass(frozen=True)
 class Trained:
-    """What a finished run leaves for comparison: every step's loss, final parameters."""
+    """What a finished run leaves for comparison: every step's loss, final parameters,
+    and (QK-clip's) every step's largest attention logit."""
 
     losses: list[float]
     params: dict
+    max_logits: list = ()
 
 
 def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
@@ -81,7 +83,8 @@ def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one trains; the others wait, then read
         if not path.exists():
             result = run(preset, list(overrides), steps)
-            done = Trained(list(result.losses), jax.device_get(result.params))
+            logits = [row["attn/max_logit"] for row in result.rows if "attn/max_logit" in row]
+            done = Trained(list(result.losses), jax.device_get(result.params), logits)
             path.write_bytes(pickle.dumps(done))
         return pickle.loads(path.read_bytes())
 

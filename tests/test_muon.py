@@ -5,12 +5,14 @@ layout equal to one device."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import _shipped, assert_same_training, compile_only, prepared, reference, trained
 from optax.contrib import MuonDimensionNumbers
 
@@ -22,8 +24,9 @@ from jaxpar.models import gpt as gpt_model
 from jaxpar.models import latent as latent_model
 from jaxpar.models import llama as llama_model
 from jaxpar.names import HEAD_DIM, HEADS, QKV
-from jaxpar.nn import attention
+from jaxpar.nn import attention, logits
 from jaxpar.nn.logits import Scaled
+from jaxpar.nn.scope import KEY
 from jaxpar.parallel.matrices import groups, is_spec, matrices
 from jaxpar.recipe import setup, trained_model
 from jaxpar.step import muon, qk_clip
@@ -397,29 +400,59 @@ CLIP_LAYOUTS = {
         ("parallel.context=2", "parallel.context_strategy=ulysses", "parallel.tensor=2",
          "parallel.data=2"),
     ),
+    # through a pipeline's stages: each stage's layers' maxima, gathered over `pipeline`
+    "gpt pp2 tp2 dp2 1f1b": (
+        "gpt-tiny",
+        ("parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2",
+         "parallel.microbatches=4"),
+    ),
+    "llama pp2 interleaved dp4": (
+        "llama-tiny",
+        ("parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+         "parallel.data=4", "parallel.microbatches=2"),
+    ),
+    "gpt pp2 zb-h1 dp2 zero1": (
+        "gpt-tiny",
+        ("parallel.pipeline=2", "parallel.schedule=zb-h1", "parallel.data=2", "parallel.zero=1",
+         "parallel.microbatches=4"),
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CLIP_LAYOUTS)
-def test_qk_clip_over_data_tensor_zero3_and_context_equals_one_device(name):
-    """The maxima are the whole batch's, whichever axes split its rows, tokens and heads,
-    and the clip scales each layout's shards: equal to one device."""
+def test_qk_clip_in_every_layout_equals_one_device(name):
+    """The maxima are the whole batch's, whichever axes split its rows, tokens, heads
+    and layers, and the clip scales each layout's shards: equal to one device, the
+    reported largest logit too."""
     preset, layout = CLIP_LAYOUTS[name]
     clip = (*MUON, f"muon.qk_clip={TAU}")
-    got = trained(preset, (*layout, *clip), steps=2)
-    assert_same_training(got, reference(preset, clip, steps=2), rtol=1e-5)
+    got, want = trained(preset, (*layout, *clip), steps=2), reference(preset, clip, steps=2)
+    assert_same_training(got, want, rtol=1e-5)
+    assert len(want.max_logits) == 2 and max(want.max_logits) > TAU  # some head is clipped
+    np.testing.assert_allclose(got.max_logits, want.max_logits, rtol=1e-5)
 
 
 def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
-    """Through a pipeline's stages the logits do not come out: refused, not ignored; a
-    model whose weights do not scale its logits (qk_norm) is refused when the step is
-    built."""
-    cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "parallel.pipeline=2"])
-    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with parallel.pipeline=2: .*"):
-        setup(cfg, devices[:2])
+    """A model whose weights do not scale its logits (qk_norm) is refused when the step
+    is built; so is a pipelined model with attention outside its staged stack (its
+    logits would go unwatched), and the host's update."""
     with pytest.raises(ConfigError, match=r"^muon.qk_clip=100: the model hands on no trained"):
         _one_step("qwen3-tiny", ("muon.qk_clip=100",))
+    wq = nnx.Param(jnp.ones(2), **{KEY: "pre/wq"})
+
+    def pre(params, mb):  # attention in the embedding's stage
+        if logits.wanted():
+            logits.seen(jnp.zeros(2), (wq, 1.0))
+        return jnp.zeros(3)
+
+    parts = SimpleNamespace(pre=pre, post=lambda params, y, mb: jnp.sum(y))
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip with a pipeline: .*\(pre/wq\)"):
+        qk_clip.outside_stack(parts, {}, None)
+    qk_clip.outside_stack(SimpleNamespace(pre=lambda p, mb: jnp.zeros(3), post=parts.post), {}, 0)
+    cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "parallel.offload=optimizer"])
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with parallel.offload=optimizer"):
+        setup(cfg, devices[:1])
 
 
 def test_qk_clip_leaves_a_frozen_copys_attention_alone():

@@ -208,15 +208,20 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
         if watched:
             logits.stacked(seen_in_layer, maxima)
         return carry
+    none = ()  # a skipped layer's maxima: -inf, under any logit
     if watched:
-        raise NotImplementedError("attention's largest logits from a pipeline's stages")
-    skip = lambda c, s: (c, ())  # noqa: E731
-    carry, _ = jax.lax.scan(
+        first = jax.tree.map(lambda x: x[0], state)
+        shapes = jax.eval_shape(body, carry, first)[1]
+        none = [jnp.full(x.shape, -jnp.inf, x.dtype) for x in shapes]
+    skip = lambda c, s: (c, none)  # noqa: E731
+    carry, maxima = jax.lax.scan(
         lambda c, xs: jax.lax.cond(xs[0], body, skip, c, xs[1]),
         carry,
         (active, state),
         unroll=unroll,
     )
+    if watched:
+        logits.stacked(seen_in_layer, maxima)
     return carry
 
 

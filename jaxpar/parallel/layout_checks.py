@@ -71,14 +71,13 @@ def _check_muon(train: Train, muon: Muon) -> None:
         )
 
 
-def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind, mesh_shape: dict) -> None:
+def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind) -> None:
     """muon.qk_clip where the step's forward pass hands on each head's largest logit:
-    not through a pipeline's stages, nor onto the host's update."""
+    not onto the host's update, nor with parameter averaging or adapters."""
     tau = muon.qk_clip
     if not tau:
         return
     refused = [
-        (mesh_shape[PIPE] > 1, f"parallel.pipeline={mesh_shape[PIPE]}", "parallel.pipeline=1"),
         (par.offload is not Offload.NONE, f"parallel.offload={par.offload}", "offload=none"),
         (par.dp_sync is DpSync.PARAMS, "parallel.dp_sync=params", "parallel.dp_sync=grads"),
         (adapter is not AdapterKind.NONE, f"adapter.kind={adapter}", "adapter.kind=none"),
@@ -114,7 +113,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     pipelined = mesh_shape[PIPE] > 1
     _check_adapter(cfg.adapter, cfg.parallel)
     _check_muon(cfg.train, cfg.muon)
-    _check_qk_clip(cfg.muon, parallel, cfg.adapter.kind, mesh_shape)
+    _check_qk_clip(cfg.muon, parallel, cfg.adapter.kind)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

@@ -262,7 +262,7 @@ def local_value_and_grad(
 
     else:
         pipe = pipelined.Pipe(problem, layout, par.schedule, par.microbatches)
-        value_and_grad = pipelined.value_and_grad(pipe, policy.compute_view)
+        value_and_grad = pipelined.value_and_grad(pipe, policy.compute_view, clip_rules)
 
     def local(params, batch, count):
         count = at_least_one(count)

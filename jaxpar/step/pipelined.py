@@ -38,7 +38,7 @@ from jaxpar.parallel.schedules import (
     tick_table,
     ticked_table,
 )
-from jaxpar.step import zero_bubble
+from jaxpar.step import qk_clip, zero_bubble
 
 
 @dataclass(frozen=True)
@@ -59,28 +59,35 @@ class Pipe:
         return tick_table(self.schedule, self.layout.stages, self.microbatches, self.layout.virtual)
 
 
-def value_and_grad(pipe: Pipe, prepare):
+def value_and_grad(pipe: Pipe, prepare, clip_rules: list | None = None):
     """(stored params, micro-batch, count) -> ((this device's summed loss / count, what
     the model reported (jaxpar.report), its mean over the micro-batches, on every stage),
     local gradients) for any schedule; `prepare` maps stored parameters (any sub-dict) to
-    what the forward pass reads (jaxpar.parallel.zero.ZeroPolicy.compute_view)."""
+    what the forward pass reads (jaxpar.parallel.zero.ZeroPolicy.compute_view).
+    `clip_rules` (QK-clip): each stage's forward ticks hand on attention's largest
+    logits, reported for every stage's layers (jaxpar.step.qk_clip.staged)."""
     problem = pipe.problem
     if pipe.schedule in TICKED:
-        run = lambda params, batch, count: _ticked(pipe, prepare, params, batch, count)  # noqa: E731
+        run = lambda params, batch, count: _ticked(pipe, prepare, params, batch, count, clip_rules)  # noqa: E731
     else:
 
         def run(params, batch, count):  # the frozen leaves are constants: no gradient
             def loss(trained):
-                return _circular_loss(pipe, prepare(problem.joined(params, trained)), batch, count)
+                params_ = prepare(problem.joined(params, trained))
+                return _circular_loss(pipe, params_, batch, count, clip_rules)
 
             return jax.value_and_grad(loss, has_aux=True)(problem.trainable(params))
 
     def staged(params, batch, count):
         (loss, reports), grads = run(params, batch, count)
         # the last stage's alone (the others ran no loss), shared with every stage, as
-        # the mean over the micro-batches
+        # the mean over the micro-batches; the maxima are every stage's already
         m = pipe.microbatches
-        return (loss, jax.tree.map(lambda r: jax.lax.psum(r, PIPE) / m, reports)), grads
+        shared = {
+            k: r if k.startswith(qk_clip.PREFIX) else jax.lax.psum(r, PIPE) / m
+            for k, r in reports.items()
+        }
+        return (loss, shared), grads
 
     return staged
 
@@ -138,7 +145,7 @@ def _chunk_of(stack: dict, k, slots: int) -> dict:
     return {key: jax.lax.dynamic_slice_in_dim(x[0], k * slots, slots) for key, x in stack.items()}
 
 
-def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
+def _circular_loss(pipe: Pipe, params: dict, batch, count: int, clip_rules=None):
     """gpipe / interleaved: (the summed loss of this device's last-chunk micro-batches
     (zero elsewhere), their reports summed); differentiate it for the backward pass."""
     layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
@@ -149,17 +156,20 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
     active_all = jnp.asarray(layout.slot_layer >= 0)[stage]
     mbs = _micro(batch, m)
     h_shape = jax.eval_shape(lambda: parts.pre(params, _take(mbs, 0)))
-
+    chunk = qk_clip.watching_chunk(parts.chunk, clip_rules)
+    first = (_chunk_of(stack, 0, slots), _zeros(h_shape), active_all[:slots], _take(mbs, 0))
+    maxima = _lowest_maxima(clip_rules, lambda: chunk(*first), parts, params, first[-1], v)
     none = _no_reports(parts, params, h_shape, _take(mbs, 0))
 
     def tick(carry, t):
-        recv, loss, reports = carry
+        recv, loss, reports, maxima = carry
         valid, i, k = table[t, stage, 0] == FWD, table[t, stage, 1], table[t, stage, 2]
         c = k * p + stage
         mb = _take(mbs, i)
         x = jax.lax.cond(c == 0, lambda: parts.pre(params, mb), lambda: recv)
         active = jax.lax.dynamic_slice_in_dim(active_all, k * slots, slots) & valid
-        y = parts.chunk(_chunk_of(stack, k, slots), x, active, mb)
+        y, seen = chunk(_chunk_of(stack, k, slots), x, active, mb)
+        maxima = qk_clip.raised(maxima, seen, k * slots)
         last = valid & (c == p * v - 1)
         value, more = jax.lax.cond(
             last,
@@ -169,12 +179,23 @@ def _circular_loss(pipe: Pipe, params: dict, batch, count: int):
         loss, reports = loss + value, jax.tree.map(jnp.add, reports, more)
         # Round the ring only when chunks wrap round it (interleaved).
         send = jax.lax.ppermute(y, PIPE, [(s, (s + 1) % p) for s in range(p - (v == 1))])
-        return (send, loss, reports), None
+        return (send, loss, reports, maxima), None
 
-    init = (_zeros(h_shape), jnp.zeros((), jnp.float32), none)
+    init = (_zeros(h_shape), jnp.zeros((), jnp.float32), none, maxima)
     with jax.named_scope(TICKS_SCOPE):
-        (_, loss, reports), _ = jax.lax.scan(tick, init, jnp.arange(len(pipe.table)))
-    return loss / count, reports
+        (_, loss, reports, maxima), _ = jax.lax.scan(tick, init, jnp.arange(len(pipe.table)))
+    return loss / count, _with_maxima(reports, maxima, clip_rules)
+
+
+def _lowest_maxima(clip_rules, traced, parts, params, mb, chunks: int) -> list:
+    """QK-clip's maxima of a device's `chunks` chunks before its first tick (-inf; []
+    where it does not watch: None `clip_rules`), `traced` running one (watching_chunk's),
+    where the model's attention all runs in the stack."""
+    if clip_rules is None:
+        return []
+    qk_clip.outside_stack(parts, params, mb)
+    shapes = jax.eval_shape(traced)[1]
+    return qk_clip.lowest(shapes, chunks * shapes[0].shape[0]) if shapes else []
 
 
 class _Slots(NamedTuple):
@@ -188,6 +209,7 @@ class _Slots(NamedTuple):
     recomputed: list  # [residual slots, layers, ...] each: what R kept for B (zero-bubble)
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
+    maxima: list  # [layers, heads] each: QK-clip's largest logits so far (qk_clip.raised)
 
 
 class _Ticks(NamedTuple):
@@ -237,9 +259,11 @@ def _hand_over(ticks: _Ticks, t, state: _Slots, send_f, send_b, zeros_h) -> _Slo
     return state._replace(acts=acts, gins=gins)
 
 
-def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, kept) -> _Slots:
+def _empty_slots(
+    h_shape, slots: int, stack: dict, rest: dict, reports: dict, kept, maxima: list
+) -> _Slots:
     """Nothing run yet: empty buffers, fp32 gradients and loss at zero; `kept`: (held,
-    recomputed), the zero-bubble slots."""
+    recomputed), the zero-bubble slots; `maxima`: QK-clip's, at -inf."""
     buffers = _zeros(h_shape, (slots,))
     return _Slots(
         acts=buffers,
@@ -250,14 +274,14 @@ def _empty_slots(h_shape, slots: int, stack: dict, rest: dict, reports: dict, ke
         reports=reports,
         held=kept[0],
         recomputed=kept[1],
+        maxima=maxima,
     )
 
 
-def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
+def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=None):
     """1f1b and the zero-bubble schedules: ((this device's summed loss / count, its
     reports summed), gradients of all local parameters)."""
-    layout, parts, m = pipe.layout, pipe.problem.parts, pipe.microbatches
-    p = layout.stages
+    layout, parts, m, p = pipe.layout, pipe.problem.parts, pipe.microbatches, pipe.layout.stages
     ticked = ticked_table(pipe.schedule, p, m)
     ticks, slots_n = _ticks(ticked.table, ticked.inputs), ticked.inputs
     table_j, stage = ticks.table, ticks.stage
@@ -272,12 +296,15 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
     active = jnp.asarray(layout.slot_layer >= 0)[stage]
     mbs = _micro(batch, m)
     whole = lambda r: {**every_stack, **frozen_rest, **r}  # noqa: E731  (pre/post read `rest`)
-    h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), _take(mbs, 0)))
+    mb0 = _take(mbs, 0)
+    h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), mb0))
     zeros_h = _zeros(h_shape)
 
     def run_chunk(local_stack, x, mb):
         local = prepare({key: val[0] for key, val in {**frozen_stack, **local_stack}.items()})
         return parts.chunk(local, x, active, mb)
+
+    watched = qk_clip.watching_chunk(run_chunk, clip_rules)
 
     def post_loss(r, y, mb):
         value, reports = _reported_post(parts, whole(r), y, mb)
@@ -289,7 +316,8 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
             stage == 0, lambda: parts.pre(whole(rest), mb), lambda: _take(state.acts, slot)
         )
         acts = _put(state.acts, slot, x)
-        y = run_chunk(stack, x, mb)
+        y, seen = watched(stack, x, mb)
+        maxima = qk_clip.raised(state.maxima, seen, 0)
 
         def last(args):
             gins, g_rest, loss, reports = args
@@ -301,23 +329,17 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
 
         carried = (state.gins, state.g_rest, state.loss, state.reports)
         gins, g_rest, loss, reports = jax.lax.cond(stage == p - 1, last, lambda a: a, carried)
-        state = state._replace(acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports)
+        state = state._replace(
+            acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports, maxima=maxima
+        )
         return state, y, zeros_h
 
-    def into_pre(state: _Slots, d_x, mb) -> dict:
-        def first(g_rest):
-            _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
-            return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
-
-        return jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
-
+    into_pre = _into_pre(parts, whole, rest, stage)
     backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
     branches = {IDLE: lambda state, i: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
     kept = [], []
     if ticked.weights:
-        halves = zero_bubble.halves(
-            parts.layer, prepare, stack, frozen_stack, active, h_shape, _take(mbs, 0)
-        )
+        halves = zero_bubble.halves(parts.layer, prepare, stack, frozen_stack, active, h_shape, mb0)
         kept = halves.kept_shapes((ticked.weights,)), halves.residual_shapes((ticked.residuals,))
         branches.update(_split_backward(halves, mbs, ticked, into_pre, zeros_h))
     run_op = _switch(branches, ticked.table)
@@ -326,13 +348,35 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int):
         state, send_f, send_b = run_op(table_j[t, stage, 0], state, table_j[t, stage, 1])
         return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
 
-    reports = _no_reports(parts, whole(rest), h_shape, _take(mbs, 0))
-    state = _empty_slots(h_shape, slots_n, stack, rest, reports, kept)
+    reports = _no_reports(parts, whole(rest), h_shape, mb0)
+    one = (stack, zeros_h, mb0)  # QK-clip's maxima's shapes from a forward like a tick's
+    maxima = _lowest_maxima(clip_rules, lambda: watched(*one), parts, whole(rest), mb0, 1)
+    state = _empty_slots(h_shape, slots_n, stack, rest, reports, kept, maxima)
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
     grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
     (g_rest_storage,) = rest_vjp(grads)
-    return (state.loss, state.reports), {**state.g_stack, **g_rest_storage}
+    reports = _with_maxima(state.reports, state.maxima, clip_rules)
+    return (state.loss, reports), {**state.g_stack, **g_rest_storage}
+
+
+def _into_pre(parts, whole, rest: dict, stage):
+    """(state, the stage input's gradient, micro-batch) -> the rest's gradient with the
+    first stage's embedding part added (the others' unchanged)."""
+
+    def into_pre(state: _Slots, d_x, mb) -> dict:
+        def first(g_rest):
+            _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
+            return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
+
+        return jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
+
+    return into_pre
+
+
+def _with_maxima(reports: dict, maxima: list, clip_rules: list | None) -> dict:
+    """`reports` and, where QK-clip watches, every stage's maxima (qk_clip.staged)."""
+    return reports if clip_rules is None else {**reports, **qk_clip.staged(maxima, clip_rules)}
 
 
 def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):

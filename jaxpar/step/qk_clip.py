@@ -22,6 +22,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.names import HEAD_DIM, HEADS, KV_HEADS, QKV
 from jaxpar.nn import logits, scope
 from jaxpar.nn.logits import Scaled
+from jaxpar.parallel.axes import PIPE
 
 PREFIX = f"{scope.MAXIMUM}logits/"
 
@@ -43,6 +44,61 @@ def reported(seen: list | None, rules: list) -> dict:
     axes = ctx.batch_axes if ctx else ()
     top = (lambda x: jax.lax.pmax(x, axes)) if axes else (lambda x: x)
     return {f"{PREFIX}{i}": top(s.max_H) for i, s in enumerate(seen)}
+
+
+def watching_chunk(chunk, rules: list | None):
+    """A pipeline's `chunk` as (its output, each attention's largest logits per head,
+    [its layers, heads] each) while QK-clip watches (`rules` filled as it is traced),
+    else (its output, [])."""
+    if rules is None:
+        return lambda *args: (chunk(*args), [])
+
+    def run(*args):
+        with logits.watching() as seen:
+            y = chunk(*args)
+        rules[:] = [s.scaled for s in seen]
+        return y, [s.max_H for s in seen]
+
+    return run
+
+
+def raised(maxima: list, new: list, start) -> list:
+    """`maxima` ([layers, heads] each) with the rows from `start` on raised to `new`'s
+    where these are higher (a chunk's layers among a device's)."""
+
+    def one(m, n):
+        old = jax.lax.dynamic_slice_in_dim(m, start, n.shape[0])
+        return jax.lax.dynamic_update_slice_in_dim(m, jnp.maximum(old, n), start, 0)
+
+    return [one(m, n) for m, n in zip(maxima, new, strict=True)]
+
+
+def lowest(shapes: list, rows: int) -> list:
+    """Maxima of nothing yet: -inf in `rows` layers of each attention's `shapes`."""
+    return [jnp.full((rows, *x.shape[1:]), -jnp.inf, x.dtype) for x in shapes]
+
+
+def staged(maxima: list, rules: list) -> dict:
+    """A pipeline device's maxima (its stage's layers) as `reported`'s: the batch's over
+    the devices sharing it, then every stage's gathered over `pipeline`, [stages,
+    layers, heads] as the staged weights hold their layers."""
+    seen = [logits.Seen(m, r) for m, r in zip(maxima, rules, strict=True)]
+    return {k: jax.lax.all_gather(v, PIPE) for k, v in reported(seen, rules).items()}
+
+
+def outside_stack(parts, params, mb) -> None:
+    """Refuse a pipelined model whose attention runs outside its layer stack (in Stages'
+    pre or post): its logits would go unwatched, its heads unclipped."""
+    with logits.watching() as seen:
+        y = jax.eval_shape(lambda: parts.pre(params, mb))
+        jax.eval_shape(lambda y: parts.post(params, y, mb), y)
+    if seen:
+        keys = sorted({x.key for one in seen for x in one.scaled})
+        raise ConfigError(
+            f"muon.qk_clip with a pipeline: attention outside the staged layer stack "
+            f"({', '.join(keys)}) would go unclipped; move it into the Stages' stack, or "
+            "drop muon.qk_clip"
+        )
 
 
 def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trained: set):
