@@ -247,12 +247,12 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
-        "Muon in every layout equals one device; the owners' all-to-alls and, on the "
-        "shards, the Gram products' all-reduces are at their minimum",
+        "Muon in every layout equals one device; the owners' all-to-alls and the Gram "
+        "products' all-reduces (on ZeRO's shards, over tensor) are at their minimum",
         (
             "test_muon.py::test_every_layout_equals_one_device",
             "test_muon.py::test_owned_matrices_equal_one_device_at_the_minimum_bytes",
-            "test_muon.py::test_on_the_shards_each_iteration_all_reduces_the_gram_products_alone",
+            "test_muon.py::test_newton_schulz_moves_its_paths_least_bytes",
         ),
     ),
     Claim(

@@ -99,8 +99,8 @@ def describe_step(
 def _newton_schulz(
     cfg: Config, trained: Problem, leaves, mesh_shape: dict, model_flops: float | None
 ) -> dict:
-    """Muon's Newton-Schulz FLOPs a step, temporaries and least bytes over the ZeRO axes
-    per device, and the model's FLOPs a step (`model_flops`, all devices') per device
+    """Muon's Newton-Schulz FLOPs a step, temporaries and least bytes moved (its path's
+    minimum) per device, and the model's FLOPs a step (`model_flops`, all devices') per device
     beside them; {} without Muon."""
     if cfg.train.optimizer is not Optimizer.MUON:
         return {}

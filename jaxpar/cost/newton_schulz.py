@@ -10,12 +10,15 @@ of the leaf on its slice, and every m^3 square whole. The temporaries are fp32: 
 normalized momentum and the next iterate (the device's elements, twice) and the two
 m x m products of each matrix it runs.
 
-Its textbook bytes over the ZeRO axes, per device (the chosen path's own minimum, what
-a ZeRO split of w ways adds to the step): the owners' two all-to-alls, 2 (w-1)/w of the
-device's slice of the momentum; on the shards, each iteration's all-reduce of the
-stack's Gram products, 2 (w-1)/w of stack x m^2, and the Frobenius norms' once. No
-figure (None) where a tensor split cuts a matrix on the shards, or ZeRO splits its
-Gram side: those products gather, and their least bytes are not derived here."""
+Its textbook bytes per device (the chosen path's own minimum): on the owners' path its
+two all-to-alls over the ZeRO axes (w ways), 2 (w-1)/w of the device's slice of the
+momentum; on either path, each iteration's all-reduce of the Gram products of the
+matrices the device runs over the T devices that split their contracted side (ZeRO's
+shards, tensor's split), 2 (T-1)/T of m^2 a matrix, and the Frobenius norms' once. A
+square matrix takes its Gram products on the side that leaves the splits contracted
+(jaxpar.parallel.matrices.gram_side). No figure (None) where a split falls on the Gram
+products' own side: those gather the matrix, and their least bytes are not derived
+here."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from jaxpar.parallel.matrices import Matrix, gram_side, is_spec, matrices
 class NewtonSchulz:
     flops: float  # per device per step
     temp_bytes: float  # per device, the largest leaf's (leaves run one after another)
-    wire_bytes: float | None = 0.0  # per device per step over the ZeRO axes (None: no figure)
+    wire_bytes: float | None = 0.0  # least bytes per device per step (None: no figure)
 
 
 def cost(leaves, names, steps: int) -> NewtonSchulz:
@@ -71,18 +74,21 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float | None]:
     per_run = steps * (4 * m * local + 2 * m**3 + 3 * m * m + 2 * local) + 3 * local
     flops = runs * per_run
     temp = 4 * (2 * leaf.opt + 2 * runs * m * m)
-    return flops, temp, _wire(leaf, spec, steps, ways, owned, stack)
+    return flops, temp, _wire(leaf, spec, steps, ways, owned, runs)
 
 
-def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, stack: int) -> float | None:
-    """The leaf's Newton-Schulz bytes over its ZeRO axes (the module's docstring)."""
-    share = 2 * (ways - 1) / ways
-    if ways == 1:
-        return 0.0
-    if owned:
-        return share * 4 * leaf.opt
-    gram = gram_side(leaf.shape, spec, leaf.dim)
-    if leaf.compute < math.prod(leaf.shape) or leaf.dim is None or leaf.dim in gram:
-        return None
+def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, runs: float) -> float | None:
+    """The leaf's Newton-Schulz bytes per device (the module's docstring), `runs` the
+    matrices it orthogonalizes, `ways` ZeRO's split."""
+    moved = 2 * (ways - 1) / ways * 4 * leaf.opt if owned else 0.0
+    split = dict(enumerate(leaf.ways))  # the compute layout's (tensor's)
+    if not owned and ways > 1:
+        split[leaf.dim] = split.get(leaf.dim, 1) * ways
+    gram = gram_side(leaf.shape, spec, tuple(d for d, w in split.items() if w > 1))
+    contracted = [d for d in spec.inputs + spec.outputs if d not in gram]
+    if any(split.get(d, 1) > 1 for d in gram):
+        return None  # the Gram's own side split: gathered, no figure
+    t = math.prod(split.get(d, 1) for d in contracted)
     side = math.prod(leaf.shape[i] for i in gram)
-    return share * 4 * stack * (steps * side**2 + 1)  # the Gram products', the norms'
+    here = runs / math.prod(w for d, w in split.items() if d not in spec.inputs + spec.outputs)
+    return moved + 2 * (t - 1) / t * 4 * here * (steps * side**2 + 1)

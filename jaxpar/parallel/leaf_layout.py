@@ -39,6 +39,7 @@ class Leaf:
     gathers: int  # ZeRO-3's gathers of it per micro-batch: a scanned stack's twice, else once
     matrix: bool = False  # one or more hidden matrices (jaxpar.parallel.matrices: Muon's)
     dim: int | None = None  # the dim ZeRO splits (LeafSpecs.dim; None: not split)
+    ways: tuple[int, ...] = ()  # per dim, how many ways the compute layout splits it
 
     @property
     def floating(self) -> bool:
@@ -68,6 +69,7 @@ def leaf_layout(specs, shapes, names, mesh_shape: dict, scans_layers: bool = Tru
             gathers=2 if scans_layers and layers else 1,
             matrix=matrix(tuple(n)) is not None,
             dim=s.dim,
+            ways=tuple(dim_ways(s.compute, i, mesh_shape) for i in range(len(shape))),
         )
 
     return jax.tree.map(one, specs, shapes, names, is_leaf=_is_specs)
@@ -76,6 +78,13 @@ def leaf_layout(specs, shapes, names, mesh_shape: dict, scans_layers: bool = Tru
 def leaves(layout) -> list[Leaf]:
     """The Leaf records of a layout tree (or of any part of it)."""
     return jax.tree.leaves(layout)
+
+
+def dim_ways(spec, i: int, mesh_shape: dict) -> int:
+    """How many ways `spec` splits dim `i`."""
+    entry = spec[i] if i < len(spec) else None
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    return math.prod(mesh_shape[a] for a in axes)
 
 
 def local_elems(shape, spec, mesh_shape: dict) -> float:

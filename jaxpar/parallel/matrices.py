@@ -59,11 +59,13 @@ def groups(names) -> dict[str, list[str]]:
     return out
 
 
-def gram_side(shape, spec: Matrix, split: int | None = None) -> tuple[int, ...]:
+def gram_side(shape, spec: Matrix, splits: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The dims of the side Newton-Schulz's Gram products are on: the smaller; of a
-    square matrix, the side without `split` (the dim ZeRO splits its momentum on), so
-    that the products contract the shards and one all-reduce of the Gram sums them."""
+    square matrix, the side without `splits` (the dims its momentum is split on where
+    Newton-Schulz runs: ZeRO's, tensor's), so that the products contract the shards and
+    one all-reduce of the Gram sums them."""
     inputs, outputs = (math.prod(shape[i] for i in dims) for dims in spec)
-    if inputs == outputs and split in spec.inputs:
-        return spec.outputs
+    if inputs == outputs:
+        split_in, split_out = (any(d in dims for d in splits) for dims in spec)
+        return spec.outputs if split_in and not split_out else spec.inputs
     return spec.outputs if inputs > outputs else spec.inputs

@@ -24,12 +24,12 @@ from jaxpar.parallel.sharding import LeafSpecs, axes_of
 EPS = 1e-8  # optax.contrib.muon's, under the Frobenius norm
 
 
-def orthogonalize(x, spec: Matrix, coeffs, steps: int, split: int | None = None):
+def orthogonalize(x, spec: Matrix, coeffs, steps: int, splits: tuple[int, ...] = ()):
     """Newton-Schulz's approximate U V' of each matrix of `x` (dims `spec`, the rest
     stacked), as optax's: Frobenius-normalized, then `steps` quintic iterations with
     the Gram products on `gram_side`."""
     n, letters = x.ndim, string.ascii_letters
-    gram = gram_side(x.shape, spec, split)
+    gram = gram_side(x.shape, spec, splits)
     first = {i: letters[n + k] for k, i in enumerate(gram)}  # its second copy of them
     second = {i: letters[n + len(gram) + k] for k, i in enumerate(gram)}  # a third copy
     own = "".join(letters[i] for i in range(n))
@@ -61,10 +61,11 @@ class MuonState(NamedTuple):
 
 
 class OnShards(NamedTuple):
-    """A leaf ZeRO splits on `dim` where no stacked dim divides over its ZeRO axes:
-    Newton-Schulz runs on the shards, XLA's Gram products all-reduced over them."""
+    """A leaf whose matrices Newton-Schulz runs on split (on `dims`: ZeRO's, where no
+    stacked dim divides over its ZeRO axes, and tensor's): XLA's Gram products are
+    all-reduced over the shards."""
 
-    dim: int
+    dims: tuple[int, ...]
 
 
 class Owned(NamedTuple):
@@ -74,15 +75,16 @@ class Owned(NamedTuple):
 
     stored: NamedSharding
     owner: NamedSharding
+    splits: tuple[int, ...] = ()  # the dims a tensor split keeps split there
 
 
 def owners(mesh, specs, names, shapes):
     """Per Muon leaf of the plan `specs` (LeafSpecs), its Owned placement (DistMuon's and
     Megatron's path: one all-to-all over the ZeRO axes to whole matrices, Newton-Schulz
     on their owners, one all-to-all back), where ZeRO splits it and a stacked dim divides
-    over the ZeRO axes; OnShards where ZeRO splits it on another dim: Newton-Schulz on
-    the shards, XLA's Gram products over them (a tensor split's, always); None elsewhere
-    (and for AdamW's leaves)."""
+    over the ZeRO axes (a tensor split stays: its dims in Owned.splits); OnShards where
+    ZeRO splits it on another dim, or tensor alone splits it: Newton-Schulz on the
+    shards, XLA's Gram products over them; None elsewhere (and for AdamW's leaves)."""
 
     def one(leaf: LeafSpecs, n: tuple, shape) -> Owned | OnShards | None:
         if (m := matrix(n)) is None:
@@ -91,13 +93,14 @@ def owners(mesh, specs, names, shapes):
         ways = math.prod(mesh.shape[a] for a in zero)
         free = [i for i in range(len(n)) if i not in m.inputs + m.outputs]
         free = [i for i in free if leaf.compute[i] is None and shape.shape[i] % ways == 0]
-        if ways == 1:
-            return None
-        if not free:
-            return OnShards(leaf.dim) if leaf.dim is not None else None
+        tensor = tuple(i for i, a in enumerate(leaf.compute) if a is not None)
+        if ways == 1 or not free:
+            dims = tuple(sorted({*tensor, leaf.dim} - {None})) if ways > 1 else tensor
+            return OnShards(dims) if dims else None
         owner = list(leaf.compute) + [None] * (len(n) - len(leaf.compute))
         owner[free[0]] = tuple(zero)
-        return Owned(NamedSharding(mesh, leaf.opt), NamedSharding(mesh, PartitionSpec(*owner)))
+        stored, owned = (NamedSharding(mesh, s) for s in (leaf.opt, PartitionSpec(*owner)))
+        return Owned(stored, owned, tensor)
 
     return jax.tree.map(one, specs, names, shapes, is_leaf=lambda x: isinstance(x, LeafSpecs))
 
@@ -136,8 +139,8 @@ def scale_by_muon(specs, cfg: Muon, placed=None) -> optax.GradientTransformation
         def one(spec, m, place=None):
             if spec is None:
                 return m
-            split = place.dim if isinstance(place, OnShards) else None
-            run = lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps, split)  # noqa: E731
+            splits = place.dims if isinstance(place, OnShards) else place.splits if place else ()
+            run = lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps, splits)  # noqa: E731
             ortho = _on_owner(place, run, m)
             return _scaled(ortho, spec, cfg.scale)
 

@@ -77,13 +77,13 @@ def _spikes(train: dict) -> list[str]:
 
 def _newton_schulz(report) -> list[str]:
     """Muon's line: Newton-Schulz's FLOPs a step and temporaries, per device, beside the
-    model's FLOPs a step on a device, and its least bytes over the ZeRO axes."""
+    model's FLOPs a step on a device, and its least bytes moved (its path's minimum)."""
     ns = report.newton_schulz
     if not ns:
         return []
     model, wire = ns["model_flops"], ns.get("wire_bytes")
     share = f" ({ns['flops'] / model:.1%} of the model's)" if model else ""
-    moved = f", at least {human_bytes(wire)} a step over ZeRO's axes" if wire else ""
+    moved = f", at least {human_bytes(wire)} moved a step" if wire else ""
     return [
         f"  {'':<9} Newton-Schulz: {ns['flops'] / 1e9:.3g} GFLOP a step per device{share}, "
         f"{human_bytes(ns['temp_bytes'])} of temporaries{moved}"
