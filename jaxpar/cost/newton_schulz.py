@@ -12,13 +12,13 @@ m x m products of each matrix it runs.
 
 Its textbook bytes per device (the chosen path's own minimum): on the owners' path its
 two all-to-alls over the ZeRO axes (w ways), 2 (w-1)/w of the device's slice of the
-momentum; on either path, each iteration's all-reduce of the Gram products of the
-matrices the device runs over the T devices that split their contracted side (ZeRO's
-shards, tensor's split), 2 (T-1)/T of m^2 a matrix, and the Frobenius norms' once. A
-square matrix takes its Gram products on the side that leaves the splits contracted
-(jaxpar.parallel.matrices.gram_side). No figure (None) where a split falls on the Gram
-products' own side: those gather the matrix, and their least bytes are not derived
-here."""
+momentum; where a split falls on a matrix's Gram side (a non-square one cut on its
+smaller side), one all-gather of that side, (G-1) times the device's elements of it;
+then, on either path, each iteration's all-reduce of the Gram products of the matrices
+the device runs over the T devices that split their contracted side (ZeRO's shards,
+tensor's split), 2 (T-1)/T of m^2 a matrix, and the Frobenius norms' once. A square
+matrix takes its Gram products on the side that leaves the splits contracted
+(jaxpar.parallel.matrices.gram_side)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from jaxpar.parallel.matrices import Matrix, gram_side, is_spec, matrices
 class NewtonSchulz:
     flops: float  # per device per step
     temp_bytes: float  # per device, the largest leaf's (leaves run one after another)
-    wire_bytes: float | None = 0.0  # least bytes per device per step (None: no figure)
+    wire_bytes: float = 0.0  # least bytes per device per step
 
 
 def cost(leaves, names, steps: int) -> NewtonSchulz:
@@ -51,7 +51,7 @@ def cost(leaves, names, steps: int) -> NewtonSchulz:
             continue
         f, t, w = _leaf(leaf, spec, steps)
         flops, temp = flops + f, max(temp, t)
-        wire = None if wire is None or w is None else wire + w
+        wire += w
     return NewtonSchulz(flops, temp, wire)
 
 
@@ -77,18 +77,19 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float | None]:
     return flops, temp, _wire(leaf, spec, steps, ways, owned, runs)
 
 
-def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, runs: float) -> float | None:
+def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, runs: float) -> float:
     """The leaf's Newton-Schulz bytes per device (the module's docstring), `runs` the
     matrices it orthogonalizes, `ways` ZeRO's split."""
     moved = 2 * (ways - 1) / ways * 4 * leaf.opt if owned else 0.0
     split = dict(enumerate(leaf.ways))  # the compute layout's (tensor's)
     if not owned and ways > 1:
         split[leaf.dim] = split.get(leaf.dim, 1) * ways
+    dims = spec.inputs + spec.outputs
     gram = gram_side(leaf.shape, spec, tuple(d for d, w in split.items() if w > 1))
-    contracted = [d for d in spec.inputs + spec.outputs if d not in gram]
-    if any(split.get(d, 1) > 1 for d in gram):
-        return None  # the Gram's own side split: gathered, no figure
-    t = math.prod(split.get(d, 1) for d in contracted)
+    here = runs / math.prod(w for d, w in split.items() if d not in dims)
+    gathered = math.prod(split.get(d, 1) for d in gram)  # the Gram side made whole first
+    elements = here * math.prod(leaf.shape[d] / split.get(d, 1) for d in dims)
+    t = math.prod(split.get(d, 1) for d in dims if d not in gram)
     side = math.prod(leaf.shape[i] for i in gram)
-    here = runs / math.prod(w for d, w in split.items() if d not in spec.inputs + spec.outputs)
-    return moved + 2 * (t - 1) / t * 4 * here * (steps * side**2 + 1)
+    grams = 2 * (t - 1) / t * 4 * here * (steps * side**2 + 1)
+    return moved + (gathered - 1) * 4 * elements + grams

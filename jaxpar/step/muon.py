@@ -63,9 +63,13 @@ class MuonState(NamedTuple):
 class OnShards(NamedTuple):
     """A leaf whose matrices Newton-Schulz runs on split (on `dims`: ZeRO's, where no
     stacked dim divides over its ZeRO axes, and tensor's): XLA's Gram products are
-    all-reduced over the shards."""
+    all-reduced over the shards. Where a split falls on the Gram products' side, the
+    matrices are gathered whole on that side first (`gathered`), once, and sliced back
+    (`stored`) after."""
 
     dims: tuple[int, ...]
+    gathered: NamedSharding | None = None
+    stored: NamedSharding | None = None
 
 
 class Owned(NamedTuple):
@@ -76,6 +80,7 @@ class Owned(NamedTuple):
     stored: NamedSharding
     owner: NamedSharding
     splits: tuple[int, ...] = ()  # the dims a tensor split keeps split there
+    gathered: NamedSharding | None = None  # the owner's, its Gram side's split gathered
 
 
 def owners(mesh, specs, names, shapes):
@@ -96,23 +101,45 @@ def owners(mesh, specs, names, shapes):
         tensor = tuple(i for i, a in enumerate(leaf.compute) if a is not None)
         if ways == 1 or not free:
             dims = tuple(sorted({*tensor, leaf.dim} - {None})) if ways > 1 else tensor
-            return OnShards(dims) if dims else None
+            gathered, dims = _gram_gathered(mesh, leaf.opt, shape.shape, m, dims)
+            return (
+                OnShards(dims, gathered, NamedSharding(mesh, leaf.opt))
+                if dims or gathered
+                else None
+            )
         owner = list(leaf.compute) + [None] * (len(n) - len(leaf.compute))
         owner[free[0]] = tuple(zero)
         stored, owned = (NamedSharding(mesh, s) for s in (leaf.opt, PartitionSpec(*owner)))
-        return Owned(stored, owned, tensor)
+        gathered, tensor = _gram_gathered(mesh, PartitionSpec(*owner), shape.shape, m, tensor)
+        return Owned(stored, owned, tensor, gathered)
 
     return jax.tree.map(one, specs, names, shapes, is_leaf=lambda x: isinstance(x, LeafSpecs))
 
 
+def _gram_gathered(mesh, spec: PartitionSpec, shape, m: Matrix, splits: tuple[int, ...]):
+    """(the sharding `spec` with the Gram side's dims whole, or None where no split falls
+    there; the splits left)."""
+    gram = gram_side(shape, m, splits)
+    if not any(d in gram for d in splits):
+        return None, splits
+    whole = [None if i in gram else a for i, a in enumerate(spec)]
+    return NamedSharding(mesh, PartitionSpec(*whole)), tuple(d for d in splits if d not in gram)
+
+
 def _on_owner(place: Owned | OnShards | None, fn, x):
     """fn(x), run where `place` says: x moved to its owner and the result back (each
-    pinned, so that XLA moves x once each way, not fn's operands)."""
-    if not isinstance(place, Owned):
-        return fn(x)
+    pinned, so that XLA moves x once each way, not fn's operands); a split Gram side
+    gathered once before and sliced back after."""
     pin = jax.lax.with_sharding_constraint
+    if place is None or (isinstance(place, OnShards) and place.gathered is None):
+        return fn(x)
+    if isinstance(place, OnShards):
+        x = jax.lax.optimization_barrier(pin(x, place.gathered))
+        return pin(jax.lax.optimization_barrier(pin(fn(x), place.gathered)), place.stored)
     x = pin(jax.lax.optimization_barrier(pin(x, place.stored)), place.owner)
-    y = jax.lax.optimization_barrier(pin(fn(x), place.owner))
+    if place.gathered is not None:
+        x = pin(x, place.gathered)
+    y = jax.lax.optimization_barrier(pin(fn(x), place.gathered or place.owner))
     return pin(y, place.stored)
 
 
