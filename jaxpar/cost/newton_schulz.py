@@ -55,7 +55,7 @@ def cost(leaves, names, steps: int) -> NewtonSchulz:
     return NewtonSchulz(flops, temp, wire)
 
 
-def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float | None]:
+def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float]:
     shape = leaf.shape
     sides = [math.prod(shape[i] for i in dims) for dims in spec]
     m, n = min(sides), max(sides)
@@ -65,29 +65,31 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float | None]:
     owned = ways > 1 and any(
         shape[i] % ways == 0 for i in range(len(shape)) if i not in spec.inputs + spec.outputs
     )
+    split = dict(enumerate(leaf.ways))  # where Newton-Schulz runs: tensor's, ZeRO's shards
+    if not owned and ways > 1:
+        split[leaf.dim] = split.get(leaf.dim, 1) * ways
+    gram = gram_side(shape, spec, tuple(d for d, w in split.items() if w > 1))
+    gathered = math.prod(split.get(d, 1) for d in gram)  # its Gram side made whole first
     if owned:  # whole matrices (but for tensor's split), stack / ways of them
-        runs, local = stack / ways, m * n * leaf.compute / size
+        runs, local = stack / ways, m * n * leaf.compute / size * gathered
     else:  # every matrix, on this device's slice of it
-        runs, local = stack, leaf.opt / stack
+        runs, local = stack, leaf.opt / stack * gathered
     # X X' and its product with X (2 m local each), the square (2 m^3), b A + c A^2 (3 m^2)
     # and a X + that X's (2 local); the normalization once (3 local: square, sum, divide)
     per_run = steps * (4 * m * local + 2 * m**3 + 3 * m * m + 2 * local) + 3 * local
     flops = runs * per_run
-    temp = 4 * (2 * leaf.opt + 2 * runs * m * m)
-    return flops, temp, _wire(leaf, spec, steps, ways, owned, runs)
+    temp = 4 * (2 * leaf.opt * gathered + 2 * runs * m * m)
+    return flops, temp, _wire(leaf, spec, steps, split, gram, runs, ways if owned else 1)
 
 
-def _wire(leaf, spec: Matrix, steps: int, ways: int, owned: bool, runs: float) -> float:
-    """The leaf's Newton-Schulz bytes per device (the module's docstring), `runs` the
-    matrices it orthogonalizes, `ways` ZeRO's split."""
-    moved = 2 * (ways - 1) / ways * 4 * leaf.opt if owned else 0.0
-    split = dict(enumerate(leaf.ways))  # the compute layout's (tensor's)
-    if not owned and ways > 1:
-        split[leaf.dim] = split.get(leaf.dim, 1) * ways
+def _wire(leaf, spec: Matrix, steps: int, split: dict, gram, runs: float, owners: int) -> float:
+    """The leaf's Newton-Schulz bytes per device (the module's docstring): `split` the
+    ways each dim is split where it runs, `gram` its Gram side, `runs` the matrices it
+    orthogonalizes, `owners` the ZeRO split the owners' all-to-alls undo (1: none)."""
+    moved = 2 * (owners - 1) / owners * 4 * leaf.opt
     dims = spec.inputs + spec.outputs
-    gram = gram_side(leaf.shape, spec, tuple(d for d, w in split.items() if w > 1))
     here = runs / math.prod(w for d, w in split.items() if d not in dims)
-    gathered = math.prod(split.get(d, 1) for d in gram)  # the Gram side made whole first
+    gathered = math.prod(split.get(d, 1) for d in gram)
     elements = here * math.prod(leaf.shape[d] / split.get(d, 1) for d in dims)
     t = math.prod(split.get(d, 1) for d in dims if d not in gram)
     side = math.prod(leaf.shape[i] for i in gram)
