@@ -230,6 +230,24 @@ def test_newton_schulz_moves_its_paths_least_bytes(name, devices):
     assert muon_run.newton_schulz["wire_bytes"] == pytest.approx(minimum)
 
 
+@pytest.mark.slow  # two steps of deepseek-tiny compiled, 10 s
+def test_newton_schulz_bytes_are_the_reports_on_latent_attention_and_experts(devices):
+    """deepseek-tiny over data x tensor x expert: latent attention's matrices gathered on
+    their split side, the experts' on the shards (their stacked dim is expert's), the
+    shared experts' and the first dense layer's: what Muon adds to AdamW's step is the
+    report's figure (the cost model's count of each path's least bytes), within 1.02x."""
+    layout = ("parallel.data=2", "parallel.tensor=2", "parallel.expert=2", "parallel.zero=1")
+    muon_run = compile_only("deepseek-tiny", (*layout, *MUON))
+    adamw = compile_only("deepseek-tiny", layout)
+    added = sum(
+        muon_run.collectives[kind].wire_bytes
+        - (adamw.collectives[kind].wire_bytes if kind in adamw.collectives else 0)
+        for kind in muon_run.collectives
+    )
+    figure = muon_run.newton_schulz["wire_bytes"]
+    assert figure <= added <= 1.02 * figure
+
+
 def test_muon_keys_without_muon_and_muon_without_a_matrix_are_one_line(devices):
     """muon.* set for AdamW is refused, not ignored; Muon on leaves with no hidden matrix
     (norms and biases only) is refused, not AdamW under another name."""

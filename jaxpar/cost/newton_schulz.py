@@ -62,8 +62,10 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float]:
     size = math.prod(shape)
     stack = size // (m * n)
     ways = round(leaf.compute / leaf.opt) if leaf.opt else 1  # ZeRO's split of the state
-    owned = ways > 1 and any(
-        shape[i] % ways == 0 for i in range(len(shape)) if i not in spec.inputs + spec.outputs
+    owned = ways > 1 and any(  # a stacked dim the compute layout leaves whole divides
+        shape[i] % ways == 0 and leaf.ways[i] == 1
+        for i in range(len(shape))
+        if i not in spec.inputs + spec.outputs
     )
     split = dict(enumerate(leaf.ways))  # where Newton-Schulz runs: tensor's, ZeRO's shards
     if not owned and ways > 1:
