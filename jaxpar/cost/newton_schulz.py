@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxpar.parallel.matrices import Matrix, gram_side, is_spec, matrices
+from jaxpar.parallel.matrices import Matrix, gram_side, is_spec, matrices, owner_dims
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,7 @@ def _leaf(leaf, spec: Matrix, steps: int) -> tuple[float, float, float]:
     size = math.prod(shape)
     stack = size // (m * n)
     ways = round(leaf.compute / leaf.opt) if leaf.opt else 1  # ZeRO's split of the state
-    owned = ways > 1 and any(  # a stacked dim the compute layout leaves whole divides
-        shape[i] % ways == 0 and leaf.ways[i] == 1
-        for i in range(len(shape))
-        if i not in spec.inputs + spec.outputs
-    )
+    owned = bool(owner_dims(shape, spec, ways, lambda i: leaf.ways[i] == 1))  # as muon.owners
     split = dict(enumerate(leaf.ways))  # where Newton-Schulz runs: tensor's, ZeRO's shards
     if not owned and ways > 1:
         split[leaf.dim] = split.get(leaf.dim, 1) * ways

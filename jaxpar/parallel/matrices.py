@@ -69,3 +69,13 @@ def gram_side(shape, spec: Matrix, splits: tuple[int, ...] = ()) -> tuple[int, .
         split_in, split_out = (any(d in dims for d in splits) for dims in spec)
         return spec.outputs if split_in and not split_out else spec.inputs
     return spec.outputs if inputs > outputs else spec.inputs
+
+
+def owner_dims(shape, spec: Matrix, ways: int, whole) -> list[int]:
+    """The stacked dims (not the matrix's own) that could hand whole matrices to `ways`
+    owners (Muon's owners' path): dims the compute layout leaves whole (`whole(i)`) and
+    `ways` divides; none where ZeRO does not split the leaf (`ways` 1)."""
+    if ways == 1:
+        return []
+    stacked = [i for i in range(len(shape)) if i not in spec.inputs + spec.outputs]
+    return [i for i in stacked if whole(i) and shape[i] % ways == 0]

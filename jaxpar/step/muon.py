@@ -18,7 +18,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config.sections import Muon
 from jaxpar.errors import ConfigError
-from jaxpar.parallel.matrices import Matrix, gram_side, groups, is_spec, matrices, matrix
+from jaxpar.parallel.matrices import (
+    Matrix,
+    gram_side,
+    groups,
+    is_spec,
+    matrices,
+    matrix,
+    owner_dims,
+)
 from jaxpar.parallel.sharding import LeafSpecs, axes_of
 
 EPS = 1e-8  # optax.contrib.muon's, under the Frobenius norm
@@ -61,13 +69,13 @@ class MuonState(NamedTuple):
 
 
 class OnShards(NamedTuple):
-    """A leaf whose matrices Newton-Schulz runs on split (on `dims`: ZeRO's, where no
+    """A leaf whose matrices Newton-Schulz runs on split (on `splits`: ZeRO's, where no
     stacked dim divides over its ZeRO axes, and tensor's): XLA's Gram products are
     all-reduced over the shards. Where a split falls on the Gram products' side, the
     matrices are gathered whole on that side first (`gathered`), once, and sliced back
     (`stored`) after."""
 
-    dims: tuple[int, ...]
+    splits: tuple[int, ...]
     gathered: NamedSharding | None = None
     stored: NamedSharding | None = None
 
@@ -96,10 +104,9 @@ def owners(mesh, specs, names, shapes):
             return None
         zero = [a for a in axes_of(leaf.opt) if a not in axes_of(leaf.compute)]
         ways = math.prod(mesh.shape[a] for a in zero)
-        free = [i for i in range(len(n)) if i not in m.inputs + m.outputs]
-        free = [i for i in free if leaf.compute[i] is None and shape.shape[i] % ways == 0]
+        free = owner_dims(shape.shape, m, ways, lambda i: leaf.compute[i] is None)
         tensor = tuple(i for i, a in enumerate(leaf.compute) if a is not None)
-        if ways == 1 or not free:
+        if not free:  # none where ZeRO leaves it whole (ways 1)
             dims = tuple(sorted({*tensor, leaf.dim} - {None})) if ways > 1 else tensor
             gathered, dims = _gram_gathered(mesh, leaf.opt, shape.shape, m, dims)
             return (
@@ -166,7 +173,7 @@ def scale_by_muon(specs, cfg: Muon, placed=None) -> optax.GradientTransformation
         def one(spec, m, place=None):
             if spec is None:
                 return m
-            splits = place.dims if isinstance(place, OnShards) else place.splits if place else ()
+            splits = place.splits if place else ()
             run = lambda x: orthogonalize(x, spec, cfg.coeffs, cfg.ns_steps, splits)  # noqa: E731
             ortho = _on_owner(place, run, m)
             return _scaled(ortho, spec, cfg.scale)
