@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 from jax.sharding import Mesh
 
 from jaxpar import objectives
@@ -47,7 +48,11 @@ class Setup:
 def setup(cfg: Config, devices=None) -> Setup:
     """The mesh over `devices` (default: all), the model as a Problem and its batches:
     the config checked against the mesh first."""
-    mesh = build_mesh(cfg.parallel, devices)
+    trained_on = getattr(objectives.of(cfg.train.objective), "trained_on", None)
+    kept = devices  # an objective may keep devices of its own (GRPO's rollout devices)
+    if trained_on is not None:
+        kept = trained_on(cfg, list(jax.devices() if devices is None else devices))
+    mesh = build_mesh(cfg.parallel, kept)
     problem, batches = model_problem(cfg, describe(mesh), devices)
     hooks = objectives.of(cfg.train.objective).hooks(batches)
     mixed = cfg.data.mixture and mixture.describe(cfg.data.mixture, cfg.train.steps)

@@ -703,6 +703,14 @@ CLAIMS = (
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),
+    Claim(
+        "docs/grpo.md",
+        "Rollouts on devices of their own, up to grpo.staleness steps behind, train as the "
+        "same rollouts made on the trainer's devices (bitwise), each by a policy no older than "
+        "the bound, the ratio against the log-probabilities stored with them, and the weights "
+        "sent at their minimum bytes",
+        ("test_grpo.py::test_stale_rollouts_apart_train_by_their_samplers_log_probabilities",),
+    ),
     # docs/fine-tuning.md
     Claim(
         "docs/fine-tuning.md",

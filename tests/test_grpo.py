@@ -23,6 +23,7 @@ from jaxpar.objectives import grpo, rollouts
 from jaxpar.parallel.axes import AXES
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.recipe import trained_model
+from jaxpar.training.export import run_params
 from jaxpar.training.trainer import train
 
 VOCAB = 512  # the chat tokenizer's
@@ -363,6 +364,59 @@ def test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise(iterations, fold
         np.testing.assert_array_equal(np.asarray(v), np.asarray(again.params[k]), err_msg=k)
 
 
+def _stale(folder, out, devices: int, more: tuple[str, ...], steps: int):
+    """A GRPO run with its rollouts up to grpo.staleness=2 steps behind, on the first
+    `devices` devices: (its config, result, rollouts.jsonl rows, summary.json)."""
+    from jaxpar.recipe import setup
+
+    more = ("grpo.staleness=2", "parallel.data=2", "parallel.tensor=2", "train.lr=1e-2",
+            "train.warmup=0", varied(folder), *more)  # fmt: skip
+    cfg = presets.load("llama-tiny", [*keys(folder, *more), f"train.steps={steps}"])
+    s = setup(cfg, jax.devices()[:devices])
+    result = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
+                   hooks=s.hooks)  # fmt: skip
+    rows = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    return cfg, result, rows, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_stale_rollouts_apart_train_by_their_samplers_log_probabilities(folder, tmp_path):
+    """Rollouts made by the policy up to 2 steps back, 4 steps: made at once on the
+    trainer's 4 devices, and on 4 devices of their own beside the steps (8 devices:
+    their thread, the weights sent after each update at their minimum bytes). The two
+    agree bitwise; each rollout's policy is no older than 2 steps; and the 4th step's
+    loss is the clipped ratio against the log-probabilities stored with its rollout,
+    recomputed in NumPy from those and the weights after 3 steps."""
+    _, here, first, _ = _stale(folder, tmp_path / "here", 4, ("checkpoint.every=1",), 4)
+    cfg, apart, rows, summary = _stale(
+        folder, tmp_path / "apart", 8, ("grpo.rollout_devices=4",), 4
+    )
+    assert [(r["step"], r["policy_version"]) for r in rows[::8]] == [(1, 0), (2, 0), (3, 0), (4, 1)]
+    assert all(r["step"] - 1 - r["policy_version"] <= 2 for r in rows)
+    assert [r["staleness"] for r in apart.rows] == [0, 1, 2, 2]
+    assert [r["completion_ids"] for r in rows] == [r["completion_ids"] for r in first]
+    assert apart.losses == here.losses
+    b = summary["grpo"]
+    assert b["rollout_devices"] == [0, 1, 2, 3] and math.prod(b["generate_layout"].values()) == 4
+    assert (
+        0 < b["reshard"]["wire_bytes_per_device"] <= 1.02 * b["reshard"]["minimum_bytes_per_device"]
+    )
+    # the 4th step: its rollout (by the policy after 1 step), the weights after 3
+    last = rows[24:]
+    batch = rollouts.rows_of([r["prompt_ids"] for r in last], [r["completion_ids"] for r in last],
+                             cfg.train.seq_len)  # fmt: skip
+    mask = batch["loss_mask"][:, 1:] != 0
+    params, _ = run_params(tmp_path / "here", 3)
+    logp = -np.asarray(trained_model(cfg.model, cfg.adapter, cfg.train).loss(params, batch))
+    old = np.zeros_like(logp)
+    old[mask] = np.concatenate([r["behaviour_logps"] for r in last])
+    a = np.array([r["advantage"] for r in last], np.float64)[:, None]
+    ratio = np.exp(logp.astype(np.float64) - old)
+    token = -np.minimum(ratio * a, np.clip(ratio, 1 - 0.2, 1 + 0.2) * a)
+    assert np.abs(logp - old)[mask].max() > 0.05  # the policy moved: the ratio is not 1
+    np.testing.assert_allclose(apart.losses[3], token[mask].sum() / mask.sum(), rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "more, needle",
     [
@@ -382,6 +436,9 @@ def test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise(iterations, fold
         (("grpo.generate_layout=pipeline=2",), "grpo.generate_layout"),
         (("grpo.generate_layout=tensor=3",), "data=2 x tensor=3 = 6 devices"),
         (("train.objective=lm",), "train.objective=grpo"),
+        (("grpo.staleness=10",), "grpo.staleness < train.steps"),
+        (("grpo.staleness=1", "grpo.iterations=2"), "give grpo.iterations=1 with staleness"),
+        (("grpo.rollout_devices=8",), "grpo.rollout_devices=8: the run has 8 devices"),
     ],
 )
 def test_bad_grpo_runs_are_refused(more, needle, folder, tmp_path, capsys):

@@ -8,19 +8,23 @@ completion: a reward that varies, so that the update is a real one."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxpar.bench import measure
 from jaxpar.cost.report import human_bytes, table
+from jaxpar.training.hooks import Hook
 
 LAYOUTS = {
     "data=8": ("parallel.data=8",),
     "data=4 x tensor=2, ZeRO-3": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
 }
 PROMPTS, GROUP, NEW, STEPS = 8, 4, 32, 4  # a step: 8 prompts x 4 completions of 32 ids
+APART_STEPS = 8
 
 
 def even_ids(prompts, completions, **fields) -> list[float]:
@@ -87,5 +91,81 @@ def grpo_steps(tables: dict) -> dict:
     return results
 
 
+# the fine-tuning walk-through's Llama (scripts/make_tiny_llama.py) in shape
+WALK_THROUGH = ("model.embed=128", "model.kv_heads=4", "model.mlp=256", "model.vocab=512")
+APART = {  # the same 8 devices, the same rollouts a step
+    "together: rollouts then the step, data=8": ("parallel.data=8",),
+    "apart, one after the other: 4 roll out, 4 train (data=2 x tensor=2)": (
+        "grpo.rollout_devices=4", "parallel.data=2", "parallel.tensor=2"),
+    "apart, beside the steps: the same, staleness 1": (
+        "grpo.rollout_devices=4", "grpo.staleness=1", "parallel.data=2", "parallel.tensor=2"),
+}  # fmt: skip
+
+
+class _Clock(Hook):
+    """Each step's start, after the rollouts' work before it: a step's whole time."""
+
+    def __init__(self):
+        self.at: list[float] = []
+
+    def before_due(self, step: int) -> bool:
+        return True
+
+    def before(self, state, step: int) -> None:
+        self.at.append(time.perf_counter())
+
+
+def apart_steps(tables: dict) -> dict:
+    """A GRPO step's whole time (the trainer's wait for its rollout, the reshard and
+    the update) with the rollouts on the trainer's devices and on devices of their own,
+    made one step ahead beside the update."""
+    import jax
+
+    from jaxpar.config import presets
+    from jaxpar.data import prompts
+    from jaxpar.recipe import setup
+    from jaxpar.training.trainer import train
+
+    rng = np.random.default_rng(0)
+    results, rows = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "prompts"
+        prompts.of_ids(folder, [rng.integers(1, 512, 16).tolist() for _ in range(64)], 512)
+        for name, overrides in APART.items():
+            # fmt: off
+            cfg = presets.load("llama-tiny", [
+                *WALK_THROUGH, "data.source=tokens", f"data.path={folder}",
+                "train.objective=grpo", f"grpo.reward={__name__}:even_ids",
+                f"grpo.group={GROUP}", f"grpo.max_new_tokens={NEW}",
+                f"train.batch_size={PROMPTS * GROUP}", "train.seq_len=64",
+                f"train.steps={APART_STEPS}", "train.log_every=1", *overrides])
+            # fmt: on
+            s, clock = setup(cfg, jax.devices()), _Clock()
+            out = Path(tmp) / str(len(rows))
+            run = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
+                        hooks=(*s.hooks, clock))  # fmt: skip
+            later = run.rows[2:]  # the first steps' compiles apart
+            r = results[name] = {
+                "step_s": float(np.median(np.diff(clock.at)[1:])),
+                **{k: float(np.median([row.get(k, 0.0) for row in later]))
+                   for k in ("generate_s", "rollout_wait_s", "update_s")},
+            }  # fmt: skip
+            shown = ("generate_s", "rollout_wait_s", "update_s", "step_s")
+            rows.append([name, *(f"{r[k] * 1e3:.0f}" for k in shown)])
+    together = next(iter(results.values()))["step_s"]
+    for row, r in zip(rows, results.values(), strict=True):
+        r["x_together"] = r["step_s"] / together
+        row.append(f"{r['x_together']:.2f}x")
+    title = (
+        f"GRPO apart and together, the walk-through's Llama (4 layers, 128 wide), a step: "
+        f"{PROMPTS} prompts x {GROUP} completions of up to {NEW} ids on "
+        f"{jax.device_count()} devices sharing {os.cpu_count()} cores (the median of "
+        f"steps 3-{APART_STEPS})"
+    )
+    header = ["rollouts", "generate ms", "waited ms", "update ms", "a step, ms", "x together"]
+    measure.show(tables, "grpo-apart", title, table(rows, header))
+    return results
+
+
 def run(base, steps: int, tables: dict, out=None) -> dict:
-    return {"grpo": grpo_steps(tables)}
+    return {"grpo": grpo_steps(tables), "grpo-apart": apart_steps(tables)}

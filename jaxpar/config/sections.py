@@ -667,6 +667,22 @@ class Grpo(Section):
             "chooses it, the prompts over the rest) | tensor=T | data=D,tensor=T"
         ),
     )
+    staleness: Annotated[int, Range(0, 1024, "policy updates a rollout may lag")] = key(
+        0,
+        (
+            "bounded staleness: the rollouts step t trains on are sampled by the policy of "
+            "step t - k (the first k by the start's), while the steps between run; the ratio "
+            "is taken against the sampler's stored log-probabilities; 0 = on-policy"
+        ),
+    )
+    rollout_devices: Annotated[int, Range(0, 65536, "a count of devices")] = key(
+        0,
+        (
+            "disaggregated rollouts: the first N devices generate, the rest train "
+            "(parallel.* lays out the rest), the weights sent to them after each update; "
+            "with grpo.staleness >= 1 the two run at once; 0 = rollouts on the trainer's devices"
+        ),
+    )
     env: str = key(
         "",
         (

@@ -13,7 +13,9 @@ An objective module has:
 - hooks(batches): what it runs around the steps (jaxpar.training.hooks), e.g. GRPO's
   rollouts before theirs;
 - optionally initial(fill, model, train): model.init's leaves (`fill`) with those the
-  objective adds (a reward model's head).
+  objective adds (a reward model's head);
+- optionally trained_on(cfg, devices): the devices the trainer's mesh takes, where the
+  objective keeps others for itself (GRPO's rollout devices).
 
 Adding one is its module, its train.objective choice (jaxpar.config.sections.Objective)
 and its line in OBJECTIVES."""

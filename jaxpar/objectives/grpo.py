@@ -161,6 +161,17 @@ def check(cfg: Config) -> None:
             "would return from, so train.objective=grpo cannot roll back; use "
             "train.on_spike=skip (the spiking update is not applied)"
         )
+    if g.staleness and g.iterations > 1:
+        raise ConfigError(
+            f"grpo.staleness={g.staleness}: a stale rollout's ratio is taken against its "
+            f"sampler's log-probabilities, which grpo.iterations={g.iterations} also stores for "
+            "its own steps; give grpo.iterations=1 with staleness, or grpo.staleness=0"
+        )
+    if g.staleness >= cfg.train.steps:
+        raise ConfigError(
+            f"grpo.staleness={g.staleness}: a run of train.steps={cfg.train.steps} would train "
+            "on the start's rollouts alone; give grpo.staleness < train.steps"
+        )
     if every % g.iterations:
         raise ConfigError(
             f"checkpoint.every={every}: a GRPO run saves between rollouts, each grpo.iterations="
@@ -173,10 +184,26 @@ def problem(own: Problem, cfg: Config) -> Problem:
     return objective(own, cfg.grpo, cfg.adapter)
 
 
+def trained_on(cfg: Config, devices: list) -> list:
+    """The devices the trainer's mesh takes: all but grpo.rollout_devices' first N."""
+    n = cfg.grpo.rollout_devices
+    if n and n >= len(devices):
+        raise ConfigError(
+            f"grpo.rollout_devices={n}: the run has {len(devices)} devices and the trainer "
+            f"needs some; give 1 to {len(devices) - 1}, or 0 to roll out on the trainer's"
+        )
+    return devices[n:]
+
+
 def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
     """The rollouts: each its rows, made before their steps (a hook too); no held-out
-    split (check refuses train.eval_every)."""
-    return Rollouts(cfg, own, math.prod(mesh_shape.values())) if split == "train" else None
+    split (check refuses train.eval_every). With grpo.rollout_devices they are made on
+    the first N of `devices` (default: all), the trainer's mesh on the rest."""
+    if split != "train":
+        return None
+    n = cfg.grpo.rollout_devices
+    generators = list(jax.devices() if devices is None else devices)[:n] if n else None
+    return Rollouts(cfg, own, n or math.prod(mesh_shape.values()), generators)
 
 
 def hooks(batches) -> tuple:

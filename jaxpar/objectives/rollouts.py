@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class Rollouts(Hook):
     """batches(step) for a GRPO run: the rows of the latest rollout (the module's
     docstring); `bind` places it on a run's devices, `before(state, step)` rolls out."""
 
-    def __init__(self, cfg: Config, own: Problem, devices: int):
+    def __init__(self, cfg: Config, own: Problem, devices: int, generators: list | None = None):
         cfg = dataclasses.replace(
             cfg, model=computed_model(cfg.model, cfg.train.objective)
         )  # scored as trained
@@ -96,7 +97,7 @@ class Rollouts(Hook):
             )
         shipped = registered(cfg.model, t.seq_len)
         check_tensor_split(tensor_dims(shipped.names, shipped.shapes), tensor)
-        self.cfg, self.own = cfg, own
+        self.cfg, self.own, self.generators = cfg, own, generators
         self.held = prompts.load(cfg.data, cfg.model.vocab)
         self.rewards = rewards.load(g, cfg.data, cfg.model.vocab)
         tokenizer = data.tokenizer_of(cfg.data)
@@ -137,10 +138,17 @@ class Rollouts(Hook):
             "tokens": np.zeros((rows, width + 1), np.int32),
             "loss_mask": np.zeros((rows, width + 1), np.int32),
             ADVANTAGES: np.zeros(rows, np.float32),
-            **({OLD: np.zeros((rows, width), np.float32)} if g.iterations > 1 else {}),
+            **({OLD: np.zeros((rows, width), np.float32)} if self._behaviour else {}),
             **({REF: np.zeros((rows, width), np.float32)} if g.beta else {}),
         }
         self.file: Path | None = None
+        self.pending: dict[int, Future] = {}  # rollouts in flight (staleness, a split)
+        self.worker = None  # with grpo.rollout_devices: the thread they are made on
+
+    @property
+    def _behaviour(self) -> bool:
+        """Whether a rollout stores its sampler's log-probabilities (the ratio's old)."""
+        return self.cfg.grpo.iterations > 1 or self.cfg.grpo.staleness > 0
 
     def __call__(self, step: int, rows: slice = slice(None)) -> dict:
         return {k: v[rows] for k, v in self.current.items()}
@@ -153,7 +161,7 @@ class Rollouts(Hook):
         start-up summary's lines."""
         cfg, g = self.cfg, self.cfg.grpo
         self._engine, self._train_mesh = run.engine, run.mesh
-        devices = list(run.mesh.devices.flat)
+        devices = self.generators or list(run.mesh.devices.flat)
         gen_cfg, mesh, plain, shardings = decoding.layout(cfg, self.overrides, devices)
         _, _, _, own_shardings = decoding.layout(cfg, self.overrides, devices, self.own)
         self.mesh = mesh
@@ -203,6 +211,9 @@ class Rollouts(Hook):
         )
         self.bytes = self._reshard_bytes(state)
         self.placed = [r.function.place(devices, cfg.train.seq_len + 1) for r in self._models()]
+        self.pending = {}  # a resumed run's first rollouts: from its resumed policy
+        if self.generators and g.staleness:  # made beside the steps
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
         self.file = files / FILE if files else None
         if self.file and self.file.exists():  # a resumed run: the rollouts of its steps done
             kept = [
@@ -212,6 +223,18 @@ class Rollouts(Hook):
             ]
             self.file.write_text("".join(f"{line}\n" for line in kept))
         return self.describe()
+
+    def _sent(self, trained: dict) -> dict:
+        """The trained leaves on the generators' devices (grpo.rollout_devices), in their
+        layout there; `trained` itself where the two share the devices."""
+        if not self.generators:
+            return trained
+        return {k: jax.device_put(v, self.gen_shardings[k]) for k, v in trained.items()}
+
+    def _published(self, state) -> dict:
+        """The policy of `state`, by layer, in the generation layout: copies of its
+        leaves, there once this returns (the next step donates the state's)."""
+        return jax.block_until_ready(self.publish(self._sent(self._trained(state)), self.base))
 
     def _model_layout(self, state) -> dict:
         """The state's parameters in the model's own layout (on the host where the
@@ -241,6 +264,12 @@ class Rollouts(Hook):
                 held = _overlap(want, have[d], shape) if d in have else 0
                 lacks[d] = lacks.get(d, 0) + (volume - held) * size
         minimum = max(lacks.values(), default=0)
+        if self.generators:  # sent to devices of their own: what lands on each
+            landed: dict = {}
+            for x in self._sent(trained).values():
+                for shard in x.addressable_shards:
+                    landed[shard.device] = landed.get(shard.device, 0) + shard.data.nbytes
+            return {"wire": max(landed.values()), "minimum": minimum, "through_host": False}
         if not self.direct:  # through the host: every byte of each device's shard
             return {"wire": minimum, "minimum": minimum, "through_host": True}
         hlo = self.publish.lower(trained, self.base).compile().as_text()
@@ -255,14 +284,25 @@ class Rollouts(Hook):
         b = self.bytes
         ratio = f"{b['wire'] / b['minimum']:.3f} x" if b["minimum"] else "-"
         how = "through the host" if b["through_host"] else "on the devices"
+        if self.generators:
+            how = f"to the {len(self.generators)} rollout devices"
         moved = "the adapters" if self.adapters else "the weights"
         layout = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items() if n > 1) or "1 device"
         return (
             f"  rollouts  {self.count} prompts x grpo.group={self.cfg.grpo.group}, up to "
-            f"{self.cfg.grpo.max_new_tokens} new ids, in {layout}\n"
+            f"{self.cfg.grpo.max_new_tokens} new ids, in {layout}{self._apart()}\n"
             f"  reshard   {moved} {how}: {human_bytes(b['wire'])} per device a rollout; "
             f"minimum {human_bytes(b['minimum'])} ({ratio})"
         ) + "".join(f"\n{line}" for line in [*self.placed, *self._episodes_line()])
+
+    def _apart(self) -> str:
+        """How the rollouts stand to the steps (grpo.rollout_devices, grpo.staleness)."""
+        k, n = self.cfg.grpo.staleness, len(self.generators or ())
+        where = f" on devices 0-{n - 1}, the trainer on the rest" if n else ""
+        if not k:
+            return where
+        when = "made beside the steps" if n else "made ahead"
+        return f"{where}; {when}, by the policy up to grpo.staleness={k} steps back"
 
     def _episodes_line(self) -> list[str]:
         g = self.cfg.grpo
@@ -274,11 +314,17 @@ class Rollouts(Hook):
         ]
 
     def summary(self) -> dict:
-        """summary.json's `grpo`: the generation layout and the reshard's bytes."""
+        """summary.json's `grpo`: the generation layout and the reshard's bytes (at the
+        run's end: the rollouts still in flight are let go)."""
+        if self.worker is not None:
+            self.worker.shutdown(cancel_futures=True)
+            self.worker, self.pending = None, {}
         b, models = self.bytes, [r.function.summary() for r in self._models()]
         return {
             "grpo": {
                 "generate_layout": dict(self.mesh.shape),
+                "rollout_devices": [d.id for d in self.generators or ()],
+                "staleness": self.cfg.grpo.staleness,
                 "reshard": {
                     "wire_bytes_per_device": b["wire"],
                     "minimum_bytes_per_device": b["minimum"],
@@ -299,14 +345,49 @@ class Rollouts(Hook):
         return step % self.cfg.grpo.iterations == 0
 
     def before(self, state, step: int) -> dict:
-        """Roll out for step `step` (0-based) from `state`: this step's rows, and the
+        """Roll out for step `step` (0-based) from `state`, or (grpo.staleness, a split)
+        take the rollout made for it from an earlier policy: this step's rows, and the
         metrics of the rollout (its row's columns)."""
-        cfg, g = self.cfg, self.cfg.grpo
+        waited = None
+        if self.cfg.grpo.staleness or self.generators:
+            made, reshard_s, waited = self._ahead(state, step)
+        else:
+            start = time.perf_counter()
+            params = self._published(state)
+            reshard_s = time.perf_counter() - start
+            made = self._made(step, step, params)
+        self.current = made.batch
+        self._write(made)
+        return self._metrics(made, reshard_s, waited)
+
+    def _ahead(self, state, step: int) -> tuple[_Made, float, float]:
+        """(rollout `step` from those in flight, the reshard's seconds, the wait for it):
+        this step's policy is sent for the rollout grpo.staleness steps on (at a run's
+        first step, for those up to it too), made on the rollout devices' thread while
+        the steps between run, or here at once without a split."""
+        k, steps = self.cfg.grpo.staleness, self.cfg.train.steps
+        wanted = range(step if not self.pending else step + k, min(step + k + 1, steps))
         start = time.perf_counter()
-        self.loaded.params = jax.block_until_ready(self.publish(self._trained(state), self.base))
+        params = self._published(state) if wanted else None
         reshard_s = time.perf_counter() - start
-        index = pairs.indices(len(self.held), seed=cfg.train.seed, step=step // g.iterations,
-                              batch_size=self.count)  # fmt: skip
+        for s in wanted:
+            if self.worker is None:
+                self.pending[s] = Future()
+                self.pending[s].set_result(self._made(s, step, params))
+            else:
+                self.pending[s] = self.worker.submit(self._made, s, step, params)
+        start = time.perf_counter()
+        made = self.pending.pop(step).result()
+        return made, reshard_s, time.perf_counter() - start
+
+    def _made(self, step: int, version: int, params: dict) -> _Made:
+        """The rollout for step `step` by `params`, the policy after `version` steps:
+        sampled, scored, its rows with their advantages and (where the loss reads them)
+        the sampler's and the reference's log-probabilities."""
+        g = self.cfg.grpo
+        self.loaded.params = params
+        index = pairs.indices(len(self.held), seed=self.cfg.train.seed,
+                              step=step // g.iterations, batch_size=self.count)  # fmt: skip
         start = time.perf_counter()
         out = self._sampled(step, index)
         generate_s = time.perf_counter() - start
@@ -317,21 +398,28 @@ class Rollouts(Hook):
             total = total + each["env"]
         advantages = group_advantages(total.reshape(self.count, g.group), g.scaled)
         batch = {**out.rows, ADVANTAGES: advantages}
-        if g.iterations > 1:
-            batch[OLD] = self._logps(self.loaded.params, batch)
+        if self._behaviour:
+            batch[OLD] = self._logps(params, batch)
         if g.beta:
             reference = self.publish(self.reference, self.base)
             batch[REF] = self._logps(reference, batch)
-        self.current = batch
         self.loaded.params = None
-        score_s = time.perf_counter() - start
-        self._write(step, index, out, total, each, advantages)
+        times = {"generate_s": generate_s, "score_s": time.perf_counter() - start}
+        return _Made(step, version, index, out, total, each, batch, times)
+
+    def _metrics(self, made: _Made, reshard_s: float, waited: float | None) -> dict:
+        """A rollout's columns in its step's metrics row."""
+        g, total, out = self.cfg.grpo, made.total, made.out
         lengths = np.asarray(out.lengths)
         groups = total.reshape(self.count, g.group)
+        lag = {}
+        if waited is not None:  # which policy sampled it, and how long the step waited
+            lag = {"policy_version": made.version, "staleness": made.step - made.version,
+                   "rollout_wait_s": waited}  # fmt: skip
         return {
             "reward": float(total.mean()),
             "reward_std": float(total.std(ddof=1)) if total.size > 1 else 0.0,
-            **{f"rewards/{n}/mean": float(v.mean()) for n, v in each.items()},
+            **{f"rewards/{n}/mean": float(v.mean()) for n, v in made.each.items()},
             "frac_reward_zero_std": float(np.mean(groups.std(axis=1) == 0)),
             "completions/mean_length": float(lengths.mean()),
             "completions/max_length": int(lengths.max()),
@@ -340,10 +428,11 @@ class Rollouts(Hook):
                 if out.episodes is not None
                 else {}
             ),  # fmt: skip
-            "generate_s": generate_s,
-            "generate_tokens_per_s": float(lengths.sum() / generate_s),
+            "generate_s": made.times["generate_s"],
+            "generate_tokens_per_s": float(lengths.sum() / made.times["generate_s"]),
             "reshard_s": reshard_s,
-            "score_s": score_s,
+            "score_s": made.times["score_s"],
+            **lag,
         }
 
     def _sampled(self, step: int, index: np.ndarray) -> Sampled:
@@ -409,10 +498,11 @@ class Rollouts(Hook):
         placed = jax.device_put(padded, self.rows)
         return np.asarray(self.score(params, placed))[:rows].astype(np.float32)
 
-    def _write(self, step, index, out: Sampled, total, each, advantages) -> None:
+    def _write(self, made: _Made) -> None:
         if self.file is None:
             return
-        g = self.cfg.grpo
+        g, step, index, out = self.cfg.grpo, made.step, made.index, made.out
+        total, each, advantages = made.total, made.each, made.batch[ADVANTAGES]
         with self.file.open("a") as f:
             for row, ids in enumerate(out.ids):
                 prompt = index[row // g.group]
@@ -430,7 +520,26 @@ class Rollouts(Hook):
                 }
                 if out.episodes is not None:  # which ids are the policy's (1), told (0)
                     line |= {"loss_mask": out.episodes[row].mask, "turns": out.episodes[row].turns}
+                if g.staleness or self.generators:  # the sampler: its version, its logps
+                    line["policy_version"] = made.version
+                if g.staleness:  # of the row's trained targets, in order
+                    trained = made.batch["loss_mask"][row, 1:] != 0
+                    line["behaviour_logps"] = made.batch[OLD][row][trained].tolist()
                 f.write(json.dumps(line) + "\n")
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A rollout made for its step, maybe on the rollout devices' thread."""
+
+    step: int
+    version: int  # the steps the policy that sampled it had taken
+    index: np.ndarray  # its prompts
+    out: Sampled
+    total: np.ndarray  # each completion's reward
+    each: dict  # each reward's
+    batch: dict  # the step's rows
+    times: dict  # generate_s, score_s
 
 
 def sample_keys(seed: int, step: int, prompts_: np.ndarray, group: int) -> jax.Array:
