@@ -62,6 +62,14 @@ def main() -> None:
         default="exact_answer",
         help="shipped reward functions (jaxpar.objectives.rewards), comma-separated",
     )
+    parser.add_argument(
+        "--rollout-devices", type=int, default=0,
+        help="generate on this many devices of their own, train on the rest (0: on the same)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--staleness", type=int, default=0,
+        help="train on rollouts of the policy this many steps back, made beside the steps",
+    )  # fmt: skip
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
     tokenizer = args.tokenizer or args.hf
@@ -98,6 +106,8 @@ def main() -> None:
             group=args.group,
             max_new_tokens=new,
             temperature=args.temperature,
+            rollout_devices=args.rollout_devices,
+            staleness=args.staleness,
         ),
         data=jaxpar.Data(source="tokens", path=str(prepared)),
     )
