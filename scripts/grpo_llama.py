@@ -57,10 +57,12 @@ def main() -> None:
     parser.add_argument("--largest", type=int, default=4, help="the largest number summed")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--beta", type=float, default=0.0, help="the KL penalty's weight")
     parser.add_argument(
         "--reward",
         default="exact_answer",
-        help="shipped reward functions (jaxpar.objectives.rewards), comma-separated",
+        help="shipped reward functions (jaxpar.objectives.rewards) or model:RUN (a reward "
+        "model's run), comma-separated",
     )
     parser.add_argument(
         "--rollout-devices", type=int, default=0,
@@ -102,10 +104,14 @@ def main() -> None:
             log_every=1,
         ),
         grpo=jaxpar.Grpo(
-            reward=",".join(f"jaxpar.objectives.rewards:{r}" for r in args.reward.split(",")),
+            reward=",".join(
+                r if r.startswith("model:") else f"jaxpar.objectives.rewards:{r}"
+                for r in args.reward.split(",")
+            ),
             group=args.group,
             max_new_tokens=new,
             temperature=args.temperature,
+            beta=args.beta,
             rollout_devices=args.rollout_devices,
             staleness=args.staleness,
         ),
