@@ -36,27 +36,40 @@ def even_ids(prompts, completions, **fields) -> list[float]:
     return out
 
 
+def _prompts(folder: Path, vocab: int) -> Path:
+    """64 prompts of 16 random ids below `vocab`, prepared in `folder`."""
+    from jaxpar.data import prompts
+
+    rng = np.random.default_rng(0)
+    prompts.of_ids(folder, [rng.integers(1, vocab, 16).tolist() for _ in range(64)], vocab)
+    return folder
+
+
+def _config(folder: Path, steps: int, overrides):
+    """llama-tiny trained by GRPO on `folder`'s prompts, a step's rollouts as the module's
+    docstring says."""
+    from jaxpar.config import presets
+
+    # fmt: off
+    return presets.load("llama-tiny", [
+        "data.source=tokens", f"data.path={folder}", "train.objective=grpo",
+        f"grpo.reward={__name__}:even_ids", f"grpo.group={GROUP}",
+        f"grpo.max_new_tokens={NEW}", f"train.batch_size={PROMPTS * GROUP}",
+        "train.seq_len=64", f"train.steps={steps}", "train.log_every=1", *overrides])
+    # fmt: on
+
+
 def grpo_steps(tables: dict) -> dict:
     import jax
 
-    from jaxpar.config import presets
-    from jaxpar.data import prompts
     from jaxpar.recipe import setup
     from jaxpar.training.trainer import train
 
-    rng = np.random.default_rng(0)
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "prompts"
-        prompts.of_ids(folder, [rng.integers(1, 256, 16).tolist() for _ in range(64)], 256)
+        folder = _prompts(Path(tmp) / "prompts", 256)
         for name, overrides in LAYOUTS.items():
-            # fmt: off
-            cfg = presets.load("llama-tiny", [
-                "data.source=tokens", f"data.path={folder}", "train.objective=grpo",
-                f"grpo.reward={__name__}:even_ids", f"grpo.group={GROUP}",
-                f"grpo.max_new_tokens={NEW}", f"train.batch_size={PROMPTS * GROUP}",
-                "train.seq_len=64", f"train.steps={STEPS}", "train.log_every=1", *overrides])
-            # fmt: on
+            cfg = _config(folder, STEPS, overrides)
             s = setup(cfg, jax.devices())
             out = Path(tmp) / name.replace(" ", "")
             run = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
@@ -121,25 +134,14 @@ def apart_steps(tables: dict) -> dict:
     made one step ahead beside the update."""
     import jax
 
-    from jaxpar.config import presets
-    from jaxpar.data import prompts
     from jaxpar.recipe import setup
     from jaxpar.training.trainer import train
 
-    rng = np.random.default_rng(0)
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "prompts"
-        prompts.of_ids(folder, [rng.integers(1, 512, 16).tolist() for _ in range(64)], 512)
+        folder = _prompts(Path(tmp) / "prompts", 512)
         for name, overrides in APART.items():
-            # fmt: off
-            cfg = presets.load("llama-tiny", [
-                *WALK_THROUGH, "data.source=tokens", f"data.path={folder}",
-                "train.objective=grpo", f"grpo.reward={__name__}:even_ids",
-                f"grpo.group={GROUP}", f"grpo.max_new_tokens={NEW}",
-                f"train.batch_size={PROMPTS * GROUP}", "train.seq_len=64",
-                f"train.steps={APART_STEPS}", "train.log_every=1", *overrides])
-            # fmt: on
+            cfg = _config(folder, APART_STEPS, (*WALK_THROUGH, *overrides))
             s, clock = setup(cfg, jax.devices()), _Clock()
             out = Path(tmp) / str(len(rows))
             run = train(s.problem, cfg, s.batches, mesh=s.mesh, out_dir=out, quiet=True,
