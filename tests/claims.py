@@ -251,6 +251,7 @@ CLAIMS = (
         "products' all-reduces (on ZeRO's shards, over tensor) are at their minimum",
         (
             "test_muon.py::test_every_layout_equals_one_device",
+            "test_muon.py::test_qk_clip_in_every_layout_equals_one_device[gpt dp8 zero1 offload]",
             "test_muon.py::test_owned_matrices_equal_one_device_at_the_minimum_bytes",
             "test_muon.py::test_newton_schulz_moves_its_paths_least_bytes",
             "test_muon.py::test_newton_schulz_bytes_are_the_reports_on_latent_attention_and_experts",
@@ -260,8 +261,8 @@ CLAIMS = (
         "docs/layouts.md",
         "QK-clip scales each head whose largest logit passed tau back by tau / max (latent "
         "attention by its parts), no other weight; over data x tensor x ZeRO-3, over "
-        "context (all_gather and Ulysses) and through a pipeline's stages (1F1B, "
-        "interleaved, ZB-H1) it equals one device",
+        "context (all_gather and Ulysses), through a pipeline's stages (1F1B, "
+        "interleaved, ZB-H1) and offloaded to the host it equals one device",
         (
             "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
             "test_muon.py::test_qk_clip_in_every_layout_equals_one_device",

@@ -95,6 +95,8 @@ def test_the_walk_through_and_the_tour_run_as_written(tmp_path):
     for command in pasted:
         if "pip install" in command or "python3 -m venv" in command or " -m pytest" in command:
             continue
+        if command in said:  # a page repeating another's command: it ran as written
+            continue
         done = _paste(command, tmp_path)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         said[command] = done.stdout

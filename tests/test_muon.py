@@ -139,7 +139,6 @@ LAYOUTS = {
     "pp2-tp2": ("gpt-tiny", ("parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2")),
     # orthogonalized once per step: four orthogonalized micro-batches would not sum to it
     "accumulate4": ("gpt-tiny", ("parallel.data=1", "train.grad_accum=4")),
-    "offload": ("gpt-tiny", ("parallel.data=8", "parallel.zero=1", "parallel.offload=optimizer")),
     "ep2-dp4": ("mixtral-tiny", ("parallel.data=4", "parallel.expert=2", "parallel.zero=1")),
 }
 
@@ -450,6 +449,11 @@ CLIP_LAYOUTS = {
         ("parallel.pipeline=2", "parallel.schedule=zb-h1", "parallel.data=2", "parallel.zero=1",
          "parallel.microbatches=4"),
     ),
+    # Muon offloaded to the host (its layout proof too): the master weights scaled there,
+    # their compute copy made again from them
+    "gpt dp8 zero1 offload": (
+        "gpt-tiny", ("parallel.data=8", "parallel.zero=1", "parallel.offload=optimizer")
+    ),
 }  # fmt: skip
 
 
@@ -470,7 +474,7 @@ def test_qk_clip_in_every_layout_equals_one_device(name):
 def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
     """A model whose weights do not scale its logits (qk_norm) is refused when the step
     is built; so is a pipelined model with attention outside its staged stack (its
-    logits would go unwatched), and the host's update."""
+    logits would go unwatched), and adapters (the clip scales the weights, frozen there)."""
     with pytest.raises(ConfigError, match=r"^muon.qk_clip=100: the model hands on no trained"):
         _one_step("qwen3-tiny", ("muon.qk_clip=100",))
     wq = nnx.Param(jnp.ones(2), **{KEY: "pre/wq"})
@@ -484,8 +488,8 @@ def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
     with pytest.raises(ConfigError, match=r"^muon.qk_clip with a pipeline: .*\(pre/wq\)"):
         qk_clip.outside_stack(parts, {}, None)
     qk_clip.outside_stack(SimpleNamespace(pre=lambda p, mb: jnp.zeros(3), post=parts.post), {}, 0)
-    cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "parallel.offload=optimizer"])
-    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with parallel.offload=optimizer"):
+    cfg = presets.load("llama-tiny", [*MUON, "muon.qk_clip=100", "adapter.kind=lora"])
+    with pytest.raises(ConfigError, match=r"^muon.qk_clip=100 with adapter.kind=lora"):
         setup(cfg, devices[:1])
 
 

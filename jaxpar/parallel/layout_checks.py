@@ -73,12 +73,11 @@ def _check_muon(train: Train, muon: Muon) -> None:
 
 def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind) -> None:
     """muon.qk_clip where the step's forward pass hands on each head's largest logit:
-    not onto the host's update, nor with parameter averaging or adapters."""
+    not with parameter averaging or adapters."""
     tau = muon.qk_clip
     if not tau:
         return
     refused = [
-        (par.offload is not Offload.NONE, f"parallel.offload={par.offload}", "offload=none"),
         (par.dp_sync is DpSync.PARAMS, "parallel.dp_sync=params", "parallel.dp_sync=grads"),
         (adapter is not AdapterKind.NONE, f"adapter.kind={adapter}", "adapter.kind=none"),
     ]

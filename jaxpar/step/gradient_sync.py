@@ -100,11 +100,12 @@ def build(
         (loss, reports), grads = grads_of(state.compute_params, batch, count)
         spike, limit = spikes.judged(loss, state.window, train.spike_sigmas)
         new, grad_norm, applied, finite = update(state, grads, loss, spike)
-        if tau:
-            params, reports = qk_clip.clip(
-                new.params, reports, clip_rules, tau, trained.names, set(trainable)
-            )
-            new = new.replace(params=params)
+        if tau:  # QK-clip, on the weights where the update left them
+            factors, reports = qk_clip.factors_of(reports, clip_rules, tau, set(trainable))
+            if par.offload is Offload.NONE:
+                new = new.replace(params=factors.applied(new.params, trained.names))
+            else:
+                new = offload.host_scaled(shardings, dtype, trained.names)(new, factors)
         new = new.advanced(applied, finite, train.on_nonfinite, loss, spike)
         metrics = (loss, schedule(state.step), grad_norm, new.skipped, count, reports)
         return new, StepMetrics(*metrics, spike=spike, spike_limit=limit)

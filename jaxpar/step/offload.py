@@ -99,6 +99,30 @@ def host_update(
     return update
 
 
+def host_scaled(shardings: TrainState, dtype, names: dict) -> Callable:
+    """(state, factors) -> the state with QK-clip's heads (jaxpar.step.qk_clip.Factors)
+    scaled in its master weights on the host, and their compute copy made again there
+    from them: the device's copy is the scaled master's, as after an update."""
+
+    def scaled(state: TrainState, factors) -> TrainState:
+        keys = sorted(factors.keys)
+        each = factors.each(state.compute, names)  # made on the device, small
+        moved = jax.device_put([f for _, f in each], on_host(shardings.step))
+
+        @compute_on("device_host")
+        @jax.jit
+        def on_the_host(master, moved):
+            keyed = [(k, f) for (k, _), f in zip(each, moved, strict=True)]
+            master = factors.applied(master, names, keyed)
+            return master, compute_copy(master, dtype)
+
+        master, compute = on_the_host({k: state.params[k] for k in keys}, moved)
+        placed = {k: jax.device_put(compute[k], shardings.compute[k]) for k in keys}
+        return state.replace(params={**state.params, **master}, compute={**state.compute, **placed})
+
+    return scaled
+
+
 def offloaded_activation_bytes(closed_jaxpr) -> int:
     """Per-device bytes of layer inputs the traced step sends to host memory to keep for
     its backward pass, at their peak: a stack of residuals built by a loop is counted

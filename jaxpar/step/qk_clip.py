@@ -14,6 +14,7 @@ maximum over micro-batches and devices; the step reports their overall maximum a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -101,10 +102,47 @@ def outside_stack(parts, params, mb) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Factors:
+    """Each clipped attention's factor per head, [layers, heads], and the weights it
+    scales (each by its power of it)."""
+
+    etas: list
+    scaled: list
+
+    @property
+    def keys(self) -> set[str]:
+        return {s.key for scaled in self.scaled for s in scaled}
+
+    def each(self, shapes: dict, names: dict) -> list[tuple[str, jax.Array]]:
+        """(key, its factor, broadcast against the leaf) for each scaling, in order."""
+        return [
+            (s.key, _factor(shapes[s.key].shape, eta_LxH**s.power, names[s.key], s))
+            for eta_LxH, scaled in zip(self.etas, self.scaled, strict=True)
+            for s in scaled
+        ]
+
+    def applied(self, params: dict, names: dict, each: list | None = None) -> dict:
+        """`params` (those of `keys`, at least) with each head's weights scaled; `each`
+        in place of the factors' own (the same, placed elsewhere: the host)."""
+        params = dict(params)
+        for key, factor in self.each(params, names) if each is None else each:
+            params[key] = (params[key] * factor).astype(params[key].dtype)
+        return params
+
+
 def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trained: set):
     """(params with each head over tau scaled back to it, the reports without the
-    per-head maxima but with their overall "attn/max_logit"). Only attention whose weights
-    are all `trained` is clipped and counted: a frozen copy's (DPO's reference) is not."""
+    per-head maxima but with their overall "attn/max_logit")."""
+    factors, rest = factors_of(reports, rules, tau, trained)
+    return factors.applied(params, names), rest
+
+
+def factors_of(reports: dict, rules: list, tau: float, trained: set) -> tuple[Factors, dict]:
+    """(each head's factor, tau over its largest logit where that passed tau, the reports
+    without the per-head maxima but with their overall "attn/max_logit"). Only attention
+    whose weights are all `trained` is clipped and counted: a frozen copy's (DPO's
+    reference) is not."""
     maxima = [reports[f"{PREFIX}{i}"] for i in range(len(rules))]
     rest = {k: v for k, v in reports.items() if not k.startswith(PREFIX)}
     pairs = [(m, r) for m, r in zip(maxima, rules, strict=True) if {s.key for s in r} <= trained]
@@ -115,27 +153,23 @@ def clip(params: dict, reports: dict, rules: list, tau: float, names: dict, trai
             "latent attention; model.qk_norm's are not built for it); drop muon.qk_clip"
         )
     rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m, _ in pairs]))
-    params = dict(params)
-    for max_LxH, scaled in pairs:
-        # NaN (a step that is skipped as not finite) is not over tau: untouched
-        eta_LxH = jnp.where(max_LxH > tau, tau / max_LxH, 1.0)
-        for s in scaled:
-            params[s.key] = _scaled(params[s.key], eta_LxH**s.power, names[s.key], s)
-    return params, rest
+    # NaN (a step that is skipped as not finite) is not over tau: untouched
+    etas = [jnp.where(max_LxH > tau, tau / max_LxH, 1.0) for max_LxH, _ in pairs]
+    return Factors(etas, [scaled for _, scaled in pairs]), rest
 
 
-def _scaled(w, f_LxH, names: tuple[str, ...], s: Scaled):
-    """w times each head's factor: f's leading dims are w's (the layer stack's), its last
-    is w's heads dim; for a fused leaf, on its qkv part `s.part` alone; with a span, on
-    those of the head's dims alone."""
+def _factor(shape: tuple, f_LxH, names: tuple[str, ...], s: Scaled):
+    """Each head's factor, broadcast against a leaf of `shape`: f's leading dims are the
+    leaf's (the layer stack's), its last is the leaf's heads dim; for a fused leaf, on its
+    qkv part `s.part` alone; with a span, on those of the head's dims alone."""
     head = next(i for i, n in enumerate(names) if n in (HEADS, KV_HEADS))
-    shape = [1] * w.ndim
+    dims = [1] * len(shape)
     for i in range(f_LxH.ndim - 1):
-        shape[i] = f_LxH.shape[i]
-    shape[head] = f_LxH.shape[-1]
-    factor = f_LxH.reshape(shape)
-    along = lambda dim, keep: keep(jnp.arange(w.shape[dim])).reshape(  # noqa: E731
-        [-1 if i == dim else 1 for i in range(w.ndim)]
+        dims[i] = f_LxH.shape[i]
+    dims[head] = f_LxH.shape[-1]
+    factor = f_LxH.reshape(dims)
+    along = lambda dim, keep: keep(jnp.arange(shape[dim])).reshape(  # noqa: E731
+        [-1 if i == dim else 1 for i in range(len(shape))]
     )
     if s.part is not None:
         factor = jnp.where(along(names.index(QKV), lambda i: i == s.part), factor, 1.0)
@@ -143,4 +177,4 @@ def _scaled(w, f_LxH, names: tuple[str, ...], s: Scaled):
         start, stop = s.span
         mine = along(names.index(HEAD_DIM), lambda i: (i >= start) & (i < stop))
         factor = jnp.where(mine, factor, 1.0)
-    return (w * factor).astype(w.dtype)
+    return factor
