@@ -262,11 +262,13 @@ CLAIMS = (
         "QK-clip scales each head whose largest logit passed tau back by tau / max (latent "
         "attention by its parts), no other weight; over data x tensor x ZeRO-3, over "
         "context (all_gather and Ulysses), through a pipeline's stages (1F1B, "
-        "interleaved, ZB-H1) and offloaded to the host it equals one device",
+        "interleaved, ZB-H1) and offloaded to the host it equals one device; under "
+        "parameter averaging each copy is clipped by its own rows",
         (
             "test_muon.py::test_qk_clip_scales_each_head_over_tau_back_and_no_other",
             "test_muon.py::test_qk_clip_in_every_layout_equals_one_device",
             "test_muon.py::test_qk_clip_where_no_logit_comes_out_is_one_line",
+            "test_muon.py::test_qk_clip_under_parameter_averaging_clips_each_copy_by_its_own_rows",
             "test_muon.py::test_the_attention_forms_hand_on_each_heads_largest_logit",
             "test_muon.py::test_qk_clip_leaves_a_frozen_copys_attention_alone",
         ),

@@ -471,6 +471,20 @@ def test_qk_clip_in_every_layout_equals_one_device(name):
     np.testing.assert_allclose(got.max_logits, want.max_logits, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_qk_clip_under_parameter_averaging_clips_each_copy_by_its_own_rows():
+    """dp_sync=params: each copy is clipped by its own rows' logits, as a lone trainer
+    would be. One copy (averaged at the last step) equals the gradient mode; over two
+    copies, the first step's reported largest logit is the whole batch's."""
+    clip = (*MUON, f"muon.qk_clip={TAU}", "parallel.dp_sync=params", "parallel.sync_every=2")
+    want = reference("gpt-tiny", clip[:2], steps=2)
+    one = trained("gpt-tiny", ("parallel.data=1", *clip), steps=2)
+    assert_same_training(one, want, rtol=1e-5)
+    np.testing.assert_allclose(one.max_logits, want.max_logits, rtol=1e-5)
+    two = trained("gpt-tiny", ("parallel.data=2", *clip), steps=2)
+    np.testing.assert_allclose(two.max_logits[0], want.max_logits[0], rtol=1e-5)
+
+
 def test_qk_clip_where_no_logit_comes_out_is_one_line(devices):
     """A model whose weights do not scale its logits (qk_norm) is refused when the step
     is built; so is a pipelined model with attention outside its staged stack (its

@@ -71,23 +71,15 @@ def _check_muon(train: Train, muon: Muon) -> None:
         )
 
 
-def _check_qk_clip(muon: Muon, par: Parallel, adapter: AdapterKind) -> None:
-    """muon.qk_clip where the step's forward pass hands on each head's largest logit:
-    not with parameter averaging or adapters."""
-    tau = muon.qk_clip
-    if not tau:
-        return
-    refused = [
-        (par.dp_sync is DpSync.PARAMS, "parallel.dp_sync=params", "parallel.dp_sync=grads"),
-        (adapter is not AdapterKind.NONE, f"adapter.kind={adapter}", "adapter.kind=none"),
-    ]
-    for on, what, instead in refused:
-        if on:
-            raise ConfigError(
-                f"muon.qk_clip={tau:g} with {what}: QK-clip reads each head's largest logit "
-                f"out of the forward pass, which is not built there; use {instead}, or drop "
-                "muon.qk_clip"
-            )
+def _check_qk_clip(muon: Muon, adapter: AdapterKind) -> None:
+    """muon.qk_clip where it has weights to scale: not with adapters, which leave the
+    query and key weights frozen."""
+    if muon.qk_clip and adapter is not AdapterKind.NONE:
+        raise ConfigError(
+            f"muon.qk_clip={muon.qk_clip:g} with adapter.kind={adapter}: QK-clip scales the "
+            "query and key weights, which the adapters leave frozen; use adapter.kind=none, "
+            "or drop muon.qk_clip"
+        )
 
 
 def check_train(cfg: Config, mesh_shape: dict) -> None:
@@ -112,7 +104,7 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
     pipelined = mesh_shape[PIPE] > 1
     _check_adapter(cfg.adapter, cfg.parallel)
     _check_muon(cfg.train, cfg.muon)
-    _check_qk_clip(cfg.muon, parallel, cfg.adapter.kind)
+    _check_qk_clip(cfg.muon, cfg.adapter.kind)
     _check_dp_sync(parallel, mesh_shape)
     _check_expert(cfg.model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:

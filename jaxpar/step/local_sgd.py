@@ -31,7 +31,7 @@ from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
 from jaxpar.parallel.sharding import only_axes, pick, plan
 from jaxpar.step import optimizer as optim
-from jaxpar.step import spikes
+from jaxpar.step import qk_clip, spikes
 from jaxpar.step import state as state_lib
 from jaxpar.step.engine import (
     StepMetrics,
@@ -91,9 +91,13 @@ def _copies(problem: Problem, mesh: Mesh, compute, inner, global_state):
     return Local(params=copy_specs, opt=inner_specs), global_state.replace(local=local)
 
 
-def _device_step(problem: Problem, train: Train, every: int, inner, outer, value_and_grad, clip):
+def _device_step(
+    problem: Problem, train: Train, every: int, inner, outer, value_and_grad, clip, qk=None
+):
     """One device's step, inside shard_map: its local step on its rows, then (every
-    `every` steps, and at the last) the copies averaged into the outer optimizer."""
+    `every` steps, and at the last) the copies averaged into the outer optimizer. `qk`:
+    QK-clip's (tau, rules), each copy's heads clipped by its own rows' logits as a lone
+    trainer's would be."""
 
     def device_step(local: Local, params, outer_opt, batch, step, skipped, window, total):
         """One device's local step on its rows, then (every `every` steps) the average."""
@@ -101,7 +105,13 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
         # each copy's loss is over its own rows' trained elements
         count = trained_count(problem, batch)
         (loss, reports), grads = value_and_grad(mine, batch, count)
-        reports = jax.lax.pmean(per_micro_batch(reports, train), DATA)
+        reports, factors = per_micro_batch(reports, train), None
+        if qk is not None:
+            rules, tau = qk
+            trained = set(problem.trainable(problem.names))
+            factors, reports = qk_clip.factors_of(reports, rules, tau, trained)
+        reports = {k: (jax.lax.pmax if k == qk_clip.MAX_LOGIT else jax.lax.pmean)(v, DATA)
+                   for k, v in reports.items()}  # fmt: skip
         grads, norm = clip(grads)
         # the global batch's loss: the copies' sums over all their trained elements
         loss = jax.lax.psum(loss * count, DATA) / at_least_one(jax.lax.psum(count, DATA))
@@ -111,6 +121,8 @@ def _device_step(problem: Problem, train: Train, every: int, inner, outer, value
         opt = state_lib.map_params(inner, lambda x: x[0], local.opt)
         updates, new_opt = inner.update(grads, opt, mine)
         mine = optim.keep_if(applied, optax.apply_updates(mine, updates), mine)
+        if factors is not None:
+            mine = factors.applied(mine, problem.names)
         opt = optim.keep_if(applied, new_opt, opt)
         opt = state_lib.map_params(inner, lambda x: x[None], opt)
         sync = ((step + 1) % every == 0) | (step + 1 == total)
@@ -167,7 +179,9 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
     watch = train.on_spike is not OnSpike.OFF
     global_state = state_lib.shardings(mesh, specs, outer, problem.shapes, window=watch)
     local_specs, shardings = _copies(problem, mesh, compute, inner, global_state)
-    value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None)
+    tau = muon.qk_clip if muon else 0.0
+    rules = [] if tau else None  # QK-clip: each attention's weights, as traced
+    value_and_grad, _ = local_value_and_grad(problem, train, par, mesh, policy, None, rules)
     mean_loss = evaluator(problem, train, par, mesh, policy, None, problem)  # global params
     clip = functools.partial(
         optim.clip, clip_norm=train.clip_norm, balance=optim.balancing(problem.names)
@@ -183,7 +197,8 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
         window = spikes.empty(train.spike_window) if watch else None
         return TrainState(zero, params, outer.init(params), zero, None, spread(params), window)
 
-    device_step = _device_step(problem, train, every, inner, outer, value_and_grad, clip)
+    qk = (rules, tau) if tau else None
+    device_step = _device_step(problem, train, every, inner, outer, value_and_grad, clip, qk)
 
     def train_step(state: TrainState, batch):
         specs_in = (

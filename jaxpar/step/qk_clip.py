@@ -26,6 +26,7 @@ from jaxpar.nn.logits import Scaled
 from jaxpar.parallel.axes import PIPE
 
 PREFIX = f"{scope.MAXIMUM}logits/"
+MAX_LOGIT = "attn/max_logit"  # the step's report: the largest over every head
 
 
 def watched(on: bool):
@@ -152,7 +153,7 @@ def factors_of(reports: dict, rules: list, tau: float, trained: set) -> tuple[Fa
             "(QK-clip scales the query and key weights of multi-head, grouped-query and "
             "latent attention; model.qk_norm's are not built for it); drop muon.qk_clip"
         )
-    rest["attn/max_logit"] = jnp.max(jnp.stack([jnp.max(m) for m, _ in pairs]))
+    rest[MAX_LOGIT] = jnp.max(jnp.stack([jnp.max(m) for m, _ in pairs]))
     # NaN (a step that is skipped as not finite) is not over tau: untouched
     etas = [jnp.where(max_LxH > tau, tau / max_LxH, 1.0) for max_LxH, _ in pairs]
     return Factors(etas, [scaled for _, scaled in pairs]), rest
