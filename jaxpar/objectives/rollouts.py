@@ -18,6 +18,12 @@ A rollout at step s:
    completion's advantage; with grpo.iterations > 1 the sampler's log-probabilities, and
    with grpo.beta > 0 the reference's, are computed there too, in the generation layout;
 4. appends them to the run directory's rollouts.jsonl (text and ids, rewards, advantage).
+
+With grpo.rollout_devices=N the rollouts run on the first N devices and the trainer's mesh
+on the rest: the trained leaves are sent there after each update (what lands on each is
+counted against what it lacks). With grpo.staleness=k the rollout step t trains on is the
+policy's after step t - k, made on a thread of its own beside the steps (with a split) or
+ahead (without one), its sampler's log-probabilities stored for the ratio.
 """
 
 from __future__ import annotations
@@ -297,11 +303,11 @@ class Rollouts(Hook):
 
     def _apart(self) -> str:
         """How the rollouts stand to the steps (grpo.rollout_devices, grpo.staleness)."""
-        k, n = self.cfg.grpo.staleness, len(self.generators or ())
-        where = f" on devices 0-{n - 1}, the trainer on the rest" if n else ""
+        k, ids = self.cfg.grpo.staleness, [d.id for d in self.generators or ()]
+        where = f" on devices {ids[0]}-{ids[-1]}, the trainer on the rest" if ids else ""
         if not k:
             return where
-        when = "made beside the steps" if n else "made ahead"
+        when = "made beside the steps" if ids else "made ahead"
         return f"{where}; {when}, by the policy up to grpo.staleness={k} steps back"
 
     def _episodes_line(self) -> list[str]:
