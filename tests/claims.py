@@ -801,6 +801,14 @@ CLAIMS = (
     ),
     Claim(
         "docs/checkpoints.md",
+        "At checkpoint.every=1 the step does not donate its state, and a save hands orbax the "
+        "state's own arrays, with no copy; otherwise the step donates and a save copies",
+        (
+            "test_checkpoint.py::test_saving_every_step_hands_orbax_the_state_itself_and_the_step_keeps_it",
+        ),
+    ),
+    Claim(
+        "docs/checkpoints.md",
         "A loss spike skipped or rolled back leaves a run equal to one that never read the "
         "batches it dropped, in every layout; the window resumes with the state",
         (

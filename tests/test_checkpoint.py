@@ -510,6 +510,27 @@ def test_one_process_writes_a_replicated_array_whole(devices, tmp_path):
     assert np.array_equal(checkpoints.restore(1, {"x": like})["x"], x)
 
 
+@pytest.mark.slow
+def test_saving_every_step_hands_orbax_the_state_itself_and_the_step_keeps_it(devices):
+    """checkpoint.every=1: the step does not donate its state (its program aliases no
+    input to an output), so a save hands orbax the state's own arrays, with no copy to
+    hold the loop; at every=2 the step donates, and a save copies."""
+    from helpers import prepared
+
+    from jaxpar.training import checkpoint
+
+    for every, donates in ((1, False), (2, True)):
+        run = prepared("gpt-tiny", ("parallel.data=2", f"checkpoint.every={every}"))
+        assert run.engine.donates is donates
+        assert ("input_output_alias" in run.step.hlo) is donates
+        layout = checkpoint.layout(run.problem, run.engine, run.mesh, 0, run.cfg.train.precision)
+        state = run.engine.init(jax.random.key(0))
+        saved = layout.to_saved(state)["params"]
+        pointers = lambda x: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]  # noqa: E731
+        own = [pointers(saved[k]) == pointers(x) for k, x in state.params.items()]
+        assert all(own) if not donates else not any(own)
+
+
 def test_arrays_are_saved_uncompressed_unless_asked_and_either_restores(devices, tmp_path):
     """checkpoint.compress=false (the default) writes the arrays as they are; true has
     orbax zstd them (a run's Saver passes the key on): a compressible state then takes a

@@ -35,7 +35,9 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
     parameters averaged every sync_every steps (jaxpar.step.local_sgd). (The whole config:
     the last release's jaxpar.run.build takes it so.)"""
     builder = build_averaging if cfg.parallel.dp_sync is DpSync.PARAMS else build_grad_sync
-    return builder(problem, cfg.parallel, cfg.train, mesh, cfg.muon)
+    # saved every step: the save reads the state as it is, so the step must not reuse it
+    donates = cfg.checkpoint.every != 1
+    return builder(problem, cfg.parallel, cfg.train, mesh, cfg.muon, donates)
 
 
 def step_inputs(engine: Engine, batch):

@@ -58,7 +58,7 @@ class Engine:
     state_shardings: Any  # TrainState of NamedShardings
     batch_sharding: NamedSharding
     init: Any  # jitted: key -> TrainState, created directly in its sharding
-    step: Any  # jitted: (state, batch) -> (state, metrics); state is donated
+    step: Any  # jitted: (state, batch) -> (state, metrics); state donated where `donates`
     grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
     layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
     problem: Problem  # as trained: with a pipeline, its layer stack in pipeline layout
@@ -72,6 +72,9 @@ class Engine:
     # only (held-out loss)
     evaluate: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA flags (GPU)
+    # whether the step reuses its input state's buffers; not where every step's state is
+    # saved, which the save then reads as it is, with no copy (checkpoint.every=1)
+    donates: bool = True
 
     def export(self, params):
         """Parameters in the model's own layout (the layer stack unstaged)."""
@@ -96,11 +99,22 @@ def zero_policy(train: Train, par: Parallel, specs, names, frozen=frozenset()) -
 
 
 def jitted(
-    mesh: Mesh, *, init, step, grads, evaluate, state_shardings, specs, problem, **fields
+    mesh: Mesh,
+    *,
+    init,
+    step,
+    grads,
+    evaluate,
+    state_shardings,
+    specs,
+    problem,
+    donates=True,
+    **fields,
 ) -> Engine:
     """The Engine of these functions, jitted: `init` straight into the state's shardings,
-    `step` donating its state, the batch split over the batch axes; on a GPU, compiled
-    with jaxpar.step.xla_flags. Its leaves counted once, as `specs` place `problem`'s."""
+    `step` donating its state (where `donates`), the batch split over the batch axes; on a
+    GPU, compiled with jaxpar.step.xla_flags. Its leaves counted once, as `specs` place
+    `problem`'s."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     options = xla_flags.for_step(scope.target(mesh), mesh.size)
     return Engine(
@@ -111,12 +125,13 @@ def jitted(
             step,
             in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=0,
+            donate_argnums=0 if donates else (),
             compiler_options=options,
         ),
         grads=jax.jit(grads, compiler_options=options),
         evaluate=jax.jit(evaluate, compiler_options=options),
         compiler_options=options,
+        donates=donates,
         specs=specs,
         problem=problem,
         leaves=leaf_layout(

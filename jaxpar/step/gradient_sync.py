@@ -48,10 +48,15 @@ from jaxpar.step.state import TrainState
 
 
 def build(
-    problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None
+    problem: Problem,
+    par: Parallel,
+    train: Train,
+    mesh: Mesh,
+    muon: Muon | None = None,
+    donates: bool = True,
 ) -> Engine:
     """The step of `problem` on `mesh` as parallel.*, train.* and (train.optimizer=muon)
-    muon.* say."""
+    muon.* say, donating its state where `donates`."""
     layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages, par.schedule)
     trained = staging.staged(problem, layout) if layout else problem
     specs = plan(
@@ -123,6 +128,7 @@ def build(
         evaluate=lambda state, batch: mean_loss(state.compute_params, batch),
         layout=layout,
         problem=trained,
+        donates=donates,
     )
 
 

@@ -164,10 +164,17 @@ def _mean_grads(problem: Problem, mesh: Mesh, local_specs, compute, value_and_gr
     return mean_grads
 
 
-def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None):
+def build(
+    problem: Problem,
+    par: Parallel,
+    train: Train,
+    mesh: Mesh,
+    muon: Muon | None = None,
+    donates: bool = True,
+):
     """The engine of parallel.dp_sync=params: each device's copy trained on its rows by the
     inner optimizer (Muon's keys `muon`), averaged every parallel.sync_every steps into the
-    outer one."""
+    outer one; its step donating its state where `donates`."""
     n = mesh.shape[DATA]
     every = par.sync_every
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
@@ -239,4 +246,5 @@ def build(problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon 
         layout=None,
         problem=problem,
         spread=jax.jit(spread, out_shardings=shardings.local),
+        donates=donates,
     )

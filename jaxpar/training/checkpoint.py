@@ -91,12 +91,18 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
         engine.state_shardings,
         is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
     )
-    # Copies, never the state's own buffers: the next step donates those while orbax is
-    # still copying the saved ones off the device (jit hands back an unchanged input as
-    # the same array, so the copy is explicit).
+    # Copies, never the state's own buffers, where the next step donates those while orbax
+    # is still copying the saved ones off the device (jit would copy an unchanged leaf
+    # anyway; the copy is explicit). A step that does not donate (checkpoint.every=1)
+    # leaves the state's own leaves to orbax, where they are in the model's layout on the
+    # device: no copy holds the loop.
     save_jit = jax.jit(lambda state: jax.tree.map(jnp.copy, to_saved(state)))
+    as_they_are = not engine.donates and engine.layout is None
+    as_they_are &= engine.state_shardings.compute is None  # (offload: in host memory)
 
     def to_saved_on_device(state: TrainState) -> dict:
+        if as_they_are:
+            return to_saved(state)
         # offloaded parts live in host memory: bring them over, then unstage
         return save_jit(jax.device_put(state, on_device))
 
