@@ -48,15 +48,10 @@ from jaxpar.step.state import TrainState
 
 
 def build(
-    problem: Problem,
-    par: Parallel,
-    train: Train,
-    mesh: Mesh,
-    muon: Muon | None = None,
-    donates: bool = True,
+    problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None, donate=True
 ) -> Engine:
     """The step of `problem` on `mesh` as parallel.*, train.* and (train.optimizer=muon)
-    muon.* say, donating its state where `donates`."""
+    muon.* say, donating its state where `donate`."""
     layout = staging.layout_for(problem, mesh.shape[PIPE], par.virtual_stages, par.schedule)
     trained = staging.staged(problem, layout) if layout else problem
     specs = plan(
@@ -128,7 +123,7 @@ def build(
         evaluate=lambda state, batch: mean_loss(state.compute_params, batch),
         layout=layout,
         problem=trained,
-        donates=donates,
+        donates=donate,
     )
 
 

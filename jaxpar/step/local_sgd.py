@@ -165,16 +165,11 @@ def _mean_grads(problem: Problem, mesh: Mesh, local_specs, compute, value_and_gr
 
 
 def build(
-    problem: Problem,
-    par: Parallel,
-    train: Train,
-    mesh: Mesh,
-    muon: Muon | None = None,
-    donates: bool = True,
+    problem: Problem, par: Parallel, train: Train, mesh: Mesh, muon: Muon | None = None, donate=True
 ):
     """The engine of parallel.dp_sync=params: each device's copy trained on its rows by the
     inner optimizer (Muon's keys `muon`), averaged every parallel.sync_every steps into the
-    outer one; its step donating its state where `donates`."""
+    outer one; its step donating its state where `donate`."""
     n = mesh.shape[DATA]
     every = par.sync_every
     shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
@@ -246,5 +241,5 @@ def build(
         layout=None,
         problem=problem,
         spread=jax.jit(spread, out_shardings=shardings.local),
-        donates=donates,
+        donates=donate,
     )
