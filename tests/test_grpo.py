@@ -387,7 +387,7 @@ def test_stale_rollouts_apart_train_by_their_samplers_log_probabilities(folder, 
     agree bitwise; each rollout's policy is no older than 2 steps; and the 4th step's
     loss is the clipped ratio against the log-probabilities stored with its rollout,
     recomputed in NumPy from those and the weights after 3 steps."""
-    _, here, first, _ = _stale(folder, tmp_path / "here", 4, ("checkpoint.every=1",), 4)
+    _, here, first, _ = _stale(folder, tmp_path / "here", 4, ("checkpoint.every=3",), 4)
     cfg, apart, rows, summary = _stale(
         folder, tmp_path / "apart", 8, ("grpo.rollout_devices=4",), 4
     )
