@@ -175,6 +175,7 @@ def test_a_quantized_base_trains_as_its_dequantized_fp32_model(base, devices):
     assert run.params["blocks/attn/wq/codes"].dtype == (np.uint8 if base == "nf4" else np.int8)
 
 
+@pytest.mark.slow  # 2.9 s: the full suite's (the fast tier's budget, issue 59)
 def test_only_the_adapters_cross_the_data_axis(devices):
     full = compile_only("llama-tiny", ("model.layers=2", "parallel.data=8"))
     lora_ = compile_only("llama-tiny", (*LORA, "parallel.data=8"))

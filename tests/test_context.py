@@ -193,6 +193,7 @@ def test_a_local_layer_moves_only_its_windows_keys(devices):
     assert wire[16] - wire[8] == 2 * 2 * 3 / 4 * 8 * (64 - 2 * 7) * 2 * 2 * 32 * 4
 
 
+@pytest.mark.slow  # 3.2 s: the full suite's (the fast tier's budget, issue 59)
 def test_sequence_parallel_moves_what_tensor_parallel_moves_in_less_memory(devices):
     """Megatron sequence parallelism: norms and residual adds split by sequence over
     tensor. Its tensor bytes are tensor parallelism's, and its activations are fewer."""

@@ -148,7 +148,7 @@ def test_the_default_layout_splits_heads_over_tensor_and_prompts_over_data(check
     assert (done.prompt_slots, done.cache_slots) == (32, 48)  # the buckets
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [pytest.param(1, marks=pytest.mark.slow), 8])  # 1: 2.8 s
 def test_the_decode_loop_copies_no_weight_and_no_cache(rows, devices):
     """The compiled loop reads each weight and each layer's cache where they lie: no
     copy, transpose, concatenation or slice in it is as large as a layer's cache buffer

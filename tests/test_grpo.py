@@ -275,7 +275,7 @@ UPDATE_LAYOUTS = {
 
 @pytest.mark.parametrize(
     "layout",
-    [pytest.param(k, marks=[] if k == "data8" else pytest.mark.slow) for k in UPDATE_LAYOUTS],
+    [pytest.param(k, marks=pytest.mark.slow) for k in UPDATE_LAYOUTS],  # 5 s and more each,
 )
 def test_the_update_in_every_layout_equals_one_device(layout):
     """Completions of lengths many times apart (a mean of per-device means would differ),

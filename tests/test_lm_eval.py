@@ -110,7 +110,7 @@ def backend(checkpoint, overrides, devices=1) -> JaxparLM:
 @pytest.mark.parametrize(
     "layout",
     [
-        "one device",
+        pytest.param("one device", marks=pytest.mark.slow),  # 3.6 s: the full suite's
         pytest.param("tensor=2", marks=pytest.mark.slow),
         pytest.param("data=2 x tensor=2", marks=pytest.mark.slow),
     ],

@@ -93,7 +93,9 @@ def _reference_tx(cfg, names, schedule, adam):
 @pytest.mark.parametrize(
     "preset, keys",
     [
-        ("gpt-tiny", ("muon.weight_decay=0.1",)),  # fused q/k/v, biases, learned positions
+        pytest.param(  # fused q/k/v, biases, learned positions
+            "gpt-tiny", ("muon.weight_decay=0.1",), marks=pytest.mark.slow
+        ),
         pytest.param(
             "deepseek-tiny",  # experts, latent attention, balancing biases
             ("muon.nesterov=false", "muon.scale=0", "muon.ns_steps=4"),

@@ -138,9 +138,7 @@ AGREEMENT = {**STRATEGIES, "3d-1f1b": tuple(THREE_D_1F1B), "zero1-bf16-compute":
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            n, marks=() if n in ("dp4-tp2-zero3", "3d-1f1b", "r2-dp4-zero1") else pytest.mark.slow
-        )
+        pytest.param(n, marks=() if n in ("dp4-tp2-zero3", "r2-dp4-zero1") else pytest.mark.slow)
         for n in AGREEMENT
     ],
 )

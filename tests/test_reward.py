@@ -43,7 +43,8 @@ LAYOUTS = {  # (a row's rewards summed over its context shards in the third)
 
 
 @pytest.mark.parametrize(
-    "layout", [pytest.param(k, marks=[] if k == "data8" else pytest.mark.slow) for k in LAYOUTS]
+    "layout",
+    [pytest.param(k, marks=pytest.mark.slow) for k in LAYOUTS],  # 6-20 s each
 )
 def test_a_reward_model_trains_in_every_layout_as_on_one_device(layout, folder):
     got = trained("llama-tiny", keys(folder, *LAYOUTS[layout]))
