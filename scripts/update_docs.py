@@ -38,6 +38,7 @@ PROVEN = (
     ("pipeline, GPipe", "pipeline", "schedules", "gpipe", "bubble"),
     ("pipeline, 1F1B", "pipeline", "schedules", "1f1b", "bubble"),
     ("pipeline, zero-bubble ZB-H1", "pipeline", "schedules", "zb-h1", "bubble"),
+    ("pipeline, zero-bubble ZBV (a V)", "pipeline", "schedules", "zbv", "bubble"),
     ("pipeline, interleaved", "pipeline", "schedules", "interleaved-v2", "bubble"),
     ("ring all-reduce, hand-written", "dp", "dp", "ring", "comm"),
     ("gradient server", "dp", "dp", "server", "comm"),
@@ -75,7 +76,8 @@ def proven(bench: dict) -> str:
 def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     """A schedule's tick table, as the executor runs it, drawn: a row per stage, a column
     per tick; F forward, R recompute, B input gradient, W weight gradient, X all three
-    (1F1B's backward), each micro-batch in its own colour."""
+    (1F1B's backward), each micro-batch in its own colour; a V's second chunk in lower
+    case."""
     from jaxpar.config.sections import Schedule
     from jaxpar.parallel import schedules
 
@@ -97,17 +99,20 @@ def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     rows = []
     for s in range(p):
         cells = []
-        for kind, i, _ in table[:, s]:
+        for kind, i, k in table[:, s]:
             if kind == schedules.IDLE:
                 cells.append(" . ")
                 continue
             colour = f"hsl({int(i) * 360 // m},70%,{light[int(kind)]}%)"
-            cells.append(f'<span style="background:{colour}">{letters[int(kind)]}{i:<2}</span>')
+            letter = letters[int(kind)].lower() if k else letters[int(kind)]
+            cells.append(f'<span style="background:{colour}">{letter}{i:<2}</span>')
         rows.append(f"stage {s}  " + "".join(cells))
     units, idle = schedules.lockstep(table)
+    unit = "half a stage's forward" if Schedule(schedule) in schedules.V_SHAPED else "a forward"
     head = (
         f"{schedule}, p={p}, m={m}: {len(table)} ticks, {units} units of time "
-        f"(F, R, B and W 1, X 3; a tick as long as its longest op), idle {idle:.3f}"
+        f"(F, R, B and W 1, X 3, a unit {unit}; a tick as long as its longest op), "
+        f"idle {idle:.3f}"
     )
     return f"{head}:\n\n<pre>\n" + "\n".join(rows) + "\n</pre>\n"
 

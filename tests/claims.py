@@ -226,6 +226,34 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "ZBV (two chunks a device in a V) equals one device at p=2 and p=4 (m = p and 2p), "
+        "with padded chunks, over data x tensor x ZeRO-3, with experts, with packed "
+        "documents, in its evaluation, and moves its checkpoint into 1F1B's stages",
+        (
+            f"{P}::test_schedule_equals_one_device[zbv-p2-m4]",
+            f"{P}::test_schedule_equals_one_device[zbv-p4-m4-10layers]",
+            f"{P}::test_schedule_equals_one_device[3d-zero3-zbv-m2]",
+            "test_moe.py::test_a_mixture_trains_in_every_layout_as_on_one_device"
+            "[pp2-expert2-tp2-zbv-m2]",
+            "test_documents.py::test_a_masked_loss_is_the_same_in_every_layout[zbv-micro2]",
+            "test_eval.py::test_held_out_loss_is_the_same_under_every_layout[zbv]",
+            "test_checkpoint.py::test_restore_into_another_layout[zbv -> 1f1b]",
+            f"{P}::test_a_v_holds_the_first_and_the_last_chunk_on_device_0",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "ZBV's table runs each F, R, B and W of both chunks once after its inputs, idles "
+        "the paper's (p-1)(F+B-2W) (1 - 8m/(8m+p-1)) and nowhere in its steady state, "
+        "under ZB-H1's bubble / 2 at p=4, m=8; a V too deep for the model is refused",
+        (
+            f"{P}::test_zbv_table_runs_each_op_of_both_chunks_once_and_idles_only_to_fill_and_drain",
+            f"{P}::test_a_broken_tick_table_is_refused",
+            f"{P}::test_a_hand_built_parts_without_a_layer_refuses_zb_h1_alone",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "ZB-H1's table runs every F, R, B and W once after its inputs, holds at most "
         "1F1B's p micro-batches in flight and one chunk's residuals, and idles at most "
         "1F1B's bubble / 2.5 at p=4, m=8; a broken table is refused; its temporaries stay "

@@ -121,6 +121,15 @@ LAYOUTS = {
         ],
     ),
     "tp4 -> one device": (["parallel.data=1", "parallel.tensor=4"], ["parallel.data=1"]),
+    "zbv -> 1f1b": (  # out of a V's stages, into 1F1B's
+        [
+            "parallel.data=2",
+            "parallel.pipeline=2",
+            "parallel.microbatches=2",
+            "parallel.schedule=zbv",
+        ],
+        ["parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2"],
+    ),
     "cp4 zero3 -> dp2 cp2 tp2 sp": (
         ["parallel.data=2", "parallel.context=4", "parallel.zero=3"],
         [

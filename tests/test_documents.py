@@ -125,6 +125,8 @@ def test_a_packed_llama_window_equals_transformers_on_each_document(tmp_path):
 LAYOUTS = {  # data (ZeRO-3 over all 8), micro-batches, accumulation, context both ways
     "3d-micro4": ("parallel.data=2", "parallel.pipeline=2", "parallel.tensor=2",
                   "parallel.microbatches=4"),
+    "zbv-micro2": ("parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2",
+                   "parallel.schedule=zbv"),
     "accum4": ("parallel.data=1", "train.grad_accum=4"),
     "zero3": ("parallel.data=8", "parallel.zero=3"),
     # each sequence split over context: documents' ids and positions gathered with K/V

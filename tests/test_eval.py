@@ -98,6 +98,12 @@ LAYOUTS = {
         "parallel.context_strategy=ulysses",
         "parallel.zero=1",
     ],
+    "zbv": [  # the V's own forward ticks
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.microbatches=4",
+        "parallel.schedule=zbv",
+    ],
     "interleaved": [
         "parallel.data=2",
         "parallel.pipeline=2",

@@ -237,6 +237,10 @@ LAYOUTS = {
         "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
         "parallel.microbatches=2", "parallel.schedule=1f1b",
     ),
+    "pp2-expert2-tp2-zbv-m2": (  # two chunks of one layer a device, in a V
+        "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
+        "parallel.microbatches=2", "parallel.schedule=zbv",
+    ),
     "pp2-dp2-expert2-zero3-interleaved": (
         "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.zero=3",
         "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",

@@ -19,6 +19,7 @@ SCHEDULES = {
         "gpipe": ("parallel.schedule=gpipe",),
         "1f1b": ("parallel.schedule=1f1b",),
         "zb-h1": ("parallel.schedule=zb-h1",),
+        "zbv": ("parallel.schedule=zbv",),
         "interleaved-v2": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
     }.items()
 }

@@ -22,6 +22,7 @@ class Schedule(enum.StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
+    ZBV = "zbv"
 
 
 class Remat(enum.StrEnum):
@@ -210,7 +211,7 @@ class Parallel(Section):
         1, "pipeline micro-batches each data shard's batch is split into"
     )
     schedule: Schedule = key(
-        Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1"
+        Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv"
     )
     virtual_stages: Annotated[int, Range(1, 1024, "layer chunks per pipeline device")] = key(
         1, "chunks of layers per device (schedule=interleaved)"

@@ -257,8 +257,10 @@ def pipeline_report(
     table = schedules.tick_table(schedule, p, m, v)
     loop = max(loop_trip_counts(hlo_text, schedules.TICKS_SCOPE), default=0)
     # Each hand-over between consecutive chunks carries one activation each way per
-    # micro-batch; p * v - 1 hand-overs, shared by p devices.
-    minimum = 2 * m * accum * activation_bytes * (p * v - 1) / p
+    # micro-batch; p * v - 1 hand-overs (a V's turn on its last device is none), shared
+    # by p devices.
+    boundaries = p * v - 1 - (1 if layout.vee else 0)
+    minimum = 2 * m * accum * activation_bytes * boundaries / p
     permutes = led.wire_bytes({PIPE}, kinds={"collective-permute"}) * schedules.handover_share(
         schedule, p, m
     )

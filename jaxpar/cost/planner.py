@@ -41,7 +41,7 @@ from jaxpar.parallel import leaf_layout, pipeline
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.layout_checks import check_train
-from jaxpar.parallel.schedules import TICKED
+from jaxpar.parallel.schedules import SPLIT, TICKED, V_SHAPED
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 from jaxpar.parallel.sharding import plan as placement
 
@@ -253,7 +253,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     work.check(mesh)  # the model's dims against the mesh: once a mesh
                 except ConfigError:
                     continue
-                for cfg in _layouts(base, mesh, strategy, trains):
+                for cfg in _layouts(base, mesh, strategy, trains, work.layers):
                     try:
                         check_train(cfg, mesh)
                     except ConfigError:
@@ -261,10 +261,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     yield cfg, mesh
 
 
-def _layouts(base: Config, mesh: dict, strategy, trains: dict):
+def _layouts(base: Config, mesh: dict, strategy, trains: dict, layers: int):
     """The configs of one mesh: ZeRO stage (where there are data-parallel copies to split
-    over), offload, micro-batches, recomputation and gradient accumulation (`trains`:
-    base.train by grad_accum)."""
+    over), offload, micro-batches, recomputation, schedule and gradient accumulation
+    (`trains`: base.train by grad_accum), for a model of `layers` layers."""
     p, r = mesh[PIPE], mesh[REPLICA]
     copies = r * mesh[DATA] * mesh[EXPERT]
     for zero, offload, micro, remat, schedule in itertools.product(
@@ -272,12 +272,14 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict):
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
-        TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1
+        TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1, zbv
     ):
         if (
             (offload is Offload.OPTIMIZER and zero == 0)
-            # zb-h1's R is its recompute: remat=full would add nothing
-            or (schedule is Schedule.ZB_H1 and remat is not Remat.NONE)
+            # the zero-bubble R is their recompute: remat=full would add nothing
+            or (schedule in SPLIT and remat is not Remat.NONE)
+            # a V cuts the layers in 2p chunks
+            or (schedule in V_SHAPED and 2 * p > layers)
             # replicas of ZeRO-0 groups split one all-reduce in two: never better
             or (r > 1 and zero == 0)
             # ZeRO-3 in a pipeline gathers a stage's layers every tick, which is not
@@ -398,11 +400,16 @@ def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Work
     else:
         kept = work.layer_elements(t, c)
     acts = alive * layers * split.micro * kept * compute_bytes
-    if p > 1 and par.schedule is Schedule.ZB_H1:
+    if p > 1 and par.schedule in SPLIT:
         # and one chunk's recomputed residuals (R to B), and what B keeps for W of each
-        # micro-batch in flight: at most what a layer saves for its backward
+        # micro-batch in flight: at most what a layer saves for its backward (a V: its
+        # table's counts a chunk, each chunk half the device's layers)
+        # (a V's table, tested at p 2-8: up to 2p - 1 inputs a chunk, one slot of
+        # residuals, p of W's inputs)
+        inputs = min(2 * p - 1, par.microbatches) if par.schedule in V_SHAPED else alive
+        kept = 1 + alive
         whole = work.layer_elements(t, c) * compute_bytes
-        acts = alive * work.boundary_elements / c * compute_bytes + (1 + alive) * whole
+        acts = inputs * work.boundary_elements / c * compute_bytes + kept * whole
         acts *= layers * split.micro
     if par.zero != 3 or d * mesh.get(EXPERT, 1) == 1:
         return acts, 0.0
@@ -420,6 +427,7 @@ def _traffic(
     split = batch_split(train, par, mesh)
     # a device hands one activation (forward) or its gradient (backward) per micro-batch
     hand_over = split.micro * work.boundary_elements / c * cost.dtype_bytes(train.precision)
+    hand_over *= 2 if par.schedule in V_SHAPED else 1  # a V: each chunk's, both ways
     return {
         REPLICA: minimum[REPLICA],
         DATA: minimum[DATA],
@@ -466,7 +474,7 @@ def _compute_seconds(
     flops = work.flops_per_row
     if work.experts:  # the experts run on every slot they hold, empty ones too
         flops += work.experts.idle_flops(train.seq_len, c)
-    # 1f1b and zb-h1 recompute each chunk in its backward, whatever parallel.remat says
+    # the ticked schedules recompute each chunk in its backward, whatever parallel.remat says
     recomputes = par.remat is not Remat.NONE or (p > 1 and par.schedule in TICKED)
     flops *= train.batch_size * (4 / 3 if recomputes else 1)
     # a pipeline runs at its slowest device's pace (the bubble stretches that below)

@@ -13,6 +13,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.names import LAYERS, STAGE
 from jaxpar.nn.problem import Problem
 from jaxpar.parallel.pipeline import Layout, assign, from_stages, to_stages
+from jaxpar.parallel.schedules import SPLIT, V_SHAPED
 
 
 def layout_for(
@@ -27,15 +28,22 @@ def layout_for(
             f"parallel.pipeline={stages}: this model has no pipeline stages; build it with "
             "jaxpar.from_nnx(..., stages=jaxpar.Stages(...)), or use parallel.pipeline=1"
         )
-    if schedule is Schedule.ZB_H1 and problem.parts.layer is None:
+    if schedule in SPLIT and problem.parts.layer is None:
         raise ConfigError(
-            f"parallel.schedule=zb-h1 with parallel.pipeline={stages}: this model's "
+            f"parallel.schedule={schedule} with parallel.pipeline={stages}: this model's "
             "Parts has no `layer` (one layer's function), which the split backward "
             "differentiates a layer at a time; build it with jaxpar.from_nnx, give "
             "Parts(layer=...), or use parallel.schedule=1f1b"
         )
     layers = problem.shapes[problem.parts.stack_keys[0]].shape[0]
-    return assign(layers, stages, virtual, problem.parts.costs)
+    vee = schedule in V_SHAPED  # two chunks a device, in a V
+    if vee and 2 * stages > layers:
+        raise ConfigError(
+            f"parallel.schedule={schedule} with parallel.pipeline={stages} cuts the layers "
+            f"in {2 * stages} chunks (two a device, in a V) but the model has {layers}; use "
+            f"parallel.pipeline={max(1, layers // 2)} or less, or parallel.schedule=zb-h1"
+        )
+    return assign(layers, stages, 2 if vee else virtual, problem.parts.costs, vee)
 
 
 def in_stages(problem: Problem, stages: int, virtual: int = 1) -> Problem:

@@ -2,7 +2,9 @@
 
 The layer stack [layers, ...] is cut into p * v contiguous chunks (v = virtual stages),
 balanced by cost with the embedding counted on the first chunk and the head on the
-last; chunk c lives on device c % p. Each leaf is stored as [p, v * slots, ...]
+last; chunk c lives on device c % p, or in a V (zbv: two chunks a device) on device c
+for the first p and 2p - 1 - c for the rest, so device 0 holds the first and the last
+chunk. Each leaf is stored as [p, v * slots, ...]
 (logical names `stage`, `layers`), padding short chunks with skipped slots. The
 schedules that run the chunks are in jaxpar.parallel.schedules.
 """
@@ -25,6 +27,7 @@ class Layout:
     virtual: int  # v: chunks per device
     chunks: tuple[tuple[int, ...], ...]  # layers of chunk c (pipeline order), c = k*p + s
     slots: int  # layer slots per chunk (the longest chunk)
+    vee: bool = False  # two chunks a device in a V: chunk c = k*p + s on device s, or 2p-1-s
 
     @property
     def slot_layer(self) -> np.ndarray:
@@ -32,6 +35,8 @@ class Layout:
         table = -np.ones((self.stages, self.virtual * self.slots), dtype=np.int64)
         for c, layers in enumerate(self.chunks):
             s, k = c % self.stages, c // self.stages
+            if self.vee and k:
+                s = self.stages - 1 - s
             table[s, k * self.slots : k * self.slots + len(layers)] = layers
         return table
 
@@ -41,9 +46,12 @@ class Layout:
 
 
 @functools.cache  # (the planner asks again for every layout of the same depth)
-def assign(layers: int, stages: int, virtual: int, costs: tuple[float, float, float]) -> Layout:
+def assign(
+    layers: int, stages: int, virtual: int, costs: tuple[float, float, float], vee: bool = False
+) -> Layout:
     """Contiguous chunks minimising the largest chunk cost (pre on the first, post on the
-    last chunk). Raises ConfigError when there are more chunks than layers."""
+    last chunk), placed round-robin or, `vee`, in a V. Raises ConfigError when there are
+    more chunks than layers."""
     n = stages * virtual
     if n > layers:
         raise ConfigError(
@@ -70,7 +78,7 @@ def assign(layers: int, stages: int, virtual: int, costs: tuple[float, float, fl
         bounds.append((cut[c][b], b))
         b = cut[c][b]
     chunks = tuple(tuple(range(a, b)) for a, b in reversed(bounds))
-    return Layout(stages, virtual, chunks, max(len(c) for c in chunks))
+    return Layout(stages, virtual, chunks, max(len(c) for c in chunks), vee)
 
 
 def to_stages(layout: Layout, x: jax.Array) -> jax.Array:

@@ -19,6 +19,10 @@ bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline
   in flight. Each op is about one forward's work, so ticks run in lockstep lose
   nothing to a neighbour's longer op, as they do in 1f1b (a forward beside a backward
   three times its length).
+- zbv: ZB-H1's ops on two chunks a device, placed in a V (device s holds chunk s and
+  chunk 2p - 1 - s), so a micro-batch's forward turns on the last device with no
+  hand-over and ends on the first, which also holds the embedding. Twice the ops, each
+  half the work: the warm-up and cool-down idle half as long.
 
 What a chunk reads of its micro-batch besides the activation (the documents' segment
 ids and positions, jaxpar.nn.documents) travels with no hand-over: every stage holds the
@@ -31,6 +35,7 @@ on beside the residual stream).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -43,51 +48,61 @@ IDLE, FWD, BWD, INPUT, WEIGHT, RECOMPUTE = 0, 1, 2, 3, 4, 5
 # recomputes it, keeping each layer's residuals; B makes the input's gradient from
 # them, keeping what W reads; W makes the weights' gradient from that.
 WORK = {IDLE: 0, FWD: 1, BWD: 3, RECOMPUTE: 1, INPUT: 1, WEIGHT: 1}
-BACKWARDS = (BWD, INPUT)  # the ops that hand a gradient back to the previous stage
-TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1)  # the tables that hold backward ticks
+BACKWARDS = (BWD, INPUT)  # the ops that hand a gradient back to the previous chunk
+TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.ZBV)  # tables with backward ticks
+SPLIT = (Schedule.ZB_H1, Schedule.ZBV)  # each backward as R, B and W (zero-bubble)
+V_SHAPED = (Schedule.ZBV,)  # two chunks a device, in a V (jaxpar.parallel.pipeline)
 
 
 class Ticked(NamedTuple):
-    """A schedule whose table holds its backward ticks, and the slots a device needs."""
+    """A schedule whose table holds its backward ticks, and the slots a chunk needs."""
 
-    table: np.ndarray  # [ticks, p, 2] of (action, micro-batch)
-    inputs: int  # stage inputs held at once (arrival to backward)
+    table: np.ndarray  # [ticks, p, 3] of (action, micro-batch, the device's chunk k)
+    inputs: int  # chunk inputs held at once (arrival to backward)
     residuals: int  # chunks' recomputed residuals held at once (R to B; 1f1b: 0)
     weights: int  # what B kept for W, held at once (B to W; 1f1b: 0)
 
 
-def _ready(kind: int, s: int, i: int, p: int, done: dict, t: int) -> bool:
-    """Whether op (kind, stage s, micro-batch i) may run on tick t: what it reads was
-    made on an earlier tick (a hand-over arrives one tick later)."""
+def chunk_of(s, k, p: int, vee: bool):
+    """The pipeline-order chunk that device `s` holds as its k-th: s, or in a V (two
+    chunks a device) 2p - 1 - s for the second (numpy or jax integers alike)."""
+    return (2 * p - 1 - s) * k + s * (1 - k) if vee else s
+
+
+def _ready(kind: int, c: int, i: int, n: int, done: dict, t: int) -> bool:
+    """Whether op (kind, chunk c of n, micro-batch i) may run on tick t: what it reads
+    was made on an earlier tick (a hand-over arrives one tick later)."""
     before = lambda *op: done.get(op, t) < t  # noqa: E731
     if kind == FWD:
-        return s == 0 or before(FWD, s - 1, i)
+        return c == 0 or before(FWD, c - 1, i)
     if kind == WEIGHT:
-        return before(INPUT, s, i)
+        return before(INPUT, c, i)
     if kind == RECOMPUTE:
-        return before(FWD, s, i)
-    mine = before(RECOMPUTE, s, i) if kind == INPUT else before(FWD, s, i)
-    return mine and (s == p - 1 or before(BWD, s + 1, i) or before(INPUT, s + 1, i))
+        return before(FWD, c, i)
+    mine = before(RECOMPUTE, c, i) if kind == INPUT else before(FWD, c, i)
+    return mine and (c == n - 1 or before(BWD, c + 1, i) or before(INPUT, c + 1, i))
 
 
-def _placed(choose, p: int, total: int) -> tuple[list, dict]:
-    """Tick by tick, each stage runs the op `choose(s, done, t)` names (or None: idle)
-    until every stage has run `total` ops; (rows of (kind, micro-batch), done: op ->
-    tick)."""
+def _placed(choose, p: int, total: int, vee: bool = False) -> tuple[list, dict]:
+    """Tick by tick, each device runs the op `choose(s, done, t)` names ((kind,
+    micro-batch, its chunk k), or None: idle) until every device has run `total` ops;
+    (rows of (kind, micro-batch, k), done: (kind, chunk, micro-batch) -> tick)."""
     done: dict = {}
     count, rows, t = [0] * p, [], 0
     while any(c < total for c in count):
-        row = [(IDLE, 0)] * p
+        row = [(IDLE, 0, 0)] * p
         for s in range(p):
             op = choose(s, done, t) if count[s] < total else None
             if op is not None:
                 row[s] = op
-        for s, (kind, i) in enumerate(row):
+        for s, (kind, i, k) in enumerate(row):
             if kind != IDLE:
-                done[(kind, s, i)] = t
+                done[(kind, chunk_of(s, k, p, vee), i)] = t
                 count[s] += 1
         rows.append(row)
         t += 1
+        if t > 4 * (total + p):  # a table's priorities that leave every stage waiting
+            raise RuntimeError(f"no op can run on tick {t} of a {p}-stage table")
     return rows, done
 
 
@@ -100,29 +115,32 @@ def _in_order(order: list[list], p: int):
         if not _ready(kind, s, i, p, done, t):
             return None
         ptr[s] += 1
-        return kind, i
+        return kind, i, 0
 
     return choose
 
 
-def _held(done: dict, p: int, m: int, ticks: int, start: int, end: int) -> int:
-    """The most micro-batches a stage holds at once, from op `start`'s tick (FWD: from the
-    input's arrival) to op `end`'s."""
+def _held(done: dict, n: int, m: int, ticks: int, start: int, end: int) -> int:
+    """The most micro-batches a chunk holds at once, from op `start`'s tick (FWD: from
+    the input's arrival) to op `end`'s."""
 
-    def since(s, i):
+    def since(c, i):
         if start != FWD:
-            return done[(start, s, i)]
-        return done[(FWD, 0, i)] if s == 0 else done[(FWD, s - 1, i)] + 1
+            return done[(start, c, i)]
+        return done[(FWD, 0, i)] if c == 0 else done[(FWD, c - 1, i)] + 1
 
-    return max(
-        sum(since(s, i) <= t0 <= done[(end, s, i)] for i in range(m))
-        for s in range(p)
-        for t0 in range(ticks)
-    )
+    most = 0
+    for c in range(n):  # each micro-batch held from `since` to `end`, both included
+        delta = np.zeros(ticks + 1, np.int64)
+        for i in range(m):
+            delta[since(c, i)] += 1
+            delta[done[(end, c, i)] + 1] -= 1
+        most = max(most, int(np.cumsum(delta).max()))
+    return most
 
 
 def one_f_one_b(p: int, m: int) -> tuple[np.ndarray, int]:
-    """([ticks, p, 2] of (action, micro-batch), slots): PipeDream-flush 1F1B, each op
+    """([ticks, p, 3] of (action, micro-batch, 0), slots): PipeDream-flush 1F1B, each op
     run on the first tick its inputs are there (a hand-over arrives one tick later)."""
     order = []
     for s in range(p):
@@ -143,63 +161,129 @@ def zb_h1(p: int, m: int) -> Ticked:
     it); else the next forward if it holds fewer than p micro-batches (forward run, W not
     yet: 1F1B's count, on its first stage); else the oldest W waiting: the W's fill what
     1F1B leaves idle."""
-    nxt = {}
+    return _zero_bubble(p, m, vee=False, limit=p)
+
+
+def zbv(p: int, m: int) -> Ticked:
+    """ZBV (Qi et al. 2024, section 6): two chunks a device in a V, chunk s and 2p - 1 - s
+    on device s, so device 0 runs both the first chunk and the last, and a micro-batch's
+    forward turns on device p - 1 with no hand-over. ZB-H1's priorities over both chunks
+    (the older micro-batch first, the later chunk on a tie), with at most 2p chunk
+    micro-batches in flight on a device: 1F1B's activations, each half a stage."""
+    return _zero_bubble(p, m, vee=True, limit=2 * p)
+
+
+def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
+    """The zero-bubble tables: B, else R, else F (fewer than `limit` of the device's
+    chunk micro-batches forward run and W not yet), else W; among a device's chunks the
+    older micro-batch first, the later chunk on a tie."""
+    n, ks = p * (2 if vee else 1), (1, 0) if vee else (0,)
+    nxt: dict = {}
 
     def choose(s, done, t):
-        f, r, b, w = (nxt.get((k, s), 0) for k in (FWD, RECOMPUTE, INPUT, WEIGHT))
-        after_next = s == p - 1 or done.get((RECOMPUTE, s + 1, r), t) < t
-        if b < r and _ready(INPUT, s, b, p, done, t):
-            op = INPUT, b
-        elif r < f and after_next and _ready(RECOMPUTE, s, r, p, done, t):
-            op = RECOMPUTE, r
-        elif f < m and f - w < p and _ready(FWD, s, f, p, done, t):
-            op = FWD, f
-        elif w < b:
-            op = WEIGHT, w
-        else:
+        chunks = [(k, chunk_of(s, k, p, vee)) for k in ks]
+        get = lambda kind, c: nxt.get((kind, c), 0)  # noqa: E731
+        in_flight = sum(get(FWD, c) - get(WEIGHT, c) for _, c in chunks)
+        for kind, wanted in (
+            (INPUT, lambda c, i: i < get(RECOMPUTE, c)),
+            (RECOMPUTE, lambda c, i: i < get(FWD, c) and _after_next(c, i, n, done, t)),
+            (FWD, lambda c, i: i < m and (in_flight < limit or c >= p)),
+        ):
+            ready = [
+                (get(kind, c), k, c)
+                for k, c in chunks
+                if wanted(c, get(kind, c)) and _ready(kind, c, get(kind, c), n, done, t)
+            ]
+            if ready:
+                i, k, c = min(ready, key=lambda r: r[0])
+                nxt[(kind, c)] = i + 1
+                return kind, i, k
+        waiting = [(get(WEIGHT, c), k, c) for k, c in chunks if get(WEIGHT, c) < get(INPUT, c)]
+        if not waiting:
             return None
-        nxt[(op[0], s)] = op[1] + 1
-        return op
+        i, k, c = min(waiting, key=lambda r: r[0])
+        nxt[(WEIGHT, c)] = i + 1
+        return WEIGHT, i, k
 
-    rows, done = _placed(choose, p, 4 * m)
+    rows, done = _placed(choose, p, 4 * m * len(ks), vee)
     ticks = len(rows)
     return Ticked(
         np.array(rows, dtype=np.int32),
-        inputs=_held(done, p, m, ticks, FWD, INPUT),
-        residuals=_held(done, p, m, ticks, RECOMPUTE, INPUT),
-        weights=_held(done, p, m, ticks, INPUT, WEIGHT),
+        inputs=_held(done, n, m, ticks, FWD, INPUT),
+        residuals=_held(done, n, m, ticks, RECOMPUTE, INPUT),
+        weights=_held(done, n, m, ticks, INPUT, WEIGHT),
     )
 
 
-def check(table: np.ndarray, m: int) -> None:
-    """Raise ValueError unless `table` ([ticks, p, >=2]) runs every op of every
-    micro-batch on every stage exactly once (a forward, and a fused backward or its R, B
-    and W), each after what it reads."""
+def forward_table(p: int, m: int, vee: bool) -> Ticked:
+    """The forward ticks alone (an evaluation's), each as soon as it is ready: the older
+    micro-batch first, a device's later chunk on a tie."""
+    n, ks = p * (2 if vee else 1), (1, 0) if vee else (0,)
+    nxt: dict = {}
+
+    def choose(s, done, t):
+        ready = [
+            (nxt.get(c, 0), k, c)
+            for k, c in ((k, chunk_of(s, k, p, vee)) for k in ks)
+            if nxt.get(c, 0) < m and _ready(FWD, c, nxt.get(c, 0), n, done, t)
+        ]
+        if not ready:
+            return None
+        i, k, c = min(ready, key=lambda r: r[0])
+        nxt[c] = i + 1
+        return FWD, i, k
+
+    rows, done = _placed(choose, p, m * len(ks), vee)
+    return Ticked(np.array(rows, dtype=np.int32), _held(done, n, m, len(rows), FWD, FWD), 0, 0)
+
+
+def _after_next(c: int, i: int, n: int, done: dict, t: int) -> bool:
+    """R of (chunk c, micro-batch i) waits for the next chunk's R of it (its B follows,
+    so this chunk's B can run a tick after it)."""
+    return c == n - 1 or done.get((RECOMPUTE, c + 1, i), t) < t
+
+
+def check(table: np.ndarray, m: int, vee: bool = False) -> None:
+    """Raise ValueError unless `table` ([ticks, p, 3]) runs every op of every
+    micro-batch on every chunk exactly once (a forward, and a fused backward or its R, B
+    and W), each after what it reads; `vee`: two chunks a device in a V."""
     ticks, p = table.shape[:2]
+    n = p * (2 if vee else 1)
     done: dict = {}
     for t in range(ticks):
         for s in range(p):
-            kind, i = (int(v) for v in table[t, s, :2])
+            kind, i, k = (int(v) for v in table[t, s, :3])
+            c = chunk_of(s, k, p, vee)
             if kind == IDLE:
                 continue
-            if (kind, s, i) in done or not 0 <= i < m:
-                raise ValueError(f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i} twice")
-            if not _ready(kind, s, i, p, done, t):
+            if (kind, c, i) in done or not 0 <= i < m:
                 raise ValueError(
-                    f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i} runs before "
-                    "what it reads is there"
+                    f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} twice"
+                )
+            if not _ready(kind, c, i, n, done, t):
+                raise ValueError(
+                    f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} runs "
+                    "before what it reads is there"
                 )
         for s in range(p):
-            kind, i = (int(v) for v in table[t, s, :2])
+            kind, i, k = (int(v) for v in table[t, s, :3])
             if kind != IDLE:
-                done[(kind, s, i)] = t
+                done[(kind, chunk_of(s, k, p, vee), i)] = t
     for s in range(p):
-        for i in range(m):
-            split = (INPUT, s, i) in done
-            wanted = (FWD, RECOMPUTE, INPUT, WEIGHT) if split else (FWD, BWD)
-            missing = [_NAMES[k] for k in wanted if (k, s, i) not in done]
-            if missing:
-                raise ValueError(f"stage {s}: micro-batch {i} never runs {', '.join(missing)}")
+        for k in range(2 if vee else 1):
+            c = chunk_of(s, k, p, vee)
+            for i in range(m):
+                split = (INPUT, c, i) in done
+                wanted = (FWD, RECOMPUTE, INPUT, WEIGHT) if split else (FWD, BWD)
+                missing = [_NAMES[kind] for kind in wanted if (kind, c, i) not in done]
+                if missing:
+                    raise ValueError(
+                        f"stage {s}: micro-batch {i}{_of(k, vee)} never runs {', '.join(missing)}"
+                    )
+
+
+def _of(k: int, vee: bool) -> str:
+    return f" of its chunk {k}" if vee else ""
 
 
 _NAMES = {FWD: "F", BWD: "B+W", RECOMPUTE: "R", INPUT: "B", WEIGHT: "W"}
@@ -224,17 +308,19 @@ def circular(p: int, m: int, v: int) -> np.ndarray:
 def tick_table(schedule: Schedule, p: int, m: int, v: int) -> np.ndarray:
     """[ticks, p, 3] of (action, micro-batch, chunk k) for each device on each tick:
     the forward loop for gpipe / interleaved (autodiff mirrors it), the whole step for
-    1f1b (where a tick holds a forward or a backward)."""
+    the ticked schedules (where a tick holds a forward or a backward)."""
     if schedule in TICKED:
-        table = ticked_table(schedule, p, m).table
-        return np.concatenate([table, np.zeros_like(table[..., :1])], axis=-1)
+        return ticked_table(schedule, p, m).table
     return circular(p, m, v)
 
 
+@functools.cache  # (the step's trace, its ledger and the planner ask again)
 def ticked_table(schedule: Schedule, p: int, m: int) -> Ticked:
-    """A schedule whose table holds its backward ticks (1f1b, zb-h1)."""
+    """A schedule whose table holds its backward ticks (1f1b, zb-h1, zbv)."""
     if schedule is Schedule.ZB_H1:
         return zb_h1(p, m)
+    if schedule is Schedule.ZBV:
+        return zbv(p, m)
     return Ticked(*one_f_one_b(p, m), residuals=0, weights=0)
 
 
@@ -254,15 +340,26 @@ def lockstep(table: np.ndarray) -> tuple[int, float]:
     return int(longest.sum()), float(1 - work.sum() / (longest.sum() * table.shape[1]))
 
 
+def sends(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([ticks], [ticks]): whether some device hands the next one something on the
+    tick (first chunks' activations, a V's second chunks' gradients), and whether some
+    device hands the previous one something (the rest). A V turns on its last device
+    with no hand-over."""
+    kind, k = table[..., 0], table[..., 2]
+    fwd, back = kind == FWD, np.isin(kind, BACKWARDS)
+    right = (fwd & (k == 0)) | (back & (k == 1))
+    left = (fwd & (k == 1)) | (back & (k == 0))
+    return right[:, :-1].any(axis=1), left[:, 1:].any(axis=1)
+
+
 def handover_share(schedule: Schedule, p: int, m: int) -> float:
-    """Share of the tick loop's hand-overs that really happen: 1f1b and zb-h1 skip the ticks on
-    which no stage sends that way (the ledger, reading the HLO, counts every tick)."""
+    """Share of the tick loop's hand-overs that really happen: the ticked schedules skip
+    the ticks on which no stage sends that way (the ledger, reading the HLO, counts every
+    tick)."""
     if schedule not in TICKED:
         return 1.0
-    table = ticked_table(schedule, p, m).table
-    back = np.isin(table[:, 1:, 0], BACKWARDS)
-    fired = (table[:, :-1, 0] == FWD).any(axis=1).sum() + back.any(axis=1).sum()
-    return float(fired) / (2 * len(table))
+    right, left = sends(ticked_table(schedule, p, m).table)
+    return float(right.sum() + left.sum()) / (2 * len(right))
 
 
 TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick loop, found in the HLO by the ledger

@@ -29,6 +29,7 @@ from jaxpar.parallel import context, pipeline
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, MANUAL_AXES, PIPE
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.leaf_layout import leaf_layout
+from jaxpar.parallel.schedules import V_SHAPED
 from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.parallel.zero import ZeroPolicy
 from jaxpar.step import pipelined, qk_clip, xla_flags
@@ -219,7 +220,8 @@ def evaluator(
             return jnp.sum(losses.astype(jnp.float32)), dict(reports)
 
     else:
-        forward = Schedule.INTERLEAVED if par.schedule is Schedule.INTERLEAVED else Schedule.GPIPE
+        kept = (Schedule.INTERLEAVED, *V_SHAPED)  # their layouts' own forward; the rest gpipe's
+        forward = par.schedule if par.schedule in kept else Schedule.GPIPE
         pipe = pipelined.Pipe(problem, layout, forward, par.microbatches)
         loss_sum = functools.partial(pipelined.forward_loss, pipe, policy.compute_view)
 

@@ -26,7 +26,6 @@ from jaxpar.parallel import collectives
 from jaxpar.parallel.axes import PIPE
 from jaxpar.parallel.pipeline import Layout
 from jaxpar.parallel.schedules import (
-    BACKWARDS,
     BWD,
     FWD,
     IDLE,
@@ -34,7 +33,11 @@ from jaxpar.parallel.schedules import (
     RECOMPUTE,
     TICKED,
     TICKS_SCOPE,
+    V_SHAPED,
     WEIGHT,
+    chunk_of,
+    forward_table,
+    sends,
     tick_table,
     ticked_table,
 )
@@ -95,8 +98,11 @@ def value_and_grad(pipe: Pipe, prepare, clip_rules: list | None = None):
 def forward_loss(pipe: Pipe, prepare, params, batch):
     """(stored params, micro-batch) -> (this device's summed loss, the model's reports
     summed over the micro-batches) (zeros but on the last chunk's device): the forward
-    ticks alone, for a gpipe or interleaved `pipe`."""
-    loss, reports = _circular_loss(pipe, prepare(params), batch, 1)
+    ticks alone, for a gpipe, interleaved or V-shaped `pipe`."""
+    if pipe.schedule in V_SHAPED:  # the V's own forward ticks
+        loss, reports = _ticked(pipe, prepare, params, batch, 1, grads=False)
+    else:
+        loss, reports = _circular_loss(pipe, prepare(params), batch, 1)
     return loss, jax.tree.map(lambda r: r / pipe.microbatches, reports)
 
 
@@ -201,12 +207,12 @@ def _lowest_maxima(clip_rules, traced, parts, params, mb, chunks: int) -> list:
 class _Slots(NamedTuple):
     """What a 1F1B device carries from tick to tick."""
 
-    acts: object  # [slots, *activation] a leaf: stage inputs kept for their backward
-    gins: object  # [slots, *activation] a leaf: output gradients handed back, not yet used
+    acts: object  # [chunks x slots, *activation] a leaf: chunk inputs kept for the backward
+    gins: object  # [chunks x slots, *activation] a leaf: output gradients handed back
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
-    held: list  # [weight slots, layers, ...] each: what B kept for W (zero-bubble)
-    recomputed: list  # [residual slots, layers, ...] each: what R kept for B (zero-bubble)
+    held: list  # [chunks x weight slots, layers, ...] each: what B kept for W (zero-bubble)
+    recomputed: list  # [chunks x residual slots, layers, ...] each: what R kept for B
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
     maxima: list  # [layers, heads] each: QK-clip's largest logits so far (qk_clip.raised)
@@ -215,48 +221,75 @@ class _Slots(NamedTuple):
 class _Ticks(NamedTuple):
     """A schedule's table as this device reads it inside the step."""
 
-    table: jax.Array  # [ticks, stages, 2]: what each stage runs, (kind, micro-batch)
-    sends_f: jax.Array  # [ticks]: some stage hands an activation forward at the tick
-    sends_b: jax.Array  # [ticks]: some stage hands a gradient back at the tick
-    slots: int  # buffer slots: the micro-batches a device holds at once
+    table: jax.Array  # [ticks, stages, 3]: what each stage runs, (kind, micro-batch, chunk k)
+    sends_r: jax.Array  # [ticks]: some device hands the next one something at the tick
+    sends_l: jax.Array  # [ticks]: some device hands the previous one something
+    slots: int  # buffer slots a chunk: the micro-batches it holds at once
     stage: jax.Array  # this device's stage
     stages: int
+    vee: bool  # two chunks a device, in a V
+
+    def slot(self, k, i, slots: int | None = None):
+        """The buffer slot of micro-batch i of the device's chunk k."""
+        n = self.slots if slots is None else slots
+        return i % n if not self.vee else k * n + i % n
+
+    def is_chunk(self, k, c):
+        """Whether the device's k-th chunk is chunk c of the pipeline (-1: the last)."""
+        p = self.stages
+        return chunk_of(self.stage, k, p, self.vee) == c % (2 * p if self.vee else p)
 
 
-def _ticks(table: np.ndarray, slots: int) -> _Ticks:
-    sends_f = jnp.asarray((table[:, :-1, 0] == FWD).any(axis=1))
-    sends_b = jnp.asarray(np.isin(table[:, 1:, 0], BACKWARDS).any(axis=1))
+def _ticks(table: np.ndarray, slots: int, vee: bool) -> _Ticks:
+    right, left = (jnp.asarray(x) for x in sends(table))
     stage = jax.lax.axis_index(PIPE)
-    return _Ticks(jnp.asarray(table), sends_f, sends_b, slots, stage, table.shape[1])
+    return _Ticks(jnp.asarray(table), right, left, slots, stage, table.shape[1], vee)
 
 
-def _hand_over(ticks: _Ticks, t, state: _Slots, send_f, send_b, zeros_h) -> _Slots:
-    """Tick t's hand-overs: activations to the next stage, gradients to the previous one,
-    each filed in the slot of the micro-batch the neighbour ran."""
-    table, stage, p, slots = ticks.table, ticks.stage, ticks.stages, ticks.slots
+def _hand_over(ticks: _Ticks, t, state: _Slots, send_r, send_l, zeros_h) -> _Slots:
+    """Tick t's hand-overs, each filed in the slot of the micro-batch and chunk the
+    neighbour ran: one way, activations of first chunks and gradients of second ones
+    (a V's), the other way the rest; in a V, the last device also hands its own first
+    chunk's output to its second chunk, and that one's input gradient back."""
+    table, stage, p = ticks.table, ticks.stage, ticks.stages
     # Hand over only on ticks where some stage has something to hand over (the
     # condition is the same on every device, so the collective stays matched).
-    got_f = jax.lax.cond(
-        ticks.sends_f[t],
-        lambda: jax.lax.ppermute(send_f, PIPE, [(s, s + 1) for s in range(p - 1)]),
+    got_r = jax.lax.cond(
+        ticks.sends_r[t],
+        lambda: jax.lax.ppermute(send_r, PIPE, [(s, s + 1) for s in range(p - 1)]),
         lambda: zeros_h,
     )
-    got_b = jax.lax.cond(
-        ticks.sends_b[t],
-        lambda: jax.lax.ppermute(send_b, PIPE, [(s + 1, s) for s in range(p - 1)]),
+    got_l = jax.lax.cond(
+        ticks.sends_l[t],
+        lambda: jax.lax.ppermute(send_l, PIPE, [(s + 1, s) for s in range(p - 1)]),
         lambda: zeros_h,
     )
-    acts, gins = state.acts, state.gins
-    # File what the neighbours handed over, by the table's record of what they ran.
-    prev_kind, prev_i = table[t, stage - 1, 0], table[t, stage - 1, 1]
-    slot = prev_i % slots
-    acts = _put(acts, slot, _select((stage > 0) & (prev_kind == FWD), got_f, _take(acts, slot)))
-    nxt = jnp.minimum(stage + 1, p - 1)
-    next_kind, next_i = table[t, nxt, 0], table[t, nxt, 1]
-    slot = next_i % slots
-    got = (stage < p - 1) & ((next_kind == BWD) | (next_kind == INPUT))
-    gins = _put(gins, slot, _select(got, got_b, _take(gins, slot)))
-    return state._replace(acts=acts, gins=gins)
+    # what each chunk k sends this way: (an activation, a gradient); None: nothing
+    vee = ticks.vee
+    state = _file(ticks, state, table[t, stage - 1], got_r, stage > 0, (0, 1 if vee else None))
+    nxt = table[t, jnp.minimum(stage + 1, p - 1)]
+    state = _file(ticks, state, nxt, got_l, stage < p - 1, (1 if vee else None, 0))
+    if vee:  # the turn of the V, on the last device: its own output, handed to itself
+        own = table[t, stage]
+        turned = jnp.stack([own[0], own[1], 1 - own[2]])  # filed for its other chunk
+        state = _file(ticks, state, turned, send_r, stage == p - 1, (1, 0))
+    return state
+
+
+def _file(ticks: _Ticks, state: _Slots, op, got, ok, ways: tuple) -> _Slots:
+    """`got`, what a device ran as `op` (kind, micro-batch, chunk k) handed over, filed
+    in chunk k's slot of that micro-batch: an activation where its forward of chunk
+    `ways[0]` sends this way, a gradient where its backward of chunk `ways[1]` does."""
+    kind, i, k = op[0], op[1], op[2]
+    slot, new = ticks.slot(k, i), {}
+    acts_k, gins_k = ways
+    if acts_k is not None:
+        came = ok & (kind == FWD) & (k == acts_k)
+        new["acts"] = _put(state.acts, slot, _select(came, got, _take(state.acts, slot)))
+    if gins_k is not None:
+        came = ok & ((kind == BWD) | (kind == INPUT)) & (k == gins_k)
+        new["gins"] = _put(state.gins, slot, _select(came, got, _take(state.gins, slot)))
+    return state._replace(**new)
 
 
 def _empty_slots(
@@ -278,13 +311,41 @@ def _empty_slots(
     )
 
 
-def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=None):
+class _Chunks(NamedTuple):
+    """A device's chunks of its stack ([1, chunks x slots, ...] a leaf)."""
+
+    slots: int  # layer slots a chunk
+    vee: bool  # two chunks (a V), else one: the whole stack
+
+    def of(self, tree: dict, k) -> dict:
+        """The device's k-th chunk of a stacked tree."""
+        if not self.vee:
+            return tree
+        n = self.slots
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, k * n, n, axis=1), tree)
+
+    def add(self, total: dict, part: dict, k) -> dict:
+        """`total` with chunk k's gradient `part` ([1, slots, ...] a leaf) added."""
+        if not self.vee:
+            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), total, part)
+        n = self.slots
+
+        def one(g, d):
+            old = jax.lax.dynamic_slice_in_dim(g, k * n, n, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(g, old + d.astype(g.dtype), k * n, 1)
+
+        return jax.tree.map(one, total, part)
+
+
+def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=None, grads=True):
     """1f1b and the zero-bubble schedules: ((this device's summed loss / count, its
-    reports summed), gradients of all local parameters)."""
+    reports summed), gradients of all local parameters); `grads=False`: the forward
+    ticks alone, (.., None)."""
     layout, parts, m, p = pipe.layout, pipe.problem.parts, pipe.microbatches, pipe.layout.stages
-    ticked = ticked_table(pipe.schedule, p, m)
-    ticks, slots_n = _ticks(ticked.table, ticked.inputs), ticked.inputs
-    table_j, stage = ticks.table, ticks.stage
+    vee = pipe.schedule in V_SHAPED
+    ticked = ticked_table(pipe.schedule, p, m) if grads else forward_table(p, m, vee)
+    ticks, slots_n = _ticks(ticked.table, ticked.inputs, vee), ticked.inputs
+    table_j, stage, chunks = ticks.table, ticks.stage, _Chunks(layout.slots, vee)
     every_stack, rest_storage = _split(params, pipe.stack_keys)
     # gradients of the trained leaves alone; the frozen ones are constants
     trained = pipe.problem.trainable
@@ -300,9 +361,11 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
     h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), mb0))
     zeros_h = _zeros(h_shape)
 
-    def run_chunk(local_stack, x, mb):
-        local = prepare({key: val[0] for key, val in {**frozen_stack, **local_stack}.items()})
-        return parts.chunk(local, x, active, mb)
+    def run_chunk(local_stack, x, mb, k=0):
+        local = {**chunks.of(frozen_stack, k), **local_stack}
+        local = prepare({key: val[0] for key, val in local.items()})
+        on = jax.lax.dynamic_slice_in_dim(active, k * chunks.slots, chunks.slots) if vee else active
+        return parts.chunk(local, x, on, mb)
 
     watched = qk_clip.watching_chunk(run_chunk, clip_rules)
 
@@ -310,66 +373,94 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
         value, reports = _reported_post(parts, whole(r), y, mb)
         return value / count, reports
 
-    def forward(state: _Slots, i):
-        mb, slot = _take(mbs, i), i % slots_n
-        x = jax.lax.cond(
-            stage == 0, lambda: parts.pre(whole(rest), mb), lambda: _take(state.acts, slot)
-        )
-        acts = _put(state.acts, slot, x)
-        y, seen = watched(stack, x, mb)
-        maxima = qk_clip.raised(state.maxima, seen, 0)
-
-        def last(args):
-            gins, g_rest, loss, reports = args
-            value, vjp, more = jax.vjp(post_loss, rest, y, mb, has_aux=True)
-            d_rest, d_y, _ = vjp(jnp.ones((), jnp.float32))
-            g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
-            reports = jax.tree.map(jnp.add, reports, more)
-            return _put(gins, slot, d_y), g_rest, loss + value, reports
-
-        carried = (state.gins, state.g_rest, state.loss, state.reports)
-        gins, g_rest, loss, reports = jax.lax.cond(stage == p - 1, last, lambda a: a, carried)
-        state = state._replace(
-            acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports, maxima=maxima
-        )
-        return state, y, zeros_h
-
-    into_pre = _into_pre(parts, whole, rest, stage)
+    model = (parts, whole, rest, h_shape)
+    forward = _forward(ticks, chunks, stack, mbs, watched, post_loss, model, grads)
+    into_pre = _into_pre(parts, whole, rest, ticks)
     backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
-    branches = {IDLE: lambda state, i: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
+    branches = {IDLE: lambda state, i, k: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
     kept = [], []
     if ticked.weights:
-        halves = zero_bubble.halves(parts.layer, prepare, stack, frozen_stack, active, h_shape, mb0)
-        kept = halves.kept_shapes((ticked.weights,)), halves.residual_shapes((ticked.residuals,))
-        branches.update(_split_backward(halves, mbs, ticked, into_pre, zeros_h))
-    run_op = _switch(branches, ticked.table)
+        halves = zero_bubble.halves(
+            parts.layer, prepare, stack, frozen_stack, active, h_shape, mb0, layout.slots
+        )
+        v = 2 if vee else 1
+        kept = (
+            halves.kept_shapes((v * ticked.weights,)),
+            halves.residual_shapes((v * ticked.residuals,)),
+        )
+        branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
+    run_op = _switch(branches, ticked.table, vee)
 
     def tick(state, t):
-        state, send_f, send_b = run_op(table_j[t, stage, 0], state, table_j[t, stage, 1])
-        return _hand_over(ticks, t, state, send_f, send_b, zeros_h), None
+        op = table_j[t, stage]
+        state, send_r, send_l = run_op(op, state)
+        return _hand_over(ticks, t, state, send_r, send_l, zeros_h), None
 
     reports = _no_reports(parts, whole(rest), h_shape, mb0)
-    one = (stack, zeros_h, mb0)  # QK-clip's maxima's shapes from a forward like a tick's
-    maxima = _lowest_maxima(clip_rules, lambda: watched(*one), parts, whole(rest), mb0, 1)
-    state = _empty_slots(h_shape, slots_n, stack, rest, reports, kept, maxima)
+    one = (chunks.of(stack, 0), zeros_h, mb0)  # QK-clip's maxima's shapes from a tick's forward
+    v = 2 if vee else 1
+    maxima = _lowest_maxima(clip_rules, lambda: watched(*one), parts, whole(rest), mb0, v)
+    state = _empty_slots(h_shape, v * slots_n, stack, rest, reports, kept, maxima)
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
-    grads = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
-    (g_rest_storage,) = rest_vjp(grads)
     reports = _with_maxima(state.reports, state.maxima, clip_rules)
+    if not grads:
+        return state.loss, reports
+    grads_ = jax.tree.map(lambda g, r: g.astype(r.dtype), state.g_rest, rest)
+    (g_rest_storage,) = rest_vjp(grads_)
     return (state.loss, reports), {**state.g_stack, **g_rest_storage}
 
 
-def _into_pre(parts, whole, rest: dict, stage):
-    """(state, the stage input's gradient, micro-batch) -> the rest's gradient with the
-    first stage's embedding part added (the others' unchanged)."""
+def _forward(ticks: _Ticks, chunks: _Chunks, stack, mbs, watched, post_loss, model, grads):
+    """The forward tick of micro-batch i on the device's chunk k: the pipeline's first
+    chunk embeds it; its last takes the loss and, with `grads`, its gradient, filed
+    for the chunk's backward."""
+    parts, whole, rest, h_shape = model
 
-    def into_pre(state: _Slots, d_x, mb) -> dict:
+    def forward(state: _Slots, i, k):
+        mb, slot = _take(mbs, i), ticks.slot(k, i)
+        x = jax.lax.cond(
+            ticks.is_chunk(k, 0),
+            lambda: parts.pre(whole(rest), mb),
+            lambda: _take(state.acts, slot),
+        )
+        acts = _put(state.acts, slot, x)
+        y, seen = watched(chunks.of(stack, k), x, mb, k)
+        maxima = qk_clip.raised(state.maxima, seen, k * chunks.slots if chunks.vee else 0)
+
+        def last(args):
+            gins, g_rest, loss, reports = args
+            if not grads:
+                value, more = post_loss(rest, y, mb)
+            else:
+                value, vjp, more = jax.vjp(post_loss, rest, y, mb, has_aux=True)
+                d_rest, d_y, _ = vjp(jnp.ones((), jnp.float32))
+                g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+                gins = _put(gins, slot, d_y)
+            return gins, g_rest, loss + value, jax.tree.map(jnp.add, reports, more)
+
+        carried = (state.gins, state.g_rest, state.loss, state.reports)
+        gins, g_rest, loss, reports = jax.lax.cond(
+            ticks.is_chunk(k, -1), last, lambda a: a, carried
+        )
+        state = state._replace(
+            acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports, maxima=maxima
+        )
+        return state, y, _zeros(h_shape)
+
+    return forward
+
+
+def _into_pre(parts, whole, rest: dict, ticks: _Ticks):
+    """(state, the chunk input's gradient, micro-batch, chunk k) -> the rest's gradient
+    with the embedding's part added on the pipeline's first chunk (others unchanged)."""
+
+    def into_pre(state: _Slots, d_x, mb, k) -> dict:
         def first(g_rest):
             _, vjp_pre = jax.vjp(lambda r: parts.pre(whole(r), mb), rest)
             return jax.tree.map(jnp.add, g_rest, vjp_pre(d_x)[0])
 
-        return jax.lax.cond(stage == 0, first, lambda g: g, state.g_rest)
+        return jax.lax.cond(ticks.is_chunk(k, 0), first, lambda g: g, state.g_rest)
 
     return into_pre
 
@@ -383,48 +474,62 @@ def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):
     """1f1b's backward tick: the chunk recomputed from its stage input, then both
     gradients at once."""
 
-    def backward(state: _Slots, i):
+    def backward(state: _Slots, i, k):
         mb, slot = _take(mbs, i), i % slots_n
         _, vjp = jax.vjp(lambda s, x: run_chunk(s, x, mb), stack, _take(state.acts, slot))
         d_stack, d_x = vjp(_take(state.gins, slot))
         g_stack = jax.tree.map(jnp.add, state.g_stack, d_stack)
-        return state._replace(g_stack=g_stack, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
+        g_rest = into_pre(state, d_x, mb, k)
+        return state._replace(g_stack=g_stack, g_rest=g_rest), zeros_h, d_x
 
     return backward
 
 
-def _switch(branches: dict, table: np.ndarray):
-    """(kind, state, micro-batch) -> the branch of that kind, run: a switch over only
-    the kinds the table holds (1f1b's program has no B or W branch)."""
+def _switch(branches: dict, table: np.ndarray, vee: bool):
+    """(op (kind, micro-batch, chunk k), state) -> (state, to the next device, to the
+    previous one): the branch of that kind, run (a switch over only the kinds the table
+    holds: 1f1b's program has no B or W branch). A branch returns (state, its output,
+    its input's gradient); a V's second chunk sends them the other way."""
     kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
     which = np.zeros(max(kinds) + 1, np.int32)
     which[kinds] = np.arange(len(kinds))
     which = jnp.asarray(which)
-    return lambda kind, state, i: jax.lax.switch(
-        which[kind], [branches[k] for k in kinds], state, i
-    )
+
+    def run(op, state):
+        kind, i, k = op[0], op[1], op[2]
+        state, y, d_x = jax.lax.switch(which[kind], [branches[c] for c in kinds], state, i, k)
+        if not vee:
+            return state, y, d_x
+        out = jax.tree.map(jnp.add, y, d_x)  # TRY
+        return state, out, out
+
+    return run
 
 
-def _split_backward(halves, mbs, ticked, into_pre, zeros_h) -> dict:
+def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunks, zeros_h):
     """The zero-bubble ticks: R files the chunk's residuals for B; B hands the input's
     gradient back and files what W reads; W adds the weights' gradients."""
+    first = lambda k: k * chunks.slots if chunks.vee else 0  # noqa: E731  (the chunk's layer slot)
 
-    def recompute(state: _Slots, i):
-        residuals = halves.recompute(_take(state.acts, i % ticked.inputs), _take(mbs, i))
-        recomputed = _put(state.recomputed, i % ticked.residuals, residuals)
+    def recompute(state: _Slots, i, k):
+        x = _take(state.acts, ticks.slot(k, i))
+        residuals = halves.recompute(x, _take(mbs, i), first(k))
+        recomputed = _put(state.recomputed, ticks.slot(k, i, ticked.residuals), residuals)
         return state._replace(recomputed=recomputed), zeros_h, zeros_h
 
-    def input_grad(state: _Slots, i):
+    def input_grad(state: _Slots, i, k):
         mb = _take(mbs, i)
-        residuals = _take(state.recomputed, i % ticked.residuals)
-        gin = _take(state.gins, i % ticked.inputs)
-        d_x, kept = halves.input_grad(residuals, gin, mb)
-        held = _put(state.held, i % ticked.weights, kept)
-        return state._replace(held=held, g_rest=into_pre(state, d_x, mb)), zeros_h, d_x
+        residuals = _take(state.recomputed, ticks.slot(k, i, ticked.residuals))
+        gin = _take(state.gins, ticks.slot(k, i))
+        d_x, kept = halves.input_grad(residuals, gin, mb, first(k))
+        held = _put(state.held, ticks.slot(k, i, ticked.weights), kept)
+        g_rest = into_pre(state, d_x, mb, k)
+        return state._replace(held=held, g_rest=g_rest), zeros_h, d_x
 
-    def weight_grad(state: _Slots, i):
-        grads = halves.weight_grad(_take(state.held, i % ticked.weights), _take(mbs, i))
-        g_stack = {k: g + grads[k][None].astype(g.dtype) for k, g in state.g_stack.items()}
+    def weight_grad(state: _Slots, i, k):
+        kept = _take(state.held, ticks.slot(k, i, ticked.weights))
+        grads = halves.weight_grad(kept, _take(mbs, i), first(k))
+        g_stack = chunks.add(state.g_stack, {key: g[None] for key, g in grads.items()}, k)
         return state._replace(g_stack=g_stack), zeros_h, zeros_h
 
     return {RECOMPUTE: recompute, INPUT: input_grad, WEIGHT: weight_grad}

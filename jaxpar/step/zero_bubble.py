@@ -28,8 +28,8 @@ class Halves:
 
     split: Split
     args: Callable  # (layer index, micro-batch) -> (trained leaves, (micro-batch, frozen))
-    active: jax.Array  # [layers] bool: the stage's real layers (the rest pad)
-    layers: int
+    active: jax.Array  # [the device's layer slots] bool: its real layers (the rest pad)
+    layers: int  # layer slots a chunk (a device holds one chunk, or two in a V)
 
     def kept_shapes(self, lead: tuple[int, ...]):
         """Zeros for `lead` slots of what B keeps for W."""
@@ -42,17 +42,21 @@ class Halves:
     def _zeros(self, which, lead: tuple[int, ...]):
         return [jnp.zeros(lead + s.shape, s.dtype) for s in self.split.shapes(which)]
 
-    def recompute(self, x, mb):
-        """The chunk's R: each layer's residuals, [layers, ...] each."""
+    def _slots(self, first):
+        return first + jnp.arange(self.layers)
+
+    def recompute(self, x, mb, first=0):
+        """The R of the chunk from layer slot `first`: each layer's residuals, [layers,
+        ...] each."""
         sp, no_res = self.split, self._zeros(self.split.residuals, ())
 
         def forward(h, n):
             w, aux = self.args(n, mb)
             return jax.lax.cond(self.active[n], lambda: sp.forward(w, h, aux), lambda: (h, no_res))
 
-        return jax.lax.scan(forward, x, jnp.arange(self.layers))[1]
+        return jax.lax.scan(forward, x, self._slots(first))[1]
 
-    def input_grad(self, residuals, dy, mb):
+    def input_grad(self, residuals, dy, mb, first=0):
         """(dx, kept [layers, ...] each): the chunk's B, from R's residuals."""
         sp, no_kept = self.split, self._zeros(self.split.kept, ())
 
@@ -63,9 +67,9 @@ class Halves:
                 self.active[n], lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept)
             )
 
-        return jax.lax.scan(backward, dy, (jnp.arange(self.layers), residuals), reverse=True)
+        return jax.lax.scan(backward, dy, (self._slots(first), residuals), reverse=True)
 
-    def weight_grad(self, kept, mb):
+    def weight_grad(self, kept, mb, first=0):
         """The chunk's W: its trained leaves' gradients, [layers, ...] each."""
         sp = self.split
 
@@ -77,14 +81,14 @@ class Halves:
                 self.active[n], lambda: sp.weight_grad(k, w, aux), lambda: zeros
             )
 
-        _, grads = jax.lax.scan(one, None, (jnp.arange(self.layers), kept))
+        _, grads = jax.lax.scan(one, None, (self._slots(first), kept))
         return grads
 
 
-def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb) -> Halves:
-    """`layer(params, h, micro-batch)` over this device's `stack` ([1, layers, ...] each;
-    `frozen`: the stack's leaves not trained) as R, B and W, split at the shapes of
-    one layer, activation `h_shape` and micro-batch `mb`."""
+def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb, layers: int) -> Halves:
+    """`layer(params, h, micro-batch)` over this device's `stack` ([1, slots, ...] each;
+    `frozen`: the stack's leaves not trained) as R, B and W of chunks of `layers` slots,
+    split at the shapes of one layer, activation `h_shape` and micro-batch `mb`."""
 
     def args(n, mb):
         def pick(tree):
@@ -101,4 +105,4 @@ def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb) -> Ha
     shape = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     w, aux = args(0, mb)
     made = split(fn, shape(w), h_shape, shape(aux))
-    return Halves(split=made, args=args, active=active, layers=active.shape[0])
+    return Halves(split=made, args=args, active=active, layers=layers)
