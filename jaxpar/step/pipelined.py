@@ -8,6 +8,9 @@ and `context`). `value_and_grad` is the one entry for all of them:
   recomputes its chunk from the stage input kept since its forward.
 - zb-h1: as 1f1b, with B and W ticks for each backward's two halves
   (jaxpar.step.zero_bubble).
+- zbv: zb-h1's ticks on two chunks a device in a V, each op naming its chunk; the
+  hand-overs go both ways, and the V turns on the last device with none. Its
+  evaluation runs its forward ticks alone (the circular loop assumes round-robin chunks).
 """
 
 from __future__ import annotations
