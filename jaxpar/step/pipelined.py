@@ -492,7 +492,9 @@ def _switch(branches: dict, table: np.ndarray, vee: bool):
     """(op (kind, micro-batch, chunk k), state) -> (state, to the next device, to the
     previous one): the branch of that kind, run (a switch over only the kinds the table
     holds: 1f1b's program has no B or W branch). A branch returns (state, its output,
-    its input's gradient); a V's second chunk sends them the other way."""
+    its input's gradient), one of them zeros; a V's chunks send them both ways, so a V
+    sends the one made both ways, and each neighbour files it only where the sender's op
+    and chunk say it came its way (`_file`)."""
     kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
     which = np.zeros(max(kinds) + 1, np.int32)
     which[kinds] = np.arange(len(kinds))
@@ -503,8 +505,8 @@ def _switch(branches: dict, table: np.ndarray, vee: bool):
         state, y, d_x = jax.lax.switch(which[kind], [branches[c] for c in kinds], state, i, k)
         if not vee:
             return state, y, d_x
-        out = jax.tree.map(jnp.add, y, d_x)  # TRY
-        return state, out, out
+        made = jax.tree.map(jnp.add, y, d_x)  # the one that is not zeros
+        return state, made, made
 
     return run
 
