@@ -402,10 +402,9 @@ def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Work
     acts = alive * layers * split.micro * kept * compute_bytes
     if p > 1 and par.schedule in SPLIT:
         # and one chunk's recomputed residuals (R to B), and what B keeps for W of each
-        # micro-batch in flight: at most what a layer saves for its backward (a V: its
-        # table's counts a chunk, each chunk half the device's layers)
-        # (a V's table, tested at p 2-8: up to 2p - 1 inputs a chunk, one slot of
-        # residuals, p of W's inputs)
+        # micro-batch in flight: at most what a layer saves for its backward (a V's
+        # table, tested at p 2-16: up to 2p - 1 inputs a chunk, one slot of residuals and
+        # p of W's inputs, each chunk half the device's layers)
         inputs = min(2 * p - 1, par.microbatches) if par.schedule in V_SHAPED else alive
         kept = 1 + alive
         whole = work.layer_elements(t, c) * compute_bytes

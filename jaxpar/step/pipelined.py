@@ -320,6 +320,20 @@ class _Chunks(NamedTuple):
     slots: int  # layer slots a chunk
     vee: bool  # two chunks (a V), else one: the whole stack
 
+    @property
+    def count(self) -> int:
+        return 2 if self.vee else 1
+
+    def first(self, k):
+        """The device's layer slot where its k-th chunk starts."""
+        return k * self.slots if self.vee else 0
+
+    def active(self, active, k):
+        """The k-th chunk's part of the device's [slots] mask of real layers."""
+        return (
+            jax.lax.dynamic_slice_in_dim(active, k * self.slots, self.slots) if self.vee else active
+        )
+
     def of(self, tree: dict, k) -> dict:
         """The device's k-th chunk of a stacked tree."""
         if not self.vee:
@@ -367,8 +381,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
     def run_chunk(local_stack, x, mb, k=0):
         local = {**chunks.of(frozen_stack, k), **local_stack}
         local = prepare({key: val[0] for key, val in local.items()})
-        on = jax.lax.dynamic_slice_in_dim(active, k * chunks.slots, chunks.slots) if vee else active
-        return parts.chunk(local, x, on, mb)
+        return parts.chunk(local, x, chunks.active(active, k), mb)
 
     watched = qk_clip.watching_chunk(run_chunk, clip_rules)
 
@@ -376,7 +389,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
         value, reports = _reported_post(parts, whole(r), y, mb)
         return value / count, reports
 
-    model = (parts, whole, rest, h_shape)
+    model = (parts, whole, rest, zeros_h)
     forward = _forward(ticks, chunks, stack, mbs, watched, post_loss, model, grads)
     into_pre = _into_pre(parts, whole, rest, ticks)
     backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
@@ -386,10 +399,9 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
         halves = zero_bubble.halves(
             parts.layer, prepare, stack, frozen_stack, active, h_shape, mb0, layout.slots
         )
-        v = 2 if vee else 1
         kept = (
-            halves.kept_shapes((v * ticked.weights,)),
-            halves.residual_shapes((v * ticked.residuals,)),
+            halves.kept_shapes((chunks.count * ticked.weights,)),
+            halves.residual_shapes((chunks.count * ticked.residuals,)),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
     run_op = _switch(branches, ticked.table, vee)
@@ -401,9 +413,10 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
 
     reports = _no_reports(parts, whole(rest), h_shape, mb0)
     one = (chunks.of(stack, 0), zeros_h, mb0)  # QK-clip's maxima's shapes from a tick's forward
-    v = 2 if vee else 1
-    maxima = _lowest_maxima(clip_rules, lambda: watched(*one), parts, whole(rest), mb0, v)
-    state = _empty_slots(h_shape, v * slots_n, stack, rest, reports, kept, maxima)
+    maxima = _lowest_maxima(
+        clip_rules, lambda: watched(*one), parts, whole(rest), mb0, chunks.count
+    )
+    state = _empty_slots(h_shape, chunks.count * slots_n, stack, rest, reports, kept, maxima)
     with jax.named_scope(TICKS_SCOPE):
         state, _ = jax.lax.scan(tick, state, jnp.arange(table_j.shape[0]))
     reports = _with_maxima(state.reports, state.maxima, clip_rules)
@@ -418,7 +431,7 @@ def _forward(ticks: _Ticks, chunks: _Chunks, stack, mbs, watched, post_loss, mod
     """The forward tick of micro-batch i on the device's chunk k: the pipeline's first
     chunk embeds it; its last takes the loss and, with `grads`, its gradient, filed
     for the chunk's backward."""
-    parts, whole, rest, h_shape = model
+    parts, whole, rest, zeros_h = model
 
     def forward(state: _Slots, i, k):
         mb, slot = _take(mbs, i), ticks.slot(k, i)
@@ -429,7 +442,7 @@ def _forward(ticks: _Ticks, chunks: _Chunks, stack, mbs, watched, post_loss, mod
         )
         acts = _put(state.acts, slot, x)
         y, seen = watched(chunks.of(stack, k), x, mb, k)
-        maxima = qk_clip.raised(state.maxima, seen, k * chunks.slots if chunks.vee else 0)
+        maxima = qk_clip.raised(state.maxima, seen, chunks.first(k))
 
         def last(args):
             gins, g_rest, loss, reports = args
@@ -449,7 +462,7 @@ def _forward(ticks: _Ticks, chunks: _Chunks, stack, mbs, watched, post_loss, mod
         state = state._replace(
             acts=acts, gins=gins, g_rest=g_rest, loss=loss, reports=reports, maxima=maxima
         )
-        return state, y, _zeros(h_shape)
+        return state, y, zeros_h
 
     return forward
 
@@ -514,11 +527,10 @@ def _switch(branches: dict, table: np.ndarray, vee: bool):
 def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunks, zeros_h):
     """The zero-bubble ticks: R files the chunk's residuals for B; B hands the input's
     gradient back and files what W reads; W adds the weights' gradients."""
-    first = lambda k: k * chunks.slots if chunks.vee else 0  # noqa: E731  (the chunk's layer slot)
 
     def recompute(state: _Slots, i, k):
         x = _take(state.acts, ticks.slot(k, i))
-        residuals = halves.recompute(x, _take(mbs, i), first(k))
+        residuals = halves.recompute(x, _take(mbs, i), chunks.first(k))
         recomputed = _put(state.recomputed, ticks.slot(k, i, ticked.residuals), residuals)
         return state._replace(recomputed=recomputed), zeros_h, zeros_h
 
@@ -526,14 +538,14 @@ def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunk
         mb = _take(mbs, i)
         residuals = _take(state.recomputed, ticks.slot(k, i, ticked.residuals))
         gin = _take(state.gins, ticks.slot(k, i))
-        d_x, kept = halves.input_grad(residuals, gin, mb, first(k))
+        d_x, kept = halves.input_grad(residuals, gin, mb, chunks.first(k))
         held = _put(state.held, ticks.slot(k, i, ticked.weights), kept)
         g_rest = into_pre(state, d_x, mb, k)
         return state._replace(held=held, g_rest=g_rest), zeros_h, d_x
 
     def weight_grad(state: _Slots, i, k):
         kept = _take(state.held, ticks.slot(k, i, ticked.weights))
-        grads = halves.weight_grad(kept, _take(mbs, i), first(k))
+        grads = halves.weight_grad(kept, _take(mbs, i), chunks.first(k))
         g_stack = chunks.add(state.g_stack, {key: g[None] for key, g in grads.items()}, k)
         return state._replace(g_stack=g_stack), zeros_h, zeros_h
 
