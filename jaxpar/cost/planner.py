@@ -253,8 +253,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     work.check(mesh)  # the model's dims against the mesh: once a mesh
                 except ConfigError:
                     continue
-                for cfg in _layouts(base, mesh, strategy, trains, work.layers):
-                    try:
+                for par, train in _layouts(base, mesh, strategy, trains, work.layers):
+                    try:  # the batch's arithmetic first: most fail it, before a Config is made
+                        batch_split(train, par, mesh)
+                        cfg = dataclasses.replace(base, parallel=par, train=train)
                         check_train(cfg, mesh)
                     except ConfigError:
                         continue
@@ -262,9 +264,10 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
 
 
 def _layouts(base: Config, mesh: dict, strategy, trains: dict, layers: int):
-    """The configs of one mesh: ZeRO stage (where there are data-parallel copies to split
-    over), offload, micro-batches, recomputation, schedule and gradient accumulation
-    (`trains`: base.train by grad_accum), for a model of `layers` layers."""
+    """The (parallel, train) sections of one mesh's configs: ZeRO stage (where there are
+    data-parallel copies to split over), offload, micro-batches, recomputation, schedule
+    and gradient accumulation (`trains`: base.train by grad_accum), for a model of
+    `layers` layers."""
     p, r = mesh[PIPE], mesh[REPLICA]
     copies = r * mesh[DATA] * mesh[EXPERT]
     for zero, offload, micro, remat, schedule in itertools.product(
@@ -305,7 +308,7 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict, layers: int):
             virtual_stages=1,
         )
         for train in trains.values():
-            yield dataclasses.replace(base, parallel=par, train=train)
+            yield par, train
 
 
 def _inside_host(per_host: int, attention: bool):

@@ -59,12 +59,15 @@ def _check_adapter(adapter: Adapter, par: Parallel) -> None:
 
 def _check_muon(train: Train, muon: Muon) -> None:
     """muon.* keys tune Muon only: set for another optimizer, they are refused."""
+    default = Muon()
+    if train.optimizer is Optimizer.MUON or muon == default:
+        return
     changed = [
         f"muon.{f.name}={getattr(muon, f.name)}"
         for f in dataclasses.fields(muon)
-        if getattr(muon, f.name) != getattr(Muon(), f.name)
+        if getattr(muon, f.name) != getattr(default, f.name)
     ]
-    if changed and train.optimizer is not Optimizer.MUON:
+    if changed:
         raise ConfigError(
             f"{', '.join(changed)} with train.optimizer={train.optimizer}: the muon.* keys "
             "tune Muon only; set train.optimizer=muon, or drop them"
