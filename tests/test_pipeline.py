@@ -352,15 +352,27 @@ def _temp(schedule: str, m: int) -> int:
     ).memory_per_device.temp
 
 
-@pytest.mark.slow  # compiles six steps
+# What a zero-bubble B keeps for its W, a layer of gpt-tiny (d = 64) and a token: each
+# weight product's input and output gradient (wqkv 1 + 3 d, wo 1 + 1, w_up 1 + 4,
+# w_down 4 + 1) and the two norms' (2 + 2): 20 d floats
+W_KEPT_PER_TOKEN_LAYER = 20 * 64 * 4
+
+
+@pytest.mark.slow  # compiles seven steps
 def test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe(devices):
     """p=2, m=8, micro-batches of 2 sequences: 1f1b keeps ~p stage inputs, gpipe all m;
-    zb-h1 adds one chunk's residuals and p micro-batches' W inputs, flat in m too."""
+    the zero-bubble schedules hold no more than 1f1b does (their one slot of recomputed
+    residuals is what 1f1b's backward holds while it runs) and their W slots: p
+    micro-batches of W's inputs, flat in m too."""
     assert _temp("1f1b", 8) <= 0.6 * _temp("gpipe", 8)
     gpipe_growth = _temp("gpipe", 16) - _temp("gpipe", 8)
     one_f_growth = _temp("1f1b", 16) - _temp("1f1b", 8)
     assert one_f_growth < 0.25 * gpipe_growth
     assert _temp("zb-h1", 16) - _temp("zb-h1", 8) < 0.25 * gpipe_growth
+    # zb-h1: 2 W slots of the chunk's 2 layers; zbv: 2 a chunk, of its 1 layer, 2 chunks
+    w_slots = 2 * 2 * (2 * 64) * W_KEPT_PER_TOKEN_LAYER  # slots x layers x tokens x bytes
+    for schedule in ("zb-h1", "zbv"):
+        assert _temp(schedule, 8) - _temp("1f1b", 8) <= w_slots, schedule
 
 
 @pytest.mark.slow  # compiles pipelines

@@ -142,8 +142,13 @@ def _zeros(shapes, lead: tuple[int, ...] = ()):
 
 
 def _put(buffers, slot, value):
-    """buffers[slot] = value, leaf by leaf (in the buffers' dtypes)."""
-    return jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), buffers, value)
+    """buffers[slot] = value, leaf by leaf (in the buffers' dtypes): an update in place
+    (`.at[slot].set` is a scatter, whose bounds check selects over the whole buffer)."""
+    return jax.tree.map(
+        lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0),
+        buffers,
+        value,
+    )
 
 
 def _select(which, a, b):
@@ -393,18 +398,19 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
     forward = _forward(ticks, chunks, stack, mbs, watched, post_loss, model, grads)
     into_pre = _into_pre(parts, whole, rest, ticks)
     backward = _fused_backward(run_chunk, stack, mbs, slots_n, into_pre, zeros_h)
-    branches = {IDLE: lambda state, i, k: (state, zeros_h, zeros_h), FWD: forward, BWD: backward}
+    branches = {FWD: forward, BWD: backward}
     kept = [], []
     if ticked.weights:
+        padded = active if (layout.slot_layer < 0).any() else None
         halves = zero_bubble.halves(
-            parts.layer, prepare, stack, frozen_stack, active, h_shape, mb0, layout.slots
+            parts.layer, prepare, stack, frozen_stack, padded, h_shape, mb0, layout.slots
         )
         kept = (
             halves.kept_shapes((chunks.count * ticked.weights,)),
             halves.residual_shapes((chunks.count * ticked.residuals,)),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
-    run_op = _switch(branches, ticked.table, vee)
+    run_op = _switch(branches, ticked.table, vee, zeros_h)
 
     def tick(state, t):
         op = table_j[t, stage]
@@ -501,21 +507,25 @@ def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):
     return backward
 
 
-def _switch(branches: dict, table: np.ndarray, vee: bool):
+def _switch(branches: dict, table: np.ndarray, vee: bool, zeros_h):
     """(op (kind, micro-batch, chunk k), state) -> (state, to the next device, to the
-    previous one): the branch of that kind, run (a switch over only the kinds the table
-    holds: 1f1b's program has no B or W branch). A branch returns (state, its output,
+    previous one): the branch of that kind, run. A branch returns (state, its output,
     its input's gradient), one of them zeros; a V's chunks send them both ways, so a V
     sends the one made both ways, and each neighbour files it only where the sender's op
-    and chunk say it came its way (`_file`)."""
-    kinds = sorted({int(k) for k in np.unique(table[..., 0])} | {IDLE})
-    which = np.zeros(max(kinds) + 1, np.int32)
-    which[kinds] = np.arange(len(kinds))
-    which = jnp.asarray(which)
+    and chunk say it came its way (`_file`).
+
+    One two-way `cond` a kind the table holds (1f1b's program has no R, B or W), one
+    after the other, not one switch over them all: XLA:CPU copies every buffer a switch
+    carries whose branches write different ones (each slot buffer of the zero-bubble
+    ticks, in and out, every tick), where a chain of conds updates each in place."""
+    kinds = sorted({int(k) for k in np.unique(table[..., 0])} - {IDLE})
 
     def run(op, state):
         kind, i, k = op[0], op[1], op[2]
-        state, y, d_x = jax.lax.switch(which[kind], [branches[c] for c in kinds], state, i, k)
+        out = state, zeros_h, zeros_h
+        for c in kinds:
+            out = jax.lax.cond(kind == c, lambda o, c=c: branches[c](o[0], i, k), lambda o: o, out)
+        state, y, d_x = out
         if not vee:
             return state, y, d_x
         made = jax.tree.map(jnp.add, y, d_x)  # the one that is not zeros

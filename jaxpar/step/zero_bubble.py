@@ -28,7 +28,9 @@ class Halves:
 
     split: Split
     args: Callable  # (layer index, micro-batch) -> (trained leaves, (micro-batch, frozen))
-    active: jax.Array  # [the device's layer slots] bool: its real layers (the rest pad)
+    active: jax.Array | None  # [the device's layer slots] bool: its real layers (the rest
+    # pad); None: every slot is a layer, and none is branched on (XLA makes a branch per
+    # layer a select, computing both sides and keeping each side's buffers)
     layers: int  # layer slots a chunk (a device holds one chunk, or two in a V)
 
     def kept_shapes(self, lead: tuple[int, ...]):
@@ -45,6 +47,10 @@ class Halves:
     def _slots(self, first):
         return first + jnp.arange(self.layers)
 
+    def _if_layer(self, n, run, pad):
+        """run() where slot n holds a layer, pad() where it pads the stack."""
+        return run() if self.active is None else jax.lax.cond(self.active[n], run, pad)
+
     def recompute(self, x, mb, first=0):
         """The R of the chunk from layer slot `first`: each layer's residuals, [layers,
         ...] each."""
@@ -52,7 +58,7 @@ class Halves:
 
         def forward(h, n):
             w, aux = self.args(n, mb)
-            return jax.lax.cond(self.active[n], lambda: sp.forward(w, h, aux), lambda: (h, no_res))
+            return self._if_layer(n, lambda: sp.forward(w, h, aux), lambda: (h, no_res))
 
         return jax.lax.scan(forward, x, self._slots(first))[1]
 
@@ -63,9 +69,7 @@ class Halves:
         def backward(d, n_res):
             n, res = n_res
             w, aux = self.args(n, mb)
-            return jax.lax.cond(
-                self.active[n], lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept)
-            )
+            return self._if_layer(n, lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept))
 
         return jax.lax.scan(backward, dy, (self._slots(first), residuals), reverse=True)
 
@@ -77,9 +81,7 @@ class Halves:
             n, k = n_kept
             w, aux = self.args(n, mb)
             zeros = jax.tree.map(jnp.zeros_like, w)
-            return None, jax.lax.cond(
-                self.active[n], lambda: sp.weight_grad(k, w, aux), lambda: zeros
-            )
+            return None, self._if_layer(n, lambda: sp.weight_grad(k, w, aux), lambda: zeros)
 
         _, grads = jax.lax.scan(one, None, (self._slots(first), kept))
         return grads
