@@ -59,7 +59,8 @@ class Ticked(NamedTuple):
 
     table: np.ndarray  # [ticks, p, 3] of (action, micro-batch, the device's chunk k)
     inputs: int  # chunk inputs held at once (arrival to backward)
-    residuals: int  # chunks' recomputed residuals held at once (R to B; 1f1b: 0)
+    residuals: int  # recomputed residuals a device holds at once over its chunks (R to B;
+    # 1f1b: 0): one, as each B runs the tick after its R
     weights: int  # what B kept for W, held at once (B to W; 1f1b: 0)
 
 
@@ -210,9 +211,16 @@ def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
     return Ticked(
         np.array(rows, dtype=np.int32),
         inputs=_held(done, n, m, ticks, FWD, INPUT),
-        residuals=_held(done, n, m, ticks, RECOMPUTE, INPUT),
+        residuals=_most_recomputed(rows),
         weights=_held(done, n, m, ticks, INPUT, WEIGHT),
     )
+
+
+def _most_recomputed(rows: list) -> int:
+    """The most R's run whose B has not, on any device (its chunks together)."""
+    kinds = np.array(rows)[..., 0]
+    held = np.cumsum(kinds == RECOMPUTE, axis=0) - np.cumsum(kinds == INPUT, axis=0)
+    return int(held.max())
 
 
 def forward_table(p: int, m: int, vee: bool) -> Ticked:

@@ -220,7 +220,7 @@ class _Slots(NamedTuple):
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
     held: list  # [chunks x weight slots, layers, ...] each: what B kept for W (zero-bubble)
-    recomputed: list  # [chunks x residual slots, layers, ...] each: what R kept for B
+    recomputed: list  # [1, layers, ...] each: what R kept for B (one slot a device)
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
     maxima: list  # [layers, heads] each: QK-clip's largest logits so far (qk_clip.raised)
@@ -407,7 +407,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
         )
         kept = (
             halves.kept_shapes((chunks.count * ticked.weights,)),
-            halves.residual_shapes((chunks.count * ticked.residuals,)),
+            halves.residual_shapes((ticked.residuals,)),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
     run_op = _switch(branches, ticked.table, vee, zeros_h)
@@ -538,24 +538,24 @@ def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunk
     """The zero-bubble ticks: R files the chunk's residuals for B; B hands the input's
     gradient back and files what W reads; W adds the weights' gradients."""
 
+    if ticked.residuals != 1:  # the residuals' one slot, whichever chunk R ran
+        raise ValueError(f"a zero-bubble table holding {ticked.residuals} R's before their B")
+
     def recompute(state: _Slots, i, k):
         x = _take(state.acts, ticks.slot(k, i))
-        residuals = halves.recompute(x, _take(mbs, i), chunks.first(k))
-        recomputed = _put(state.recomputed, ticks.slot(k, i, ticked.residuals), residuals)
+        recomputed = halves.recompute(x, _take(mbs, i), chunks.first(k), state.recomputed, 0)
         return state._replace(recomputed=recomputed), zeros_h, zeros_h
 
     def input_grad(state: _Slots, i, k):
-        mb = _take(mbs, i)
-        residuals = _take(state.recomputed, ticks.slot(k, i, ticked.residuals))
-        gin = _take(state.gins, ticks.slot(k, i))
-        d_x, kept = halves.input_grad(residuals, gin, mb, chunks.first(k))
-        held = _put(state.held, ticks.slot(k, i, ticked.weights), kept)
+        mb, gin = _take(mbs, i), _take(state.gins, ticks.slot(k, i))
+        slot, first = ticks.slot(k, i, ticked.weights), chunks.first(k)
+        d_x, held = halves.input_grad(state.recomputed, 0, gin, mb, first, state.held, slot)
         g_rest = into_pre(state, d_x, mb, k)
         return state._replace(held=held, g_rest=g_rest), zeros_h, d_x
 
     def weight_grad(state: _Slots, i, k):
-        kept = _take(state.held, ticks.slot(k, i, ticked.weights))
-        grads = halves.weight_grad(kept, _take(mbs, i), chunks.first(k))
+        slot = ticks.slot(k, i, ticked.weights)
+        grads = halves.weight_grad(state.held, slot, _take(mbs, i), chunks.first(k))
         g_stack = chunks.add(state.g_stack, {key: g[None] for key, g in grads.items()}, k)
         return state._replace(g_stack=g_stack), zeros_h, zeros_h
 

@@ -44,47 +44,70 @@ class Halves:
     def _zeros(self, which, lead: tuple[int, ...]):
         return [jnp.zeros(lead + s.shape, s.dtype) for s in self.split.shapes(which)]
 
-    def _slots(self, first):
-        return first + jnp.arange(self.layers)
-
     def _if_layer(self, n, run, pad):
         """run() where slot n holds a layer, pad() where it pads the stack."""
         return run() if self.active is None else jax.lax.cond(self.active[n], run, pad)
 
-    def recompute(self, x, mb, first=0):
-        """The R of the chunk from layer slot `first`: each layer's residuals, [layers,
-        ...] each."""
+    def recompute(self, x, mb, first, into: list, slot) -> list:
+        """The R of the chunk from layer slot `first`: `into` ([slots, layers, ...] each)
+        with slot `slot` filled by each layer's residuals as the layer makes them (in
+        place: no chunk's worth of them stacked first)."""
         sp, no_res = self.split, self._zeros(self.split.residuals, ())
 
-        def forward(h, n):
+        def forward(carry, n_j):
+            (h, buffers), (n, j) = carry, n_j
             w, aux = self.args(n, mb)
-            return self._if_layer(n, lambda: sp.forward(w, h, aux), lambda: (h, no_res))
+            y, res = self._if_layer(n, lambda: sp.forward(w, h, aux), lambda: (h, no_res))
+            return (y, _written(buffers, res, slot, j)), None
 
-        return jax.lax.scan(forward, x, self._slots(first))[1]
+        return jax.lax.scan(forward, (x, into), self._numbered(first))[0][1]
 
-    def input_grad(self, residuals, dy, mb, first=0):
-        """(dx, kept [layers, ...] each): the chunk's B, from R's residuals."""
+    def input_grad(self, residuals: list, r_slot, dy, mb, first, into: list, w_slot):
+        """(dx, `into` with slot `w_slot` filled by what W reads): the chunk's B, top
+        down, from slot `r_slot` of R's `residuals`, each layer's read and written in
+        place."""
         sp, no_kept = self.split, self._zeros(self.split.kept, ())
 
-        def backward(d, n_res):
-            n, res = n_res
+        def backward(carry, n_j):
+            (d, buffers), (n, j) = carry, n_j
             w, aux = self.args(n, mb)
-            return self._if_layer(n, lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept))
+            res = _read(residuals, r_slot, j)
+            d, kept = self._if_layer(n, lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept))
+            return (d, _written(buffers, kept, w_slot, j)), None
 
-        return jax.lax.scan(backward, dy, (self._slots(first), residuals), reverse=True)
+        (dx, held), _ = jax.lax.scan(backward, (dy, into), self._numbered(first), reverse=True)
+        return dx, held
 
-    def weight_grad(self, kept, mb, first=0):
-        """The chunk's W: its trained leaves' gradients, [layers, ...] each."""
+    def weight_grad(self, held: list, slot, mb, first):
+        """The chunk's W from slot `slot` of what B kept: its trained leaves' gradients,
+        [layers, ...] each."""
         sp = self.split
 
-        def one(_, n_kept):
-            n, k = n_kept
+        def one(_, n_j):
+            n, j = n_j
             w, aux = self.args(n, mb)
             zeros = jax.tree.map(jnp.zeros_like, w)
-            return None, self._if_layer(n, lambda: sp.weight_grad(k, w, aux), lambda: zeros)
+            kept = _read(held, slot, j)
+            return None, self._if_layer(n, lambda: sp.weight_grad(kept, w, aux), lambda: zeros)
 
-        _, grads = jax.lax.scan(one, None, (self._slots(first), kept))
-        return grads
+        return jax.lax.scan(one, None, self._numbered(first))[1]
+
+    def _numbered(self, first):
+        """(the device's layer slot, its place in the chunk) of each of the chunk's."""
+        return first + jnp.arange(self.layers), jnp.arange(self.layers)
+
+
+def _read(buffers: list, slot, j) -> list:
+    """Each buffer's [slot, j]."""
+    return [jax.lax.dynamic_index_in_dim(b[slot], j, keepdims=False) for b in buffers]
+
+
+def _written(buffers: list, values: list, slot, j) -> list:
+    """Each buffer with [slot, j] = its value, in place."""
+    return [
+        jax.lax.dynamic_update_slice(b, v[None, None].astype(b.dtype), (slot, j) + (0,) * v.ndim)
+        for b, v in zip(buffers, values, strict=True)
+    ]
 
 
 def halves(layer, prepare, stack: dict, frozen: dict, active, h_shape, mb, layers: int) -> Halves:
