@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config, DpSync, Model, Optimizer, Parallel, Train
+from jaxpar.config.sections import Config, DpSync, Model, Muon, Optimizer, Parallel, Train
 from jaxpar.cost import blocks, ledger, newton_schulz, throughput
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import Pipeline, ReplicaCheck, Report
@@ -92,20 +92,20 @@ def describe_step(
         optimizer_groups=(
             groups(trained.trainable(trained.names)) if train.optimizer is Optimizer.MUON else {}
         ),
-        newton_schulz=_newton_schulz(cfg, trained, leaves, mesh_shape, model_flops),
+        newton_schulz=_newton_schulz(cfg.train, cfg.muon, trained, leaves, mesh_shape, model_flops),
     )
 
 
 def _newton_schulz(
-    cfg: Config, trained: Problem, leaves, mesh_shape: dict, model_flops: float | None
+    train: Train, muon: Muon, trained: Problem, leaves, mesh_shape: dict, model_flops
 ) -> dict:
     """Muon's Newton-Schulz FLOPs a step, temporaries and least bytes moved (its path's
     minimum) per device, and the model's FLOPs a step (`model_flops`, all devices') per device
     beside them; {} without Muon."""
-    if cfg.train.optimizer is not Optimizer.MUON:
+    if train.optimizer is not Optimizer.MUON:
         return {}
     trainable = trained.trainable(leaves), trained.trainable(trained.names)
-    ns = newton_schulz.cost(*trainable, cfg.muon.ns_steps)
+    ns = newton_schulz.cost(*trainable, muon.ns_steps)
     model = model_flops / math.prod(mesh_shape.values()) if model_flops else None
     return {
         "flops": ns.flops,

@@ -253,7 +253,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     work.check(mesh)  # the model's dims against the mesh: once a mesh
                 except ConfigError:
                     continue
-                for par, train in _layouts(base, mesh, strategy, trains, work.layers):
+                for par, train in _layouts(base.parallel, mesh, strategy, trains, work.layers):
                     try:  # the batch's arithmetic first: most fail it, before a Config is made
                         batch_split(train, par, mesh)
                         cfg = dataclasses.replace(base, parallel=par, train=train)
@@ -263,11 +263,11 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                     yield cfg, mesh
 
 
-def _layouts(base: Config, mesh: dict, strategy, trains: dict, layers: int):
-    """The (parallel, train) sections of one mesh's configs: ZeRO stage (where there are
-    data-parallel copies to split over), offload, micro-batches, recomputation, schedule
-    and gradient accumulation (`trains`: base.train by grad_accum), for a model of
-    `layers` layers."""
+def _layouts(parallel: Parallel, mesh: dict, strategy, trains: dict, layers: int):
+    """The (parallel, train) sections of one mesh's configs, `parallel` with its degrees
+    and ZeRO stage (where there are data-parallel copies to split over), offload,
+    micro-batches, recomputation and schedule set, and each of `trains` (the base's
+    train by grad_accum), for a model of `layers` layers."""
     p, r = mesh[PIPE], mesh[REPLICA]
     copies = r * mesh[DATA] * mesh[EXPERT]
     for zero, offload, micro, remat, schedule in itertools.product(
@@ -292,7 +292,7 @@ def _layouts(base: Config, mesh: dict, strategy, trains: dict, layers: int):
         ):
             continue
         par = dataclasses.replace(
-            base.parallel,
+            parallel,
             replica=r,
             data=mesh[DATA],
             expert=mesh[EXPERT],
