@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
@@ -168,7 +169,9 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     e.g. from jaxpar.stack).
 
     Every parameter of `stack` must have `layers` as its first logical name. `active`
-    ([layers] bool) skips the layers it marks False (a pipeline stage's padding). Where
+    ([layers] bool) skips the layers it marks False (a pipeline stage's padding); a
+    NumPy one that marks none is no branch at all (XLA would make a branch a layer a
+    select that keeps both sides' buffers). Where
     the step watches attention's largest logits (jaxpar.nn.logits), each layer's come
     out of the scan stacked and are handed on.
     """
@@ -203,7 +206,7 @@ def scan_layers(stack: nnx.Module, carry, fn: Callable, active: jax.Array | None
     unroll = 1
     if ctx:
         body, unroll = _checkpointed(body, ctx.keep), ctx.unroll
-    if active is None:
+    if active is None or (isinstance(active, np.ndarray) and active.all()):
         carry, maxima = jax.lax.scan(body, carry, state, unroll=unroll)
         if watched:
             logits.stacked(seen_in_layer, maxima)

@@ -383,10 +383,13 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
     h_shape = jax.eval_shape(lambda: parts.pre(whole(rest), mb0))
     zeros_h = _zeros(h_shape)
 
+    padded = (layout.slot_layer < 0).any()
+    every_slot = np.ones(layout.slots, bool)  # no slot pads: a constant, no branch a layer
+
     def run_chunk(local_stack, x, mb, k=0):
         local = {**chunks.of(frozen_stack, k), **local_stack}
         local = prepare({key: val[0] for key, val in local.items()})
-        return parts.chunk(local, x, chunks.active(active, k), mb)
+        return parts.chunk(local, x, chunks.active(active, k) if padded else every_slot, mb)
 
     watched = qk_clip.watching_chunk(run_chunk, clip_rules)
 
@@ -401,9 +404,9 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
     branches = {FWD: forward, BWD: backward}
     kept = [], []
     if ticked.weights:
-        padded = active if (layout.slot_layer < 0).any() else None
+        pads = active if padded else None
         halves = zero_bubble.halves(
-            parts.layer, prepare, stack, frozen_stack, padded, h_shape, mb0, layout.slots
+            parts.layer, prepare, stack, frozen_stack, pads, h_shape, mb0, layout.slots
         )
         kept = (
             halves.kept_shapes((chunks.count * ticked.weights,)),
