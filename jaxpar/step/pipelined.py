@@ -413,7 +413,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
             halves.residual_shapes((ticked.residuals,)),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
-    run_op = _switch(branches, ticked.table, vee, zeros_h)
+    run_op = _by_kind(branches, ticked.table, vee, zeros_h)
 
     def tick(state, t):
         op = table_j[t, stage]
@@ -510,7 +510,7 @@ def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):
     return backward
 
 
-def _switch(branches: dict, table: np.ndarray, vee: bool, zeros_h):
+def _by_kind(branches: dict, table: np.ndarray, vee: bool, zeros_h):
     """(op (kind, micro-batch, chunk k), state) -> (state, to the next device, to the
     previous one): the branch of that kind, run. A branch returns (state, its output,
     its input's gradient), one of them zeros; a V's chunks send them both ways, so a V
