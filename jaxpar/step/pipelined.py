@@ -220,7 +220,7 @@ class _Slots(NamedTuple):
     g_stack: dict  # gradient of this device's layers so far (fp32)
     g_rest: dict  # gradient of the rest (embedding, head, ...) so far (fp32)
     held: list  # [chunks x weight slots, layers, ...] each: what B kept for W (zero-bubble)
-    recomputed: list  # [1, layers, ...] each: what R kept for B (one slot a device)
+    recomputed: list  # [layers, ...] each: what R kept for B (one slot a device)
     loss: jax.Array  # this device's summed loss so far
     reports: dict  # what the model reported, summed so far (jaxpar.report)
     maxima: list  # [layers, heads] each: QK-clip's largest logits so far (qk_clip.raised)
@@ -410,7 +410,7 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
         )
         kept = (
             halves.kept_shapes((chunks.count * ticked.weights,)),
-            halves.residual_shapes((ticked.residuals,)),
+            halves.residual_shapes(),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
     run_op = _by_kind(branches, ticked.table, vee, zeros_h)
@@ -546,13 +546,13 @@ def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunk
 
     def recompute(state: _Slots, i, k):
         x = _take(state.acts, ticks.slot(k, i))
-        recomputed = halves.recompute(x, _take(mbs, i), chunks.first(k), state.recomputed, 0)
+        recomputed = halves.recompute(x, _take(mbs, i), chunks.first(k), state.recomputed)
         return state._replace(recomputed=recomputed), zeros_h, zeros_h
 
     def input_grad(state: _Slots, i, k):
         mb, gin = _take(mbs, i), _take(state.gins, ticks.slot(k, i))
         slot, first = ticks.slot(k, i, ticked.weights), chunks.first(k)
-        d_x, held = halves.input_grad(state.recomputed, 0, gin, mb, first, state.held, slot)
+        d_x, held = halves.input_grad(state.recomputed, gin, mb, first, state.held, slot)
         g_rest = into_pre(state, d_x, mb, k)
         return state._replace(held=held, g_rest=g_rest), zeros_h, d_x
 

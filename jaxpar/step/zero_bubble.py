@@ -37,9 +37,9 @@ class Halves:
         """Zeros for `lead` slots of what B keeps for W."""
         return self._zeros(self.split.kept, lead + (self.layers,))
 
-    def residual_shapes(self, lead: tuple[int, ...]):
-        """Zeros for `lead` slots of what R keeps for B."""
-        return self._zeros(self.split.residuals, lead + (self.layers,))
+    def residual_shapes(self):
+        """Zeros for the one slot of what R keeps for B."""
+        return self._zeros(self.split.residuals, (self.layers,))
 
     def _zeros(self, which, lead: tuple[int, ...]):
         return [jnp.zeros(lead + s.shape, s.dtype) for s in self.split.shapes(which)]
@@ -48,32 +48,31 @@ class Halves:
         """run() where slot n holds a layer, pad() where it pads the stack."""
         return run() if self.active is None else jax.lax.cond(self.active[n], run, pad)
 
-    def recompute(self, x, mb, first, into: list, slot) -> list:
-        """The R of the chunk from layer slot `first`: `into` ([slots, layers, ...] each)
-        with slot `slot` filled by each layer's residuals as the layer makes them (in
-        place: no chunk's worth of them stacked first)."""
+    def recompute(self, x, mb, first, into: list) -> list:
+        """The R of the chunk from layer slot `first`: `into` ([layers, ...] each, the
+        device's one residual slot) filled by each layer's residuals as the layer makes
+        them (in place: no chunk's worth of them stacked first)."""
         sp, no_res = self.split, self._zeros(self.split.residuals, ())
 
         def forward(carry, n_j):
             (h, buffers), (n, j) = carry, n_j
             w, aux = self.args(n, mb)
             y, res = self._if_layer(n, lambda: sp.forward(w, h, aux), lambda: (h, no_res))
-            return (y, _written(buffers, res, slot, j)), None
+            return (y, _written(buffers, res, (j,))), None
 
         return jax.lax.scan(forward, (x, into), self._numbered(first))[0][1]
 
-    def input_grad(self, residuals: list, r_slot, dy, mb, first, into: list, w_slot):
-        """(dx, `into` with slot `w_slot` filled by what W reads): the chunk's B, top
-        down, from slot `r_slot` of R's `residuals`, each layer's read and written in
-        place."""
+    def input_grad(self, residuals: list, dy, mb, first, into: list, slot):
+        """(dx, `into` with slot `slot` filled by what W reads): the chunk's B, top down,
+        from R's `residuals`, each layer's read and written in place."""
         sp, no_kept = self.split, self._zeros(self.split.kept, ())
 
         def backward(carry, n_j):
             (d, buffers), (n, j) = carry, n_j
             w, aux = self.args(n, mb)
-            res = _read(residuals, r_slot, j)
+            res = _read(residuals, (j,))
             d, kept = self._if_layer(n, lambda: sp.input_grad(res, w, aux, d), lambda: (d, no_kept))
-            return (d, _written(buffers, kept, w_slot, j)), None
+            return (d, _written(buffers, kept, (slot, j))), None
 
         (dx, held), _ = jax.lax.scan(backward, (dy, into), self._numbered(first), reverse=True)
         return dx, held
@@ -87,7 +86,7 @@ class Halves:
             n, j = n_j
             w, aux = self.args(n, mb)
             zeros = jax.tree.map(jnp.zeros_like, w)
-            kept = _read(held, slot, j)
+            kept = _read(held, (slot, j))
             return None, self._if_layer(n, lambda: sp.weight_grad(kept, w, aux), lambda: zeros)
 
         return jax.lax.scan(one, None, self._numbered(first))[1]
@@ -97,15 +96,17 @@ class Halves:
         return first + jnp.arange(self.layers), jnp.arange(self.layers)
 
 
-def _read(buffers: list, slot, j) -> list:
-    """Each buffer's [slot, j]."""
-    return [jax.lax.dynamic_index_in_dim(b[slot], j, keepdims=False) for b in buffers]
+def _read(buffers: list, at: tuple) -> list:
+    """Each buffer's [*at] (leading indices)."""
+    return [b[at] for b in buffers]
 
 
-def _written(buffers: list, values: list, slot, j) -> list:
-    """Each buffer with [slot, j] = its value, in place."""
+def _written(buffers: list, values: list, at: tuple) -> list:
+    """Each buffer with [*at] = its value, in place."""
     return [
-        jax.lax.dynamic_update_slice(b, v[None, None].astype(b.dtype), (slot, j) + (0,) * v.ndim)
+        jax.lax.dynamic_update_slice(
+            b, v.reshape((1,) * len(at) + v.shape).astype(b.dtype), at + (0,) * v.ndim
+        )
         for b, v in zip(buffers, values, strict=True)
     ]
 
