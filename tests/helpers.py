@@ -155,6 +155,17 @@ def compile_only(preset: str, overrides: tuple[str, ...]) -> Report:
     return prepared(preset, overrides).report
 
 
+def training_env() -> dict:
+    """The environment for a subprocess that trains tens of steps: XLA's backend at -O1
+    instead of the suite's -O0 (conftest), where running the steps costs more than
+    compiling them. The walk-through's 60-step fine-tune of tiny-llama: 3.0 s to
+    compile against 2.1 s, 138 ms a step against 322 ms (28 s to 16 s in all)."""
+    flags = os.environ["XLA_FLAGS"].replace(
+        "--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1"
+    )
+    return {**os.environ, "XLA_FLAGS": flags}
+
+
 def jaxpar_command(*args: str) -> subprocess.CompletedProcess:
     """`jaxpar ARGS` in a fresh process (so --cpu-devices really sets up jax)."""
     return subprocess.run(

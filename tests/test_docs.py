@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import training_env
 
 from jaxpar.cli import main as cli
 
@@ -74,12 +75,14 @@ def test_the_measured_tables_are_the_benchs():
 
 def _paste(command: str, cwd: Path) -> subprocess.CompletedProcess:
     """A command as a user pastes it at the repository root, run in `cwd`: the venv's
-    programs are this interpreter's, scripts/ the checkout's."""
+    programs are this interpreter's, scripts/ the checkout's; a fine-tune's tens of
+    steps under XLA at -O1 (helpers.training_env)."""
     words = shlex.split(command)
     if words[0].startswith(".venv/bin/"):
         words[0] = str(BIN / words[0].removeprefix(".venv/bin/"))
     words = [str(ROOT / w) if w.startswith("scripts/") else w for w in words]
-    return subprocess.run(words, cwd=cwd, capture_output=True, text=True, timeout=600)
+    env = training_env() if "finetune_llama" in command else None
+    return subprocess.run(words, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.slow
