@@ -229,6 +229,7 @@ def test_sigterm_saves_and_exits_0(tmp_path):
     )
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert rows[-1]["step"] == int(saved)
+    assert "WARNING" not in output  # orbax's, on making the save's handlers, was printed
 
 
 # A `jaxpar train` that kills itself (SIGKILL: no handler, no cleanup) at one moment of

@@ -270,13 +270,15 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
     registry = {}
     if jax.process_count() == 1:
         types = ocp.type_handlers
-        one = types.create_type_handler_registry(
-            *((t, types.get_type_handler(t)) for t in types.supported_types())
-        )
         store = types.get_type_handler(jax.Array)._array_metadata_store
         whole = types.ArrayHandler(use_replica_parallel=False, array_metadata_store=store)
-        one.add(jax.Array, whole, override=True)
-        registry = {"type_handler_registry": one}
+        # made with it in place (orbax's add(..., override=True) logs a WARNING to the
+        # console of every run that saves)
+        handlers = (
+            (t, whole if issubclass(t, jax.Array) else types.get_type_handler(t))
+            for t in types.supported_types()
+        )
+        registry = {"type_handler_registry": types.create_type_handler_registry(*handlers)}
     handler._impl = ocp.PyTreeCheckpointHandler(  # as orbax makes it, with these options
         save_concurrent_gb=96, restore_concurrent_gb=96, use_compression=compress, **registry
     )
