@@ -163,6 +163,9 @@ The levers that keep a proof cheap:
   its entries cover (`tests/test_moe.py`, `test_context.py`, `test_pipeline.py`,
   `test_llama.py`);
 - the fewest steps and devices that make a wrong implementation fail;
+- XLA:CPU at -O0 (`tests/conftest.py`), where compiling costs more than the few steps a
+  proof runs; a subprocess that trains tens of steps takes -O1 instead
+  (`helpers.training_env`: the walk-through's fine-tunes, 131 s to 95 s);
 - one interpreter for many cases where the claim is not about the process itself;
 - Python's byte code compiled once, at install (`.ci/run`): where the environment sets
   `PYTHONDONTWRITEBYTECODE`, a venv without it parses jax, torch and transformers anew in
