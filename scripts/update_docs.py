@@ -39,6 +39,7 @@ PROVEN = (
     ("pipeline, 1F1B", "pipeline", "schedules", "1f1b", "bubble"),
     ("pipeline, zero-bubble ZB-H1", "pipeline", "schedules", "zb-h1", "bubble"),
     ("pipeline, zero-bubble ZBV (a V)", "pipeline", "schedules", "zbv", "bubble"),
+    ("pipeline, DualPipeV (pairs in a V)", "pipeline", "schedules", "dualpipev", "bubble"),
     ("pipeline, interleaved", "pipeline", "schedules", "interleaved-v2", "bubble"),
     ("ring all-reduce, hand-written", "dp", "dp", "ring", "comm"),
     ("gradient server", "dp", "dp", "server", "comm"),
@@ -76,8 +77,8 @@ def proven(bench: dict) -> str:
 def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
     """A schedule's tick table, as the executor runs it, drawn: a row per stage, a column
     per tick; F forward, R recompute, B input gradient, W weight gradient, X all three
-    (1F1B's backward), each micro-batch in its own colour; a V's second chunk in lower
-    case."""
+    (1F1B's backward, and a DualPipeV pair's backward beside its forward), each
+    micro-batch in its own colour; a V's second chunk in lower case."""
     from jaxpar.config.sections import Schedule
     from jaxpar.parallel import schedules
 
@@ -96,22 +97,30 @@ def ticks(schedule: str, p: int = 4, m: int = 8) -> str:
         schedules.INPUT: 64,
         schedules.WEIGHT: 74,
     }
+
+    def cell(kind, i, k):
+        colour = f"hsl({int(i) * 360 // m},70%,{light[int(kind)]}%)"
+        letter = letters[int(kind)].lower() if k else letters[int(kind)]
+        return f'<span style="background:{colour}">{letter}{i:<2}</span>'
+
+    wide = [int(w) for w in (table[..., 0] == schedules.PAIR).any(axis=1)]  # a pair: 2 cells
     rows = []
     for s in range(p):
         cells = []
-        for kind, i, k in table[:, s]:
-            if kind == schedules.IDLE:
-                cells.append(" . ")
-                continue
-            colour = f"hsl({int(i) * 360 // m},70%,{light[int(kind)]}%)"
-            letter = letters[int(kind)].lower() if k else letters[int(kind)]
-            cells.append(f'<span style="background:{colour}">{letter}{i:<2}</span>')
+        for t, (kind, i, k, *pair) in enumerate(table[:, s]):
+            if kind == schedules.PAIR:  # chunk k's forward beside the other's backward
+                cells.append(cell(schedules.FWD, i, k) + cell(schedules.BWD, pair[0], 1 - k))
+            elif kind == schedules.IDLE:
+                cells.append(" . " + "   " * wide[t])
+            else:
+                cells.append(cell(kind, i, k) + "   " * wide[t])
         rows.append(f"stage {s}  " + "".join(cells))
     units, idle = schedules.lockstep(table)
     unit = "half a stage's forward" if Schedule(schedule) in schedules.V_SHAPED else "a forward"
+    pairs = ", a pair of F and X 4" if any(wide) else ""
     head = (
         f"{schedule}, p={p}, m={m}: {len(table)} ticks, {units} units of time "
-        f"(F, R, B and W 1, X 3, a unit {unit}; a tick as long as its longest op), "
+        f"(F, R, B and W 1, X 3{pairs}, a unit {unit}; a tick as long as its longest op), "
         f"idle {idle:.3f}"
     )
     return f"{head}:\n\n<pre>\n" + "\n".join(rows) + "\n</pre>\n"

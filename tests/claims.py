@@ -254,6 +254,33 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "DualPipeV (a forward beside another micro-batch's backward on one tick, in a V) "
+        "equals one device at p=2 and p=4 (m = 2p and 4p), with padded chunks, over data "
+        "x tensor x ZeRO-3, with experts and with packed documents; its hand-over of a "
+        "pair's gradient is what makes it so",
+        (
+            f"{P}::test_schedule_equals_one_device[dualpipev-p2-m4]",
+            f"{P}::test_schedule_equals_one_device[dualpipev-p4-m8-10layers]",
+            f"{P}::test_schedule_equals_one_device[3d-zero3-dualpipev-m8]",
+            "test_moe.py::test_a_mixture_trains_in_every_layout_as_on_one_device"
+            "[pp2-expert2-tp2-dualpipev-m4]",
+            "test_documents.py::test_a_masked_loss_is_the_same_in_every_layout[dualpipev-micro4]",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
+        "DualPipeV's table is DeepSeek's order: each F, R, B and W of both chunks once "
+        "after its inputs, its pairs where DualPipeV overlaps, no idle in the steady state; "
+        "fewer than 2p micro-batches refused; the compiled loop runs its table",
+        (
+            f"{P}::test_dualpipev_table_pairs_forwards_with_backwards_and_idles_only_to_fill_and_drain",
+            f"{P}::test_a_broken_tick_table_is_refused",
+            f"{P}::test_compiled_bubble_matches_formula[dualpipev-1-8]",
+            "test_bad_input.py::test_override_refused[combination-dualpipev-m]",
+        ),
+    ),
+    Claim(
+        "docs/layouts.md",
         "ZB-H1's table runs every F, R, B and W once after its inputs, holds at most "
         "1F1B's p micro-batches in flight and one chunk's residuals, and idles at most "
         "1F1B's bubble / 2.5 at p=4, m=8; a broken table is refused; its temporaries (and "

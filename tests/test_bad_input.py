@@ -253,6 +253,15 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ],
         ["parallel.microbatches=2", "multiple of parallel.pipeline=4"],
     ),
+    "dualpipev-m": (
+        [
+            "parallel.data=4",
+            "parallel.pipeline=2",
+            "parallel.schedule=dualpipev",
+            "parallel.microbatches=2",
+        ],
+        ["parallel.microbatches=2", "dualpipev", "4 micro-batches or more", "schedule=zbv"],
+    ),
     "schedule-name": (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe"]),
     "microbatches-no-pipe": (["parallel.microbatches=2"], ["needs parallel.pipeline > 1"]),
     "dp-mode": (["parallel.dp_collective=tree"], ["parallel.dp_collective='tree'", "ring"]),

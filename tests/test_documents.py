@@ -127,6 +127,8 @@ LAYOUTS = {  # data (ZeRO-3 over all 8), micro-batches, accumulation, context bo
                   "parallel.microbatches=4"),
     "zbv-micro2": ("parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=2",
                    "parallel.schedule=zbv"),
+    "dualpipev-micro4": ("parallel.data=2", "parallel.pipeline=2", "parallel.microbatches=4",
+                         "parallel.schedule=dualpipev"),
     "accum4": ("parallel.data=1", "train.grad_accum=4"),
     "zero3": ("parallel.data=8", "parallel.zero=3"),
     # each sequence split over context: documents' ids and positions gathered with K/V

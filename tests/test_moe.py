@@ -241,6 +241,10 @@ LAYOUTS = {
         "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
         "parallel.microbatches=2", "parallel.schedule=zbv",
     ),
+    "pp2-expert2-tp2-dualpipev-m4": (  # a pair's forward and backward both route
+        "parallel.data=1", "parallel.pipeline=2", "parallel.expert=2", "parallel.tensor=2",
+        "parallel.microbatches=4", "parallel.schedule=dualpipev",
+    ),
     "pp2-dp2-expert2-zero3-interleaved": (
         "parallel.data=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.zero=3",
         "parallel.microbatches=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",

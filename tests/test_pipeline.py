@@ -104,6 +104,27 @@ CASES = {  # a covering set: each schedule; p 2 and 4; m below, at and above p; 
         "parallel.microbatches=2",
         "parallel.schedule=zbv",
     ],
+    "dualpipev-p2-m4": [  # m = 2p: forwards beside backwards in pairs, in a V
+        "parallel.data=1",
+        "parallel.pipeline=2",
+        "parallel.microbatches=4",
+        "parallel.schedule=dualpipev",
+    ],
+    "dualpipev-p4-m8-10layers": [  # padded layers skipped in a pair's R, B and W
+        "parallel.data=1",
+        "parallel.pipeline=4",
+        "parallel.microbatches=8",
+        "parallel.schedule=dualpipev",
+        "model.layers=10",
+    ],
+    "3d-zero3-dualpipev-m8": [  # m = 4p: a longer steady state of pairs
+        "parallel.data=2",
+        "parallel.pipeline=2",
+        "parallel.tensor=2",
+        "parallel.zero=3",
+        "parallel.microbatches=8",
+        "parallel.schedule=dualpipev",
+    ],
     "gpipe-remat": [
         "parallel.data=1",
         "parallel.pipeline=2",
@@ -266,6 +287,29 @@ def test_zbv_table_runs_each_op_of_both_chunks_once_and_idles_only_to_fill_and_d
         assert idle < schedules.lockstep(schedules.zb_h1(p, m).table)[1] / 2
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 12), (8, 16)])
+def test_dualpipev_table_pairs_forwards_with_backwards_and_idles_only_to_fill_and_drain(p, m):
+    dpv = schedules.dualpipev(p, m)
+    schedules.check(dpv.table, m, vee=True)  # each F, R, B, W of both chunks once, in order
+    kinds = dpv.table[..., 0]
+    for s in range(p):
+        # DeepSeek's order: the steady state's m - 2p + s + 1 twin pairs (the last
+        # device's first as single ops), then p - s - 1 more
+        want = 2 * (m - 2 * p + s + 1) - (s == p - 1) + (p - s - 1)
+        assert (kinds[:, s] == schedules.PAIR).sum() == want
+    # a pair is one chunk's forward beside the other chunk's backward
+    pairs = dpv.table[kinds == schedules.PAIR]
+    assert len(pairs) and (pairs[:, 1] >= 0).all() and (pairs[:, 3] >= 0).all()
+    # no idle in the steady state: p more micro-batches add their work (8 units each: F,
+    # R, B and W of two chunks) and nothing else; the fill and drain depend on p alone
+    more = schedules.dualpipev(p, m + p)
+    assert schedules.lockstep(more.table)[0] - schedules.lockstep(dpv.table)[0] == 8 * p
+    # one slot of recomputed residuals, 2p inputs a chunk, W inputs below ZB-H1's p
+    assert dpv.residuals == 1 and dpv.inputs <= 2 * p and dpv.weights <= p
+    with pytest.raises(ValueError, match="2p = 4 micro-batches or more, not 3"):
+        schedules.dualpipev(2, 3)
+
+
 def test_a_broken_tick_table_is_refused():
     table = schedules.zb_h1(4, 8).table
     early = table.copy()
@@ -277,6 +321,12 @@ def test_a_broken_tick_table_is_refused():
     dropped[np.argmax(dropped[:, 0, 0] == schedules.WEIGHT), 0] = schedules.IDLE
     with pytest.raises(ValueError, match="stage 0: micro-batch 0 never runs W"):
         schedules.check(dropped, 8)
+    # a pair run a tick before its backward's gradient arrives
+    pairs = schedules.dualpipev(2, 4).table.copy()
+    t, s = (int(x[0]) for x in np.nonzero(pairs[..., 0] == schedules.PAIR))
+    pairs[[t - 1, t], s] = pairs[[t, t - 1], s]
+    with pytest.raises(ValueError, match="before what it reads"):
+        schedules.check(pairs, 4, vee=True)
     # a V whose last device runs its second chunk's forward before its first chunk's
     vee = schedules.zbv(2, 4).table.copy()
     t = int(np.argmax((vee[:, 1, 0] == schedules.FWD) & (vee[:, 1, 2] == 1)))
@@ -296,6 +346,7 @@ SLOW = pytest.mark.slow  # the fast tier keeps one case of a compile-heavy table
         # steps from the compilation cache another process wrote hangs in a collective
         # (docs/layouts.md; 1f1b's at data=1, m=4 too): one program, one process
         pytest.param("zbv", 1, 8, marks=SLOW),
+        pytest.param("dualpipev", 1, 8, marks=SLOW),
         ("interleaved", 2, 4),
         pytest.param("interleaved", 2, 8, marks=SLOW),
     ],
@@ -316,7 +367,8 @@ def test_compiled_bubble_matches_formula(devices, schedule, v, m):
     assert pipe.ticks == len(table)
     assert pipe.bubble == pytest.approx(schedules.lockstep(table)[1])
     formula = cost.bubble(2, m, v, Schedule(schedule))
-    if schedule in ("zb-h1", "zbv"):  # their tables idle at most the textbook's
+    if schedule in ("zb-h1", "zbv"):  # their tables idle at most the textbook's (dualpipev's
+        # formula is its table's)
         assert pipe.bubble <= formula
     else:
         assert pipe.bubble == pytest.approx(formula)

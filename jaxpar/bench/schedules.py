@@ -20,6 +20,7 @@ SCHEDULES = {
         "1f1b": ("parallel.schedule=1f1b",),
         "zb-h1": ("parallel.schedule=zb-h1",),
         "zbv": ("parallel.schedule=zbv",),
+        "dualpipev": ("parallel.schedule=dualpipev",),
         "interleaved-v2": ("parallel.schedule=interleaved", "parallel.virtual_stages=2"),
     }.items()
 }

@@ -23,6 +23,7 @@ class Schedule(enum.StrEnum):
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
     ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
 
 class Remat(enum.StrEnum):
@@ -211,7 +212,8 @@ class Parallel(Section):
         1, "pipeline micro-batches each data shard's batch is split into"
     )
     schedule: Schedule = key(
-        Schedule.ONE_F_ONE_B, "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv"
+        Schedule.ONE_F_ONE_B,
+        "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv | dualpipev",
     )
     virtual_stages: Annotated[int, Range(1, 1024, "layer chunks per pipeline device")] = key(
         1, "chunks of layers per device (schedule=interleaved)"

@@ -26,7 +26,7 @@ from jaxpar.config.sections import (
     Schedule,
     Train,
 )
-from jaxpar.parallel import context
+from jaxpar.parallel import context, schedules
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR, data_parallel
 from jaxpar.parallel.leaf_layout import Leaf, leaves
 
@@ -59,7 +59,11 @@ def bubble(p: int, m: int, v: int = 1, schedule: Schedule = Schedule.GPIPE) -> f
     - zb-h1: 1 - 4m / (4m + 2(p - 1)), Qi et al.'s (p - 1)(F + B - W) idle with B and its
       recompute 2 (its table idles at most this);
     - zbv: 1 - 8m / (8m + p - 1), two chunks a device of half the layers each, so 8m ops
-      of half a forward, and Qi et al.'s (p - 1)(F + B - 2W) idle in those units."""
+      of half a forward, and Qi et al.'s (p - 1)(F + B - 2W) idle in those units;
+    - dualpipev: its table's (jaxpar.parallel.schedules.dualpipev), in zbv's unit: a
+      pair (a forward beside a backward's R, B and W, 4 units) beside single ops idles
+      their neighbours in the fill and drain; no idle in the steady state, so its
+      length is 8m plus a fill and drain that depends on p alone."""
     if p == 1:
         return 0.0
     if schedule is Schedule.ONE_F_ONE_B:
@@ -68,6 +72,8 @@ def bubble(p: int, m: int, v: int = 1, schedule: Schedule = Schedule.GPIPE) -> f
         return 1 - 4 * m / (4 * m + 2 * (p - 1))
     if schedule is Schedule.ZBV:
         return 1 - 8 * m / (8 * m + p - 1)
+    if schedule is Schedule.DUALPIPEV:
+        return schedules.lockstep(schedules.ticked_table(schedule, p, m).table)[1]
     return (p - 1) / (v * m + p - 1)
 
 

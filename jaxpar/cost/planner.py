@@ -275,7 +275,7 @@ def _layouts(parallel: Parallel, mesh: dict, strategy, trains: dict, layers: int
         tuple(Offload),
         (p, 2 * p, 4 * p, 8 * p) if p > 1 else (1,),
         (Remat.NONE, Remat.FULL),
-        TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1, zbv
+        TICKED if p > 1 else TICKED[:1],  # 1f1b, zb-h1, zbv, dualpipev
     ):
         if (
             (offload is Offload.OPTIMIZER and zero == 0)
@@ -283,6 +283,8 @@ def _layouts(parallel: Parallel, mesh: dict, strategy, trains: dict, layers: int
             or (schedule in SPLIT and remat is not Remat.NONE)
             # a V cuts the layers in 2p chunks
             or (schedule in V_SHAPED and 2 * p > layers)
+            # DualPipeV fills its V from both chunks: 2p micro-batches or more
+            or (schedule is Schedule.DUALPIPEV and micro < 2 * p)
             # replicas of ZeRO-0 groups split one all-reduce in two: never better
             or (r > 1 and zero == 0)
             # ZeRO-3 in a pipeline gathers a stage's layers every tick, which is not
@@ -406,9 +408,10 @@ def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Work
     if p > 1 and par.schedule in SPLIT:
         # and one chunk's recomputed residuals (R to B), and what B keeps for W of each
         # micro-batch in flight: at most what a layer saves for its backward (a V's
-        # table, tested at p 2-16: up to 2p - 1 inputs a chunk, one slot of residuals and
-        # p of W's inputs, each chunk half the device's layers)
-        inputs = min(2 * p - 1, par.microbatches) if par.schedule in V_SHAPED else alive
+        # table, tested at p 2-16: up to 2p - 1 inputs a chunk, DualPipeV's 2p, one slot
+        # of residuals and p of W's inputs, each chunk half the device's layers)
+        vee = 2 * p if par.schedule is Schedule.DUALPIPEV else 2 * p - 1
+        inputs = min(vee, par.microbatches) if par.schedule in V_SHAPED else alive
         kept = 1 + alive
         whole = work.layer_elements(t, c) * compute_bytes
         acts = inputs * work.boundary_elements / c * compute_bytes + kept * whole

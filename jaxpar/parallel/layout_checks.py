@@ -152,6 +152,13 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "interleaved schedule sends micro-batches round the stages in groups of "
             f"{p}; use {p * max(1, m // p)} or {p * (m // p + 1)}"
         )
+    if pipelined and parallel.schedule is Schedule.DUALPIPEV and m < 2 * p:
+        raise ConfigError(
+            f"parallel.microbatches={m} with parallel.schedule=dualpipev and "
+            f"parallel.pipeline={p}: DualPipeV fills its V from both chunks and needs "
+            f"2 x pipeline = {2 * p} micro-batches or more; use parallel.microbatches="
+            f"{2 * p}, or parallel.schedule=zbv"
+        )
 
 
 def _check_expert(model: Model, mesh_shape: dict) -> None:

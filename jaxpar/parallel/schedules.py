@@ -23,6 +23,11 @@ bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline
   chunk 2p - 1 - s), so a micro-batch's forward turns on the last device with no
   hand-over and ends on the first, which also holds the embedding. Twice the ops, each
   half the work: the warm-up and cool-down idle half as long.
+- dualpipev: DeepSeek's DualPipeV on zbv's V, each device's ops in its order: in the
+  steady state each tick is a pair, one micro-batch's forward of one chunk beside
+  another's whole backward (R, B and W) of the other chunk, run in one tick so that
+  one's hand-over can hide under the other's compute; warm-up and cool-down as single
+  ops, with zero-bubble W's deferred where DualPipeV defers them.
 
 What a chunk reads of its micro-batch besides the activation (the documents' segment
 ids and positions, jaxpar.nn.documents) travels with no hand-over: every stage holds the
@@ -42,22 +47,27 @@ import numpy as np
 
 from jaxpar.config.sections import Schedule
 
-IDLE, FWD, BWD, INPUT, WEIGHT, RECOMPUTE = 0, 1, 2, 3, 4, 5
+IDLE, FWD, BWD, INPUT, WEIGHT, RECOMPUTE, PAIR = 0, 1, 2, 3, 4, 5, 6
 # What each op computes, in forward passes of its chunk (the unit of the bubble): a 1F1B
 # backward recomputes the chunk's forward, then makes both gradients; a zero-bubble R
 # recomputes it, keeping each layer's residuals; B makes the input's gradient from
-# them, keeping what W reads; W makes the weights' gradient from that.
-WORK = {IDLE: 0, FWD: 1, BWD: 3, RECOMPUTE: 1, INPUT: 1, WEIGHT: 1}
+# them, keeping what W reads; W makes the weights' gradient from that. A DualPipeV pair
+# is a forward of one chunk and the R, B and W of the other's, on one tick.
+WORK = {IDLE: 0, FWD: 1, BWD: 3, RECOMPUTE: 1, INPUT: 1, WEIGHT: 1, PAIR: 4}
 BACKWARDS = (BWD, INPUT)  # the ops that hand a gradient back to the previous chunk
-TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.ZBV)  # tables with backward ticks
-SPLIT = (Schedule.ZB_H1, Schedule.ZBV)  # each backward as R, B and W (zero-bubble)
-V_SHAPED = (Schedule.ZBV,)  # two chunks a device, in a V (jaxpar.parallel.pipeline)
+FORWARDS = (FWD, PAIR)  # the ops that hand an activation on (a pair: and a gradient)
+# tables with backward ticks
+TICKED = (Schedule.ONE_F_ONE_B, Schedule.ZB_H1, Schedule.ZBV, Schedule.DUALPIPEV)
+SPLIT = TICKED[1:]  # each backward as R, B and W (zero-bubble)
+V_SHAPED = TICKED[2:]  # two chunks a device, in a V (jaxpar.parallel.pipeline)
 
 
 class Ticked(NamedTuple):
     """A schedule whose table holds its backward ticks, and the slots a chunk needs."""
 
-    table: np.ndarray  # [ticks, p, 3] of (action, micro-batch, the device's chunk k)
+    # [ticks, p, 3] of (action, micro-batch, the device's chunk k); dualpipev's [ticks, p,
+    # 4], a pair's backward micro-batch (of the other chunk) fourth
+    table: np.ndarray
     inputs: int  # chunk inputs held at once (arrival to backward)
     residuals: int  # recomputed residuals a device holds at once over its chunks (R to B;
     # 1f1b: 0): one, as each B runs the tick after its R
@@ -81,28 +91,63 @@ def _ready(kind: int, c: int, i: int, n: int, done: dict, t: int) -> bool:
     if kind == RECOMPUTE:
         return before(FWD, c, i)
     mine = before(RECOMPUTE, c, i) if kind == INPUT else before(FWD, c, i)
-    return mine and (c == n - 1 or before(BWD, c + 1, i) or before(INPUT, c + 1, i))
+    return mine and _gradient_there(c, i, n, done, t)
 
 
-def _placed(choose, p: int, total: int, vee: bool = False) -> tuple[list, dict]:
+def _gradient_there(c: int, i: int, n: int, done: dict, t: int) -> bool:
+    """Whether chunk c's output gradient of micro-batch i is there on tick t: the last
+    chunk's from its own forward (which takes the loss), the others' handed back."""
+    before = lambda *op: done.get(op, t) < t  # noqa: E731
+    return c == n - 1 or before(BWD, c + 1, i) or before(INPUT, c + 1, i)
+
+
+def _pair_ready(op, s: int, p: int, done: dict, t: int) -> bool:
+    """Whether a pair (PAIR, i, k, j) may run on device s on tick t: chunk k's forward
+    of i, and the other chunk's R, B and W of j, one after the other on the tick (R
+    reads its forward's input, B its R's residuals and the gradient handed back)."""
+    _, i, k, j = op
+    c, b = chunk_of(s, k, p, True), chunk_of(s, 1 - k, p, True)
+    return (
+        _ready(FWD, c, i, 2 * p, done, t)
+        and _ready(RECOMPUTE, b, j, 2 * p, done, t)
+        and _gradient_there(b, j, 2 * p, done, t)
+    )
+
+
+def _units(op, s: int, p: int, vee: bool) -> list:
+    """The (kind, pipeline chunk, micro-batch) ops that table entry `op` runs on device s
+    (a pair: its forward, then the other chunk's R, B and W)."""
+    kind, i, k = (int(v) for v in op[:3])
+    if kind == IDLE:
+        return []
+    if kind != PAIR:
+        return [(kind, chunk_of(s, k, p, vee), i)]
+    b, j = chunk_of(s, 1 - k, p, vee), int(op[3])
+    return [(FWD, chunk_of(s, k, p, vee), i)] + [(x, b, j) for x in (RECOMPUTE, INPUT, WEIGHT)]
+
+
+def _placed(choose, p: int, total, vee: bool = False, width: int = 3) -> tuple[list, dict]:
     """Tick by tick, each device runs the op `choose(s, done, t)` names ((kind,
-    micro-batch, its chunk k), or None: idle) until every device has run `total` ops;
-    (rows of (kind, micro-batch, k), done: (kind, chunk, micro-batch) -> tick)."""
+    micro-batch, its chunk k), or None: idle) until every device has run `total` ops
+    (an int, or one a device);
+    (rows of (kind, micro-batch, k), done: (kind, chunk, micro-batch) -> tick). `width`
+    4: dualpipev's entries, a pair's backward micro-batch fourth."""
     done: dict = {}
+    totals = [total] * p if isinstance(total, int) else list(total)
     count, rows, t = [0] * p, [], 0
-    while any(c < total for c in count):
-        row = [(IDLE, 0, 0)] * p
+    while any(c < n for c, n in zip(count, totals, strict=True)):
+        row = [(IDLE,) + (0,) * (width - 1)] * p
         for s in range(p):
-            op = choose(s, done, t) if count[s] < total else None
+            op = choose(s, done, t) if count[s] < totals[s] else None
             if op is not None:
                 row[s] = op
-        for s, (kind, i, k) in enumerate(row):
-            if kind != IDLE:
-                done[(kind, chunk_of(s, k, p, vee), i)] = t
-                count[s] += 1
+        for s, op in enumerate(row):
+            for unit in _units(op, s, p, vee):
+                done[unit] = t
+            count[s] += op[0] != IDLE
         rows.append(row)
         t += 1
-        if t > 4 * (total + p):  # a table's priorities that leave every stage waiting
+        if t > 4 * (max(totals) + p):  # a table's priorities that leave every stage waiting
             raise RuntimeError(f"no op can run on tick {t} of a {p}-stage table")
     return rows, done
 
@@ -172,6 +217,105 @@ def zbv(p: int, m: int) -> Ticked:
     (the older micro-batch first, the later chunk on a tie), with at most 2p chunk
     micro-batches in flight on a device: 1F1B's activations, each half a stage."""
     return _zero_bubble(p, m, vee=True, limit=2 * p)
+
+
+def dualpipev(p: int, m: int) -> Ticked:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half, on zbv's V; read from DeepSeek's
+    dualpipev.py, m >= 2p). Each device runs its own order, each entry on the first tick
+    it is ready: 2(p-s-1) forwards of its first chunk; s+1 of both chunks in turn;
+    p-s-1 of (the second chunk's B with its W deferred, that W, a forward of the second
+    chunk); then the steady state, m-2p+s+1 of two pairs, (a first-chunk forward beside
+    a second-chunk backward) and (a second-chunk forward beside a first-chunk backward)
+    (the last device's first pair as single ops); p-s-1 of (a second-chunk backward, a
+    pair); s+1 of the two chunks' backwards, their W's deferred from the middle on; then
+    those W's, oldest first, p-s-1 of them each before a first-chunk backward."""
+    if m < 2 * p:
+        raise ValueError(f"dualpipev runs 2p = {2 * p} micro-batches or more, not {m}")
+    orders = [_dualpipev_order(p, m, s) for s in range(p)]
+    ptr = [0] * p
+
+    def choose(s, done, t):
+        op = orders[s][ptr[s]]
+        ready = (
+            _pair_ready(op, s, p, done, t)
+            if op[0] == PAIR
+            else _ready(op[0], chunk_of(s, op[2], p, True), op[1], 2 * p, done, t)
+        )
+        if not ready:
+            return None
+        ptr[s] += 1
+        return op
+
+    rows, done = _placed(choose, p, [len(o) for o in orders], vee=True, width=4)
+    ticks = len(rows)
+    return Ticked(
+        np.array(rows, dtype=np.int32),
+        inputs=_held(done, 2 * p, m, ticks, FWD, INPUT),
+        residuals=_most_recomputed(rows),
+        weights=_held(done, 2 * p, m, ticks, INPUT, WEIGHT),
+    )
+
+
+def _dualpipev_order(p: int, m: int, s: int) -> list:
+    """Device s's DualPipeV entries, in order: (kind, micro-batch, chunk k, a pair's
+    backward micro-batch). A backward is R then B, and its W at once or deferred (the
+    deferred ones run oldest first)."""
+    order, fwd, bwd, deferred = [], [0, 0], [0, 0], []
+
+    def forward(k):
+        order.append((FWD, fwd[k], k, 0))
+        fwd[k] += 1
+
+    def backward(k, defer=False):
+        i = bwd[k]
+        bwd[k] += 1
+        order.extend([(RECOMPUTE, i, k, 0), (INPUT, i, k, 0)])
+        if defer:
+            deferred.append((k, i))
+        else:
+            order.append((WEIGHT, i, k, 0))
+
+    def weight():
+        k, i = deferred.pop(0)
+        order.append((WEIGHT, i, k, 0))
+
+    def pair(k):  # chunk k's forward beside the other chunk's backward
+        order.append((PAIR, fwd[k], k, bwd[1 - k]))
+        fwd[k] += 1
+        bwd[1 - k] += 1
+
+    last, rest = s == p - 1, p - s - 1
+    for _ in range(2 * rest):
+        forward(0)
+    for _ in range(s + 1):
+        forward(0)
+        forward(1)
+    for _ in range(rest):
+        backward(1, defer=True)
+        weight()
+        forward(1)
+    for n in range(m - 2 * p + s + 1):
+        if n == 0 and last:  # DeepSeek's: not overlapped, for a smaller bubble
+            forward(0)
+            backward(1)
+        else:
+            pair(0)
+        pair(1)
+    for _ in range(rest):
+        backward(1)
+        pair(1)
+    defer = False
+    for n in range(s + 1):  # the second half's W's deferred (from the middle on)
+        defer = defer or (n == (s + 1) // 2 and s % 2 == 1)
+        backward(1, defer)
+        defer = defer or (n == (s + 1) // 2 and s % 2 == 0)
+        backward(0, defer)
+    for _ in range(rest):
+        weight()
+        backward(0, defer=True)
+    while deferred:
+        weight()
+    return order
 
 
 def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
@@ -252,31 +396,36 @@ def _after_next(c: int, i: int, n: int, done: dict, t: int) -> bool:
 
 
 def check(table: np.ndarray, m: int, vee: bool = False) -> None:
-    """Raise ValueError unless `table` ([ticks, p, 3]) runs every op of every
-    micro-batch on every chunk exactly once (a forward, and a fused backward or its R, B
-    and W), each after what it reads; `vee`: two chunks a device in a V."""
+    """Raise ValueError unless `table` ([ticks, p, 3], or dualpipev's 4) runs every op of
+    every micro-batch on every chunk exactly once (a forward, and a fused backward or
+    its R, B and W), each after what it reads; `vee`: two chunks a device in a V."""
     ticks, p = table.shape[:2]
     n = p * (2 if vee else 1)
     done: dict = {}
     for t in range(ticks):
         for s in range(p):
-            kind, i, k = (int(v) for v in table[t, s, :3])
-            c = chunk_of(s, k, p, vee)
+            op = table[t, s]
+            kind, i, k = (int(v) for v in op[:3])
             if kind == IDLE:
                 continue
-            if (kind, c, i) in done or not 0 <= i < m:
+            units = _units(op, s, p, vee)
+            if any(u in done or not 0 <= u[2] < m for u in units):
                 raise ValueError(
                     f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} twice"
                 )
-            if not _ready(kind, c, i, n, done, t):
+            ready = (
+                _pair_ready(tuple(int(v) for v in op), s, p, done, t)
+                if kind == PAIR
+                else _ready(kind, units[0][1], i, n, done, t)
+            )
+            if not ready:
                 raise ValueError(
                     f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} runs "
                     "before what it reads is there"
                 )
         for s in range(p):
-            kind, i, k = (int(v) for v in table[t, s, :3])
-            if kind != IDLE:
-                done[(kind, chunk_of(s, k, p, vee), i)] = t
+            for unit in _units(table[t, s], s, p, vee):
+                done[unit] = t
     for s in range(p):
         for k in range(2 if vee else 1):
             c = chunk_of(s, k, p, vee)
@@ -294,7 +443,7 @@ def _of(k: int, vee: bool) -> str:
     return f" of its chunk {k}" if vee else ""
 
 
-_NAMES = {FWD: "F", BWD: "B+W", RECOMPUTE: "R", INPUT: "B", WEIGHT: "W"}
+_NAMES = {FWD: "F", BWD: "B+W", RECOMPUTE: "R", INPUT: "B", WEIGHT: "W", PAIR: "F beside R+B+W"}
 
 
 def circular(p: int, m: int, v: int) -> np.ndarray:
@@ -324,11 +473,13 @@ def tick_table(schedule: Schedule, p: int, m: int, v: int) -> np.ndarray:
 
 @functools.cache  # (the step's trace, its ledger and the planner ask again)
 def ticked_table(schedule: Schedule, p: int, m: int) -> Ticked:
-    """A schedule whose table holds its backward ticks (1f1b, zb-h1, zbv)."""
+    """A schedule whose table holds its backward ticks (1f1b, zb-h1, zbv, dualpipev)."""
     if schedule is Schedule.ZB_H1:
         return zb_h1(p, m)
     if schedule is Schedule.ZBV:
         return zbv(p, m)
+    if schedule is Schedule.DUALPIPEV:
+        return dualpipev(p, m)
     return Ticked(*one_f_one_b(p, m), residuals=0, weights=0)
 
 
@@ -352,12 +503,20 @@ def sends(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([ticks], [ticks]): whether some device hands the next one something on the
     tick (first chunks' activations, a V's second chunks' gradients), and whether some
     device hands the previous one something (the rest). A V turns on its last device
-    with no hand-over."""
+    with no hand-over. A pair's gradient goes its forward's way, apart (`pair_sends`)."""
     kind, k = table[..., 0], table[..., 2]
-    fwd, back = kind == FWD, np.isin(kind, BACKWARDS)
+    fwd, back = np.isin(kind, FORWARDS), np.isin(kind, BACKWARDS)
     right = (fwd & (k == 0)) | (back & (k == 1))
     left = (fwd & (k == 1)) | (back & (k == 0))
     return right[:, :-1].any(axis=1), left[:, 1:].any(axis=1)
+
+
+def pair_sends(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([ticks], [ticks]): whether some device's pair hands its backward's gradient to the
+    next device (a first-chunk forward beside a second-chunk backward: both go that way),
+    and whether some device's hands it to the previous one."""
+    pair, k = table[..., 0] == PAIR, table[..., 2]
+    return (pair & (k == 0))[:, :-1].any(axis=1), (pair & (k == 1))[:, 1:].any(axis=1)
 
 
 def handover_share(schedule: Schedule, p: int, m: int) -> float:
@@ -366,8 +525,13 @@ def handover_share(schedule: Schedule, p: int, m: int) -> float:
     tick)."""
     if schedule not in TICKED:
         return 1.0
-    right, left = sends(ticked_table(schedule, p, m).table)
-    return float(right.sum() + left.sum()) / (2 * len(right))
+    table = ticked_table(schedule, p, m).table
+    right, left = sends(table)
+    pair_r, pair_l = pair_sends(table)
+    pairs = 2 if schedule is Schedule.DUALPIPEV else 0  # its ticks' second hand-overs
+    return float(right.sum() + left.sum() + pair_r.sum() + pair_l.sum()) / (
+        (2 + pairs) * len(right)
+    )
 
 
 TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick loop, found in the HLO by the ledger

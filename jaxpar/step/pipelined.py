@@ -11,6 +11,8 @@ and `context`). `value_and_grad` is the one entry for all of them:
 - zbv: zb-h1's ticks on two chunks a device in a V, each op naming its chunk; the
   hand-overs go both ways, and the V turns on the last device with none. Its
   evaluation runs its forward ticks alone (the circular loop assumes round-robin chunks).
+- dualpipev: zbv's ticks, and pairs: a forward of one chunk, then the other chunk's R, B
+  and W, on one tick; both hand-overs go the same way, the gradient in one of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxpar.parallel.schedules import (
     FWD,
     IDLE,
     INPUT,
+    PAIR,
     RECOMPUTE,
     TICKED,
     TICKS_SCOPE,
@@ -40,6 +43,7 @@ from jaxpar.parallel.schedules import (
     WEIGHT,
     chunk_of,
     forward_table,
+    pair_sends,
     sends,
     tick_table,
     ticked_table,
@@ -229,9 +233,12 @@ class _Slots(NamedTuple):
 class _Ticks(NamedTuple):
     """A schedule's table as this device reads it inside the step."""
 
-    table: jax.Array  # [ticks, stages, 3]: what each stage runs, (kind, micro-batch, chunk k)
+    # [ticks, stages, 4]: what each stage runs, (kind, micro-batch, chunk k, a pair's
+    # backward micro-batch)
+    table: jax.Array
     sends_r: jax.Array  # [ticks]: some device hands the next one something at the tick
     sends_l: jax.Array  # [ticks]: some device hands the previous one something
+    pairs: tuple | None  # ([ticks], [ticks]): pairs' gradients sent each way (None: no pair)
     slots: int  # buffer slots a chunk: the micro-batches it holds at once
     stage: jax.Array  # this device's stage
     stages: int
@@ -250,16 +257,29 @@ class _Ticks(NamedTuple):
 
 def _ticks(table: np.ndarray, slots: int, vee: bool) -> _Ticks:
     right, left = (jnp.asarray(x) for x in sends(table))
+    pairs = (
+        tuple(jnp.asarray(x) for x in pair_sends(table)) if (table[..., 0] == PAIR).any() else None
+    )
     stage = jax.lax.axis_index(PIPE)
-    return _Ticks(jnp.asarray(table), right, left, slots, stage, table.shape[1], vee)
+    wide = np.zeros(table.shape[:2] + (4,), np.int32)  # no pair's micro-batch: 0
+    wide[..., : table.shape[-1]] = table
+    return _Ticks(jnp.asarray(wide), right, left, pairs, slots, stage, table.shape[1], vee)
 
 
-def _hand_over(ticks: _Ticks, t, state: _Slots, send_r, send_l, zeros_h) -> _Slots:
-    """Tick t's hand-overs, each filed in the slot of the micro-batch and chunk the
-    neighbour ran: one way, activations of first chunks and gradients of second ones
-    (a V's), the other way the rest; in a V, the last device also hands its own first
-    chunk's output to its second chunk, and that one's input gradient back."""
+def _hand_over(ticks: _Ticks, t, state: _Slots, y, d_x, zeros_h) -> _Slots:
+    """Tick t's hand-overs (`y`: what the tick's forward made, `d_x`: its backward's
+    input gradient), each filed in the slot of the micro-batch and chunk the neighbour
+    ran: one way, activations of first chunks and gradients of second ones (a V's), the
+    other way the rest; in a V, the last device also hands its own first chunk's output
+    to its second chunk, and that one's input gradient back. A pair's gradient goes in
+    a hand-over of its own (`_pair_hand_over`)."""
     table, stage, p = ticks.table, ticks.stage, ticks.stages
+    send_r, send_l = y, d_x
+    if ticks.vee:  # a V's chunks send both ways: the one made, where a tick makes one
+        made = jax.tree.map(jnp.add, y, d_x)
+        if ticks.pairs is not None:  # a pair sends its forward's here
+            made = _select(table[t, stage, 0] == PAIR, y, made)
+        send_r = send_l = made
     # Hand over only on ticks where some stage has something to hand over (the
     # condition is the same on every device, so the collective stays matched).
     got_r = jax.lax.cond(
@@ -279,8 +299,41 @@ def _hand_over(ticks: _Ticks, t, state: _Slots, send_r, send_l, zeros_h) -> _Slo
     state = _file(ticks, state, nxt, got_l, stage < p - 1, (1 if vee else None, 0))
     if vee:  # the turn of the V, on the last device: its own output, handed to itself
         own = table[t, stage]
-        turned = jnp.stack([own[0], own[1], 1 - own[2]])  # filed for its other chunk
+        turned = jnp.stack([own[0], own[1], 1 - own[2], own[3]])  # filed for its other chunk
         state = _file(ticks, state, turned, send_r, stage == p - 1, (1, 0))
+    if ticks.pairs is not None:
+        state = _pair_hand_over(ticks, t, state, d_x, zeros_h)
+    return state
+
+
+def _pair_hand_over(ticks: _Ticks, t, state: _Slots, d_x, zeros_h) -> _Slots:
+    """Tick t's pairs' input gradients: a pair whose forward is its first chunk's sends
+    it to the next device (its second chunk's backward hands back that way), one whose
+    forward is its second chunk's to the previous; on the last device the first kind's
+    turns the V, filed for its own first chunk."""
+    table, stage, p = ticks.table, ticks.stage, ticks.stages
+    right, left = (x[t] for x in ticks.pairs)
+    got_r = jax.lax.cond(
+        right,
+        lambda: jax.lax.ppermute(d_x, PIPE, [(s, s + 1) for s in range(p - 1)]),
+        lambda: zeros_h,
+    )
+    got_l = jax.lax.cond(
+        left,
+        lambda: jax.lax.ppermute(d_x, PIPE, [(s + 1, s) for s in range(p - 1)]),
+        lambda: zeros_h,
+    )
+    nxt = table[t, jnp.minimum(stage + 1, p - 1)]
+    for op, got, ok, k, into in (
+        (table[t, stage - 1], got_r, stage > 0, 0, 1),
+        (nxt, got_l, stage < p - 1, 1, 0),
+        (table[t, stage], d_x, stage == p - 1, 0, 0),  # the turn
+    ):
+        slot = ticks.slot(into, op[3])
+        came = ok & (op[0] == PAIR) & (op[2] == k)
+        state = state._replace(
+            gins=_put(state.gins, slot, _select(came, got, _take(state.gins, slot)))
+        )
     return state
 
 
@@ -292,7 +345,7 @@ def _file(ticks: _Ticks, state: _Slots, op, got, ok, ways: tuple) -> _Slots:
     slot, new = ticks.slot(k, i), {}
     acts_k, gins_k = ways
     if acts_k is not None:
-        came = ok & (kind == FWD) & (k == acts_k)
+        came = ok & ((kind == FWD) | (kind == PAIR)) & (k == acts_k)
         new["acts"] = _put(state.acts, slot, _select(came, got, _take(state.acts, slot)))
     if gins_k is not None:
         came = ok & ((kind == BWD) | (kind == INPUT)) & (k == gins_k)
@@ -413,12 +466,12 @@ def _ticked(pipe: Pipe, prepare, params: dict, batch, count: int, clip_rules=Non
             halves.residual_shapes(),
         )
         branches.update(_split_backward(halves, mbs, ticked, into_pre, ticks, chunks, zeros_h))
-    run_op = _by_kind(branches, ticked.table, vee, zeros_h)
+        branches[PAIR] = _pair(branches)
+    run_op = _by_kind(branches, ticked.table, zeros_h)
 
     def tick(state, t):
-        op = table_j[t, stage]
-        state, send_r, send_l = run_op(op, state)
-        return _hand_over(ticks, t, state, send_r, send_l, zeros_h), None
+        state, y, d_x = run_op(table_j[t, stage], state)
+        return _hand_over(ticks, t, state, y, d_x, zeros_h), None
 
     reports = _no_reports(parts, whole(rest), h_shape, mb0)
     one = (chunks.of(stack, 0), zeros_h, mb0)  # QK-clip's maxima's shapes from a tick's forward
@@ -510,12 +563,11 @@ def _fused_backward(run_chunk, stack, mbs, slots_n: int, into_pre, zeros_h):
     return backward
 
 
-def _by_kind(branches: dict, table: np.ndarray, vee: bool, zeros_h):
-    """(op (kind, micro-batch, chunk k), state) -> (state, to the next device, to the
-    previous one): the branch of that kind, run. A branch returns (state, its output,
-    its input's gradient), one of them zeros; a V's chunks send them both ways, so a V
-    sends the one made both ways, and each neighbour files it only where the sender's op
-    and chunk say it came its way (`_file`).
+def _by_kind(branches: dict, table: np.ndarray, zeros_h):
+    """(op (kind, micro-batch, chunk k, a pair's backward micro-batch), state) -> (state,
+    what its forward made, its backward's input gradient): the branch of that kind,
+    run. A branch returns (state, its output, its input's gradient), zeros where it
+    makes none.
 
     One two-way `cond` a kind the table holds (1f1b's program has no R, B or W), one
     after the other, not one switch over them all: XLA:CPU copies every buffer a switch
@@ -524,17 +576,34 @@ def _by_kind(branches: dict, table: np.ndarray, vee: bool, zeros_h):
     kinds = sorted({int(k) for k in np.unique(table[..., 0])} - {IDLE})
 
     def run(op, state):
-        kind, i, k = op[0], op[1], op[2]
+        kind, i, k, j = op[0], op[1], op[2], op[3]
         out = state, zeros_h, zeros_h
         for c in kinds:
-            out = jax.lax.cond(kind == c, lambda o, c=c: branches[c](o[0], i, k), lambda o: o, out)
-        state, y, d_x = out
-        if not vee:
-            return state, y, d_x
-        made = jax.tree.map(jnp.add, y, d_x)  # the one that is not zeros
-        return state, made, made
+            more = (j,) if c == PAIR else ()
+            out = jax.lax.cond(
+                kind == c,
+                lambda o, c=c, more=more: branches[c](o[0], i, k, *more),
+                lambda o: o,
+                out,
+            )
+        return out
 
     return run
+
+
+def _pair(branches: dict):
+    """dualpipev's pair: chunk k's forward of micro-batch i, then the other chunk's R, B
+    and W of micro-batch j, on one tick; (state, the forward's output, the backward's
+    input gradient)."""
+
+    def pair(state: _Slots, i, k, j):
+        state, y, _ = branches[FWD](state, i, k)
+        state, _, _ = branches[RECOMPUTE](state, j, 1 - k)
+        state, _, d_x = branches[INPUT](state, j, 1 - k)
+        state, _, _ = branches[WEIGHT](state, j, 1 - k)
+        return state, y, d_x
+
+    return pair
 
 
 def _split_backward(halves, mbs, ticked, into_pre, ticks: _Ticks, chunks: _Chunks, zeros_h):
