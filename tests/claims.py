@@ -284,7 +284,7 @@ CLAIMS = (
         "ZB-H1's table runs every F, R, B and W once after its inputs, holds at most "
         "1F1B's p micro-batches in flight and one chunk's residuals, and idles at most "
         "1F1B's bubble / 2.5 at p=4, m=8; a broken table is refused; its temporaries (and "
-        "ZBV's) stay flat in m, over 1F1B's by no more than their W slots",
+        "ZBV's and DualPipeV's) stay flat in m, over 1F1B's by no more than their W slots",
         (
             f"{P}::test_zb_h1_table_runs_each_f_r_b_and_w_once_after_its_inputs",
             f"{P}::test_a_broken_tick_table_is_refused",
