@@ -9,7 +9,9 @@ With --chat DIR instead of --data, it fine-tunes on conversations, trained on th
 answers only: it writes DIR/chat.jsonl (small arithmetic conversations, some with a
 system turn, some of two rounds, some as prompt/completion pairs), prepares it with the
 checkpoint's tokenizer and chat template (`jaxpar prepare-data --format chat`) into
-DIR/tokens, and trains on that.
+DIR/tokens, and trains on that. With --calculator as well, the conversations are about
+products, and one in four calls a calculator (`calc: A * B`, answered `= P` in a tool
+turn) before it answers: the start of docs/grpo.md's calculator walk-through.
 
 With --lora it trains low-rank adapters on every projection instead of all the weights
 (the base frozen; --base nf4 holds it in 4 bits, QLoRA) and exports them both ways: merged
@@ -50,14 +52,37 @@ def write_conversations(path: Path, count: int, seed: int = 0) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def chat_data(hf: Path, folder: Path, count: int) -> None:
+def write_calculator_conversations(path: Path, count: int, seed: int = 0) -> None:
+    """`count` JSONL conversations about the product of a number up to 999 and a digit:
+    one in four calls the calculator (`calc: A * B`, told `= P` in a tool turn, then
+    "It is P."), the rest answer outright ("A times B is P."), so the model learns the
+    call, to copy the tool's answer, and that it may answer without it."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(count):
+            a, b = rng.randint(2, 999), rng.randint(2, 9)
+            messages = [{"role": "user", "content": f"What is {a} times {b}?"}]
+            if i % 4:
+                messages.append({"role": "assistant", "content": f"{a} times {b} is {a * b}."})
+            else:
+                messages += [
+                    {"role": "assistant", "content": f"calc: {a} * {b}"},
+                    {"role": "tool", "content": f"= {a * b}"},
+                    {"role": "assistant", "content": f"It is {a * b}."},
+                ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def chat_data(hf: Path, folder: Path, count: int, calculator: bool = False) -> None:
     """Conversations written to `folder`/chat.jsonl and prepared into `folder`/tokens
     (once: a folder prepared already is kept)."""
     from jaxpar.data.prepare import prepare
 
     if (folder / "tokens" / "meta.json").is_file():
         return
-    write_conversations(folder / "chat.jsonl", count)
+    write = write_calculator_conversations if calculator else write_conversations
+    write(folder / "chat.jsonl", count)
     meta = prepare([folder / "chat.jsonl"], hf, folder / "tokens", fmt="chat")
     trained = meta["loss_mask"]["trained_tokens"]["train"]
     print(f"chat data: {meta['train_tokens']:,} tokens, {trained:,} of them answers")
@@ -70,6 +95,10 @@ def main() -> None:
     data.add_argument("--data", type=Path, help="a prepare-data folder")
     data.add_argument("--chat", type=Path, metavar="DIR", help="write and prepare chat data here")
     parser.add_argument("--conversations", type=int, default=2000, help="with --chat")
+    parser.add_argument(
+        "--calculator", action="store_true",
+        help="with --chat: products, a quarter of them calling a calculator",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -90,7 +119,7 @@ def main() -> None:
 
     if args.chat:  # written by one process, read by all
         if jax.process_index() == 0:
-            chat_data(args.hf, args.chat, args.conversations)
+            chat_data(args.hf, args.chat, args.conversations, args.calculator)
         multihost_utils.sync_global_devices("chat data")
         args.data = args.chat / "tokens"
 

@@ -17,6 +17,13 @@ to each of --batch-size / --group questions in the generation layout, scores the
 takes an update in the training layout. It prints the mean reward of each fifth of the
 run; the run directory's loss.png draws it beside the loss, and rollouts.jsonl holds
 every answer the policy wrote.
+
+With --env calculator the questions are products of a number up to 999 and a digit, and
+each completion is an episode with the shipped calculator
+(grpo.env=jaxpar.objectives.episodes:Calculator): the policy may write `calc: A * B`, is
+told `= P`, and answers; the answer's last number earns 1 where it is the product. Start
+from a fine-tune that knows the call (`finetune_llama.py --chat DIR --calculator`). It
+prints the share of episodes that called the calculator beside the reward.
 """
 
 import argparse
@@ -42,6 +49,36 @@ def write_prompts(path: Path, count: int, largest: int = 4, seed: int = 0) -> No
                 ask = [{"role": "user", "content": f"What is {a} plus {b}?"}]
                 row = {"messages": ask, "answer": a + b}
             f.write(json.dumps(row) + "\n")
+
+
+def write_products(path: Path, count: int, seed: int = 1) -> None:
+    """`count` JSONL questions about the product of a number up to 999 and a digit, as
+    conversations with their `answer` (the calculator walk-through's)."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(count):
+            a, b = rng.randint(2, 999), rng.randint(2, 9)
+            ask = [{"role": "user", "content": f"What is {a} times {b}?"}]
+            f.write(json.dumps({"messages": ask, "answer": a * b}) + "\n")
+
+
+def called(rollouts: Path, steps: int) -> list[float]:
+    """Each step's share of episodes whose first turn called the tool (was answered)."""
+    calls, episodes = [0] * steps, [0] * steps
+    for line in rollouts.read_text().splitlines():
+        row = json.loads(line)
+        episodes[row["step"] - 1] += 1
+        calls[row["step"] - 1] += row["turns"][0]["observation"] is not None
+    return [c / max(n, 1) for c, n in zip(calls, episodes, strict=True)]
+
+
+def fifths(values: list) -> str:
+    """The mean of each fifth of `values`, as 'a -> b -> ...'."""
+    fifth = max(1, len(values) // 5)
+    means = [sum(values[i : i + fifth]) / len(values[i : i + fifth])
+             for i in range(0, len(values), fifth)]  # fmt: skip
+    return " -> ".join(f"{m:.2f}" for m in means)
 
 
 def main() -> None:
@@ -72,6 +109,10 @@ def main() -> None:
         "--staleness", type=int, default=0,
         help="train on rollouts of the policy this many steps back, made beside the steps",
     )  # fmt: skip
+    parser.add_argument(
+        "--env", choices=("calculator",),
+        help="episodes with the shipped calculator, on questions about products",
+    )  # fmt: skip
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated, without a GPU")
     args = parser.parse_args()
     tokenizer = args.tokenizer or args.hf
@@ -86,27 +127,39 @@ def main() -> None:
 
     prepared = args.prompts / "tokens"
     if not (prepared / "meta.json").is_file():
-        write_prompts(args.prompts / "prompts.jsonl", args.count, args.largest)
+        if args.env:
+            write_products(args.prompts / "prompts.jsonl", args.count)
+        else:
+            write_prompts(args.prompts / "prompts.jsonl", args.count, args.largest)
         prepare([args.prompts / "prompts.jsonl"], tokenizer, prepared, fmt="prompts")
     meta = json.loads((prepared / "meta.json").read_text())["prompts"]
-    new = 16  # "A plus B is S." and the end of the turn
+    new = 16  # "A plus B is S." (or "calc: A * B") and the end of the turn
+    turns = 3 if args.env else 1  # a call, the answer, one more if it calls again
     cfg = jaxpar.Config(
         model=LlamaConfig(init=f"hf:{args.hf}"),
         train=jaxpar.Train(
             objective="grpo",
             steps=args.steps,
             batch_size=args.batch_size,
-            # a row: the longest question and its answer, rounded up for any layout
-            seq_len=-(-(meta["longest_prompt"] + new) // 16) * 16,
+            # a row: the longest question and its turns (each tool turn's template 12
+            # ids at most), rounded up for any layout
+            seq_len=-(-(meta["longest_prompt"] + turns * new + (turns - 1) * 12) // 16) * 16,
             lr=args.lr,
             warmup=0,
             weight_decay=0.0,
             log_every=1,
         ),
         grpo=jaxpar.Grpo(
-            reward=",".join(
+            reward=""  # the calculator's own reward alone
+            if args.env
+            else ",".join(
                 r if r.startswith("model:") else f"jaxpar.objectives.rewards:{r}"
                 for r in args.reward.split(",")
+            ),
+            **(
+                {"env": "jaxpar.objectives.episodes:Calculator", "max_turns": turns}
+                if args.env
+                else {}
             ),
             group=args.group,
             max_new_tokens=new,
@@ -120,13 +173,12 @@ def main() -> None:
     result = recipe.train_config(presets.resolve_init(cfg), out_dir=args.out)  # None: done
     rows = result.rows if result else metrics.saved_rows(args.out / "metrics.jsonl")
     rolled = [row for row in rows if "reward" in row]
-    fifth = max(1, len(rolled) // 5)
     for name in ["reward", *(k for k in rolled[0] if k.startswith("rewards/"))]:
-        values = [row[name] for row in rolled]
-        means = [sum(values[i : i + fifth]) / len(values[i : i + fifth])
-                 for i in range(0, len(values), fifth)]  # fmt: skip
         print(f"{name}, the mean of each fifth of the run: "
-              + " -> ".join(f"{m:.2f}" for m in means))  # fmt: skip
+              + fifths([row[name] for row in rolled]))  # fmt: skip
+    if args.env:
+        calls = called(args.out / "rollouts.jsonl", len(rolled))
+        print(f"episodes that called the calculator, each fifth: {fifths(calls)}")
     print(f"the curve: {args.out / 'loss.png'}; every answer: {args.out / 'rollouts.jsonl'}")
 
 

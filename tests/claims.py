@@ -757,6 +757,16 @@ CLAIMS = (
     ),
     Claim(
         "docs/grpo.md",
+        "The calculator walk-through's fine-tune calls the calculator in a quarter of its "
+        "conversations, each told what the shipped Calculator answers and ending on an "
+        "answer it rewards; its questions' answers are their products",
+        (
+            "test_grpo.py::test_the_calculator_walk_throughs_data_is_what_the_calculator_"
+            "answers",
+        ),
+    ),
+    Claim(
+        "docs/grpo.md",
         "A GRPO run resumed between rollouts repeats its completions and weights bitwise",
         ("test_grpo.py::test_a_resumed_run_repeats_its_rollouts_and_weights_bitwise",),
     ),

@@ -554,6 +554,40 @@ def test_the_calculator_answers_calls_and_rewards_the_right_answer():
     assert env.step("It is 8.") == (None, 0.0, True)
 
 
+def test_the_calculator_walk_throughs_data_is_what_the_calculator_answers(tmp_path):
+    """docs/grpo.md's calculator walk-through: each fine-tuning conversation that calls
+    the calculator is told what the shipped Calculator answers and ends on an answer it
+    rewards; the others answer outright, right; a quarter call. The GRPO questions'
+    answers are their products, and the script counts a step's calls from rollouts."""
+    from jaxpar.objectives.episodes import Calculator
+
+    script("finetune_llama").write_calculator_conversations(tmp_path / "chat.jsonl", 40)
+    rows = [json.loads(x)["messages"] for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    calls = [m for m in rows if len(m) == 4]
+    assert len(calls) == 10 and all(len(m) == 2 for m in rows if len(m) != 4)
+    for messages in rows:
+        a, b = map(
+            int, messages[0]["content"].removeprefix("What is ").rstrip("?").split(" times ")
+        )
+        env = Calculator()
+        env.reset(messages[:1], answer=a * b)
+        if len(messages) == 4:
+            assert env.step(messages[1]["content"]) == (messages[2]["content"], 0.0, False)
+        assert env.step(messages[-1]["content"]) == (None, 1.0, True)
+    grpo_llama = script("grpo_llama")
+    grpo_llama.write_products(tmp_path / "prompts.jsonl", 20)
+    for line in (tmp_path / "prompts.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        a, b = map(int, row["messages"][0]["content"][8:-1].split(" times "))
+        assert row["answer"] == a * b
+    episodes = [{"step": 1, "turns": [{"observation": "= 6"}, {"observation": None}]},
+                {"step": 1, "turns": [{"observation": None}]},
+                {"step": 2, "turns": [{"observation": "= 6"}, {"observation": None}]}]  # fmt: skip
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    assert grpo_llama.called(tmp_path / "rollouts.jsonl", 2) == [0.5, 1.0]
+    assert grpo_llama.fifths([0.0, 1.0, 0.5, 0.5, 1.0]) == "0.00 -> 1.00 -> 0.50 -> 0.50 -> 1.00"
+
+
 @pytest.mark.slow
 def test_episodes_keep_the_policys_turns_as_sampled_and_never_train_on_the_tools(
     folder, chat_tokenizer, tmp_path, capsys
