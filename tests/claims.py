@@ -760,10 +760,7 @@ CLAIMS = (
         "The calculator walk-through's fine-tune calls the calculator in a quarter of its "
         "conversations, each told what the shipped Calculator answers and ending on an "
         "answer it rewards; its questions' answers are their products",
-        (
-            "test_grpo.py::test_the_calculator_walk_throughs_data_is_what_the_calculator_"
-            "answers",
-        ),
+        ("test_grpo.py::test_the_calculator_walk_throughs_data_is_what_the_calculator_answers",),
     ),
     Claim(
         "docs/grpo.md",
