@@ -58,6 +58,13 @@ MUTATIONS = {
         "x.reshape((m, x.shape[0] // m) + x.shape[1:])), batch)\n",
         ["tests/test_pipeline.py::test_schedule_equals_one_device"],
     ),
+    # DualPipeV's pair: the V's turn files its backward's gradient for the wrong chunk
+    "dualpipev-pair-gradient-misfiled": (
+        "jaxpar/step/pipelined.py",
+        "        (table[t, stage], d_x, stage == p - 1, 0, 0),  # the turn\n",
+        "        (table[t, stage], d_x, stage == p - 1, 0, 1),  # the turn\n",
+        ["tests/test_pipeline.py::test_schedule_equals_one_device[dualpipev-p2-m4]"],
+    ),
 }
 
 
