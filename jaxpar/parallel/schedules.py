@@ -24,10 +24,10 @@ bubble. Executors run inside the step's shard_map (manual over `data`, `pipeline
   hand-over and ends on the first, which also holds the embedding. Twice the ops, each
   half the work: the warm-up and cool-down idle half as long.
 - dualpipev: DeepSeek's DualPipeV on zbv's V, each device's ops in its order: in the
-  steady state each tick is a pair, one micro-batch's forward of one chunk beside
-  another's whole backward (R, B and W) of the other chunk, run in one tick so that
-  one's hand-over can hide under the other's compute; warm-up and cool-down as single
-  ops, with zero-bubble W's deferred where DualPipeV defers them.
+  steady state each tick is a pair, one micro-batch's forward of one chunk then
+  another's whole backward (R, B and W) of the other chunk, on one tick (DualPipe's
+  overlapped step; here one after the other, the hand-overs at the tick's end); warm-up
+  and cool-down as single ops, with zero-bubble W's deferred where DualPipeV defers them.
 
 What a chunk reads of its micro-batch besides the activation (the documents' segment
 ids and positions, jaxpar.nn.documents) travels with no hand-over: every stage holds the
