@@ -114,6 +114,19 @@ def _pair_ready(op, s: int, p: int, done: dict, t: int) -> bool:
     )
 
 
+def _entry_ready(op, s: int, p: int, vee: bool, done: dict, t: int) -> bool:
+    """Whether table entry `op` (an op or a pair) may run on device s on tick t."""
+    kind, i, k = (int(v) for v in op[:3])
+    if kind == PAIR:
+        return _pair_ready(tuple(int(v) for v in op), s, p, done, t)
+    return _ready(kind, chunk_of(s, k, p, vee), i, p * (2 if vee else 1), done, t)
+
+
+def has_pairs(table: np.ndarray) -> bool:
+    """Whether a tick table holds DualPipeV's pairs (a second hand-over a tick)."""
+    return bool((table[..., 0] == PAIR).any())
+
+
 def _units(op, s: int, p: int, vee: bool) -> list:
     """The (kind, pipeline chunk, micro-batch) ops that table entry `op` runs on device s
     (a pair: its forward, then the other chunk's R, B and W)."""
@@ -236,12 +249,7 @@ def dualpipev(p: int, m: int) -> Ticked:
 
     def choose(s, done, t):
         op = orders[s][ptr[s]]
-        ready = (
-            _pair_ready(op, s, p, done, t)
-            if op[0] == PAIR
-            else _ready(op[0], chunk_of(s, op[2], p, True), op[1], 2 * p, done, t)
-        )
-        if not ready:
+        if not _entry_ready(op, s, p, True, done, t):
             return None
         ptr[s] += 1
         return op
@@ -400,7 +408,6 @@ def check(table: np.ndarray, m: int, vee: bool = False) -> None:
     every micro-batch on every chunk exactly once (a forward, and a fused backward or
     its R, B and W), each after what it reads; `vee`: two chunks a device in a V."""
     ticks, p = table.shape[:2]
-    n = p * (2 if vee else 1)
     done: dict = {}
     for t in range(ticks):
         for s in range(p):
@@ -413,12 +420,7 @@ def check(table: np.ndarray, m: int, vee: bool = False) -> None:
                 raise ValueError(
                     f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} twice"
                 )
-            ready = (
-                _pair_ready(tuple(int(v) for v in op), s, p, done, t)
-                if kind == PAIR
-                else _ready(kind, units[0][1], i, n, done, t)
-            )
-            if not ready:
+            if not _entry_ready(op, s, p, vee, done, t):
                 raise ValueError(
                     f"tick {t}, stage {s}: {_NAMES[kind]} of micro-batch {i}{_of(k, vee)} runs "
                     "before what it reads is there"
@@ -528,7 +530,7 @@ def handover_share(schedule: Schedule, p: int, m: int) -> float:
     table = ticked_table(schedule, p, m).table
     right, left = sends(table)
     pair_r, pair_l = pair_sends(table)
-    pairs = 2 if schedule is Schedule.DUALPIPEV else 0  # its ticks' second hand-overs
+    pairs = 2 if has_pairs(table) else 0  # the executor's second hand-overs a tick
     return float(right.sum() + left.sum() + pair_r.sum() + pair_l.sum()) / (
         (2 + pairs) * len(right)
     )

@@ -43,6 +43,7 @@ from jaxpar.parallel.schedules import (
     WEIGHT,
     chunk_of,
     forward_table,
+    has_pairs,
     pair_sends,
     sends,
     tick_table,
@@ -257,9 +258,7 @@ class _Ticks(NamedTuple):
 
 def _ticks(table: np.ndarray, slots: int, vee: bool) -> _Ticks:
     right, left = (jnp.asarray(x) for x in sends(table))
-    pairs = (
-        tuple(jnp.asarray(x) for x in pair_sends(table)) if (table[..., 0] == PAIR).any() else None
-    )
+    pairs = tuple(jnp.asarray(x) for x in pair_sends(table)) if has_pairs(table) else None
     stage = jax.lax.axis_index(PIPE)
     wide = np.zeros(table.shape[:2] + (4,), np.int32)  # no pair's micro-batch: 0
     wide[..., : table.shape[-1]] = table
