@@ -306,7 +306,6 @@ CLAIMS = (
         "products' all-reduces (on ZeRO's shards, over tensor) are at their minimum",
         (
             "test_muon.py::test_every_layout_equals_one_device",
-            "test_muon.py::test_owned_matrices_equal_one_device_at_the_minimum_bytes",
             "test_muon.py::test_newton_schulz_moves_its_paths_least_bytes",
             "test_muon.py::test_newton_schulz_bytes_are_the_reports_on_latent_attention_and_experts",
         ),
