@@ -226,6 +226,12 @@ CLAIMS = (
     ),
     Claim(
         "docs/layouts.md",
+        "W's slot holds each weight product's input and output gradient; a norm's scale "
+        "and bias gradients are made in B, so W keeps no normalized input for them",
+        (f"{P}::test_w_keeps_its_products_operands_and_a_norms_gradients_come_from_b",),
+    ),
+    Claim(
+        "docs/layouts.md",
         "ZBV (two chunks a device in a V) equals one device at p=2 and p=4 (m = p and 2p), "
         "with padded chunks, over data x tensor x ZeRO-3, with experts, with packed "
         "documents, in its evaluation, and moves its checkpoint into 1F1B's stages",

@@ -130,6 +130,50 @@ class Split:
         return [jax.ShapeDtypeStruct(self.avals[k].shape, self.avals[k].dtype) for k in keys]
 
 
+_PRODUCTS = ("dot_general", "conv_general_dilated")  # the ops W is there to move off B
+
+
+@dataclass(frozen=True)
+class _Halves:
+    """B's ops, W's ops and what W reads of the others, chosen from `ops`."""
+
+    ops: list[_Op]
+    before: set[int]  # made before the backward: weights, constants, the micro-batch
+    ready: set[int]  # and the forward's values and dy
+    dw: set[int]  # the weights' cotangents
+    avals: dict
+
+    def of(self, in_b: set[int]) -> tuple[list[int], list[int], list[int]]:
+        """(B's ops, W's ops, W's slot) where B makes `in_b`."""
+        input_ops = _needed(self.ops, in_b, self.ready)
+        by_b = {k for n in input_ops for k in self.ops[n].outs}
+        weight_ops = _needed(self.ops, self.dw, self.ready | by_b)
+        reads = set().union(*(_keys(self.ops[n].ins) for n in weight_ops)) | self.dw
+        made_by_w = {k for n in weight_ops for k in self.ops[n].outs}
+        return input_ops, weight_ops, sorted(reads - made_by_w - self.before)
+
+    def least_kept(self, dx: set[int]) -> tuple[list[int], list[int], list[int]]:
+        """of(dx), but with each weight cotangent that no product makes (a norm's scale,
+        a bias) made in B instead where that keeps fewer bytes for W: its reductions
+        are cheap, and what they read (a norm's normalized input and its output's
+        gradient) would take a W slot each."""
+        best, in_b, moved = self.of(dx), set(dx), True
+        while moved:  # again, till none moves: a value two of them read frees with both
+            moved = False
+            for k in sorted(self.dw - in_b):
+                by_b = {out for n in best[0] for out in self.ops[n].outs}
+                picked = _needed(self.ops, {k}, self.ready | by_b)  # what B would add
+                if any(self.ops[n].eqn.primitive.name in _PRODUCTS for n in picked):
+                    continue
+                tried = self.of(in_b | {k})
+                if self._bytes(tried[2]) < self._bytes(best[2]):
+                    best, in_b, moved = tried, in_b | {k}, True
+        return best
+
+    def _bytes(self, keys) -> int:
+        return sum(self.avals[k].size * self.avals[k].dtype.itemsize for k in keys)
+
+
 def split(fn, w, x, aux) -> Split:
     """Trace fn's forward and backward at the shapes of (w, x, aux) and partition them
     (see the module's doc)."""
@@ -161,18 +205,16 @@ def split(fn, w, x, aux) -> Split:
             late |= set(op.outs)
     made_before = set(consts) | set(w_in) | set(aux_in)
     forward_made = {k for op in ops if not set(op.outs) & late for k in op.outs} | set(x_in)
-    input_ops = _needed(ops, _keys(dx_out), made_before | forward_made | set(dy_in))
-    by_b = {k for n in input_ops for k in ops[n].outs}
-    weight_ops = _needed(ops, _keys(dw_out), made_before | forward_made | set(dy_in) | by_b)
-    read_by = lambda picked: set().union(*(_keys(ops[n].ins) for n in picked))  # noqa: E731
-    w_reads = (read_by(weight_ops) | _keys(dw_out)) - made_before
-    w_reads -= {k for n in weight_ops for k in ops[n].outs}
-    kept = sorted(w_reads)
-    b_reads = read_by(input_ops) | _keys(dx_out) | (w_reads - by_b - set(dy_in))
-    residuals = sorted(b_reads & forward_made)
-    forward_ops = _needed(ops, _keys(y_out) | set(residuals), made_before | set(x_in) | late)
     avals = {k: v.aval for op in ops for k, v in zip(op.outs, op.eqn.outvars, strict=True)}
     avals.update(zip(ins, (v.aval for v in closed.jaxpr.invars), strict=True))
+    ready = made_before | forward_made | set(dy_in)
+    halves = _Halves(ops, made_before, ready, _keys(dw_out), avals)
+    input_ops, weight_ops, kept = halves.least_kept(_keys(dx_out))
+    by_b = {k for n in input_ops for k in ops[n].outs}
+    read_by = lambda picked: set().union(*(_keys(ops[n].ins) for n in picked))  # noqa: E731
+    b_reads = read_by(input_ops) | _keys(dx_out) | (set(kept) - by_b - set(dy_in))
+    residuals = sorted(b_reads & forward_made)
+    forward_ops = _needed(ops, _keys(y_out) | set(residuals), made_before | set(x_in) | late)
     return Split(
         ops=ops,
         consts=consts,
