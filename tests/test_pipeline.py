@@ -241,22 +241,37 @@ def test_zb_h1_table_runs_each_f_r_b_and_w_once_after_its_inputs(p, m):
     for s in range(p):
         for kind in kinds:
             assert (zb.table[:, s, 0] == kind).sum() == m
-    # memory: at most 1F1B's p micro-batches in flight (forward run, W not yet), and one
-    # chunk's recomputed residuals
-    assert zb.inputs <= min(p, m) and zb.weights <= min(p, m) and zb.residuals == 1
+    # memory: at most 1F1B's p micro-batches in flight (forward run, W not yet), one
+    # chunk's recomputed residuals, and one W slot (ZB-H1's: 1F1B's memory)
+    assert zb.inputs <= min(p, m) and zb.weights == 1 and zb.residuals == 1
     one_f, _ = schedules.one_f_one_b(p, m)
     # the bubble in one unit for both (each op weighed by its forwards of work: F, R, B
     # and W 1, 1F1B's backward 3; each tick as long as its longest op): 1F1B's in
-    # lockstep is 1 - 4m / (6m + 4(p - 1) - 2); ZB-H1's at most the textbook's, 1 - 4m /
+    # lockstep is 1 - 4m / (6m + 4(p - 1) - 2); ZB-H1's the textbook's, 1 - 4m /
     # (4m + 2(p - 1)) (Qi et al.: (p - 1)(F + B - W) idle, B with its recompute 2)
     assert schedules.lockstep(one_f) == (
         6 * m + 4 * (p - 1) - 2,
         pytest.approx(1 - 4 * m / (6 * m + 4 * (p - 1) - 2)),
     )
     units, idle = schedules.lockstep(zb.table)
-    assert units <= 4 * m + 2 * (p - 1) and units == len(zb.table)
+    assert units == 4 * m + 2 * (p - 1) and units == len(zb.table)
+    assert idle == pytest.approx(cost.bubble(p, m, 1, Schedule.ZB_H1))
     if (p, m) == (4, 8):  # the issue's target: at most 1F1B's bubble / 2.5
         assert idle <= schedules.lockstep(one_f)[1] / 2.5
+
+
+def test_the_planners_slot_counts_are_the_tables():
+    """The planner's closed form of each zero-bubble table's chunk inputs and W slots
+    (planner.slots: a table at p = 64 takes seconds) is what the tables hold."""
+    from jaxpar.cost.planner import slots
+
+    for p in (2, 3, 4, 8):
+        for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p, 4 * p}):
+            for schedule in schedules.SPLIT:
+                if m < 1 or (schedule is Schedule.DUALPIPEV and m < 2 * p):
+                    continue
+                held = schedules.ticked_table(schedule, p, m)
+                assert slots(schedule, p, m) == (held.inputs, held.weights), (schedule, p, m)
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (8, 16)])
@@ -414,17 +429,19 @@ W_KEPT_PER_TOKEN_LAYER = 16 * 64 * 4
 def test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe(devices):
     """p=2, m=8, micro-batches of 2 sequences: 1f1b keeps ~p stage inputs, gpipe all m;
     the zero-bubble schedules hold no more than 1f1b does (their one slot of recomputed
-    residuals is what 1f1b's backward holds while it runs) and their W slots: p
-    micro-batches of W's inputs, flat in m too."""
+    residuals is what 1f1b's backward holds while it runs) and their W slots (ZB-H1's one,
+    zbv's p a chunk, dualpipev's p / 2) of W's inputs, flat in m too."""
     assert _temp("1f1b", 8) <= 0.6 * _temp("gpipe", 8)
     gpipe_growth = _temp("gpipe", 16) - _temp("gpipe", 8)
     one_f_growth = _temp("1f1b", 16) - _temp("1f1b", 8)
     assert one_f_growth < 0.25 * gpipe_growth
     assert _temp("zb-h1", 16) - _temp("zb-h1", 8) < 0.25 * gpipe_growth
-    # zb-h1: 2 W slots of the chunk's 2 layers; zbv: 2 a chunk, of its 1 layer, 2 chunks
-    w_slots = 2 * 2 * (2 * 64) * W_KEPT_PER_TOKEN_LAYER  # slots x layers x tokens x bytes
-    for schedule in ("zb-h1", "zbv", "dualpipev"):
-        assert _temp(schedule, 8) - _temp("1f1b", 8) <= w_slots, schedule
+    # zb-h1: 1 W slot of the chunk's 2 layers; zbv: 2 a chunk, of its 1 layer, 2 chunks;
+    # dualpipev: 1 a chunk (slots x layers x tokens x bytes)
+    w_slots = {"zb-h1": 1 * 2, "zbv": 2 * 1 * 2, "dualpipev": 1 * 1 * 2}
+    for schedule, slot_layers in w_slots.items():
+        most = slot_layers * (2 * 64) * W_KEPT_PER_TOKEN_LAYER
+        assert _temp(schedule, 8) - _temp("1f1b", 8) <= most, schedule
 
 
 @pytest.mark.slow  # compiles pipelines

@@ -57,7 +57,7 @@ def bubble(p: int, m: int, v: int = 1, schedule: Schedule = Schedule.GPIPE) -> f
     - 1f1b: 1 - 4m / (6m + 4(p - 1) - 2), a forward (1) beside a backward that
       recomputes its chunk (3) on most ticks, 4m of work per stage;
     - zb-h1: 1 - 4m / (4m + 2(p - 1)), Qi et al.'s (p - 1)(F + B - W) idle with B and its
-      recompute 2 (its table idles at most this);
+      recompute 2 (its table idles this, one W waiting at most);
     - zbv: 1 - 8m / (8m + p - 1), two chunks a device of half the layers each, so 8m ops
       of half a forward, and Qi et al.'s (p - 1)(F + B - 2W) idle in those units;
     - dualpipev: its table's (jaxpar.parallel.schedules.dualpipev), in zbv's unit: a

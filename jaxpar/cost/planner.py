@@ -390,6 +390,17 @@ def predict(
     )
 
 
+def slots(schedule: Schedule, p: int, m: int) -> tuple[int, int]:
+    """(chunk inputs, W slots) a zero-bubble table holds at once on a device, in closed
+    form (jaxpar.parallel.schedules.Ticked counts them from the table, which at p = 64
+    takes seconds to build: tested equal)."""
+    if schedule is Schedule.ZB_H1:
+        return min(p, m), 1
+    if schedule is Schedule.ZBV:
+        return min(2 * p - 1, m), min(p, m)
+    return min(2 * p, m), -(-p // 2)  # dualpipev
+
+
 def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Workload, leaves):
     """(the activations a device keeps for its backward pass, the bytes of ZeRO-3's
     gathered layers in flight), per device."""
@@ -406,16 +417,14 @@ def _activations_and_gathers(par: Parallel, train: Train, mesh: dict, work: Work
         kept = work.layer_elements(t, c)
     acts = alive * layers * split.micro * kept * compute_bytes
     if p > 1 and par.schedule in SPLIT:
-        # and one chunk's recomputed residuals (R to B), and what B keeps for W of each
-        # micro-batch in flight: at most what a layer saves for its backward (a V's
-        # table, tested at p 2-16: up to 2p - 1 inputs a chunk, DualPipeV's 2p, one slot
-        # of residuals and p of W's inputs, each chunk half the device's layers)
-        vee = 2 * p if par.schedule is Schedule.DUALPIPEV else 2 * p - 1
-        inputs = min(vee, par.microbatches) if par.schedule in V_SHAPED else alive
-        kept = 1 + alive
+        # the table's slots: its chunk inputs, one slot of recomputed residuals (R to B)
+        # and its slots of what B keeps for W, each at most what a layer saves for its
+        # backward (ZB-H1: p inputs and one W slot; a V: up to 2p - 1 inputs a chunk,
+        # DualPipeV's 2p, and p or p / 2 W slots, each chunk half the device's layers)
+        inputs, weights = slots(par.schedule, p, par.microbatches)
         whole = work.layer_elements(t, c) * compute_bytes
-        acts = inputs * work.boundary_elements / c * compute_bytes + kept * whole
-        acts *= layers * split.micro
+        acts = inputs * work.boundary_elements / c * compute_bytes
+        acts = (acts + (1 + weights) * whole) * layers * split.micro
     if par.zero != 3 or d * mesh.get(EXPERT, 1) == 1:
         return acts, 0.0
     one_layer = sum(leaf.layer for leaf in leaf_layout.leaves(leaves))

@@ -214,13 +214,15 @@ def one_f_one_b(p: int, m: int) -> tuple[np.ndarray, int]:
 
 
 def zb_h1(p: int, m: int) -> Ticked:
-    """ZB-H1 (Qi et al. 2024). Each tick a stage runs, by priority: the next B that is
-    ready (the previous stage waits for it); else the next R once the next stage has
-    recomputed that micro-batch (its B follows, so this stage's B can run a tick after
-    it); else the next forward if it holds fewer than p micro-batches (forward run, W not
-    yet: 1F1B's count, on its first stage); else the oldest W waiting: the W's fill what
-    1F1B leaves idle."""
-    return _zero_bubble(p, m, vee=False, limit=p)
+    """ZB-H1 (Qi et al. 2024). Each tick a stage runs, by priority: the W of its last B
+    (one W waits at most: ZB-H1's memory, what B keeps for W held for one micro-batch);
+    else the next B that is ready (the previous stage waits for it); else the next R once
+    the next stage has recomputed that micro-batch (its B follows, so this stage's B can
+    run a tick after it); else the next forward if it holds fewer than p micro-batches
+    (forward run, W not yet: 1F1B's count, on its first stage). B is shorter than 1F1B's
+    backward by W, so the backward chain returns sooner: the paper's (p - 1)(F + B - W)
+    idle, which letting W's wait longer would cut further only by holding more of them."""
+    return _zero_bubble(p, m, vee=False, limit=p, waiting=1)
 
 
 def zbv(p: int, m: int) -> Ticked:
@@ -229,7 +231,7 @@ def zbv(p: int, m: int) -> Ticked:
     forward turns on device p - 1 with no hand-over. ZB-H1's priorities over both chunks
     (the older micro-batch first, the later chunk on a tie), with at most 2p chunk
     micro-batches in flight on a device: 1F1B's activations, each half a stage."""
-    return _zero_bubble(p, m, vee=True, limit=2 * p)
+    return _zero_bubble(p, m, vee=True, limit=2 * p, waiting=None)
 
 
 def dualpipev(p: int, m: int) -> Ticked:
@@ -326,10 +328,11 @@ def _dualpipev_order(p: int, m: int, s: int) -> list:
     return order
 
 
-def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
-    """The zero-bubble tables: B, else R, else F (fewer than `limit` of the device's
-    chunk micro-batches forward run and W not yet), else W; among a device's chunks the
-    older micro-batch first, the later chunk on a tie."""
+def _zero_bubble(p: int, m: int, vee: bool, limit: int, waiting: int | None) -> Ticked:
+    """The zero-bubble tables: W where `waiting` W's wait (None: no bound), else B, else
+    R, else F (fewer than `limit` of the device's chunk micro-batches forward run and W
+    not yet), else W; among a device's chunks the older micro-batch first, the later
+    chunk on a tie."""
     n, ks = p * (2 if vee else 1), (1, 0) if vee else (0,)
     nxt: dict = {}
 
@@ -337,6 +340,9 @@ def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
         chunks = [(k, chunk_of(s, k, p, vee)) for k in ks]
         get = lambda kind, c: nxt.get((kind, c), 0)  # noqa: E731
         in_flight = sum(get(FWD, c) - get(WEIGHT, c) for _, c in chunks)
+        held = sum(get(INPUT, c) - get(WEIGHT, c) for _, c in chunks)
+        if waiting is not None and held >= waiting:
+            return _oldest_weight(chunks, get, nxt)
         for kind, wanted in (
             (INPUT, lambda c, i: i < get(RECOMPUTE, c)),
             (RECOMPUTE, lambda c, i: i < get(FWD, c) and _after_next(c, i, n, done, t)),
@@ -351,12 +357,7 @@ def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
                 i, k, c = min(ready, key=lambda r: r[0])
                 nxt[(kind, c)] = i + 1
                 return kind, i, k
-        waiting = [(get(WEIGHT, c), k, c) for k, c in chunks if get(WEIGHT, c) < get(INPUT, c)]
-        if not waiting:
-            return None
-        i, k, c = min(waiting, key=lambda r: r[0])
-        nxt[(WEIGHT, c)] = i + 1
-        return WEIGHT, i, k
+        return _oldest_weight(chunks, get, nxt)
 
     rows, done = _placed(choose, p, 4 * m * len(ks), vee)
     ticks = len(rows)
@@ -366,6 +367,16 @@ def _zero_bubble(p: int, m: int, vee: bool, limit: int) -> Ticked:
         residuals=_most_recomputed(rows),
         weights=_held(done, n, m, ticks, INPUT, WEIGHT),
     )
+
+
+def _oldest_weight(chunks: list, get, nxt: dict):
+    """The oldest W whose B has run, over the device's chunks, or None."""
+    ready = [(get(WEIGHT, c), k, c) for k, c in chunks if get(WEIGHT, c) < get(INPUT, c)]
+    if not ready:
+        return None
+    i, k, c = min(ready, key=lambda r: r[0])
+    nxt[(WEIGHT, c)] = i + 1
+    return WEIGHT, i, k
 
 
 def _most_recomputed(rows: list) -> int:
