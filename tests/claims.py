@@ -291,12 +291,15 @@ CLAIMS = (
         "1F1B's p micro-batches in flight, one chunk's residuals and one W slot, and idles "
         "the paper's (p-1)(F+B-W), at most 1F1B's bubble / 2.5 at p=4, m=8; a broken table "
         "is refused; its temporaries (and ZBV's and DualPipeV's) stay flat in m, over "
-        "1F1B's by no more than their W slots; the planner counts each table's slots",
+        "1F1B's by no more than their W slots and within 1.1x 1F1B's at p=2, m=8; R's slot "
+        "keeps only what B cannot make again by elementwise steps; the planner counts "
+        "each table's slots",
         (
             f"{P}::test_zb_h1_table_runs_each_f_r_b_and_w_once_after_its_inputs",
             f"{P}::test_a_broken_tick_table_is_refused",
             f"{P}::test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe",
             f"{P}::test_the_planners_slot_counts_are_the_tables",
+            f"{P}::test_the_split_backward_is_autodiffs_and_w_recomputes_nothing",
         ),
     ),
     Claim(

@@ -429,8 +429,9 @@ W_KEPT_PER_TOKEN_LAYER = 16 * 64 * 4
 def test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe(devices):
     """p=2, m=8, micro-batches of 2 sequences: 1f1b keeps ~p stage inputs, gpipe all m;
     the zero-bubble schedules hold no more than 1f1b does (their one slot of recomputed
-    residuals is what 1f1b's backward holds while it runs) and their W slots (ZB-H1's one,
-    zbv's p a chunk, dualpipev's p / 2) of W's inputs, flat in m too."""
+    residuals, less than 1f1b's backward holds while it runs) and their W slots (ZB-H1's
+    one, zbv's p a chunk, dualpipev's p / 2) of W's inputs, flat in m too, and within
+    1.1x 1f1b's."""
     assert _temp("1f1b", 8) <= 0.6 * _temp("gpipe", 8)
     gpipe_growth = _temp("gpipe", 16) - _temp("gpipe", 8)
     one_f_growth = _temp("1f1b", 16) - _temp("1f1b", 8)
@@ -442,6 +443,9 @@ def test_1f1b_and_zb_h1_keep_fewer_activations_than_gpipe(devices):
     for schedule, slot_layers in w_slots.items():
         most = slot_layers * (2 * 64) * W_KEPT_PER_TOKEN_LAYER
         assert _temp(schedule, 8) - _temp("1f1b", 8) <= most, schedule
+        # the issue's bound: within 1.1x 1F1B's (R's slot keeps only what B cannot make
+        # again by elementwise steps, so each holds less than 1F1B's backward here)
+        assert _temp(schedule, 8) <= 1.1 * _temp("1f1b", 8), schedule
 
 
 @pytest.mark.slow  # compiles pipelines
@@ -493,7 +497,8 @@ def test_a_hand_built_parts_without_a_layer_refuses_zb_h1_alone(devices):
 
 def test_the_split_backward_is_autodiffs_and_w_recomputes_nothing():
     """A layer's forward, B and W (jaxpar.step.split_backward) give jax.vjp's output and
-    gradients; no equation runs in two of them, and W holds the two weight products."""
+    gradients; W runs no equation the others run, and holds the two weight products; B
+    runs again only elementwise steps of the forward (gelu's), which R need not keep."""
     import jax.numpy as jnp
 
     from jaxpar.step.split_backward import split
@@ -515,10 +520,13 @@ def test_the_split_backward_is_autodiffs_and_w_recomputes_nothing():
     got_all, want_all = jax.tree.leaves((y, dx, dw)), jax.tree.leaves((want_y, want_dx, want_dw))
     for got, want in zip(got_all, want_all, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    parts = [set(halves.forward_ops), set(halves.input_ops), set(halves.weight_ops)]
-    assert all(not (a & b) for n, a in enumerate(parts) for b in parts[n + 1 :])
+    forward, b, w = set(halves.forward_ops), set(halves.input_ops), set(halves.weight_ops)
+    assert not (w & forward) and not (w & b)  # W recomputes nothing
     dots = [halves.ops[n].eqn.primitive.name == "dot_general" for n in halves.weight_ops]
     assert sum(dots) == 2  # x^T d(up) and h^T d(down); B has the two that carry dx
+    # B remakes gelu's steps from its input rather than R keeping each: no product twice
+    again = {halves.ops[n].eqn.primitive.name for n in forward & b}
+    assert "tanh" in again and "dot_general" not in again
 
 
 def test_w_keeps_its_products_operands_and_a_norms_gradients_come_from_b():
@@ -542,7 +550,7 @@ def test_w_keeps_its_products_operands_and_a_norms_gradients_come_from_b():
     }
     x, dy = jax.random.normal(k[4], (2, b, d))
     halves = split(layer, w, x, None)
-    _, residuals = halves.forward(w, x, None)
+    _, residuals = halves.forward(w, x, None)  # what R keeps for B
     dx, kept = halves.input_grad(residuals, w, None, dy)
     dw = halves.weight_grad(kept, w, None)
     want_dw, want_dx = jax.vjp(lambda w, x: layer(w, x, None), w, x)[1](dy)
@@ -552,3 +560,6 @@ def test_w_keeps_its_products_operands_and_a_norms_gradients_come_from_b():
     # up: the normed input and its output's gradient; down: gelu's output and dy; the
     # scale's and the bias's gradients
     assert sum(v.size for v in kept) == (b * d + b * f) + (b * f + b * d) + 2 * d
+    # R keeps the norm's centred input and one more b x d step of it, its statistics, and
+    # gelu's input, from which B makes gelu's output and its derivative's steps again
+    assert sum(v.size for v in residuals) <= 2 * b * d + 2 * b + 1 + b * f

@@ -8,9 +8,15 @@ forward and backward are traced as one jaxpr from shapes, nested `jit` calls inl
 - forward: the equations that do not read the output's cotangent `dy`;
 - B: the ones the input's cotangent needs;
 - W: the rest, that the weights' cotangents need.
-W reads what it needs of the forward and of B from `kept`, so it recomputes nothing and
-no equation runs twice. An equation both halves need runs in B: a nested loop, branch
-or shard_map that makes both cotangents is one equation, and its weight half runs early.
+W reads what it needs of the forward and of B from `kept`, so it recomputes nothing. An
+equation both halves need runs in B: a nested loop, branch or shard_map that makes both
+cotangents is one equation, and its weight half runs early.
+
+Two choices keep the slots small. A weight cotangent that no product makes (a norm's
+scale or bias) is made in B where W would otherwise keep more to make it. And of the
+forward's values B reads, those it can make again from the others by elementwise steps
+(an activation's, a norm's) are made again in B instead of kept in R's slot: no product
+runs twice, so there is still no third forward.
 """
 
 from __future__ import annotations
@@ -131,6 +137,14 @@ class Split:
 
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")  # the ops W is there to move off B
+# elementwise and shape ops B may run again from R's residuals rather than keep each
+# result (an activation's or a norm's steps: a slot's worth of bytes each, no FLOPs to
+# speak of)
+_CHEAP = frozenset(
+    "abs add broadcast_in_dim convert_element_type copy div erf exp expand_dims "
+    "integer_pow log log1p logistic max min mul neg pow reshape rsqrt select_n "
+    "sharding_constraint sign sqrt square squeeze sub tanh".split()
+)
 
 
 @dataclass(frozen=True)
@@ -169,6 +183,25 @@ class _Halves:
                 if self._bytes(tried[2]) < self._bytes(best[2]):
                     best, in_b, moved = tried, in_b | {k}, True
         return best
+
+    def fewest_residuals(self, wanted: set[int]) -> tuple[list[int], list[int]]:
+        """(what R keeps for B, the forward's ops B makes the rest with): of the forward's
+        values B and W read (`wanted`), those B can make again from the others by cheap
+        elementwise ops (a norm's or an activation's steps, each a slot's worth) are
+        dropped, largest first, wherever that keeps fewer bytes. B then runs those ops:
+        no product, so still no third forward."""
+        keep = set(wanted)
+        for r in sorted(wanted, key=lambda k: -self._bytes([k])):
+            rest = keep - {r}
+            picked = _needed(self.ops, {r}, rest | self.before)
+            if not picked or any(self.ops[n].eqn.primitive.name not in _CHEAP for n in picked):
+                continue
+            reads = set().union(*(_keys(self.ops[n].ins) for n in picked))
+            reads -= {k for n in picked for k in self.ops[n].outs} | self.before
+            if self._bytes(rest | reads) < self._bytes(keep):
+                keep = rest | reads
+        redone = _needed(self.ops, set(wanted) - keep, keep | self.before)
+        return sorted(keep), redone
 
     def _bytes(self, keys) -> int:
         return sum(self.avals[k].size * self.avals[k].dtype.itemsize for k in keys)
@@ -213,7 +246,8 @@ def split(fn, w, x, aux) -> Split:
     by_b = {k for n in input_ops for k in ops[n].outs}
     read_by = lambda picked: set().union(*(_keys(ops[n].ins) for n in picked))  # noqa: E731
     b_reads = read_by(input_ops) | _keys(dx_out) | (set(kept) - by_b - set(dy_in))
-    residuals = sorted(b_reads & forward_made)
+    residuals, redone = halves.fewest_residuals(b_reads & forward_made)
+    input_ops = redone + input_ops
     forward_ops = _needed(ops, _keys(y_out) | set(residuals), made_before | set(x_in) | late)
     return Split(
         ops=ops,

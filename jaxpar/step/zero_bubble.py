@@ -5,7 +5,8 @@ layer's backward (jaxpar.step.split_backward).
 R recomputes the chunk's forward from its stage input, as 1F1B's backward does, and
 keeps each layer's residuals in a slot until the B tick (the schedule runs B a tick or
 two later, so one slot is enough: the recompute costs the memory of one micro-batch's
-saved activations, where keeping them from the forward would cost p of them). B runs
+saved activations, where keeping them from the forward would cost p of them; and of
+those, not what B makes again by elementwise steps from the rest). B runs
 the layers' B halves top down and hands the input's gradient back. What each layer's W
 half reads (the inputs of its weight products and their output gradients) is kept in a
 slot until the W tick, which makes the weights' gradients from it: W recomputes nothing.
