@@ -140,12 +140,18 @@ def jax_durations(event: str):
 
 
 def prepared(preset: str, overrides: tuple[str, ...]) -> Run:
-    """A compiled (not run) step and its report (cached). Of STEPS steps, unless the
-    overrides say otherwise: the very program `trained` runs for the same layout (the
-    schedule's length is in it), so that whichever of the two comes second reads it from
-    the session's compilation cache instead of compiling it again."""
+    """A compiled (not run) step and its report. Of STEPS steps, unless the overrides say
+    otherwise: the very program `trained` runs for the same layout (the schedule's length
+    is in it), so that whichever of the two comes second reads it from the session's
+    compilation cache instead of compiling it again. Kept in the process for the tests
+    that ask for it again (tracing and lowering it again cost as much as a compile)."""
     if not any(o.startswith("train.steps=") for o in overrides):
         overrides = (f"train.steps={STEPS}", *overrides)
+    return _prepared(preset, tuple(overrides))
+
+
+@functools.lru_cache(maxsize=16)
+def _prepared(preset: str, overrides: tuple[str, ...]) -> Run:
     cfg, mesh, problem, batches = _shipped(preset, overrides)
     return prepare(cfg, problem, mesh, batches(0))
 
