@@ -42,7 +42,7 @@ def build(problem: Problem, cfg: Config, mesh: Mesh) -> Engine:
 
 def step_inputs(engine: Engine, batch):
     """Shapes and shardings of the step's (state, batch), for tracing it without data."""
-    state_shapes = jax.eval_shape(engine.init, jax.random.key(0))
+    state_shapes = engine.init.eval_shape(jax.random.key(0))
     state_in = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         state_shapes,

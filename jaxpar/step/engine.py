@@ -32,7 +32,7 @@ from jaxpar.parallel.leaf_layout import leaf_layout
 from jaxpar.parallel.schedules import V_SHAPED
 from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.parallel.zero import ZeroPolicy
-from jaxpar.step import pipelined, qk_clip, xla_flags
+from jaxpar.step import initial, pipelined, qk_clip, xla_flags
 from jaxpar.step.accumulate import accumulate
 
 
@@ -58,7 +58,7 @@ class Engine:
     tx: optax.GradientTransformation  # the optimizer (its state's structure)
     state_shardings: Any  # TrainState of NamedShardings
     batch_sharding: NamedSharding
-    init: Any  # jitted: key -> TrainState, created directly in its sharding
+    init: Any  # key -> TrainState, in its shardings (jaxpar.step.initial)
     step: Any  # jitted: (state, batch) -> (state, metrics); state donated where `donates`
     grads: Any  # jitted: (state, batch) -> the reduced gradients (diagnostics)
     layout: pipeline.Layout | None  # the pipeline's stage assignment (None: no pipeline)
@@ -102,7 +102,7 @@ def zero_policy(train: Train, par: Parallel, specs, names, frozen=frozenset()) -
 def jitted(
     mesh: Mesh,
     *,
-    init,
+    fresh,
     step,
     grads,
     evaluate,
@@ -112,16 +112,16 @@ def jitted(
     donates=True,
     **fields,
 ) -> Engine:
-    """The Engine of these functions, jitted: `init` straight into the state's shardings,
-    `step` donating its state (where `donates`), the batch split over the batch axes; on a
-    GPU, compiled with jaxpar.step.xla_flags. Its leaves counted once, as `specs` place
-    `problem`'s."""
+    """The Engine of these functions, jitted: `problem`'s init then `fresh` (parameters ->
+    the step-0 state) into the state's shardings (jaxpar.step.initial), `step` donating
+    its state (where `donates`), the batch split over the batch axes; on a GPU, compiled
+    with jaxpar.step.xla_flags. Its leaves counted once, as `specs` place `problem`'s."""
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     options = xla_flags.for_step(scope.target(mesh), mesh.size)
     return Engine(
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=state_shardings),
+        init=initial.initializer(problem.init, fresh, state_shardings, problem.shapes),
         step=jax.jit(
             step,
             in_shardings=(state_shardings, batch_sharding),

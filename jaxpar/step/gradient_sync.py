@@ -86,8 +86,7 @@ def build(
     grads_of = _local_grads(trained, train, par, mesh, policy, layout, clip_rules)
     mean_loss = evaluator(trained, train, par, mesh, policy, layout, problem)
 
-    def init(key):
-        params = trained.init(key)
+    def fresh(params):
         compute = None if par.offload is Offload.NONE else offload.compute_copy(params, dtype)
         zero = jnp.zeros((), jnp.int32)
         opt = tx.init(trained.trainable(params))
@@ -115,7 +114,7 @@ def build(
         specs=specs,
         tx=tx,
         state_shardings=shardings,
-        init=init,
+        fresh=fresh,
         step=train_step,
         grads=lambda state, batch: grads_of(
             state.compute_params, batch, trained_count(problem, batch)

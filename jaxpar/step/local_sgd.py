@@ -193,8 +193,7 @@ def build(
         stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params)
         return Local(params=stacked, opt=inner.init(stacked))
 
-    def init(key):
-        params = problem.init(key)
+    def fresh(params):
         zero = jnp.zeros((), jnp.int32)
         window = spikes.empty(train.spike_window) if watch else None
         return TrainState(zero, params, outer.init(params), zero, None, spread(params), window)
@@ -234,7 +233,7 @@ def build(
         specs=specs,
         tx=outer,
         state_shardings=shardings,
-        init=init,
+        fresh=fresh,
         step=train_step,
         grads=mean_grads,
         evaluate=lambda state, batch: mean_loss(state.params, batch),

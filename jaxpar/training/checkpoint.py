@@ -83,7 +83,7 @@ def layout(problem: Problem, engine: Engine, mesh: Mesh, zero: int, precision: P
     model = state_lib.shardings(mesh, specs, engine.tx, problem.shapes, problem.trainable, watch)
     abstract = jax.tree.map(  # shapes alone: an offloaded state's also name host memory
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.eval_shape(engine.init, jax.random.key(0)),
+        engine.init.eval_shape(jax.random.key(0)),
     )
     to_saved, from_saved, unstage = _converters(problem, engine, precision, abstract.window)
     on_device = jax.tree.map(
