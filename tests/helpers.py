@@ -61,11 +61,13 @@ def run(preset: str, overrides: list[str], steps: int = STEPS):
 @dataclass(frozen=True)
 class Trained:
     """What a finished run leaves for comparison: every step's loss, final parameters,
-    and (QK-clip's) every step's largest attention logit."""
+    (QK-clip's) every step's largest attention logit, and the report of the program
+    trained (its collectives, memory and figures: no second trace to read them)."""
 
     losses: list[float]
     params: dict
     max_logits: list = ()
+    report: Report | None = None
 
 
 def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
@@ -84,17 +86,20 @@ def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
         if not path.exists():
             result = run(preset, list(overrides), steps)
             logits = [row["attn/max_logit"] for row in result.rows if "attn/max_logit" in row]
-            done = Trained(list(result.losses), jax.device_get(result.params), logits)
+            done = Trained(
+                list(result.losses), jax.device_get(result.params), logits, result.report
+            )
             path.write_bytes(pickle.dumps(done))
         return pickle.loads(path.read_bytes())
+
+
+ONE_DEVICE = ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1")
 
 
 def reference(preset: str, extra: tuple[str, ...] = (), steps: int = STEPS) -> Trained:
     """`preset` trained on ONE device (with `extra` overrides) for `steps` steps: the truth
     the parallel layouts are compared with (trained once per session)."""
-    return trained(
-        preset, ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1", *extra), steps
-    )
+    return trained(preset, (*ONE_DEVICE, *extra), steps)
 
 
 def assert_same_training(result, reference, rtol: float = 1e-4, per_leaf: bool = True) -> None:
