@@ -58,3 +58,5 @@ def test_a_large_model_is_made_in_its_shards_and_both_ways_agree(monkeypatch):
     key = jax.random.key(5)
     _same(small(key), large(key))
     assert small.eval_shape(key) == large.eval_shape(key)
+    typed = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert typed(jax.eval_shape(small, key)) == typed(large.eval_shape(key))  # traced whole

@@ -35,7 +35,8 @@ def initializer(params: Callable, fresh: Callable, shardings, shapes: dict):
 @dataclass(frozen=True)
 class OneDevice:
     """The initializer of a small model (the module's docstring): called as a key ->
-    state function; `eval_shape` and `lower` are the whole program's (never compiled)."""
+    state function, as the jitted whole program was; `eval_shape`, `lower` and a call
+    under a transformation are the whole program's (traced, never compiled)."""
 
     whole: Any  # jitted: key -> state, split over the mesh
     params: Any  # jitted: key -> params, on one device
@@ -43,6 +44,8 @@ class OneDevice:
     shardings: Any
 
     def __call__(self, key):
+        if isinstance(key, jax.core.Tracer):  # under jax.eval_shape or jit: traced whole
+            return self.whole(key)
         made = jax.device_get(self.params(key))
         placed = jax.tree.map(_placed, made, self.shardings.params)
         return self.fresh(placed)
