@@ -9,6 +9,7 @@ pytest-xdist the workers share the folder (made by the first process, which remo
 and the single-device references (helpers.reference) are trained once into it."""
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -48,6 +49,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Python's cyclic collector less often: tracing a step makes hundreds of thousands of
+# short-lived objects, and in a worker that holds many compiled programs each full
+# collection walks them all (tracing and lowering 13% sooner, measured on four steps)
+gc.set_threshold(100_000, 50, 50)
 
 
 CHAT_VOCAB = 512  # chat_tokenizer's ids
