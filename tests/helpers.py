@@ -75,13 +75,8 @@ def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
     and xdist workers that ask for the same run: keyed by the resolved config (so two
     spellings of one layout share it) and the devices; the others read it from the
     session's folder."""
-    cfg = presets.load(preset, [f"train.steps={steps}", *overrides])
-    what = json.dumps([presets.to_dict(cfg), preset], sort_keys=True, default=str)
-    key = hashlib.sha256(what.encode()).hexdigest()[:16]
-    folder = Path(os.environ["JAXPAR_TEST_CACHE"]) / "runs"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{key}.pkl"
-    with open(folder / f"{key}.lock", "w") as lock:
+    path = _run_file(preset, [f"train.steps={steps}", *overrides])
+    with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one trains; the others wait, then read
         if not path.exists():
             result = run(preset, list(overrides), steps)
@@ -91,6 +86,24 @@ def trained(preset: str, overrides=(), steps: int = STEPS) -> Trained:
             )
             path.write_bytes(pickle.dumps(done))
         return pickle.loads(path.read_bytes())
+
+
+def _run_file(preset: str, overrides: list[str]) -> Path:
+    """Where the session keeps the run of `preset` with `overrides` (their resolved
+    config)."""
+    cfg = presets.load(preset, overrides)
+    what = json.dumps([presets.to_dict(cfg), preset], sort_keys=True, default=str)
+    folder = Path(os.environ["JAXPAR_TEST_CACHE"]) / "runs"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{hashlib.sha256(what.encode()).hexdigest()[:16]}.pkl"
+
+
+def _trained_already(preset: str, overrides: list[str]) -> Trained | None:
+    """The session's run of this config, if a test has trained it (None: none has)."""
+    path = _run_file(preset, overrides)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # not while another process writes it
+        return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
 ONE_DEVICE = ("parallel.replica=1", "parallel.data=1", "parallel.tensor=1")
@@ -162,8 +175,11 @@ def _prepared(preset: str, overrides: tuple[str, ...]) -> Run:
 
 
 def compile_only(preset: str, overrides: tuple[str, ...]) -> Report:
-    """The report of a compiled (not run) step: memory, collectives, comm (cached)."""
-    return prepared(preset, overrides).report
+    """The report of a compiled (not run) step: memory, collectives, comm. The very
+    program's report kept with its run where a test of the session has trained it (no
+    trace, lowering or cache read again); else compiled (and kept in the process)."""
+    done = _trained_already(preset, [f"train.steps={STEPS}", *overrides])
+    return done.report if done is not None else prepared(preset, overrides).report
 
 
 def training_env() -> dict:
