@@ -29,7 +29,10 @@ def initializer(params: Callable, fresh: Callable, shardings, shapes: dict):
     size = sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
     if size > ONE_DEVICE_BYTES:
         return whole
-    return OneDevice(whole, jax.jit(params), jax.jit(fresh, out_shardings=shardings), shardings)
+    mesh = jax.tree.leaves(shardings.params)[0].device_set  # the mesh's devices
+    device = min((d for d in mesh if d.process_index == jax.process_index()), key=lambda d: d.id)
+    fresh = jax.jit(fresh, out_shardings=shardings)
+    return OneDevice(whole, jax.jit(params), fresh, shardings, device)
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,12 @@ class OneDevice:
     params: Any  # jitted: key -> params, on one device
     fresh: Any  # jitted: params -> state, in the state's shardings
     shardings: Any
+    device: Any  # this process's first device of the mesh (its platform's arithmetic)
 
     def __call__(self, key):
         if isinstance(key, jax.core.Tracer):  # under jax.eval_shape or jit: traced whole
             return self.whole(key)
-        made = jax.device_get(self.params(key))
+        made = jax.device_get(self.params(jax.device_put(key, self.device)))
         placed = jax.tree.map(_placed, made, self.shardings.params)
         return self.fresh(placed)
 
