@@ -2,12 +2,15 @@
 `params -> state` (optimizer state and the rest), placed in the state's shardings.
 
 A model whose parameters fit in ONE_DEVICE_BYTES is made by one program on one device,
-the same program whatever the layout (so a second layout of the model reads it from jax's
-compilation cache, and at any rate it compiles sooner than the program split over the
-mesh), brought to the host, and placed shard by shard; only the small `params -> state`
-program is the layout's own. The values are the split program's, bit for bit: jax's
-threefry is partitionable, each shard's random bits those of its slice of the whole. A
-larger model is made straight into its shards, never whole on one device."""
+the same program whatever the mesh (a pipeline's stages aside, which order the layers:
+so a second layout of the model reads it from jax's compilation cache, and at any rate
+it compiles sooner than the program split over the mesh), brought to the host, and
+placed shard by shard; only the small `params -> state` program is the layout's own. The
+values are the one device's, bit for bit, in every layout. A program split over the
+mesh gives the same random bits (jax's threefry is partitionable: each shard's are
+those of its slice of the whole), but not always the same floats from them: under
+offload and parameter averaging XLA rounded five of gpt-tiny's leaves apart. A larger
+model is made straight into its shards, never whole on one device."""
 
 from __future__ import annotations
 
