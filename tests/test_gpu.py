@@ -102,16 +102,24 @@ def test_a_cuda_bf16_step_runs_cudnn_attention_with_no_sxs_buffer(devices, cudnn
     assert sorted(set(fused_kernels(text))) == sorted(CUDNN)  # forward and backward
     assert sxs(text, 4096) == []
     assert options == expected_flags(1)
-    # data parallel on 8: each device's rows through the same kernels, custom-partitioned
+    # data parallel on 8: the step manual over the whole mesh, each device calls the
+    # same kernels on its own rows
     text, options = lowered_step(
         preset, "train.seq_len=4096", "train.precision=bf16", platform="cuda"
     )
+    assert sorted(set(fused_kernels(text))) == sorted(CUDNN)
+    assert sxs(text, 4096) == []
+    assert options == expected_flags(8)
+    # heads split over tensor by the compiler: the kernels custom-partitioned
+    text, _ = lowered_step(
+        preset, "train.seq_len=4096", "train.precision=bf16", "parallel.data=4",
+        "parallel.tensor=2", platform="cuda",
+    )  # fmt: skip
     assert fused_kernels(text) == [
         "_dot_product_attention_fwd_partition",
         "_dot_product_attention_bwd_partition",
     ]
     assert sxs(text, 4096) == []
-    assert options == expected_flags(8)
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])

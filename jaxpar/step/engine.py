@@ -29,6 +29,7 @@ from jaxpar.parallel import context, pipeline
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, DATA, EXPERT, MANUAL_AXES, PIPE
 from jaxpar.parallel.batches import batch_split
 from jaxpar.parallel.leaf_layout import leaf_layout
+from jaxpar.parallel.mesh import by_hand
 from jaxpar.parallel.schedules import V_SHAPED
 from jaxpar.parallel.sharding import LeafSpecs, only_axes, rules_for
 from jaxpar.parallel.zero import ZeroPolicy
@@ -240,7 +241,7 @@ def evaluator(
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES)),
             out_specs=PartitionSpec(),
-            axis_names=set(MANUAL_AXES),
+            axis_names=by_hand(mesh, MANUAL_AXES),
             check_vma=False,
         )(params, batch)
         return total / at_least_one(trained_count(given, batch)), reports

@@ -27,6 +27,7 @@ from jaxpar.cost import formulas as cost
 from jaxpar.nn import staging
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, CONTEXT, MANUAL_AXES, PIPE
+from jaxpar.parallel.mesh import by_hand
 from jaxpar.parallel.sharding import named, pick, plan
 from jaxpar.parallel.zero import ZeroPolicy
 from jaxpar.step import muon as muon_lib
@@ -183,7 +184,7 @@ def _local_grads(
             mesh=mesh,
             in_specs=(manual(policy.specs, "storage"), PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(PartitionSpec(), manual(policy.grad_specs, "opt")),
-            axis_names=set(MANUAL_AXES),
+            axis_names=by_hand(mesh, MANUAL_AXES),
             check_vma=False,
         )(params, batch, count)
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar.config.sections import Muon, OnSpike, Parallel, Train
 from jaxpar.nn.problem import Problem, trained_count
 from jaxpar.parallel.axes import BATCH_AXES, DATA, EXPERT, PIPE, REPLICA
+from jaxpar.parallel.mesh import by_hand
 from jaxpar.parallel.sharding import only_axes, pick, plan
 from jaxpar.step import optimizer as optim
 from jaxpar.step import qk_clip, spikes
@@ -157,7 +158,7 @@ def _mean_grads(problem: Problem, mesh: Mesh, local_specs, compute, value_and_gr
             mesh=mesh,
             in_specs=(_manual(local_specs), PartitionSpec(BATCH_AXES)),
             out_specs=_manual(compute),
-            axis_names={REPLICA, DATA, EXPERT, PIPE},
+            axis_names=by_hand(mesh, (REPLICA, DATA, EXPERT, PIPE)),
             check_vma=False,
         )(state.local, batch)
 
@@ -216,7 +217,7 @@ def build(
             mesh=mesh,
             in_specs=specs_in,
             out_specs=(specs_in[0], specs_in[1], specs_in[2], *(PartitionSpec(),) * 7),
-            axis_names={REPLICA, DATA, EXPERT, PIPE},
+            axis_names=by_hand(mesh, (REPLICA, DATA, EXPERT, PIPE)),
             check_vma=False,
         )(state.local, state.params, state.opt, batch, state.step, state.skipped, state.window)
         local, params, outer_opt, loss, norm, applied, finite, reports, spike, limit = out
