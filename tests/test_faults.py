@@ -89,7 +89,10 @@ def test_a_full_disk_stops_a_run_in_one_line_and_its_resume_is_the_straight_run(
 
     grow(small_disk)
     assert train(*argv) == 0
-    assert train("checkpoint.every=3", "--out", str(tmp_path / "straight")) == 0
+    # the same command with room all along (checkpoint.every=1 builds a step that does not
+    # donate its state, and XLA:CPU's arithmetic differs from the donating step's by a
+    # rounding: the straight run is the same program)
+    assert train("checkpoint.every=1", "--out", str(tmp_path / "straight")) == 0
     resumed, _ = checkpoint.saved_params(ckpt, 3)
     straight, _ = checkpoint.saved_params(tmp_path / "straight" / "checkpoints", 3)
     for k, v in straight.items():
