@@ -19,13 +19,18 @@ from jaxpar.parallel.axes import DATA
 from jaxpar.parallel.ring import ring_all_gather, ring_reduce_scatter
 
 
+def compiler_axes() -> tuple[str, ...]:
+    """The axes the compiler still manages where this is traced (the others manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual
+    )
+
+
 def blockwise(fn, xs, specs):
     """fn(blocks) on each device's block of `xs` (a pytree; `specs` its compute specs),
     manual over every axis the compiler still manages."""
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = tuple(
-        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual
-    )
+    auto = compiler_axes()
     if not auto:
         return fn(xs)
     local = jax.tree.map(

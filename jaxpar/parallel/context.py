@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxpar.config.sections import ContextStrategy, Parallel
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.axes import CONTEXT, TENSOR
+from jaxpar.parallel.collectives import compiler_axes
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,7 @@ def _by_heads(maxima: bool, per_tensor, qkv, *whole):
     device's block of heads of q, k and v ([B, C, H, D]), and `whole` (4 arrays, or
     None) as they are; with `maxima`, per_tensor's heads' largest scores [H] too. Called
     plainly where `tensor` is manual already (its degree 1: jaxpar.parallel.mesh.by_hand)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[TENSOR] == AxisType.Manual:
+    if TENSOR not in compiler_axes():
         return per_tensor(*qkv, *whole)
     heads = PartitionSpec(None, None, TENSOR, None)
     return jax.shard_map(
