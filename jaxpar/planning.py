@@ -15,7 +15,7 @@ import yaml
 from jaxpar import objectives, recipe
 from jaxpar.compiled.run import prepare
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import Config, given
 from jaxpar.cost import planner
 from jaxpar.cost.report import human_bytes, table
 from jaxpar.errors import ConfigError
@@ -42,7 +42,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         )
         try:
             registry.check_model(cfg.model, c.mesh)
-            layout_checks.check_train(cfg, c.mesh)
+            given(layout_checks.check_train, cfg, c.mesh)
         except ConfigError as e:
             rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
             continue
@@ -84,7 +84,8 @@ def plan_config(cfg: Config, machine, top: int, out: Path | None, check: bool = 
     winner's config written to `out`; with `check`, the top ones validated."""
     model = registered(cfg.model, cfg.train.seq_len)
     problem = recipe.with_adapters(model, cfg.adapter, cfg.model)
-    problem = objectives.of(cfg.train.objective).problem(problem, cfg)  # a reference held, or not
+    objective = objectives.of(cfg.train.objective)
+    problem = given(objective.problem, cfg, problem)  # a reference held, or not
     work = planner.of_config(cfg)
     plan = planner.make_plan(cfg, problem, machine, work)
     if not plan.considered:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxpar import objectives
 from jaxpar.adapters import initial, lora
 from jaxpar.config import presets, registry
-from jaxpar.config.sections import Adapter, AdapterKind, Config, Model, Train, computed_model
+from jaxpar.config.sections import Adapter, AdapterKind, Config, Model, Train, computed_model, given
 from jaxpar.data import mixture
 from jaxpar.data import tokens as data
 from jaxpar.nn.problem import Problem, registered
@@ -51,7 +51,7 @@ def setup(cfg: Config, devices=None) -> Setup:
     trained_on = getattr(objectives.of(cfg.train.objective), "trained_on", None)
     kept = devices  # an objective may keep devices of its own (GRPO's rollout devices)
     if trained_on is not None:
-        kept = trained_on(cfg, list(jax.devices() if devices is None else devices))
+        kept = given(trained_on, cfg, list(jax.devices() if devices is None else devices))
     mesh = build_mesh(cfg.parallel, kept)
     problem, batches = model_problem(cfg, describe(mesh), devices)
     hooks = objectives.of(cfg.train.objective).hooks(batches)
@@ -66,13 +66,16 @@ def model_problem(
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`), as
     train.objective trains it."""
     registry.check_model(cfg.model, mesh_shape)
-    layout_checks.check_train(cfg, mesh_shape)
+    given(layout_checks.check_train, cfg, mesh_shape)
     own = trained_model(cfg.model, cfg.adapter, cfg.train)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])
     objective = objectives.of(cfg.train.objective)
-    objective.check(cfg)
-    return objective.problem(own, cfg), objective.batches(cfg, own, "train", mesh_shape, devices)
+    given(objective.check, cfg)
+    return (
+        given(objective.problem, cfg, own),
+        given(objective.batches, cfg, own, "train", mesh_shape, devices),
+    )
 
 
 def trained_model(model: Model, adapter: Adapter, train: Train) -> Problem:
@@ -93,9 +96,8 @@ def held_out_batches(cfg: Config, devices=None) -> Callable[..., dict] | None:
     """Held-out batch i (same shape as a training batch), when train.eval_every asks."""
     if not cfg.train.eval_every:
         return None
-    return objectives.of(cfg.train.objective).batches(
-        cfg, trained_model(cfg.model, cfg.adapter, cfg.train), "val", None, devices
-    )
+    own = trained_model(cfg.model, cfg.adapter, cfg.train)
+    return given(objectives.of(cfg.train.objective).batches, cfg, own, "val", None, devices)
 
 
 def initial_params(

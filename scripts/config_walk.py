@@ -7,6 +7,7 @@ section arrives at; a return is an entry into a file the walk had already left.
 
     .venv/bin/python scripts/config_walk.py [FILE:FUNCTION]   (default the trainer's train)
 
+A call `given(f, cfg, ...)` is a call of f, handed the sections its parameters name.
 A call is resolved through the caller's file: the function its `from jaxpar... import`
 names (`prepare`, or `planner.predict` through `from jaxpar.cost import planner`), else
 one of that file's own. A static reading: a plug-in's module chosen at run time
@@ -53,7 +54,7 @@ def _file_of(base: str, name: str) -> str:
 
 
 SECTIONS = {"parallel", "model", "adapter", "train", "dpo", "grpo", "data", "checkpoint"}
-SECTIONS |= {"distributed"}  # the Config's fields (jaxpar.config.sections)
+SECTIONS |= {"distributed", "muon"}  # the Config's fields (jaxpar.config.sections)
 
 
 def _carries(arg: ast.expr, held: dict[str, str]) -> str | None:
@@ -92,6 +93,15 @@ def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
     for node in ast.walk(fn):
         if not isinstance(node, ast.Call):
             continue
+        if _is_given(node, held):  # given(f, cfg, ...): f handed the sections it names
+            f = node.args[0]
+            module = (
+                f.value.id
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                else None
+            )
+            yield (f.attr if isinstance(f, ast.Attribute) else f.id), module, {}, {"*": "section"}
+            continue
         positions = {i: _carries(a, held) for i, a in enumerate(node.args) if _carries(a, held)}
         keywords = {
             k.arg: _carries(k.value, held)
@@ -106,6 +116,17 @@ def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
             yield f.attr, module, positions, keywords
         elif isinstance(f, ast.Name):
             yield f.id, None, positions, keywords
+
+
+def _is_given(node: ast.Call, held: dict[str, str]) -> bool:
+    """A call `given(f, cfg, ...)` (jaxpar.config.sections.given) of a named f."""
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    return (
+        name == "given"
+        and len(node.args) >= 2
+        and isinstance(node.args[0], ast.Name | ast.Attribute)
+        and _carries(node.args[1], held) == "config"
+    )
 
 
 def _resolve(table, imports, name: str, module: str | None, caller: str):
@@ -138,6 +159,9 @@ def walk(start_file: str, start: str, package: Path = ROOT / "jaxpar"):
                 names |= {
                     k: kind for k, kind in keywords.items() if any(p.arg == k for p in params)
                 }
+                if "*" in keywords:  # handed by given: the sections it names, or the whole
+                    names = {p.arg: "section" for p in params if p.arg in SECTIONS}
+                    names |= {p.arg: "config" for p in params if p.arg == "config"}
                 if names:
                     visit(callee_file, callee, names)
                     if files[-1] != file:

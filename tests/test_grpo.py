@@ -186,7 +186,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(loss, beta, iterations, corr
         batch[grpo.OLD] = logp + np.random.default_rng(2).uniform(-0.5, 0.5, logp.shape)
         if loss == "gspo":  # whole completions apart, as a token's noise averages out
             batch[grpo.OLD] += np.resize([0.45, -0.45, 0.0], rows)[:, None]
-    problem = grpo.problem(_toy(rows, width, vocab), cfg)
+    problem = grpo.problem(_toy(rows, width, vocab), cfg.grpo, cfg.adapter)
     params = {k: logits for k in problem.names}  # the reference's copy beside the policy
 
     def total(p):
@@ -240,7 +240,7 @@ STEPS = 4
 def updated(more: tuple[str, ...], preset: str = "llama-tiny") -> Trained:
     """`preset` trained by GRPO for STEPS steps on fixed rollout rows (no sampling)."""
     cfg = presets.load(preset, [*UPDATE, f"train.steps={STEPS}", *more])
-    problem = grpo.problem(trained_model(cfg.model, cfg.adapter, cfg.train), cfg)
+    problem = grpo.problem(trained_model(cfg.model, cfg.adapter, cfg.train), cfg.grpo, cfg.adapter)
     n = math.prod(max(getattr(cfg.parallel, a), 1) for a in AXES)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n])
     batches = [fixed_batch(16, 32, VOCAB, s, 2, 0.04) for s in range(STEPS)]
@@ -698,7 +698,7 @@ def test_grpo_equals_trl(loss, beta, iterations, correction, chat_tokenizer, tmp
         batch[grpo.OLD] = logp + noise[0]
     if beta:
         batch[grpo.REF] = logp + noise[1]
-    problem = grpo.problem(own, cfg)
+    problem = grpo.problem(own, cfg.grpo, cfg.adapter)
     full = {**params, **{k: params[k.removeprefix("reference/")] for k in problem.reference}}
 
     def total(p):

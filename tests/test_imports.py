@@ -241,6 +241,27 @@ def test_no_function_is_longer_than_a_screen():
     assert long == []
 
 
+# Who may take the whole Config (issue 60): entry points (the last release's API among
+# them: build, prepare, check_state, check_compiled, restore), what stores it (the saver,
+# the planner's candidates, a decoding layout), and `given`, which hands the others their
+# sections. Lower it when one goes; a new one takes the sections it reads instead.
+WHOLE_CONFIG = 31
+
+
+def test_functions_take_the_sections_they_read():
+    """No more functions in jaxpar/ or models/ take the whole Config than WHOLE_CONFIG."""
+    whole = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                kinds = {ast.unparse(x.annotation) for x in a.posonlyargs + a.args + a.kwonlyargs
+                         if x.annotation is not None}  # fmt: skip
+                if kinds & {"Config", "Config | None"}:
+                    whole.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert len(whole) <= WHOLE_CONFIG, "\n".join(whole)
+
+
 def test_the_command_line_only_parses_and_dispatches():
     """cli/ stays a parser and a table of handlers (issue 60: at most 800 lines); what a
     command does lives in the room it belongs to."""

@@ -68,10 +68,11 @@ def counted(tmp: Path, windows: int) -> list[str]:
 @pytest.mark.parametrize("processes", [1, 2, 8])  # data=1; two processes; data=8's rows
 def test_an_epoch_visits_every_window_once(processes, tmp_path):
     from jaxpar.config import presets
+    from jaxpar.config.sections import given
     from jaxpar.objectives import lm
 
     cfg = presets.load("gpt-tiny", counted(tmp_path, 1000))  # 1000 windows
-    fed = lm.batches(cfg, None, "train", {"data": processes})  # as the trainer reads it
+    fed = given(lm.batches, cfg, None, "train", {"data": processes})  # as the trainer reads
     share = 8 // processes
 
     def window_starts(step):  # each process builds its own rows only

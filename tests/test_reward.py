@@ -156,6 +156,7 @@ def test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar(
     of a batch of pairs as jaxpar's model does; `jaxpar generate` refuses the run."""
     from test_scripts import SCRIPTS
 
+    from jaxpar.config.sections import given
     from jaxpar.objectives import reward
     from jaxpar.recipe import trained_model
     from jaxpar.training.export import run_params
@@ -180,7 +181,7 @@ def test_the_walk_through_exports_a_classifier_that_scores_as_jaxpar(
 
     params, meta = run_params(out)
     cfg = presets.from_dict(meta["config"])
-    batch = reward.batches(cfg, None, "train", {"data": 1})(0)
+    batch = given(reward.batches, cfg, None, "train", {"data": 1})(0)
     ours = np.asarray(reward.scores(trained_model(cfg.model, cfg.adapter, cfg.train), params,
                                     batch))  # fmt: skip
     docs = [row[seg == s] for row, seg in zip(batch["tokens"], batch["segment_ids"], strict=True)

@@ -11,7 +11,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.compiled.describe import describe_step
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import Config, given
 from jaxpar.cost import throughput
 from jaxpar.cost.report import Report
 from jaxpar.nn.problem import Problem, loss_elements
@@ -42,7 +42,7 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
     `batch`'s shapes (one global batch), and describe it. A step that would not fit in
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
-    layout_checks.check_train(cfg, mesh_shape)
+    given(layout_checks.check_train, cfg, mesh_shape)
     engine = build(problem, cfg, mesh)
     preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)

@@ -8,6 +8,7 @@ are jaxpar.parallel.layout_checks'.
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar, Literal
@@ -809,6 +810,16 @@ class Config:
                     f"{section}: expected a jaxpar.{cls.__name__}(...), got "
                     f"{type(getattr(self, section)).__name__}"
                 )
+
+
+def given(fn, cfg: Config, *args, **named):
+    """fn(*args, **named), each further parameter of fn that names a section of `cfg`
+    (`parallel`, `train`, ...) handed that section, and one named `config` the whole of
+    it: what a function reads, said by its own signature."""
+    wanted = inspect.signature(fn).parameters.keys() - named.keys()
+    sections = {n: getattr(cfg, n) for n in wanted & declared(Config).keys()}
+    whole = {"config": cfg} if "config" in wanted else {}
+    return fn(*args, **named, **sections, **whole)
 
 
 def computed_model(model: Model, objective: Objective) -> Model:

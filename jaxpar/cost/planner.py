@@ -254,13 +254,13 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 except ConfigError:
                     continue
                 for par, train in _layouts(base.parallel, mesh, strategy, trains, work.layers):
-                    try:  # the batch's arithmetic first: most fail it, before a Config is made
+                    try:  # the batch's arithmetic first: most fail it
                         batch_split(train, par, mesh)
-                        cfg = dataclasses.replace(base, parallel=par, train=train)
-                        check_train(cfg, mesh)
+                        check_train(mesh, parallel=par, train=train, model=base.model,
+                                    adapter=base.adapter, muon=base.muon)  # fmt: skip
                     except ConfigError:
                         continue
-                    yield cfg, mesh
+                    yield dataclasses.replace(base, parallel=par, train=train), mesh
 
 
 def _layouts(parallel: Parallel, mesh: dict, strategy, trains: dict, layers: int):

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Adapter, Config, Dpo, DpoLoss, Reference
+from jaxpar.config.sections import Adapter, Data, Dpo, DpoLoss, Model, Reference, Train
 from jaxpar.data import pairs
 from jaxpar.data.pairs import REFERENCE
 from jaxpar.errors import ConfigError
@@ -176,25 +176,34 @@ def _parts(inner: Parts, policy, held, finish, copied, precomputed: bool) -> Par
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------
 
 
-def check(cfg: Config) -> None:
-    mode(cfg.dpo, cfg.adapter)  # a reference the run cannot have is refused
+def check(dpo: Dpo, adapter: Adapter) -> None:
+    mode(dpo, adapter)  # a reference the run cannot have is refused
 
 
-def problem(own: Problem, cfg: Config) -> Problem:
-    return objective(own, cfg.dpo, cfg.adapter)
+def problem(own: Problem, dpo: Dpo, adapter: Adapter) -> Problem:
+    return objective(own, dpo, adapter)
 
 
-def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None) -> Callable:
+def batches(
+    own: Problem,
+    split: str,
+    mesh_shape,
+    devices=None,
+    *,
+    dpo: Dpo,
+    adapter: Adapter,
+    model: Model,
+    train: Train,
+    data: Data,
+) -> Callable:
     """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, with the
     reference's log-probabilities where dpo.reference=precompute (`own`: the model
     before the objective, scored once)."""
-    t = cfg.train
-    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
+    t = train
+    held = pairs.load(data, t, model.vocab, split)
     reference = None
-    if mode(cfg.dpo, cfg.adapter) is Reference.PRECOMPUTE:
-        reference = precompute.reference_logps(
-            cfg.model, cfg.adapter, cfg.train, cfg.data, own, split, devices
-        )
+    if mode(dpo, adapter) is Reference.PRECOMPUTE:
+        reference = precompute.reference_logps(model, adapter, train, data, own, split, devices)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         return pairs.batch_at(

@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config.sections import Adapter, Config, Grpo, GrpoLoss, OnSpike
+from jaxpar.config.sections import Adapter, Checkpoint, Config, Grpo, GrpoLoss, OnSpike, Train
 from jaxpar.errors import ConfigError
 from jaxpar.nn import documents, sequence
 from jaxpar.nn.layers import batch_sum
@@ -147,15 +147,15 @@ def _report(mask, clip_weights, clips, kl) -> None:
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------
 
 
-def check(cfg: Config) -> None:
-    g, every = cfg.grpo, cfg.checkpoint.every
-    if cfg.train.eval_every:
+def check(grpo: Grpo, train: Train, checkpoint: Checkpoint) -> None:
+    g, every = grpo, checkpoint.every
+    if train.eval_every:
         raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every}: train.objective=grpo has no held-out "
+            f"train.eval_every={train.eval_every}: train.objective=grpo has no held-out "
             "loss (its measure is the rollouts' reward, in metrics.jsonl); give "
             "train.eval_every=0"
         )
-    if cfg.train.on_spike is OnSpike.ROLLBACK:
+    if train.on_spike is OnSpike.ROLLBACK:
         raise ConfigError(
             "train.on_spike=rollback: a GRPO step's rollouts came from the policy a rollback "
             "would return from, so train.objective=grpo cannot roll back; use "
@@ -167,9 +167,9 @@ def check(cfg: Config) -> None:
             f"sampler's log-probabilities, which grpo.iterations={g.iterations} also stores for "
             "its own steps; give grpo.iterations=1 with staleness, or grpo.staleness=0"
         )
-    if g.staleness >= cfg.train.steps:
+    if g.staleness >= train.steps:
         raise ConfigError(
-            f"grpo.staleness={g.staleness}: a run of train.steps={cfg.train.steps} would train "
+            f"grpo.staleness={g.staleness}: a run of train.steps={train.steps} would train "
             "on the start's rollouts alone; give grpo.staleness < train.steps"
         )
     if every % g.iterations:
@@ -180,13 +180,13 @@ def check(cfg: Config) -> None:
         )
 
 
-def problem(own: Problem, cfg: Config) -> Problem:
-    return objective(own, cfg.grpo, cfg.adapter)
+def problem(own: Problem, grpo: Grpo, adapter: Adapter) -> Problem:
+    return objective(own, grpo, adapter)
 
 
-def trained_on(cfg: Config, devices: list) -> list:
+def trained_on(devices: list, grpo: Grpo) -> list:
     """The devices the trainer's mesh takes: all but grpo.rollout_devices' first N."""
-    n = cfg.grpo.rollout_devices
+    n = grpo.rollout_devices
     if n and n >= len(devices):
         raise ConfigError(
             f"grpo.rollout_devices={n}: the run has {len(devices)} devices and the trainer "
@@ -195,15 +195,15 @@ def trained_on(cfg: Config, devices: list) -> list:
     return devices[n:]
 
 
-def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
+def batches(own: Problem, split: str, mesh_shape, devices=None, *, config: Config):
     """The rollouts: each its rows, made before their steps (a hook too); no held-out
     split (check refuses train.eval_every). With grpo.rollout_devices they are made on
     the first N of `devices` (default: all), the trainer's mesh on the rest."""
     if split != "train":
         return None
-    n = cfg.grpo.rollout_devices
+    n = config.grpo.rollout_devices
     generators = list(jax.devices() if devices is None else devices)[:n] if n else None
-    return Rollouts(cfg, own, n or math.prod(mesh_shape.values()), generators)
+    return Rollouts(config, own, n or math.prod(mesh_shape.values()), generators)
 
 
 def hooks(batches) -> tuple:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import hf
-from jaxpar.config.sections import AdapterKind, Config, Model, Train
+from jaxpar.config.sections import Adapter, AdapterKind, Data, Model, Train
 from jaxpar.data import pairs
 from jaxpar.data.pairs import CHOSEN, REJECTED
 from jaxpar.data.tokens import SEGMENT_IDS
@@ -156,23 +156,23 @@ def objective(own: Problem, embed: int) -> Problem:
 # -- the plug-in (jaxpar.objectives) ----------------------------------------------------
 
 
-def check(cfg: Config) -> None:
-    m = cfg.model
+def check(model: Model, adapter: Adapter) -> None:
+    m = model
     if m.experts or m.name == "mlp":
         what = f"model.experts={m.experts}" if m.experts else "model.name=mlp"
         raise ConfigError(
             f"train.objective=reward: {what}: a reward head is built on dense language "
             "models (gpt, llama, mistral, qwen2, qwen3, gemma2, gemma3); choose one"
         )
-    if cfg.adapter.kind is not AdapterKind.NONE:
+    if adapter.kind is not AdapterKind.NONE:
         raise ConfigError(
-            f"train.objective=reward: adapter.kind={cfg.adapter.kind}: a reward model trains "
+            f"train.objective=reward: adapter.kind={adapter.kind}: a reward model trains "
             "every weight (adapters with a trained head are not built); give adapter.kind=none"
         )
 
 
-def problem(own: Problem, cfg: Config) -> Problem:
-    return objective(own, cfg.model.embed)
+def problem(own: Problem, model: Model) -> Problem:
+    return objective(own, model.embed)
 
 
 def initial(fill, model: Model, train: Train):
@@ -187,20 +187,22 @@ def initial(fill, model: Model, train: Train):
     return made
 
 
-def batches(cfg: Config, own: Problem, split: str, mesh_shape, devices=None):
+def batches(
+    own: Problem, split: str, mesh_shape, devices=None, *, train: Train, data: Data, model: Model
+):
     """(i, rows=slice(None)) -> batch i of `split`'s preference pairs, each of which must
     leave its rejected answer's last id an input (seq_len ids at most)."""
-    t = cfg.train
-    meta = pairs.meta_of(cfg.data)  # (before load's own check, which asks one id less)
+    t = train
+    meta = pairs.meta_of(data)  # (before load's own check, which asks one id less)
     longest = meta["longest_pair"] if meta else 0
     if longest > t.seq_len:
         raise ConfigError(
-            f"train.seq_len={t.seq_len}: the longest pair of data.path={cfg.data.path} is "
+            f"train.seq_len={t.seq_len}: the longest pair of data.path={data.path} is "
             f"{longest} ids, and a reward model reads each answer's last id as an input "
             f"(a row holds seq_len of them); set train.seq_len={longest}"
         )
-    held = pairs.load(cfg.data, t, cfg.model.vocab, split)
-    pad = pairs.pad_id(cfg.data.path)
+    held = pairs.load(data, t, model.vocab, split)
+    pad = pairs.pad_id(data.path)
 
     def batches(i: int, rows: slice = slice(None)) -> dict:
         batch = pairs.batch_at(

@@ -11,7 +11,6 @@ from jaxpar.config.options import default_of
 from jaxpar.config.sections import (
     Adapter,
     AdapterKind,
-    Config,
     DpCollective,
     DpSync,
     Model,
@@ -85,18 +84,18 @@ def _check_qk_clip(muon: Muon, adapter: AdapterKind) -> None:
         )
 
 
-def check_train(cfg: Config, mesh_shape: dict) -> None:
+def check_train(
+    mesh_shape: dict,
+    *,
+    parallel: Parallel,
+    train: Train,
+    model: Model,
+    adapter: Adapter,
+    muon: Muon,
+) -> None:
     """Batch arithmetic every run needs, whatever the model."""
-    parallel = cfg.parallel
-    batch_split(cfg.train, parallel, mesh_shape)
-    context.check(parallel, mesh_shape, cfg.train.seq_len, cfg.model.heads)
-    if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
-        raise ConfigError(
-            f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
-            "server sums everything on one device, which is what ZeRO avoids (it splits the "
-            "optimizer state and the reduction over all devices); use parallel.zero=0 with "
-            "server, or dp_collective=ring or xla with ZeRO"
-        )
+    batch_split(train, parallel, mesh_shape)
+    context.check(parallel, mesh_shape, train.seq_len, model.heads)
     if parallel.offload is Offload.OPTIMIZER_PARAMS and parallel.zero != 3:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.zero={parallel.zero}: only "
@@ -105,11 +104,11 @@ def check_train(cfg: Config, mesh_shape: dict) -> None:
             "parallel.offload=optimizer"
         )
     pipelined = mesh_shape[PIPE] > 1
-    _check_adapter(cfg.adapter, cfg.parallel)
-    _check_muon(cfg.train, cfg.muon)
-    _check_qk_clip(cfg.muon, cfg.adapter.kind)
+    _check_adapter(adapter, parallel)
+    _check_muon(train, muon)
+    _check_qk_clip(muon, adapter.kind)
     _check_dp_sync(parallel, mesh_shape)
-    _check_expert(cfg.model, mesh_shape)
+    _check_expert(model, mesh_shape)
     if pipelined and parallel.offload is Offload.OPTIMIZER_PARAMS:
         raise ConfigError(
             f"parallel.offload=optimizer+params with parallel.pipeline={mesh_shape[PIPE]}: "
@@ -180,7 +179,15 @@ def _check_expert(model: Model, mesh_shape: dict) -> None:
 
 
 def _check_dp_sync(parallel: Parallel, mesh_shape: dict) -> None:
-    """Parameter averaging runs a whole model and optimizer per data-parallel device."""
+    """Parameter averaging runs a whole model and optimizer per data-parallel device; a
+    gradient server sums on one device, which ZeRO would split."""
+    if parallel.dp_collective is DpCollective.SERVER and parallel.zero:
+        raise ConfigError(
+            f"parallel.dp_collective=server with parallel.zero={parallel.zero}: a gradient "
+            "server sums everything on one device, which is what ZeRO avoids (it splits the "
+            "optimizer state and the reduction over all devices); use parallel.zero=0 with "
+            "server, or dp_collective=ring or xla with ZeRO"
+        )
     if parallel.dp_sync is DpSync.GRADS:
         for key in ("sync_every", "outer_lr", "outer_momentum"):
             value, default = getattr(parallel, key), default_of(Parallel.__dataclass_fields__[key])

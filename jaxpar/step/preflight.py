@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from jaxpar.config.sections import Config, Offload, Remat
+from jaxpar.config.sections import Config, Offload, Parallel, Remat, Train
 from jaxpar.cost import formulas as cost
 from jaxpar.cost.report import human_bytes
 from jaxpar.errors import ConfigError
@@ -121,7 +121,14 @@ def check_compiled(
         f"memory: the compiled step needs {human_bytes(need)} per device (of it "
         f"{human_bytes(temp)} activations and temporaries{shared}), more than the "
         f"{human_bytes(have.bytes_per_device)} per device of {have.what}. "
-        + _tried(cfg, mesh_shape, need_of, have.bytes_per_device, compile_s)
+        + _tried(
+            cfg.train,
+            cfg.parallel,
+            mesh_shape,
+            lambda t, p: need_of(dataclasses.replace(cfg, train=t, parallel=p)),
+            have.bytes_per_device,
+            compile_s,
+        )
         + "; --force runs it anyway (the system may kill it)"
     )
 
@@ -129,26 +136,28 @@ def check_compiled(
 SEARCH_S = 60  # at most this long compiling alternatives for the message
 
 
-def _tried(cfg: Config, mesh_shape: dict, need_of, have: int, compile_s: float) -> str:
-    """Alternatives compiled and measured, cheapest change first; which fit."""
-    if compile_s * len(_alternatives(cfg, mesh_shape)) > SEARCH_S:
-        return "Try " + ", ".join(label for label, _ in _alternatives(cfg, mesh_shape))
+def _tried(train: Train, par: Parallel, mesh_shape: dict, need_of, have: int, compile_s) -> str:
+    """Alternatives compiled and measured (need_of(train, parallel) -> bytes), cheapest
+    change first; which fit."""
+    alternatives = _alternatives(train, par, mesh_shape)
+    if compile_s * len(alternatives) > SEARCH_S:
+        return "Try " + ", ".join(label for label, *_ in alternatives)
     fit, too_big, start = [], [], time.perf_counter()
-    for label, changed in _alternatives(cfg, mesh_shape):
+    for label, *changed in alternatives:
         if time.perf_counter() - start > SEARCH_S:
             break
         if fit and label.split("=")[0] in (f.split("=")[0] for f in fit):
             continue  # a smaller step of a knob that already fits
-        bytes_ = need_of(changed)
+        bytes_ = need_of(*changed)
         (fit if bytes_ <= have else too_big).append(f"{label} ({human_bytes(bytes_)})")
     found = f"Compiled and fits: {', '.join(fit)}" if fit else "None of these fits either"
     return found + (f"; too big still: {', '.join(too_big)}" if too_big else "")
 
 
-def _alternatives(cfg: Config, mesh_shape: dict) -> list[tuple[str, Config]]:
-    """(override, config): more accumulation (same batch, fewer rows at once), a smaller
-    batch, recomputed activations, ZeRO-3."""
-    par, train, data = cfg.parallel, cfg.train, mesh_shape[DATA]
+def _alternatives(train: Train, par: Parallel, mesh_shape: dict) -> list[tuple]:
+    """(override, train, parallel): more accumulation (same batch, fewer rows at once), a
+    smaller batch, recomputed activations, ZeRO-3."""
+    data = mesh_shape[DATA]
     out = []
     for factor in (2, 4, 8):
         changed = dataclasses.replace(train, grad_accum=train.grad_accum * factor)
@@ -162,7 +171,7 @@ def _alternatives(cfg: Config, mesh_shape: dict) -> list[tuple[str, Config]]:
         out.append(("parallel.remat=full", train, dataclasses.replace(par, remat="full")))
     if par.zero < 3 and data > 1:
         out.append(("parallel.zero=3", train, dataclasses.replace(par, zero=3)))
-    return [(label, dataclasses.replace(cfg, train=t, parallel=p)) for label, t, p in out]
+    return out
 
 
 def _splits(train, parallel, mesh_shape: dict) -> bool:

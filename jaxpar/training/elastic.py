@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar.config import registry
-from jaxpar.config.sections import Config
+from jaxpar.config.sections import Adapter, Config, Model, Muon, Parallel, Train
 from jaxpar.cost import report
 from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
@@ -75,13 +75,10 @@ def shrink(cfg: Config, before: int, left: int, per_process: int, least: int) ->
                 f"multiple of {copies}"
             )
             continue
-        new = dataclasses.replace(
-            cfg,
-            parallel=dataclasses.replace(cfg.parallel, replica=replica, data=copies // replica),
-            train=dataclasses.replace(train, grad_accum=accum),
-        )
+        par = dataclasses.replace(cfg.parallel, replica=replica, data=copies // replica)
         try:
-            fits(new, mesh)
+            fits(mesh, parallel=par, train=dataclasses.replace(train, grad_accum=accum),
+                 model=cfg.model, adapter=cfg.adapter, muon=cfg.muon)  # fmt: skip
         except ConfigError as e:
             why.append(f"{degrees_of(mesh)}: {_gist(str(e))}")
             continue
@@ -119,15 +116,17 @@ def _accumulation(train, copies: int, micro: int) -> int | None:
     return None
 
 
-def fits(cfg: Config, mesh: dict) -> None:
+def fits(
+    mesh: dict, *, parallel: Parallel, train: Train, model: Model, adapter: Adapter, muon: Muon
+) -> None:
     """The checks a worker makes of a layout before it compiles anything: the model's,
     the batch's and ZeRO's split (ConfigError)."""
-    registry.check_model(cfg.model, mesh)
-    check_train(cfg, mesh)
-    if cfg.parallel.zero:
-        problem = staging.in_stages(registered(cfg.model, cfg.train.seq_len), mesh[PIPE])
+    registry.check_model(model, mesh)
+    check_train(mesh, parallel=parallel, train=train, model=model, adapter=adapter, muon=muon)
+    if parallel.zero:
+        problem = staging.in_stages(registered(model, train.seq_len), mesh[PIPE])
         shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
-        plan(problem.names, shapes, zero=cfg.parallel.zero, mesh_shape=mesh)
+        plan(problem.names, shapes, zero=parallel.zero, mesh_shape=mesh)
 
 
 def replaced(argv: list[str], overrides: tuple[str, ...]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -88,19 +89,18 @@ def train(
 ) -> Result:
     """Train `problem` with the strategy in `cfg`; batches(step) gives global numpy batches.
 
-    With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless
-    checkpoint.dir says otherwise) it resumes from the latest one; `restart` sets the
-    earlier run's files and checkpoints aside and starts fresh. A step that would not
-    fit in memory is refused (ConfigError) unless `force`. `source` names the data in
-    the start-up summary. `params` (default: the problem's own init from train.seed)
-    gives the initial parameters of a fresh run: called with each leaf's
-    ShapeDtypeStruct and sharding in the model's own layout, it returns the arrays
-    (e.g. jaxpar.hf.initial_params, which reads each device's shard from the files).
-    `peak_tflops` (per device) replaces the device kind's peak that MFU divides by.
-    `eval_batches(i)` gives held-out batch i (train.batch_size rows, never trained on):
-    every train.eval_every steps the mean loss over train.eval_batches of them is logged
-    as eval_loss. `hooks` (jaxpar.training.hooks.Hook) run around the steps: rollouts
-    before theirs, scores after (`rollouts=`, `benchmarks=` warn until 0.3.0)."""
+    With checkpoints (cfg.checkpoint, saved under out_dir/checkpoints unless checkpoint.dir
+    says otherwise) it resumes from the latest one; `restart` sets the earlier run's files
+    and checkpoints aside and starts fresh. A step that would not fit in memory is refused
+    (ConfigError) unless `force`. `source` names the data in the start-up summary. `params`
+    (default: the problem's own init from train.seed) gives the initial parameters of a
+    fresh run: called with each leaf's ShapeDtypeStruct and sharding in the model's own
+    layout, it returns the arrays (e.g. jaxpar.hf.initial_params, which reads each device's
+    shard from the files). `peak_tflops` (per device) replaces the device kind's peak that
+    MFU divides by. `eval_batches(i)` gives held-out batch i (train.batch_size rows, never
+    trained on): every train.eval_every steps the mean loss over train.eval_batches of them
+    is logged as eval_loss. `hooks` (jaxpar.training.hooks.Hook) run around the steps:
+    rollouts before theirs, scores after (`rollouts=`, `benchmarks=` warn until 0.3.0)."""
     out_dir = None if out_dir is None else Path(out_dir)
     ckpt_dir = _checkpoint_dir(cfg.checkpoint, out_dir)
     _check_asked(cfg.train, out_dir, eval_batches, bool(ckpt_dir and cfg.checkpoint.every))
@@ -112,7 +112,8 @@ def train(
         if start >= cfg.train.steps:  # said before anything compiles
             say(finished(start, cfg.train.steps))
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-        run = _compiled(cfg, problem, mesh, batches, force, peak_tflops)
+        prepared = functools.partial(prepare, cfg, problem, mesh, force=force)
+        run = _compiled(prepared, batches, cfg.train, peak_tflops)
         saver.bind(problem, run.engine, mesh)
         state = _first_state(cfg.model, cfg.train, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
@@ -156,12 +157,12 @@ def _start_hooks(hooks, run, state, out_dir: Path | None, start: int, say) -> No
             say(lines)
 
 
-def _compiled(cfg: Config, problem: Problem, mesh, batches, force: bool, peak_tflops) -> Run:
-    """The step compiled for the first batch's shapes (checked first), with MFU over
-    `peak_tflops` where given."""
+def _compiled(prepared: Callable[[dict], Run], batches, train: Train, peak_tflops) -> Run:
+    """prepared(the first batch): the step compiled for its shapes (checked first), with MFU
+    over `peak_tflops` where given."""
     first = batches(0)
-    check_first_batch(first, cfg.train.batch_size)
-    run = prepare(cfg, problem, mesh, first, force)
+    check_first_batch(first, train.batch_size)
+    run = prepared(first)
     if peak_tflops is not None:
         run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
     return run
