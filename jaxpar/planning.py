@@ -42,7 +42,7 @@ def validate(plan, machine, top: int, scale: str) -> str:
         )
         try:
             registry.check_model(cfg.model, c.mesh)
-            given(layout_checks.check_train, cfg, c.mesh)
+            given(layout_checks.check, cfg, c.mesh)
         except ConfigError as e:
             rows.append([c.label(), f"not at {scale}'s dims: {e}"[:60], *["-"] * 6])
             continue

@@ -66,7 +66,7 @@ def model_problem(
     """(the registered model `model.*` as a Problem, batches(step) from `data.*`), as
     train.objective trains it."""
     registry.check_model(cfg.model, mesh_shape)
-    given(layout_checks.check_train, cfg, mesh_shape)
+    given(layout_checks.check, cfg, mesh_shape)
     own = trained_model(cfg.model, cfg.adapter, cfg.train)
     shipped = registered(cfg.model, cfg.train.seq_len)
     check_tensor_split(tensor_dims(shipped.names, shipped.shapes), mesh_shape[TENSOR])

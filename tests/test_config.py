@@ -39,7 +39,7 @@ def test_gpt_tiny_valid_for_every_strategy(degrees, zero):
     )
     mesh_shape = resolve_degrees(cfg.parallel, 8)
     registry.check_model(cfg.model, mesh_shape)
-    given(layout_checks.check_train, cfg, mesh_shape)
+    given(layout_checks.check, cfg, mesh_shape)
     assert cfg.model.layers >= 4 and cfg.train.batch_size == 16
 
 

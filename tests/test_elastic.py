@@ -16,6 +16,7 @@ import pytest
 from helpers import jaxpar_command
 
 from jaxpar.config import presets
+from jaxpar.config.sections import given
 from jaxpar.errors import ConfigError
 from jaxpar.training import elastic
 
@@ -23,7 +24,7 @@ ZERO1_TP = ["parallel.data=4", "parallel.tensor=2", "parallel.zero=1", "train.ba
 
 
 def shrunk(overrides, before=4, left=3, per=2, least=1):
-    return elastic.shrink(presets.load("gpt-tiny", overrides), before, left, per, least)
+    return given(elastic.shrink, presets.load("gpt-tiny", overrides), before, left, per, least)
 
 
 def test_data_shrinks_first_and_accumulation_keeps_the_batch():

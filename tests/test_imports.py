@@ -229,6 +229,27 @@ def test_an_old_name_says_where_it_lives_and_an_unknown_path_still_fails():
     assert presets is sys.modules["jaxpar.config.presets"]
 
 
+def test_the_last_releases_check_train_takes_the_whole_config_and_warns():
+    """jaxpar.mesh_rules.check_train(cfg, mesh_shape), as the last release's scripts call
+    it, checks what layout_checks.check checks (a wrong layout refused alike), and says
+    where the sectioned form is."""
+    from jaxpar.config import presets
+    from jaxpar.errors import ConfigError
+    from jaxpar.parallel.mesh import resolve_degrees
+
+    with pytest.warns(DeprecationWarning, match="jaxpar.mesh_rules moved"):
+        mesh_rules = _fresh_import("jaxpar.mesh_rules")
+    for keys, refused in (([], None), (["parallel.microbatches=2"], "needs parallel.pipeline")):
+        cfg = presets.load("gpt-tiny", keys)
+        with pytest.warns(DeprecationWarning, match=r"is now check\(mesh_shape, parallel="):
+            try:
+                mesh_rules.check_train(cfg, resolve_degrees(cfg.parallel, 8))
+                said = None
+            except ConfigError as e:
+                said = str(e)
+        assert (said is None) if refused is None else (refused in said), said
+
+
 def test_no_function_is_longer_than_a_screen():
     """No function in jaxpar/ or models/ over 80 lines, its docstring counted."""
     long = []
@@ -242,9 +263,10 @@ def test_no_function_is_longer_than_a_screen():
 
 
 # Who may take the whole Config (issue 60): entry points (the last release's API among
-# them: build, prepare, check_state, check_compiled, restore), what stores it (the saver,
-# the planner's candidates, a decoding layout), and `given`, which hands the others their
-# sections. Lower it when one goes; a new one takes the sections it reads instead.
+# them: build, prepare, check_state, check_compiled, check_train, restore), what stores
+# it (the saver, the planner's candidates, a decoding layout), and `given`, which hands
+# the others their sections. Lower it when one goes; a new one takes the sections it
+# reads instead.
 WHOLE_CONFIG = 31
 
 

@@ -17,6 +17,7 @@ from jaxpar import __version__, disk, evaluation
 from jaxpar.config import registry
 from jaxpar.config.keys_help import keys_help
 from jaxpar.config.presets import load, preset_names, resolve_init
+from jaxpar.config.sections import given
 from jaxpar.cost.columns import COLUMNS
 from jaxpar.data.prepare import MAX_LENGTH, VAL_FRACTION
 from jaxpar.errors import ConfigError, Stopped, UserError
@@ -655,13 +656,13 @@ def _check_config(args: argparse.Namespace):
     if args.config is None:  # bench: the default model's tiny preset
         args.config = registry.tiny_preset(registry.default_name())
     cfg, out = load(args.config, args.overrides), None
-    given = {o.split("=", 1)[0] for o in args.overrides}
+    typed = {o.split("=", 1)[0] for o in args.overrides}
     if cfg.model.init:  # config.json into model.*: the keys set here must agree with it
-        cfg = resolve_init(cfg, {k.removeprefix("model.") for k in given} - given)
+        cfg = resolve_init(cfg, {k.removeprefix("model.") for k in typed} - typed)
     if cfg.adapter.init:  # adapter_config.json into adapter.*, as config.json
         from jaxpar.adapters import peft
 
-        cfg = peft.resolve(cfg, {k.removeprefix("adapter.") for k in given} - given)
+        cfg = peft.resolve(cfg, {k.removeprefix("adapter.") for k in typed} - typed)
     if args.command in ("train", "inspect"):
         name = Path(args.config).stem + ("-inspect" if args.command == "inspect" else "")
         out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
@@ -690,7 +691,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.max_restarts:
         shrink, per = None, args.cpu_devices_per_process
         if rest[0] == "train":  # (bench, inspect and scripts: restarted as they were)
-            shrink = lambda *counts: elastic.shrink(cfg, *counts, per, args.min_processes)  # noqa: E731
+            shrink = lambda *counts: given(elastic.shrink, cfg, *counts, per, args.min_processes)  # noqa: E731
         restarts = elastic.Restarts(args.max_restarts, args.min_processes, shrink)
     return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt, restarts)
 

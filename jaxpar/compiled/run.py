@@ -42,7 +42,7 @@ def prepare(cfg: Config, problem: Problem, mesh: Mesh, batch, force: bool = Fals
     `batch`'s shapes (one global batch), and describe it. A step that would not fit in
     memory is refused before and after compiling, unless `force`."""
     mesh_shape = describe(mesh)
-    given(layout_checks.check_train, cfg, mesh_shape)
+    given(layout_checks.check, cfg, mesh_shape)
     engine = build(problem, cfg, mesh)
     preflight.check_state(cfg, engine, mesh_shape, force)
     step = compile_step(engine, batch)

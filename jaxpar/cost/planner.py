@@ -37,10 +37,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.names import LAYERS
 from jaxpar.nn import attention, staging
 from jaxpar.nn.problem import loss_elements, registered
-from jaxpar.parallel import leaf_layout, pipeline
+from jaxpar.parallel import layout_checks, leaf_layout, pipeline
 from jaxpar.parallel.axes import CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
 from jaxpar.parallel.batches import batch_split
-from jaxpar.parallel.layout_checks import check_train
 from jaxpar.parallel.schedules import SPLIT, TICKED, V_SHAPED
 from jaxpar.parallel.sharding import check_tensor_split, tensor_dims
 from jaxpar.parallel.sharding import plan as placement
@@ -256,7 +255,7 @@ def candidates(base: Config, machine: Machine, work: Workload, pipelines: bool =
                 for par, train in _layouts(base.parallel, mesh, strategy, trains, work.layers):
                     try:  # the batch's arithmetic first: most fail it
                         batch_split(train, par, mesh)
-                        check_train(mesh, parallel=par, train=train, model=base.model,
+                        layout_checks.check(mesh, parallel=par, train=train, model=base.model,
                                     adapter=base.adapter, muon=base.muon)  # fmt: skip
                     except ConfigError:
                         continue

@@ -6,11 +6,13 @@ planner for each layout it considers."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from jaxpar.config.options import default_of
 from jaxpar.config.sections import (
     Adapter,
     AdapterKind,
+    Config,
     DpCollective,
     DpSync,
     Model,
@@ -21,6 +23,7 @@ from jaxpar.config.sections import (
     Remat,
     Schedule,
     Train,
+    given,
 )
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import context
@@ -84,7 +87,21 @@ def _check_qk_clip(muon: Muon, adapter: AdapterKind) -> None:
         )
 
 
-def check_train(
+def check_train(cfg: Config, mesh_shape: dict) -> None:
+    """The last release's form of `check` (jaxpar.mesh_rules.check_train), which took the
+    whole config; it goes in jaxpar 0.3.0."""
+    warnings.warn(
+        "check_train(cfg, mesh_shape) is now check(mesh_shape, parallel=..., train=..., "
+        "model=..., adapter=..., muon=...), the sections it reads; "
+        "jaxpar.config.sections.given(check, cfg, mesh_shape) hands them (check_train goes "
+        "in jaxpar 0.3.0)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    given(check, cfg, mesh_shape)
+
+
+def check(
     mesh_shape: dict,
     *,
     parallel: Parallel,
@@ -93,7 +110,8 @@ def check_train(
     adapter: Adapter,
     muon: Muon,
 ) -> None:
-    """Batch arithmetic every run needs, whatever the model."""
+    """The rules every run's layout meets, whatever the model: the batch's arithmetic, and
+    the axes' and the sections' rules against each other."""
     batch_split(train, parallel, mesh_shape)
     context.check(parallel, mesh_shape, train.seq_len, model.heads)
     if parallel.offload is Offload.OPTIMIZER_PARAMS and parallel.zero != 3:

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar.config import registry
-from jaxpar.config.sections import Adapter, Config, Model, Muon, Parallel, Train
+from jaxpar.config.sections import Adapter, Model, Muon, Parallel, Train
 from jaxpar.cost import report
 from jaxpar.errors import ConfigError
 from jaxpar.nn import staging
 from jaxpar.nn.problem import registered
+from jaxpar.parallel import layout_checks
 from jaxpar.parallel.axes import AXES, CONTEXT, DATA, EXPERT, PIPE, REPLICA, TENSOR
-from jaxpar.parallel.layout_checks import check_train
 from jaxpar.parallel.mesh import resolve_degrees
 from jaxpar.parallel.sharding import plan
 
@@ -50,13 +50,23 @@ def degrees_of(mesh: dict) -> str:
     return " x ".join(shown) or "one device"
 
 
-def shrink(cfg: Config, before: int, left: int, per_process: int, least: int) -> Shrunk:
-    """The layout of `cfg` (run on `before` processes of `per_process` devices each) on
-    `left` processes, or on the most of fewer, down to `least`, that it fits (the rule
-    above).
+def shrink(
+    before: int,
+    left: int,
+    per_process: int,
+    least: int,
+    *,
+    parallel: Parallel,
+    train: Train,
+    model: Model,
+    adapter: Adapter,
+    muon: Muon,
+) -> Shrunk:
+    """The layout of a run's `parallel` (run on `before` processes of `per_process` devices
+    each) on `left` processes, or on the most of fewer, down to `least`, that it fits (the
+    rule above; its other sections as the run has them).
     ConfigError naming why none fits."""
-    old = resolve_degrees(cfg.parallel, before * per_process)
-    train = cfg.train
+    old = resolve_degrees(parallel, before * per_process)
     kept = math.prod(old[a] for a in KEPT)
     micro = train.batch_size // (old[REPLICA] * old[DATA] * train.grad_accum)
     why = []
@@ -75,10 +85,10 @@ def shrink(cfg: Config, before: int, left: int, per_process: int, least: int) ->
                 f"multiple of {copies}"
             )
             continue
-        par = dataclasses.replace(cfg.parallel, replica=replica, data=copies // replica)
+        par = dataclasses.replace(parallel, replica=replica, data=copies // replica)
         try:
             fits(mesh, parallel=par, train=dataclasses.replace(train, grad_accum=accum),
-                 model=cfg.model, adapter=cfg.adapter, muon=cfg.muon)  # fmt: skip
+                 model=model, adapter=adapter, muon=muon)  # fmt: skip
         except ConfigError as e:
             why.append(f"{degrees_of(mesh)}: {_gist(str(e))}")
             continue
@@ -122,7 +132,9 @@ def fits(
     """The checks a worker makes of a layout before it compiles anything: the model's,
     the batch's and ZeRO's split (ConfigError)."""
     registry.check_model(model, mesh)
-    check_train(mesh, parallel=parallel, train=train, model=model, adapter=adapter, muon=muon)
+    layout_checks.check(
+        mesh, parallel=parallel, train=train, model=model, adapter=adapter, muon=muon
+    )
     if parallel.zero:
         problem = staging.in_stages(registered(model, train.seq_len), mesh[PIPE])
         shapes = jax.tree.map(lambda s: s.shape, problem.shapes)
