@@ -7,7 +7,8 @@ section arrives at; a return is an entry into a file the walk had already left.
 
     .venv/bin/python scripts/config_walk.py [FILE:FUNCTION]   (default the trainer's train)
 
-A call `given(f, cfg, ...)` is a call of f, handed the sections its parameters name.
+A call `given(f, cfg, ...)` is a call of f, handed the sections its parameters name;
+`functools.partial(f, ...)` a call of f.
 A call is resolved through the caller's file: the function its `from jaxpar... import`
 names (`prepare`, or `planner.predict` through `from jaxpar.cost import planner`), else
 one of that file's own. A static reading: a plug-in's module chosen at run time
@@ -102,7 +103,10 @@ def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
             )
             yield (f.attr if isinstance(f, ast.Attribute) else f.id), module, {}, {"*": "section"}
             continue
-        positions = {i: _carries(a, held) for i, a in enumerate(node.args) if _carries(a, held)}
+        called, args = node.func, node.args
+        if _name(called) == "partial" and args:  # functools.partial(f, ...): a call of f
+            called, args = args[0], args[1:]
+        positions = {i: _carries(a, held) for i, a in enumerate(args) if _carries(a, held)}
         keywords = {
             k.arg: _carries(k.value, held)
             for k in node.keywords
@@ -110,7 +114,7 @@ def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
         }
         if not positions and not keywords:
             continue
-        f = node.func
+        f = called
         if isinstance(f, ast.Attribute):
             module = f.value.id if isinstance(f.value, ast.Name) else None
             yield f.attr, module, positions, keywords
@@ -118,11 +122,14 @@ def _handed_on(fn: ast.FunctionDef, held: dict[str, str]):
             yield f.id, None, positions, keywords
 
 
+def _name(f: ast.expr) -> str:
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
 def _is_given(node: ast.Call, held: dict[str, str]) -> bool:
     """A call `given(f, cfg, ...)` (jaxpar.config.sections.given) of a named f."""
-    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
     return (
-        name == "given"
+        _name(node.func) == "given"
         and len(node.args) >= 2
         and isinstance(node.args[0], ast.Name | ast.Attribute)
         and _carries(node.args[1], held) == "config"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 import math
 import os
@@ -112,8 +111,7 @@ def train(
         if start >= cfg.train.steps:  # said before anything compiles
             say(finished(start, cfg.train.steps))
         mesh = build_mesh(cfg.parallel) if mesh is None else mesh
-        prepared = functools.partial(prepare, cfg, problem, mesh, force=force)
-        run = _compiled(prepared, batches, cfg.train, peak_tflops)
+        run = _peak(prepare(cfg, problem, mesh, _first(batches, cfg.train), force), peak_tflops)
         saver.bind(problem, run.engine, mesh)
         state = _first_state(cfg.model, cfg.train, problem, run, saver, params, start, say)
         start = int(state.step)  # the data position (a save racing a halt is labelled later)
@@ -157,15 +155,18 @@ def _start_hooks(hooks, run, state, out_dir: Path | None, start: int, say) -> No
             say(lines)
 
 
-def _compiled(prepared: Callable[[dict], Run], batches, train: Train, peak_tflops) -> Run:
-    """prepared(the first batch): the step compiled for its shapes (checked first), with MFU
-    over `peak_tflops` where given."""
+def _first(batches, train: Train) -> dict:
+    """The first batch, checked: the step is compiled for its shapes."""
     first = batches(0)
     check_first_batch(first, train.batch_size)
-    run = prepared(first)
-    if peak_tflops is not None:
-        run = dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
-    return run
+    return first
+
+
+def _peak(run: Run, peak_tflops: float | None) -> Run:
+    """`run` with MFU over `peak_tflops` where given."""
+    if peak_tflops is None:
+        return run
+    return dataclasses.replace(run, peak_flops=throughput.peak_flops("", peak_tflops))
 
 
 def _run_files(files: Path | None, run, profile_steps: str, saver, start: int, say):
