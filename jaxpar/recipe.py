@@ -116,12 +116,13 @@ def initial_params(
     return reference.copies(params, [k.removeprefix(reference.COPY) for k in problem.reference])
 
 
-def train_config(cfg: Config, out_dir: Path | None = None, **kwargs) -> Result | None:
+def train_config(cfg: Config, out_dir: str | Path | None = None, **kwargs) -> Result | None:
     """Train the registered model as the config says (what `jaxpar train` runs), from
     model.init's checkpoint if it names one (its config.json already read into cfg).
     None, saying so at once, for a run already done (unless restarted). Relative paths
     are recorded absolute (presets.absolute_paths)."""
     cfg = presets.absolute_paths(cfg)
+    out_dir = None if out_dir is None else Path(out_dir)
     if (
         not kwargs.get("restart")
         and (done := finished_at(cfg.checkpoint, cfg.train.steps, out_dir)) is not None

@@ -113,6 +113,14 @@ CLAIMS = (
         ),
     ),
     Claim(
+        "docs/checkpoints.md",
+        "A local tier takes the frequent saves, and a run resumes from the newer tier",
+        (
+            "test_checkpoint.py::test_a_local_tier_takes_the_frequent_saves_and_a_resume_reads_the_newer",
+            "test_distributed.py::test_a_local_tier_two_processes_write_is_one_checkpoint",
+        ),
+    ),
+    Claim(
         "README.md",
         "A checkpoint restores into any other layout",
         (

@@ -90,6 +90,28 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["model.tie_embeddings: unknown key", "model.name=llama's"],
     ),
     "degrees": (["parallel.data=3"], ["parallel degrees", "!= 8 devices"]),
+    # the checkpoint tiers (checkpoint.local_dir): one line each
+    "local-tier-never-saved": (
+        ["checkpoint.local_dir=/tmp/fast"],
+        ["checkpoint.local_dir=/tmp/fast with checkpoint.every=0", "give checkpoint.every=N"],
+    ),
+    "shared-every-one-tier": (
+        ["checkpoint.shared_every=4"],
+        ["checkpoint.shared_every=4 without checkpoint.local_dir", "checkpoint.local_dir=PATH"],
+    ),
+    "shared-every-between-saves": (
+        ["checkpoint.local_dir=/tmp/fast", "checkpoint.every=2", "checkpoint.shared_every=5"],
+        ["checkpoint.shared_every=5", "multiple of 2", "checkpoint.shared_every=4"],
+    ),
+    "local-tier-is-the-shared": (
+        [
+            "checkpoint.local_dir=/tmp/fast",
+            "checkpoint.dir=/tmp/fast",
+            "checkpoint.every=1",
+            "checkpoint.shared_every=2",
+        ],
+        ["checkpoint.local_dir=/tmp/fast is checkpoint.dir", "folders of their own"],
+    ),
     "microbatches": (["parallel.microbatches=2"], ["parallel.microbatches=2", "pipeline > 1"]),
     "virtual": (["parallel.virtual_stages=2"], ["parallel.virtual_stages=2", "pipeline > 1"]),
     "interleaved": (["parallel.schedule=interleaved"], ["schedule=interleaved", "pipeline > 1"]),

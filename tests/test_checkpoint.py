@@ -109,6 +109,39 @@ def test_resume_is_bit_identical(devices, tmp_path, name):
     assert_identical(resumed.params, straight.params)
 
 
+def tiers(out: Path) -> list[str]:
+    """A save every step to a local tier beside the run directory, every second one (and
+    the last) to the shared tier, its checkpoints/."""
+    local = out.with_name(f"{out.name}-local")
+    return ["checkpoint.every=1", "checkpoint.shared_every=2", f"checkpoint.local_dir={local}"]
+
+
+@pytest.mark.slow
+def test_a_local_tier_takes_the_frequent_saves_and_a_resume_reads_the_newer(devices, tmp_path):
+    """checkpoint.local_dir: steps 1 and 3 saved to the local tier, 2 to the shared one
+    (and 3, the last, there too). A run stopped after step 3 and killed before its last
+    save reached the shared tier resumes from the local tier's step 3; the same, its
+    local tier lost with its machine, from the shared tier's step 2: each to the straight
+    run's losses, each step once, and every bit of its parameters."""
+    layout = ["parallel.data=4", "parallel.tensor=2", "parallel.zero=1", "train.steps=5"]
+    run = {name: tmp_path / name for name in ("straight", "stopped", "lost")}
+    straight = train([*layout, *tiers(run["straight"])], run["straight"])
+    _, _, _, batches = setup(layout)
+    stopped = [*layout, *tiers(run["stopped"])]
+    assert len(train(stopped, run["stopped"], stopping_at(2, batches)).losses) == 3
+    local = run["stopped"].with_name("stopped-local")
+    assert sorted(os.listdir(local)) == [".lock", "1", "3"]
+    assert sorted(os.listdir(run["stopped"] / "checkpoints")) == ["2", "3"]
+    shutil.rmtree(run["stopped"] / "checkpoints" / "3")  # as a kill -9 leaves the tiers
+    shutil.copytree(run["stopped"], run["lost"])  # the same run on a machine without them
+    for out, back_to in ((run["stopped"], 3), (run["lost"], 2)):
+        resumed = train([*layout, *tiers(out)], out)
+        assert len(resumed.losses) == 5 - back_to
+        assert losses(out) == losses(run["straight"])  # each of the 5 steps once
+        assert_identical(resumed.params, straight.params)
+    assert sorted(os.listdir(run["lost"] / "checkpoints")) == ["2", "4", "5"]
+
+
 LAYOUTS = {
     "dp8-zero0 -> 3d-zero3": (
         ["parallel.data=8", "parallel.zero=0"],

@@ -115,6 +115,23 @@ def test_checkpoints_move_between_two_processes_and_one(devices, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "one")], straight, rtol=1e-6)
 
 
+def test_a_local_tier_two_processes_write_is_one_checkpoint(devices, tmp_path):
+    """checkpoint.local_dir with two processes: one folder both see, each writing its
+    shards into one checkpoint (process 0 the index), the tiers as one process makes them;
+    one process resumes from the local tier's step 3 and goes on as the straight run."""
+    local = tmp_path / "two-local"
+    steps = [*ZERO3_TP, "train.steps=4", "checkpoint.every=1", "checkpoint.shared_every=2"]
+    steps += [f"checkpoint.local_dir={local}"]
+    launch(tmp_path / "two", *steps)
+    straight = [r["loss"] for r in rows(tmp_path / "two")]
+    assert sorted(os.listdir(local)) == [".lock", "1", "3"]
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "4")  # stopped after step 3
+    resumed = run_one(tmp_path / "two", steps)
+    assert f"resuming from step 3: {local / '3'}" in resumed.stdout
+    np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "two")], straight, rtol=1e-6)
+
+
 def run_one(out, steps):
     done = jaxpar_command(
         "train", "--config", "gpt-tiny", "--cpu-devices", "8", *steps, "--out", str(out)

@@ -678,13 +678,14 @@ def _launch(args: argparse.Namespace) -> int:
     from jaxpar.parallel.distributed import launch
     from jaxpar.training import elastic
 
-    rest, out, ckpt = args.command_args, Path("."), None
+    rest, out, ckpt, local = args.command_args, Path("."), None, None
     if not rest[0].endswith(".py"):
         inner = _parse(rest)
         cfg, run_dir = _check_config(inner)
         if run_dir is not None:  # one run directory for all workers
             out, rest = run_dir, rest if inner.out else [*rest, "--out", str(run_dir)]
             ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+            local = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else None
         elif getattr(inner, "out", None):
             out = inner.out.parent
     restarts = None
@@ -693,7 +694,7 @@ def _launch(args: argparse.Namespace) -> int:
         if rest[0] == "train":  # (bench, inspect and scripts: restarted as they were)
             shrink = lambda *counts: given(elastic.shrink, cfg, *counts, per, args.min_processes)  # noqa: E731
         restarts = elastic.Restarts(args.max_restarts, args.min_processes, shrink)
-    return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt, restarts)
+    return launch(args.processes, args.cpu_devices_per_process, rest, out, ckpt, restarts, local)
 
 
 def _prepare_data(args: argparse.Namespace) -> int:

@@ -236,6 +236,7 @@ def resolve_init(cfg: Config, explicit: set[str] | None = None) -> Config:
 PATH_KEYS = (
     ("data", "path", ""),
     ("checkpoint", "dir", ""),
+    ("checkpoint", "local_dir", ""),
     ("model", "init", hf.SCHEME),
     ("adapter", "init", "peft:"),
 )

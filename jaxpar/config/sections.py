@@ -11,6 +11,7 @@ import enum
 import inspect
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from jaxpar.config import registry
@@ -780,6 +781,26 @@ class Checkpoint(Section):
             "4x a save's CPU time (which the steps beside an asynchronous save share)"
         ),
     )
+    local_dir: str = key(
+        "",
+        (
+            "a fast local tier (e.g. /dev/shm/<run> or a local SSD) for the frequent saves: "
+            "every checkpoint.every steps go there, every checkpoint.shared_every steps and "
+            "the last to checkpoint.dir; a run resumes from the newer of the two; empty = "
+            "one tier"
+        ),
+    )
+    shared_every: Annotated[int, Range(0, 10**9, "steps between shared saves")] = key(
+        0,
+        (
+            "with checkpoint.local_dir: steps between the saves that go to the shared tier "
+            "(checkpoint.dir), a multiple of checkpoint.every"
+        ),
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        tiers(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -830,6 +851,37 @@ def computed_model(model: Model, objective: Objective) -> Model:
     if scored and getattr(model, "router_aux_loss", 0):
         return replace(model, router_aux_loss=0.0)
     return model
+
+
+def tiers(ckpt: Checkpoint) -> None:
+    """checkpoint.local_dir and shared_every, together and against checkpoint.every."""
+    every, shared = ckpt.every, ckpt.shared_every
+    if shared and not ckpt.local_dir:
+        raise ConfigError(
+            f"checkpoint.shared_every={shared} without checkpoint.local_dir: with one tier "
+            "every save is shared; give checkpoint.local_dir=PATH (a fast local folder), or "
+            "drop checkpoint.shared_every"
+        )
+    if not ckpt.local_dir:
+        return
+    if not every:
+        raise ConfigError(
+            f"checkpoint.local_dir={ckpt.local_dir} with checkpoint.every=0: the local tier "
+            "holds the frequent saves; give checkpoint.every=N (e.g. 1), or drop "
+            "checkpoint.local_dir"
+        )
+    if not shared or shared % every:
+        near = every * max(1, round(shared / every)) if shared else 10 * every
+        raise ConfigError(
+            f"checkpoint.shared_every={shared} with checkpoint.local_dir: the saves that go "
+            f"to the shared tier are some of the checkpoint.every={every} saves; give a "
+            f"multiple of {every}, e.g. checkpoint.shared_every={near}"
+        )
+    if ckpt.dir and Path(ckpt.local_dir).absolute() == Path(ckpt.dir).absolute():
+        raise ConfigError(
+            f"checkpoint.local_dir={ckpt.local_dir} is checkpoint.dir: the two tiers need "
+            "folders of their own; give the local tier a fast local folder"
+        )
 
 
 def profile_range(train: Train) -> tuple[int, int] | None:

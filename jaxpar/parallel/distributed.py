@@ -201,24 +201,35 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def newest_step(ckpt_dir: Path | None) -> int | None:
-    """The newest complete checkpoint's step (orbax renames a step's folder into place
-    once it is whole: a partial one is never counted)."""
-    steps = [
-        int(p.name)
-        for p in (ckpt_dir.iterdir() if ckpt_dir and ckpt_dir.is_dir() else ())
+def newest_step(*ckpt_dirs: Path | None) -> int | None:
+    """The newest complete checkpoint's step in the folders (a run's tiers); orbax renames
+    a step's folder into place once it is whole: a partial one is never counted."""
+    return _newest(ckpt_dirs)[0]
+
+
+def _newest(ckpt_dirs) -> tuple[int | None, Path | None]:
+    """(the newest complete step in the folders, the folder holding it)."""
+    found = [
+        (int(p.name), folder)
+        for folder in ckpt_dirs
+        for p in (folder.iterdir() if folder and folder.is_dir() else ())
         if p.name.isdigit()
     ]
-    return max(steps, default=None)
+    return max(found, key=lambda f: f[0], default=(None, None))
 
 
 def latest_checkpoint(ckpt_dir: Path | None, none: str = "") -> str:
     """Where a stopped job resumes from, in words (the newest complete step's folder);
     `none`: the words where there is no checkpoint."""
-    step = newest_step(ckpt_dir)
+    return _resume(ckpt_dir, none=none)
+
+
+def _resume(*ckpt_dirs: Path | None, none: str = "") -> str:
+    """latest_checkpoint over a run's tiers: the newest step of any."""
+    step, folder = _newest(ckpt_dirs)
     if step is None:
         return none or "no checkpoint to resume from (set checkpoint.every to keep them)"
-    return f"resume from step {step} in {ckpt_dir} by running the same command again"
+    return f"resume from step {step} in {folder} by running the same command again"
 
 
 def check_launch(
@@ -256,11 +267,13 @@ def launch(
     log_dir: Path,
     ckpt_dir: Path | None = None,
     restarts=None,
+    local_dir: Path | None = None,
 ) -> int:
     """Run ARGV as `processes` local processes of one job, `cpu_devices` simulated devices
     each: a `jaxpar` command (`train ...`) or a Python script (`script.py ...`), told
     where and who they are by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-    JAX_PROCESS_ID. Every process's output goes to log_dir/process-<i>.log, process 0's
+    JAX_PROCESS_ID. `ckpt_dir` and `local_dir` are the run's checkpoint tiers (named
+    in what it says). Every process's output goes to log_dir/process-<i>.log, process 0's
     is also streamed here.
 
     SIGTERM or SIGINT to the launcher goes to every worker, once: they finish the step in
@@ -272,7 +285,7 @@ def launch(
     signal (not gloo's abort of a casualty) or found stopped is taken as lost with its
     host and not restarted; one that exited with an error is."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    job = _Job(cpu_devices, log_dir, ckpt_dir)
+    job = _Job(cpu_devices, log_dir, (ckpt_dir, local_dir))
     # (from before the first worker: a stop while they start reaches every one started)
     previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -290,7 +303,7 @@ def _attempts(job: _Job, processes: int, argv: list[str], restarts) -> int:
     done: list[_Restart] = []
     startup, began = None, time.monotonic()
     while True:
-        progress = _Progress(job.log_dir / "metrics.jsonl", newest_step(job.ckpt_dir) or 0)
+        progress = _Progress(job.log_dir / "metrics.jsonl", newest_step(*job.tiers) or 0)
         ended = job.run(processes, argv, progress)
         if done and done[-1].recovered_at is None:
             done[-1].recovered_at = progress.first_at
@@ -302,7 +315,7 @@ def _attempts(job: _Job, processes: int, argv: list[str], restarts) -> int:
         if not isinstance(ended, _Death) or again is None:
             if done:
                 print(f"jaxpar launch: restarts\n{restarts.table(done, startup)}", flush=True)
-            return ended if isinstance(ended, int) else ended.report(job.ckpt_dir)
+            return ended if isinstance(ended, int) else ended.report(job.tiers)
         processes, argv, restart = again
         done.append(restart)
 
@@ -324,7 +337,7 @@ def _restart(job: _Job, death: _Death, processes: int, argv, restarts, done: int
         death.gave_up = f"not restarted: {e}"
         return None
     _keep_logs(job.log_dir, processes, done + 1)
-    step = newest_step(job.ckpt_dir)
+    step, folder = _newest(job.tiers)
     resumed = "the start" if step is None else f"step {step}"
     cause = death.cause()
     restart = _Restart(cause, processes, shrunk.processes, shrunk.layout, resumed, death.at)
@@ -333,7 +346,7 @@ def _restart(job: _Job, death: _Death, processes: int, argv, restarts, done: int
         f"  layout   {shrunk.said}\n"
         f"  rule     data and replica shrink first; tensor, pipeline, context and expert are "
         f"kept; the batch is kept by accumulation\n"
-        f"  resume   from {resumed} in {job.ckpt_dir}",
+        f"  resume   from {resumed} in {folder or job.tiers[0]}",
         flush=True,
     )
     return shrunk.processes, argv, restart
@@ -361,8 +374,9 @@ def _keep_logs(log_dir: Path, processes: int, restart: int) -> None:
 class _Job:
     """The workers of one attempt, and the stop the launcher forwards to them."""
 
-    def __init__(self, cpu_devices: int, log_dir: Path, ckpt_dir: Path | None):
-        self.cpu_devices, self.log_dir, self.ckpt_dir = cpu_devices, log_dir, ckpt_dir
+    def __init__(self, cpu_devices: int, log_dir: Path, tiers: tuple):
+        self.cpu_devices, self.log_dir = cpu_devices, log_dir
+        self.tiers = tuple(t for t in tiers if t) or (None,)  # the run's checkpoint folders
         self.procs: list[subprocess.Popen] = []
         self.stopping: list[int] = []
         self.told: set[int] = set()  # the workers the stop was sent to
@@ -397,7 +411,7 @@ class _Job:
                     )
         if self.stopping:  # a stop that came while a worker was spawned, before it was listed
             self.tell()
-        return _watch(self.procs, paths, self.stopping, self.ckpt_dir, progress)
+        return _watch(self.procs, paths, self.stopping, self.tiers, progress)
 
 
 def _spawn(command, log, i: int, processes: int, coordinator: str, cpu_devices: int):
@@ -524,7 +538,7 @@ class _Progress:
             self.first_at = time.monotonic()
 
 
-def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir, progress: _Progress):
+def _watch(procs, paths: list[Path], stopping: list[int], tiers, progress: _Progress):
     echo = _Echo(paths[0])
     try:
         while True:
@@ -532,8 +546,8 @@ def _watch(procs, paths: list[Path], stopping: list[int], ckpt_dir, progress: _P
             progress.poll()
             codes = [p.poll() for p in procs]
             if stopping:
-                grace = grace_s(ckpt_dir, paths[0].parent / "metrics.jsonl")
-                return _wait_stopped(procs, echo, signal.Signals(stopping[0]), ckpt_dir, grace)
+                grace = grace_s(tiers, paths[0].parent / "metrics.jsonl")
+                return _wait_stopped(procs, echo, signal.Signals(stopping[0]), tiers, grace)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 return _failed(procs, paths, codes, failed, progress.last_step)
@@ -605,7 +619,7 @@ class _Death:
             )
         return f"process {self.process} of {self.processes} {_how(self.code)} in step {self.step}"
 
-    def report(self, ckpt_dir: Path | None) -> int:
+    def report(self, tiers: tuple) -> int:
         """Printed as the launch's end: one line naming it (and the deaths before it)."""
         head = f"jaxpar launch: process {self.process} of {self.processes} {_how(self.code)}"
         if self.before:
@@ -613,7 +627,7 @@ class _Death:
         elif self.gave_up:
             head += f" ({self.gave_up})"
         print(
-            f"{head}; stopped the other {self.stopped}; {latest_checkpoint(ckpt_dir)}. Its "
+            f"{head}; stopped the other {self.stopped}; {_resume(*tiers)}. Its "
             f"log is {self.log}; its last lines:",
             *self.tail,
             sep="\n",
@@ -622,12 +636,15 @@ class _Death:
         return _status(self.code)
 
 
-def grace_s(ckpt_dir: Path | None, metrics: Path) -> float:
+def grace_s(tiers: tuple, metrics: Path) -> float:
     """How long workers get, after a forwarded stop, to finish the step in flight, save
     and exit: GRACE_S more than three times the longest step (metrics.jsonl) and the
-    longest save (orbax's timestamps in each checkpoint) measured so far."""
+    longest save (orbax's timestamps in each checkpoint of the run's tiers) measured so
+    far."""
     saves = [0.0]
-    for found in ckpt_dir.glob("*/_CHECKPOINT_METADATA") if ckpt_dir else ():
+    for found in (f for t in tiers if t for f in t.glob("[0-9]*/_CHECKPOINT_METADATA")):
+        if not found.parent.name.isdigit():  # a save still writing: no commit time yet
+            continue
         with contextlib.suppress(OSError, ValueError, KeyError):
             told = json.loads(found.read_text())
             saves.append((told["commit_timestamp_nsecs"] - told["init_timestamp_nsecs"]) / 1e9)
@@ -639,7 +656,7 @@ def grace_s(ckpt_dir: Path | None, metrics: Path) -> float:
     return GRACE_S + 3 * (max(steps) + max(saves))
 
 
-def _wait_stopped(procs, echo: _Echo, sig: signal.Signals, ckpt_dir, grace: float) -> int:
+def _wait_stopped(procs, echo: _Echo, sig: signal.Signals, tiers, grace: float) -> int:
     """After a forwarded stop: the workers' exit, within `grace` s (then they are killed).
     Workers that had not begun training die of the signal itself, saving nothing."""
     print(
@@ -655,13 +672,13 @@ def _wait_stopped(procs, echo: _Echo, sig: signal.Signals, ckpt_dir, grace: floa
         print(
             f"jaxpar launch: the {len(procs)} processes stopped before their first step, "
             f"with nothing to save; "
-            + latest_checkpoint(ckpt_dir, "run the same command again to start the run")
+            + _resume(*tiers, none="run the same command again to start the run")
         )
         return _status(-sig)
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     if not bad:
         print(f"jaxpar launch: all {len(procs)} processes saved and exited; "
-              f"{latest_checkpoint(ckpt_dir)}")  # fmt: skip
+              f"{_resume(*tiers)}")  # fmt: skip
         return 0
     i, code = bad[0]
     how = f"did not exit within {grace:.0f} s" if code is None else _how(code)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxpar import disk
@@ -42,7 +43,7 @@ from jaxpar.adapters import base as base_lib
 from jaxpar.config.presets import to_dict
 from jaxpar.config.sections import Config, OnNonfinite, Precision
 from jaxpar.cost.formulas import DTYPES
-from jaxpar.errors import CheckpointError
+from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.nn.problem import Problem
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -513,6 +514,32 @@ def _check_directory(directory: Path, create: bool) -> None:
         raise CheckpointError(f"{directory}: no such checkpoint directory")
 
 
+def _one_folder_for_all(directory: Path) -> None:
+    """With many processes, the local tier is one folder that every process sees (orbax
+    writes one checkpoint there: each process its shards, the first its index and the
+    step's folder), e.g. a host's /dev/shm for the processes of one host. A folder of
+    each host's own is refused: a tier per host, read back from peers, is not built."""
+    if jax.process_count() == 1:
+        return
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(2**31 - 1))))
+    mark = directory / f".jaxpar-tier-{token}"
+    if jax.process_index() == 0:
+        mark.touch()
+    multihost_utils.sync_global_devices("jaxpar local tier marked")
+    seen = multihost_utils.process_allgather(np.array([mark.exists()]))
+    multihost_utils.sync_global_devices("jaxpar local tier read")
+    if jax.process_index() == 0:
+        mark.unlink()
+    blind = [i for i, s in enumerate(np.ravel(seen)) if not s]
+    if blind:
+        raise ConfigError(
+            f"checkpoint.local_dir={directory}: process {blind[0]} does not see what process "
+            f"0 writes there ({len(blind)} of {jax.process_count()} processes do not): a "
+            "tier of each host's own is not built; give a folder every process of the run "
+            "sees (one host's /dev/shm for a run on one host), or drop checkpoint.local_dir"
+        )
+
+
 def meta(cfg: Config, mesh: Mesh, ckpt: Layout, step: int, base: dict | None = None) -> dict:
     """What a checkpoint says of itself; `base`: its frozen base's reference (where from,
     fingerprint), for a run that has one."""
@@ -586,14 +613,28 @@ class Saver:
     """A run's checkpoints: resumed from if there are any, saved into every
     checkpoint.every steps; at the end (checkpoint.final), and at a stop (a signal, a
     non-finite step, diverged replicas) whatever the keys say, when there is a place for
-    them. Opened when first needed; closed (pending writes finished) on any exit."""
+    them. With checkpoint.local_dir, two tiers: the saves every checkpoint.every steps go
+    to the local one, those every checkpoint.shared_every steps and the last to the
+    shared one (`directory`), and a run resumes from the newer. Opened when first needed;
+    closed (pending writes finished) on any exit."""
 
     def __init__(self, cfg: Config, directory: Path | None):
         self.cfg, self.directory = cfg, directory
-        self.ckpts = None
-        if directory and (cfg.checkpoint.every or directory.exists()):
+        self.ckpts = self.local = None  # the shared tier (`directory`), the local one
+        ckpt = cfg.checkpoint
+        if ckpt.local_dir and directory is None:
+            raise ConfigError(
+                f"checkpoint.local_dir={ckpt.local_dir}: the local tier sits beside a shared "
+                "one, and this run has none; give it a place (--out, train(..., out_dir=...) "
+                "or checkpoint.dir)"
+            )
+        if directory and (ckpt.every or directory.exists()):
             self._open()
-        self.latest = self.ckpts.latest if self.ckpts else None
+        if ckpt.local_dir:
+            self.local = Checkpoints(Path(ckpt.local_dir), ckpt.keep, compress=ckpt.compress)
+            _one_folder_for_all(self.local.directory)
+        self.held = {}  # step -> the tier this run saved it to
+        self.latest = max((t.latest for t in self._tiers() if t.latest is not None), default=None)
         self.newest = self.latest  # the newest step saved (or found)
         self.base = None  # a frozen base's reference (jaxpar.adapters.base), saved in meta
         self.rows: list[dict] = []  # the run's metrics rows so far (MetricsLog.rows)
@@ -604,12 +645,30 @@ class Saver:
         ckpt = self.cfg.checkpoint
         self.ckpts = Checkpoints(self.directory, ckpt.keep, compress=ckpt.compress)
 
+    def _tiers(self) -> list[Checkpoints]:
+        return [t for t in (self.ckpts, self.local) if t is not None]
+
+    def _holding(self, step: int) -> Checkpoints:
+        """The tier that holds `step` (the shared one where both or neither do)."""
+        if step in self.held:
+            return self.held[step]
+        found = [t for t in self._tiers() if step in t.complete()]
+        return found[0] if found else self.ckpts
+
     @property
     def opened(self) -> bool:
         return self.ckpts is not None
 
     def where(self, step: int) -> Path:
-        return self.ckpts.directory / str(step)
+        return self._holding(step).directory / str(step)
+
+    def meta(self, step: int) -> dict:
+        return self._holding(step).meta(step)
+
+    def wait(self) -> None:
+        """Until the saves in flight are written."""
+        for tier in self._tiers():
+            tier.wait()
 
     def bind(self, problem: Problem, engine, mesh) -> None:
         self.mesh = mesh
@@ -620,20 +679,23 @@ class Saver:
     def restore(self, step: int, base: dict):
         """The state saved at `step`, its frozen parameters `base` (checked against the
         checkpoint's fingerprint of them)."""
-        saved_meta = self.ckpts.meta(step)
+        tier = self._holding(step)
+        saved_meta = tier.meta(step)
         check_compatible(saved_meta, self.layout, self.where(step))
         self.rows_through = saved_meta.get("rows_through")
         if self.layout.frozen:
             base_lib.check(saved_meta.get("base"), base_lib.of(base), self.where(step))
             self.base = saved_meta["base"]
-        restored = read_state(self.ckpts, step, self.layout.target)
+        restored = read_state(tier, step, self.layout.target)
         state = self.layout.from_saved({**restored, "params": {**base, **restored["params"]}})
         if self.cfg.train.on_nonfinite is OnNonfinite.STOP:  # a save that raced a halt
             state = state.replace(skipped=state.skipped * 0)
         return state
 
-    def save(self, state, step: int) -> None:
-        """Start saving (returns once the state is copied off the device)."""
+    def save(self, state, step: int, shared: bool = False) -> None:
+        """Start saving (returns once the state is copied off the device): to the local
+        tier, where there is one, unless `shared` or checkpoint.shared_every asks for the
+        shared one."""
         if self.ckpts is None:
             self._open()
         saved = meta(self.cfg, self.mesh, self.layout, step, self.base)
@@ -641,8 +703,13 @@ class Saver:
         saved["rows_through"] = max((r["step"] for r in self.rows if r["step"] <= step), default=0)
         if self.position is not None:  # the data's (jaxpar.data.feed), for a resume
             saved["data"] = self.position(step)
-        self.ckpts.save(step, self.layout.to_saved(state), saved)
-        self.newest = step
+        local = self.local and not shared and step % self.cfg.checkpoint.shared_every
+        tier = self.local if local else self.ckpts
+        for other in self._tiers():  # one save in flight at a time, as with one tier
+            if other is not tier:  # (two of orbax's managers meet at the same barriers)
+                other.wait()
+        tier.save(step, self.layout.to_saved(state), saved)
+        self.held[step], self.newest = tier, step
 
     def finish(self, loop, start: int):
         """The state to return after `loop` (jaxpar.training.trainer.Loop), saved where it
@@ -653,10 +720,9 @@ class Saver:
         if loop.nonfinite is not None:
             # the state is the last good one: drop saves of it made after the halt (their
             # labels ran ahead of it), then save it under its own step
-            if self.ckpts:
-                self.ckpts.wait()
-                for late in sorted(s for s in loop.saved if s >= loop.end):
-                    self.ckpts.manager.delete(late)
+            self.wait()
+            for late in sorted(s for s in loop.saved if s >= loop.end):
+                self._holding(late).manager.delete(late)
             loop.saved = {s for s in loop.saved if s < loop.end}
             state = state.replace(skipped=state.skipped * 0)
         ckpt = self.cfg.checkpoint
@@ -669,15 +735,17 @@ class Saver:
             or loop.failed is not None
         )
         if wanted and loop.end not in loop.saved and loop.end != start:
-            self.save(state, loop.end)
+            self.save(state, loop.end, shared=True)
+        elif wanted and self.held.get(loop.end) is self.local and self.local:
+            self.save(state, loop.end, shared=True)  # the last state, to the shared tier too
         return state
 
     def __enter__(self) -> Saver:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.ckpts:
-            self.ckpts.close()
+        for tier in self._tiers():
+            tier.close()
 
 
 def saved_params(directory: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:

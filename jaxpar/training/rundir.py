@@ -68,9 +68,9 @@ def holds_more_than_its_lock(folder: Path) -> bool:
     return folder.is_dir() and bool(set(os.listdir(folder)) - {LOCK})
 
 
-def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
-    """--restart: move an earlier run's files and checkpoints into a dated folder; what
-    was moved, and where to."""
+def set_aside(out_dir: Path | None, *ckpt_dirs: Path | None) -> list[str]:
+    """--restart: move an earlier run's files and checkpoints (each tier's folder) into
+    dated folders; what was moved, and where to."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     moved = []
     if out_dir and out_dir.is_dir():
@@ -80,10 +80,11 @@ def set_aside(out_dir: Path | None, ckpt_dir: Path | None) -> list[str]:
                 aside.mkdir(exist_ok=True)
                 os.replace(out_dir / name, aside / name)
                 moved.append(str(aside / name))
-    if ckpt_dir and holds_more_than_its_lock(ckpt_dir):
-        aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
-        os.replace(ckpt_dir, aside)
-        moved.append(str(aside))
+    for ckpt_dir in ckpt_dirs:
+        if ckpt_dir and holds_more_than_its_lock(ckpt_dir):
+            aside = ckpt_dir.with_name(f"{ckpt_dir.name}-set-aside-{stamp}")
+            os.replace(ckpt_dir, aside)
+            moved.append(str(aside))
     return moved
 
 

@@ -45,6 +45,7 @@ from jaxpar.parallel.batches import batch_for, check_first_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint, console, metrics, rundir, watchdog
+from jaxpar.training.checkpoint import Saver
 from jaxpar.training.hooks import Hook
 from jaxpar.training.spikes import Spike
 from jaxpar.training.spikes import columns as spike_columns
@@ -106,7 +107,7 @@ def train(
     hooks = _hooks(hooks, rollouts, benchmarks)
     lead = jax.process_index() == 0  # with many processes, process 0 writes and prints
     say = tqdm.write if lead and not quiet else (lambda *_: None)
-    with _writing(out_dir, ckpt_dir, restart, lead, say), checkpoint.Saver(cfg, ckpt_dir) as saver:
+    with _writing(out_dir, cfg.checkpoint, restart, lead, say), Saver(cfg, ckpt_dir) as saver:
         start = saver.latest or 0
         if start >= cfg.train.steps:  # said before anything compiles
             say(finished(start, cfg.train.steps))
@@ -217,7 +218,7 @@ def _first_state(model: Model, train: Train, problem: Problem, run, saver, param
     if start:
         state = saver.restore(start, _base(problem, saver, params, train.seed))
         if start < train.steps:  # said once the checkpoint has been read
-            say(f"resuming from step {start}: {saver.directory / str(start)}")
+            say(f"resuming from step {start}: {saver.where(start)}")
         return state
     if params is not None:  # given, e.g. read from a Hugging Face checkpoint
         state = saver.layout.fresh(params(saver.layout.params))
@@ -242,7 +243,7 @@ def _spike_options(train: Train, saver, problem: Problem, params, say) -> dict:
     between skipped)."""
 
     def rollback(back_to: int, step: int):
-        saver.ckpts.wait()  # (the save of that step may still be writing)
+        saver.wait()  # (the save of that step may still be writing)
         state = saver.restore(back_to, _base(problem, saver, params, train.seed))
         return state.replace(step=state.step + (step - back_to))
 
@@ -284,31 +285,33 @@ def _policy(problem: Problem, params):
 
 
 @contextlib.contextmanager
-def _writing(out_dir: Path | None, ckpt_dir: Path | None, restart: bool, lead: bool, say):
-    """The run directory and checkpoints while the run writes them: checked, taken by
-    this run alone (a second writer is refused), set aside on `restart`, never mixed
-    with another run's."""
-    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir")):
+def _writing(out_dir: Path | None, ckpt: Checkpoint, restart: bool, lead: bool, say):
+    """The run directory and checkpoints (both tiers) while the run writes them: checked,
+    taken by this run alone (a second writer is refused), set aside on `restart`, never
+    mixed with another run's."""
+    ckpt_dir, local = _checkpoint_dir(ckpt, out_dir), _local_dir(ckpt, out_dir)
+    for where, flag in ((out_dir, "out_dir"), (ckpt_dir, "checkpoint.dir"), (local, LOCAL)):
         if where and lead:
             rundir.check_writable(where, flag)
-    # checkpoints of their own (checkpoint.dir): taken as well, so that two runs with
-    # different run directories never write one checkpoint folder
+    # checkpoints of their own (checkpoint.dir, the local tier): taken as well, so that two
+    # runs with different run directories never write one checkpoint folder
     apart = lead and ckpt_dir and not (out_dir and ckpt_dir == out_dir / "checkpoints")
+    taken = [(f, flag) for f, flag in ((apart and ckpt_dir, "checkpoint.dir"), (local, LOCAL)) if f]
     with contextlib.ExitStack() as held:
         if out_dir and lead:
             held.enter_context(rundir.writing(out_dir))
-        if apart:
-            held.enter_context(rundir.writing(ckpt_dir, "checkpoint.dir"))
+        for folder, flag in taken if lead else ():
+            held.enter_context(rundir.writing(folder, flag))
         if restart:
             if lead:
-                moved = rundir.set_aside(out_dir, ckpt_dir)
+                moved = rundir.set_aside(out_dir, ckpt_dir, local)
                 say(
                     f"restart: set aside {', '.join(moved)}"
                     if moved
                     else "restart: nothing to set aside"
                 )
-                if apart:  # the folder taken went aside: take the fresh one
-                    held.enter_context(rundir.writing(ckpt_dir, "checkpoint.dir"))
+                for folder, flag in taken:  # the folders taken went aside: take the fresh ones
+                    held.enter_context(rundir.writing(folder, flag))
             if jax.process_count() > 1:  # the others must not open what process 0 moves
                 multihost_utils.sync_global_devices("jaxpar restart")
         rundir.refuse_another_run(out_dir, ckpt_dir)
@@ -429,7 +432,7 @@ def _resumed_data(batches, saver, start: int, say):
     position it recorded, saying what changed in the data since; others as they are."""
     resumed = getattr(batches, "resumed", None)
     if start and resumed is not None:
-        batches, changes = resumed(start, saver.ckpts.meta(start).get("data"))
+        batches, changes = resumed(start, saver.meta(start).get("data"))
         if changes:
             say(
                 f"data: changed since step {start}'s checkpoint ({'; '.join(changes)}); each "
@@ -745,6 +748,14 @@ def _checkpoint_dir(ckpt: Checkpoint, out_dir: Path | None) -> Path | None:
     if ckpt.dir:
         return Path(ckpt.dir)
     return out_dir / "checkpoints" if out_dir else None
+
+
+LOCAL = "checkpoint.local_dir"
+
+
+def _local_dir(ckpt: Checkpoint, out_dir: Path | None) -> Path | None:
+    """The local tier's folder, where the run has one (and a shared tier beside it)."""
+    return Path(ckpt.local_dir) if ckpt.local_dir and _checkpoint_dir(ckpt, out_dir) else None
 
 
 def _nonfinite_message(run: Run, state, batches, loop: Loop, saver: checkpoint.Saver) -> str:
