@@ -118,6 +118,7 @@ CLAIMS = (
         (
             "test_checkpoint.py::test_a_local_tier_takes_the_frequent_saves_and_a_resume_reads_the_newer",
             "test_distributed.py::test_a_local_tier_two_processes_write_is_one_checkpoint",
+            "test_checkpoint.py::test_a_local_tier_of_each_hosts_own_is_refused_in_one_line",
         ),
     ),
     Claim(
