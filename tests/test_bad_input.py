@@ -84,6 +84,7 @@ def _key_cases():
                 yield f"{key}-case", [*on, f"{key}={near}"], [f"did you mean {decl.choices[-1]}?"]
 
 
+TIERED = ("checkpoint.every=1", "checkpoint.shared_every=2")  # two tiers' saves, as asked
 COMBINATIONS = {  # every key is checked in Python too: test_python_twin
     "other-models-key": (
         ["model.tie_embeddings=true"],
@@ -104,12 +105,7 @@ COMBINATIONS = {  # every key is checked in Python too: test_python_twin
         ["checkpoint.shared_every=5", "multiple of 2", "checkpoint.shared_every=4"],
     ),
     "local-tier-is-the-shared": (
-        [
-            "checkpoint.local_dir=/tmp/fast",
-            "checkpoint.dir=/tmp/fast",
-            "checkpoint.every=1",
-            "checkpoint.shared_every=2",
-        ],
+        ["checkpoint.local_dir=/tmp/fast", "checkpoint.dir=/tmp/fast", *TIERED],
         ["checkpoint.local_dir=/tmp/fast is checkpoint.dir", "folders of their own"],
     ),
     "microbatches": (["parallel.microbatches=2"], ["parallel.microbatches=2", "pipeline > 1"]),
