@@ -14,6 +14,11 @@ CHECKPOINTS = {
     "every=1 (async, zstd)": (
         "parallel.data=8", "parallel.zero=3", "checkpoint.every=1", "checkpoint.compress=true",
     ),
+    # a local tier in memory (tmpfs), every tenth save to the disk's
+    "every=1, local tier /dev/shm": (
+        "parallel.data=8", "parallel.zero=3", "checkpoint.every=1",
+        "checkpoint.local_dir=/dev/shm", "checkpoint.shared_every=10",
+    ),
 }  # fmt: skip
 
 CHECKPOINT_COLUMNS = {
