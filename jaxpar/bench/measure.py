@@ -144,7 +144,7 @@ class _Saves:
 
     def _close(self) -> None:
         if self.saver is not None:
-            self.saver.__exit__(None, None, None)
+            self.saver.close()
 
     def figures(self) -> dict:
         if not self.every:

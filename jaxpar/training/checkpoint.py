@@ -680,11 +680,11 @@ class Saver:
         """The state saved at `step`, its frozen parameters `base` (checked against the
         checkpoint's fingerprint of them)."""
         tier = self._holding(step)
-        saved_meta = tier.meta(step)
-        check_compatible(saved_meta, self.layout, self.where(step))
+        saved_meta, where = tier.meta(step), tier.directory / str(step)
+        check_compatible(saved_meta, self.layout, where)
         self.rows_through = saved_meta.get("rows_through")
         if self.layout.frozen:
-            base_lib.check(saved_meta.get("base"), base_lib.of(base), self.where(step))
+            base_lib.check(saved_meta.get("base"), base_lib.of(base), where)
             self.base = saved_meta["base"]
         restored = read_state(tier, step, self.layout.target)
         state = self.layout.from_saved({**restored, "params": {**base, **restored["params"]}})
@@ -734,16 +734,19 @@ class Saver:
             or loop.diverged
             or loop.failed is not None
         )
-        if wanted and loop.end not in loop.saved and loop.end != start:
-            self.save(state, loop.end, shared=True)
-        elif wanted and self.held.get(loop.end) is self.local and self.local:
-            self.save(state, loop.end, shared=True)  # the last state, to the shared tier too
+        only_local = self.local is not None and self.held.get(loop.end) is self.local
+        if wanted and loop.end != start and (loop.end not in loop.saved or only_local):
+            self.save(state, loop.end, shared=True)  # the last state: on the shared tier too
         return state
 
     def __enter__(self) -> Saver:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish the writes in flight, each tier's."""
         for tier in self._tiers():
             tier.close()
 
