@@ -142,30 +142,6 @@ def test_a_local_tier_takes_the_frequent_saves_and_a_resume_reads_the_newer(devi
     assert sorted(os.listdir(run["lost"] / "checkpoints")) == ["2", "4", "5"]
 
 
-def test_a_local_tier_of_each_hosts_own_is_refused_in_one_line(tmp_path, monkeypatch):
-    """Two processes whose checkpoint.local_dir is not one folder (process 1, on another
-    host, does not see what process 0 writes there): refused, naming the process and the
-    fix, before anything is saved. (Process 0's side, played here as process 1.)"""
-    from jax.experimental import multihost_utils
-
-    from jaxpar.errors import ConfigError
-    from jaxpar.training import checkpoint
-
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(jax, "process_index", lambda: 1)  # process 0 marks elsewhere
-    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: x)
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: None)
-    gathered = lambda mine: np.stack([np.array([True]), mine])  # noqa: E731
-    monkeypatch.setattr(multihost_utils, "process_allgather", gathered)
-    with pytest.raises(ConfigError) as e:
-        checkpoint._one_folder_for_all(tmp_path)
-    assert str(e.value).startswith(
-        f"checkpoint.local_dir={tmp_path}: process 1 does not see what process 0 writes there "
-        "(1 of 2 processes do not): a tier of each host's own is not built"
-    )
-    assert list(tmp_path.iterdir()) == []
-
-
 LAYOUTS = {
     "dp8-zero0 -> 3d-zero3": (
         ["parallel.data=8", "parallel.zero=0"],

@@ -1,5 +1,6 @@
 """Many processes on this machine (jaxpar launch, gloo): the same training as one process."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,21 +116,76 @@ def test_checkpoints_move_between_two_processes_and_one(devices, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "one")], straight, rtol=1e-6)
 
 
-def test_a_local_tier_two_processes_write_is_one_checkpoint(devices, tmp_path):
-    """checkpoint.local_dir with two processes: one folder both see, each writing its
+def test_a_local_tier_two_processes_write_is_one_checkpoint_or_each_its_own(devices, tmp_path):
+    """checkpoint.local_dir with two processes. One folder both see: each writes its
     shards into one checkpoint (process 0 the index), the tiers as one process makes them;
-    one process resumes from the local tier's step 3 and goes on as the straight run."""
+    one process resumes from the local tier's step 3 and goes on as the straight run. A
+    folder of each host's own (each process given its own): each process saves its own
+    pieces in process-N; process 1's step 3 lost, the two resume from the newest step both
+    hold, 2, not 3, and go on as the straight run (process 0's step 3 deleted)."""
     local = tmp_path / "two-local"
     steps = [*ZERO3_TP, "train.steps=4", "checkpoint.every=1", "checkpoint.shared_every=2"]
-    steps += [f"checkpoint.local_dir={local}"]
-    launch(tmp_path / "two", *steps)
+    launch(tmp_path / "two", *steps, f"checkpoint.local_dir={local}")
     straight = [r["loss"] for r in rows(tmp_path / "two")]
     assert sorted(os.listdir(local)) == [".lock", "1", "3"]
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "4")  # stopped after step 3
-    resumed = run_one(tmp_path / "two", steps)
+    resumed = run_one(tmp_path / "two", [*steps, f"checkpoint.local_dir={local}"])
     assert f"resuming from step 3: {local / '3'}" in resumed.stdout
     np.testing.assert_allclose([r["loss"] for r in rows(tmp_path / "two")], straight, rtol=1e-6)
+
+    own, hosts = tmp_path / "own", [tmp_path / f"host{i}" for i in range(2)]
+    steps[-1] = "checkpoint.shared_every=4"  # local 1, 2, 3; shared 4
+    by_hand(own, steps, hosts)
+    assert [sorted(os.listdir(h / f"process-{i}")) for i, h in enumerate(hosts)] == [
+        ["1", "2", "3"]
+    ] * 2
+    np.testing.assert_allclose([r["loss"] for r in rows(own)], straight, rtol=1e-6)
+    shutil.rmtree(own / "checkpoints" / "4")
+    shutil.rmtree(hosts[1] / "process-1" / "3")
+    assert "resuming from step 2: " + str(hosts[0] / "process-0" / "2") in by_hand(
+        own, steps, hosts
+    )
+    np.testing.assert_allclose([r["loss"] for r in rows(own)], straight, rtol=1e-6)
+    assert [r["step"] for r in rows(own)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(hosts[0] / "process-0")) == ["1", "2", "3"]  # 3 saved again
+
+
+def by_hand(out, steps, hosts) -> str:
+    """Two processes started by hand, as on two hosts, each its own checkpoint.local_dir
+    (`hosts`); process 0's output."""
+    port, logs = free_port(), [out.with_name(f"{out.name}-{i}.log") for i in range(2)]
+    with contextlib.ExitStack() as files:
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxpar.cli.main",
+                    "train",
+                    "--config",
+                    "gpt-tiny",
+                    "--cpu-devices",
+                    "4",
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                    *steps,
+                    f"checkpoint.local_dir={hosts[i]}",
+                    "--out",
+                    str(out),
+                ],
+                stdout=files.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            for i, log in enumerate(logs)
+        ]
+        codes = [w.wait(timeout=300) for w in workers]
+    assert codes == [0, 0], logs[1].read_text()[-3000:]
+    return logs[0].read_text()
 
 
 def run_one(out, steps):

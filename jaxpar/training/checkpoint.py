@@ -41,7 +41,8 @@ from jax.sharding import Mesh
 from jaxpar import disk
 from jaxpar.adapters import base as base_lib
 from jaxpar.config.presets import to_dict
-from jaxpar.config.sections import Config, OnNonfinite, Precision
+from jaxpar.config.sections import Checkpoint as CheckpointKeys
+from jaxpar.config.sections import Config, OnNonfinite, Parallel, Precision, given
 from jaxpar.cost.formulas import DTYPES
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.nn.problem import Problem
@@ -258,7 +259,7 @@ def _flat(tree) -> dict:
     }
 
 
-def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
+def _state_handler(compress: bool, own: ocp.options.MultiprocessingOptions | None = None):
     """orbax's StandardCheckpointHandler, its arrays zstd-compressed only if `compress`
     (orbax's default is on: float weights shrink by under a tenth, and the save's CPU
     time grows about 4x, taken from the steps an asynchronous save runs beside; a
@@ -266,13 +267,16 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
     slice of it) only where several processes share the writing. In one process every
     replica is on this host: the slices would cost a compiled program per leaf and slice
     (200 on a small run's first save) and parallelise nothing. The files are the same
-    either way (tests/test_checkpoint.py holds orbax's internals to it)."""
-    handler = ocp.StandardCheckpointHandler()
+    either way (tests/test_checkpoint.py holds orbax's internals to it). `own`: a
+    process's checkpoint of its own (OwnCheckpoints), every array written by it alone."""
+    mp = {} if own is None else {"multiprocessing_options": own}
+    handler = ocp.StandardCheckpointHandler(**mp)
     registry = {}
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or own is not None:
         types = ocp.type_handlers
         store = types.get_type_handler(jax.Array)._array_metadata_store
-        whole = types.ArrayHandler(use_replica_parallel=False, array_metadata_store=store)
+        alone = {} if own is None else {"primary_host": None, "replica_id": None}
+        whole = types.ArrayHandler(use_replica_parallel=False, array_metadata_store=store, **alone)
         # made with it in place (orbax's add(..., override=True) logs a WARNING to the
         # console of every run that saves)
         handlers = (
@@ -281,7 +285,7 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
         )
         registry = {"type_handler_registry": types.create_type_handler_registry(*handlers)}
     handler._impl = ocp.PyTreeCheckpointHandler(  # as orbax makes it, with these options
-        save_concurrent_gb=96, restore_concurrent_gb=96, use_compression=compress, **registry
+        save_concurrent_gb=96, restore_concurrent_gb=96, use_compression=compress, **registry, **mp
     )
     return handler
 
@@ -299,23 +303,34 @@ class Checkpoints:
         _orbax_errors_unlogged()
         _echoes_unraised()
         try:
-            self.manager = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=keep,
-                    enable_async_checkpointing=True,
-                    create=create,
-                    cleanup_tmp_directories=create,  # saves cut short by a kill
-                ),
-                item_handlers={
-                    STATE: _state_handler(compress),
-                    META: ocp.JsonCheckpointHandler(),
-                },
-            )
+            self.manager = self._manager(keep, create, compress)
         except Exception as e:  # orbax's many errors, reported as one line
             raise CheckpointError(
                 f"checkpoint.dir={self.directory}: cannot be opened ({_first_line(e)})"
             ) from None
+
+    def _manager(self, keep: int, create: bool, compress: bool, own=None) -> ocp.CheckpointManager:
+        """orbax's manager of the folder; `own`: the multiprocessing options of a process's
+        own (OwnCheckpoints), whose folders each process makes, as orbax's emergency
+        checkpointing makes its local tier's."""
+        mp = {} if own is None else {"multiprocessing_options": own}
+        if own is not None and create:  # (orbax makes the folder only for all processes)
+            self.directory.mkdir(parents=True, exist_ok=True)
+        return ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=True,
+                create=create and own is None,
+                cleanup_tmp_directories=create,  # saves cut short by a kill
+                enable_per_process_directory_creation=own is not None,
+                **mp,
+            ),
+            item_handlers={
+                STATE: _state_handler(compress, own),
+                META: ocp.JsonCheckpointHandler(**mp),
+            },
+        )
 
     @property
     def latest(self) -> int | None:
@@ -514,13 +529,13 @@ def _check_directory(directory: Path, create: bool) -> None:
         raise CheckpointError(f"{directory}: no such checkpoint directory")
 
 
-def _one_folder_for_all(directory: Path) -> None:
-    """With many processes, the local tier is one folder that every process sees (orbax
-    writes one checkpoint there: each process its shards, the first its index and the
-    step's folder), e.g. a host's /dev/shm for the processes of one host. A folder of
-    each host's own is refused: a tier per host, read back from peers, is not built."""
+def _seen_by_all(directory: Path) -> bool:
+    """Whether every process of the run sees what process 0 writes in `directory` (one
+    host's /dev/shm for the processes of that host; a folder of each host's own for a run
+    over many hosts)."""
     if jax.process_count() == 1:
-        return
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
     token = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(2**31 - 1))))
     mark = directory / f".jaxpar-tier-{token}"
     if jax.process_index() == 0:
@@ -530,13 +545,71 @@ def _one_folder_for_all(directory: Path) -> None:
     multihost_utils.sync_global_devices("jaxpar local tier read")
     if jax.process_index() == 0:
         mark.unlink()
-    blind = [i for i, s in enumerate(np.ravel(seen)) if not s]
-    if blind:
+    return bool(np.all(seen))
+
+
+OWN = "process-{}"  # a process's folder of its own, in a local tier of each host's own
+
+
+class OwnCheckpoints(Checkpoints):
+    """A local tier of each host's own (checkpoint.local_dir, where not every process of
+    the run sees what process 0 writes there): each process saves the pieces of the state
+    on its own devices, one copy of each, into a folder of its own, process-N, with
+    orbax's process-local options (each process its own primary host, as orbax's
+    emergency checkpointing saves its local tier). A resume reads it only where every
+    process of the run holds the step, saved by as many processes, on the same devices, in
+    the same parallel.* layout; otherwise (a host lost with its tier, an elastic restart
+    on fewer processes) from the shared tier."""
+
+    def __init__(self, directory: Path, keep: int, *, compress: bool, placement: dict):
+        self.placement = placement
+        index = jax.process_index()
+        self.own = ocp.options.MultiprocessingOptions(
+            primary_host=None, active_processes={index}, barrier_sync_key_prefix=OWN.format(index)
+        )
+        super().__init__(Path(directory) / OWN.format(index), keep, compress=compress)
+        self.agreed, self.latest_saved = self._agreed(), None
+
+    def _manager(self, keep: int, create: bool, compress: bool, own=None):
+        return super()._manager(keep, create, compress, self.own)
+
+    @property
+    def latest(self) -> int | None:
+        """The newest step every process holds, placed as this run places it."""
+        return self.agreed
+
+    def _agreed(self) -> int | None:
+        """The newest step every process holds, placed as now; the others' folders' own
+        steps that not all hold, or placed otherwise, are deleted."""
+        mine = [s for s in self.complete() if self.meta(s).get("placement") == self.placement]
+        slots = np.full(64, -1, np.int32)  # the newest 64 (a tier keeps checkpoint.keep)
+        slots[: len(mine[-64:])] = mine[-64:]
+        held = np.asarray(multihost_utils.process_allgather(slots)).reshape(-1, 64)
+        common = set.intersection(*(set(row[row >= 0].tolist()) for row in held))
+        for step in set(self.complete()) - common:  # of no use, and in the way of the saves
+            self.manager.delete(step)  # (of this step again, from an older checkpoint)
+        return max(common, default=None)
+
+    def save(self, step: int, saved: dict, meta: dict) -> None:
+        if self.latest_saved is None:  # the layout is the run's: checked once
+            for path, x in jax.tree_util.tree_leaves_with_path(saved):
+                _held_whole(leaf_key(path), x)
+        super().save(step, saved, {**meta, "placement": self.placement})
+        self.latest_saved = step
+
+
+def _held_whole(key: str, x: jax.Array) -> None:
+    """orbax writes, of a process's own, the pieces of one copy (its first device's): a
+    layout where this process holds a piece only in another copy would be read back
+    without it, so it is refused before the first save."""
+    first = x.addressable_shards[0].replica_id
+    written = {str(s.index) for s in x.addressable_shards if s.replica_id == first}
+    if written != {str(s.index) for s in x.addressable_shards}:
         raise ConfigError(
-            f"checkpoint.local_dir={directory}: process {blind[0]} does not see what process "
-            f"0 writes there ({len(blind)} of {jax.process_count()} processes do not): a "
-            "tier of each host's own is not built; give a folder every process of the run "
-            "sees (one host's /dev/shm for a run on one host), or drop checkpoint.local_dir"
+            f"checkpoint.local_dir: {key} is laid out so that process {jax.process_index()} "
+            "holds some of its pieces only in other copies than its first device's, which a "
+            "tier of each host's own does not write; give checkpoint.local_dir a folder every "
+            "process sees, or drop it"
         )
 
 
@@ -609,6 +682,21 @@ def restore(directory: Path, problem: Problem, cfg: Config, mesh=None, step: int
     return ckpt.from_saved({**restored, "params": {**base, **restored["params"]}})
 
 
+def _local_tier(checkpoint: CheckpointKeys, parallel: Parallel) -> Checkpoints:
+    """checkpoint.local_dir's checkpoints: one for all processes where all see the folder
+    (each process writing its shards into it), else each process's own."""
+    folder = Path(checkpoint.local_dir)
+    if _seen_by_all(folder):
+        return Checkpoints(folder, checkpoint.keep, compress=checkpoint.compress)
+    placement = {
+        "processes": jax.process_count(),
+        "devices": [d.id for d in jax.local_devices()],
+        "parallel": to_dict(parallel),
+    }
+    keep, compress = checkpoint.keep, checkpoint.compress
+    return OwnCheckpoints(folder, keep, compress=compress, placement=placement)
+
+
 class Saver:
     """A run's checkpoints: resumed from if there are any, saved into every
     checkpoint.every steps; at the end (checkpoint.final), and at a stop (a signal, a
@@ -631,8 +719,7 @@ class Saver:
         if directory and (ckpt.every or directory.exists()):
             self._open()
         if ckpt.local_dir:
-            self.local = Checkpoints(Path(ckpt.local_dir), ckpt.keep, compress=ckpt.compress)
-            _one_folder_for_all(self.local.directory)
+            self.local = given(_local_tier, cfg)
         self.held = {}  # step -> the tier this run saved it to
         self.latest = max((t.latest for t in self._tiers() if t.latest is not None), default=None)
         self.newest = self.latest  # the newest step saved (or found)

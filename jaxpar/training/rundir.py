@@ -53,11 +53,12 @@ def check_file_target(path: Path, flag: str) -> None:
     check_writable(path.parent, f"{flag} {path}: its folder")
 
 
-def refuse_another_run(out_dir: Path | None, ckpt_dir: Path | None) -> None:
-    """A run directory holding another run's files, from a run that kept no checkpoints,
-    is not overwritten (one that did is resumed, from step 0 if none had completed)."""
+def refuse_another_run(out_dir: Path | None, *ckpt_dirs: Path | None) -> None:
+    """A run directory holding another run's files, from a run that kept no checkpoints
+    in any of `ckpt_dirs` (its tiers), is not overwritten (one that did is resumed, from
+    step 0 if none had completed)."""
     found = [name for name in RUN_FILES if out_dir and (out_dir / name).exists()]
-    if found and not (ckpt_dir and holds_more_than_its_lock(ckpt_dir)):
+    if found and not any(f and holds_more_than_its_lock(f) for f in ckpt_dirs):
         raise ConfigError(
             f"--out {out_dir}: holds a run ({', '.join(found)}) with no checkpoint to "
             "resume from; use --restart to set it aside, or another --out"

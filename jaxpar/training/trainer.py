@@ -314,7 +314,9 @@ def _writing(out_dir: Path | None, ckpt: Checkpoint, restart: bool, lead: bool, 
                     held.enter_context(rundir.writing(folder, flag))
             if jax.process_count() > 1:  # the others must not open what process 0 moves
                 multihost_utils.sync_global_devices("jaxpar restart")
-        rundir.refuse_another_run(out_dir, ckpt_dir)
+                if local:  # a tier of each host's own: each process its folder, where left
+                    rundir.set_aside(None, local / checkpoint.OWN.format(jax.process_index()))
+        rundir.refuse_another_run(out_dir, ckpt_dir, local)
         yield
 
 
