@@ -25,6 +25,7 @@ from jaxpar.config import presets, registry
 from jaxpar.parallel.axes import AXES
 from jaxpar.recipe import setup as model_setup
 from jaxpar.step.build import build
+from jaxpar.training import export
 
 
 def setup(overrides):
@@ -133,6 +134,7 @@ def test_a_local_tier_takes_the_frequent_saves_and_a_resume_reads_the_newer(devi
     assert sorted(os.listdir(local)) == [".lock", "1", "3"]
     assert sorted(os.listdir(run["stopped"] / "checkpoints")) == ["2", "3"]
     shutil.rmtree(run["stopped"] / "checkpoints" / "3")  # as a kill -9 leaves the tiers
+    assert export.run_params(run["stopped"])[1]["step"] == 3  # jaxpar export: the newest
     shutil.copytree(run["stopped"], run["lost"])  # the same run on a machine without them
     for out, back_to in ((run["stopped"], 3), (run["lost"], 2)):
         resumed = train([*layout, *tiers(out)], out)

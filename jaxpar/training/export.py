@@ -22,6 +22,7 @@ from jaxpar.config.sections import Adapter, AdapterKind, Model
 from jaxpar.data import pairs
 from jaxpar.errors import ConfigError, ParamsError
 from jaxpar.nn.problem import Problem, registered
+from jaxpar.parallel import distributed
 from jaxpar.parallel.sharding import leaf_key
 from jaxpar.training import checkpoint
 
@@ -32,11 +33,28 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return inside if inside.is_dir() else Path(run_dir)
 
 
+def holding(run_dir: Path, step: int | None = None) -> Path:
+    """The folder of a run's checkpoints that holds its newest (or `step`): its local
+    tier (checkpoint.local_dir, as its summary.json names it) where that holds a newer
+    one, as after a kill -9 between shared saves, else checkpoint_dir's."""
+    shared, summary = checkpoint_dir(run_dir), Path(run_dir) / "summary.json"
+    try:
+        local = json.loads(summary.read_text())["config"]["checkpoint"]["local_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return shared
+    if not local or not Path(local).is_dir():
+        return shared
+    if step is not None:
+        return Path(local) if (Path(local) / str(step)).is_dir() else shared
+    newer = (distributed.newest_step(Path(local)) or -1) > (distributed.newest_step(shared) or -1)
+    return Path(local) if newer else shared
+
+
 def run_params(run_dir: Path, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """(a run's parameters as trained, host arrays by key, and the meta of its newest
-    checkpoint or of `step`): an adapter run's frozen base made again from the reference
-    its checkpoint holds (jaxpar.adapters.base), beside the adapters."""
-    directory = checkpoint_dir(run_dir)
+    checkpoint or of `step`, in either tier): an adapter run's frozen base made again
+    from the reference its checkpoint holds (jaxpar.adapters.base), beside the adapters."""
+    directory = holding(run_dir, step)
     params, meta = checkpoint.saved_params(directory, step)
     cfg = presets.from_dict(meta["config"])
     if cfg.adapter.kind is AdapterKind.LORA:
